@@ -1,0 +1,123 @@
+"""Inspect this host: what bionemo-export can use to export, serve and benchmark, and what is missing.
+
+Each check is a `Check` with a status, what was found, and the command that fixes it, so the CLI
+renders a table and tests can assert on the same data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import shutil
+import subprocess
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+from .discovery import TritonNotFoundError, find_tritonserver
+from .perf_analyzer import PerfAnalyzerNotFoundError, find_perf_analyzer
+from .server import TritonStartError, probe_server
+
+SETUP_FIX = "bash scripts/setup.sh"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    found: str
+    fix: str = ""
+    required: bool = True
+    """False for optional components (GPU, TensorRT): their absence is reported, not an error."""
+
+
+def _package_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_tritonserver(explicit: str | None = None, probe: bool = True) -> Check:
+    try:
+        install = find_tritonserver(explicit)
+    except TritonNotFoundError as err:
+        return Check("tritonserver", False, str(err).splitlines()[0], SETUP_FIX + "  (or --tritonserver PATH)")
+    version = install.version
+    if probe:
+        try:
+            version = probe_server(install)["version"]
+        except (TritonStartError, OSError) as err:
+            return Check("tritonserver", False, f"{install.binary} does not start: {str(err).splitlines()[0]}",
+                         "see `bionemo-export serve` output and the server log")
+    backends = ", ".join(install.backends) or "none"
+    return Check(
+        "tritonserver",
+        "python" in install.backends,
+        f"{version or 'unknown version'} ({install.source}) {install.binary}\nbackends: {backends}",
+        "" if "python" in install.backends else "the python backend is missing from " + str(install.backend_directory),
+    )
+
+
+def check_perf_analyzer() -> Check:
+    try:
+        pa = find_perf_analyzer()
+    except PerfAnalyzerNotFoundError as err:
+        return Check("perf_analyzer", False, str(err).splitlines()[0], SETUP_FIX)
+    return Check("perf_analyzer", True, f"{pa.version} {pa.binary}")
+
+
+def check_python_package(name: str, module: str, distribution: str, required: bool = True,
+                         fix: str = SETUP_FIX, detail: Callable[[object], str] | None = None) -> Check:
+    try:
+        with warnings.catch_warnings():
+            # torch warns about pynvml (a Model Navigator requirement) on every import.
+            warnings.simplefilter("ignore")
+            imported = importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - any import failure means "not usable"
+        return Check(name, False, f"not importable: {type(err).__name__}: {err}", fix, required)
+    found = _package_version(distribution) or getattr(imported, "__version__", "unknown version")
+    if detail is not None:
+        found = f"{found}; {detail(imported)}"
+    return Check(name, True, found, required=required)
+
+
+def _ort_providers(ort: object) -> str:
+    return "providers: " + ", ".join(ort.get_available_providers())  # type: ignore[attr-defined]
+
+
+def _torch_devices(torch: object) -> str:
+    return "CUDA available" if torch.cuda.is_available() else "CPU only"  # type: ignore[attr-defined]
+
+
+def check_gpu() -> Check:
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            if out.returncode == 0 and out.stdout.strip():
+                return Check("GPU", True, out.stdout.strip().replace("\n", "; "), required=False)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return Check("GPU", False, "none (CPU execution; TensorRT export unavailable)",
+                 "optional: run on a host with an NVIDIA GPU and drivers", required=False)
+
+
+def run_checks(tritonserver: str | None = None, probe: bool = True) -> list[Check]:
+    """All checks, in the order the table shows them."""
+    return [
+        check_tritonserver(tritonserver, probe=probe),
+        check_perf_analyzer(),
+        check_python_package("tritonclient", "tritonclient.grpc", "tritonclient"),
+        check_python_package("Model Navigator", "model_navigator", "triton-model-navigator",
+                             fix="pip install --no-deps triton-model-navigator==0.14.0 (see scripts/setup.sh)"),
+        check_python_package("onnx", "onnx", "onnx"),
+        check_python_package("onnxruntime", "onnxruntime", "onnxruntime", detail=_ort_providers),
+        check_python_package("torch", "torch", "torch", detail=_torch_devices,
+                             fix="pip install torch==2.13.0 (see scripts/setup.sh)"),
+        check_python_package("transformers", "transformers", "transformers"),
+        check_python_package("TensorRT", "tensorrt", "tensorrt", required=False,
+                             fix="optional: needs an NVIDIA GPU host (pip install tensorrt there)"),
+        check_gpu(),
+    ]

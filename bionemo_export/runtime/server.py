@@ -1,0 +1,312 @@
+"""Start, watch and stop a real tritonserver process.
+
+`TritonServer` owns exactly one process (and its process group, which holds the Python-backend
+stubs it spawns). It binds to loopback unless told otherwise, takes free ports when none are
+given, logs to a file, and waits for readiness; when the server dies or never becomes ready the
+error quotes the last lines of its log, which is where Triton says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from .discovery import TritonInstall, find_tritonserver
+
+LOOPBACK = "127.0.0.1"
+
+# An error line of Triton's log ("E1121 11:15:29.182 3177 file.cc:642] message") or its final
+# "error: creating server: ..." line.
+_LOG_ERROR = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ [^\]]+\]|error:)\s*(?P<message>.*)$")
+# Errors every CPU-only host logs; they say nothing about the repository.
+_HARMLESS_ERRORS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver")
+
+
+class TritonStartError(RuntimeError):
+    """The server exited or did not become ready; the message carries its log's last lines."""
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` distinct TCP ports that are free on `host` right now."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host if host != "0.0.0.0" else "", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a running server listens."""
+
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def _client_host(self) -> str:
+        # A server bound to every interface is still reached through loopback from here.
+        return LOOPBACK if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        """`host:port` as tritonclient.http expects it."""
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """`host:port` as tritonclient.grpc expects it."""
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+
+class TritonServer:
+    """A tritonserver process serving one model repository.
+
+    Use as a context manager, or call `start()` and `stop()`:
+
+        with TritonServer("model_repository") as server:
+            client = tritonclient.grpc.InferenceServerClient(server.endpoints.grpc_url)
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike[str],
+        *,
+        install: TritonInstall | None = None,
+        host: str = LOOPBACK,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        log_verbose: int = 0,
+        response_cache_bytes: int | None = None,
+        exit_timeout: int = 10,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        if not self.model_repository.is_dir():
+            raise FileNotFoundError(f"model repository not found: {self.model_repository}")
+        self.install = install or find_tritonserver()
+        free = iter(free_ports(3, host))
+        self.endpoints = Endpoints(
+            host=host,
+            http_port=http_port or next(free),
+            grpc_port=grpc_port or next(free),
+            metrics_port=metrics_port or next(free),
+        )
+        if log_file is None:
+            log_dir = Path(tempfile.mkdtemp(prefix="bionemo-export-triton-"))
+            log_file = log_dir / "tritonserver.log"
+        self.log_file = Path(log_file)
+        self.log_verbose = log_verbose
+        self.response_cache_bytes = response_cache_bytes
+        # On SIGTERM Triton waits this long for in-flight requests *and* idle keep-alive client
+        # connections before exiting; its default (30 s) makes every shutdown slow.
+        self.exit_timeout = exit_timeout
+        self.extra_args = tuple(extra_args)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    # -- command line -------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        """The full tritonserver command line this object runs."""
+        ep = self.endpoints
+        cmd = [
+            str(self.install.binary),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={self.install.backend_directory}",
+            f"--http-address={ep.host}",
+            f"--http-port={ep.http_port}",
+            f"--grpc-address={ep.host}",
+            f"--grpc-port={ep.grpc_port}",
+            f"--metrics-address={ep.host}",
+            f"--metrics-port={ep.metrics_port}",
+            f"--log-verbose={self.log_verbose}",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            # No GPU here and none needed; keeps Triton from reserving pinned host memory.
+            "--pinned-memory-pool-byte-size=0",
+        ]
+        if self.response_cache_bytes:
+            if self.install.cache_directory is not None:
+                cmd.append(f"--cache-directory={self.install.cache_directory}")
+            cmd.append(f"--cache-config=local,size={self.response_cache_bytes}")
+        cmd.extend(self.extra_args)
+        return cmd
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self, timeout: float = 120.0) -> "TritonServer":
+        """Start the server and block until it reports ready (all models loaded)."""
+        if self.is_running():
+            return self
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        try:
+            # Own process group: the Python-backend stubs are the server's children and must go
+            # with it, and a Ctrl-C in the terminal must reach us first, not the server.
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.install.process_env(),
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Poll `/v2/health/ready` until it answers 200; fail early when the process exits."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.endpoints.http_url}/v2/health/ready"
+        while True:
+            if self._process is None:
+                raise TritonStartError("the server was never started")
+            code = self._process.poll()
+            if code is not None:
+                raise TritonStartError(
+                    f"tritonserver exited with code {code} while starting.\n{self._log_excerpt()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TritonStartError(
+                    f"tritonserver was not ready after {timeout:.0f} s.\n{self._log_excerpt()}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """Terminate the server (SIGTERM), then kill its process group after `grace` seconds
+        (default: Triton's own exit timeout plus 5 s, so a graceful exit is never cut short).
+
+        Returns the exit code, or None when the server was not started.
+        """
+        process = self._process
+        if process is None:
+            return None
+        if grace is None:
+            grace = self.exit_timeout + 5.0
+        if process.poll() is None:
+            try:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left in the group (the server or its stubs) goes now.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        code = process.wait()
+        return code
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_errors(self) -> list[str]:
+        """Triton's error lines from the log (model load failures and the like), most telling
+        first; the CPU-host noise about CUDA, NVML and DCGM is left out."""
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return []
+        errors = []
+        for line in text.splitlines():
+            match = _LOG_ERROR.match(line)
+            if not match:
+                continue
+            message = match.group("message").strip().strip('"')
+            # Triton escapes newlines inside its quoted messages.
+            message = message.replace("\\n", "\n").strip()
+            if any(noise in message for noise in _HARMLESS_ERRORS) or message in errors:
+                continue
+            errors.append(message)
+        return errors
+
+    def _log_excerpt(self, lines: int = 15) -> str:
+        errors = self.log_errors()
+        if errors:
+            return "Errors in the server log:\n" + "\n".join("  " + e.replace("\n", "\n    ") for e in errors) + f"\n(full log: {self.log_file})"
+        return f"Last lines of {self.log_file}:\n{self.log_tail(lines)}"
+
+    def _get_json(self, path: str) -> dict | list:
+        with urllib.request.urlopen(f"http://{self.endpoints.http_url}{path}", timeout=10) as response:
+            return json.loads(response.read())
+
+    def metadata(self) -> dict:
+        """Server metadata: name, version and supported extensions (`GET /v2`)."""
+        return self._get_json("/v2")  # type: ignore[return-value]
+
+    def model_states(self) -> list[dict]:
+        """Every model in the repository with its state (READY, UNAVAILABLE, ...) and reason."""
+        request = urllib.request.Request(
+            f"http://{self.endpoints.http_url}/v2/repository/index", data=b"{}", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+
+def probe_server(install: TritonInstall | None = None, timeout: float = 60.0) -> dict:
+    """Start `install` on an empty repository and return its `/v2` metadata (name, version,
+    extensions). This is the authoritative version: the binary has no --version flag."""
+    with tempfile.TemporaryDirectory(prefix="bionemo-export-probe-") as empty:
+        repo = Path(empty) / "models"
+        repo.mkdir()
+        server = TritonServer(repo, install=install, log_file=Path(empty) / "tritonserver.log")
+        with server:
+            return server.metadata()

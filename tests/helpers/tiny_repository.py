@@ -1,0 +1,103 @@
+"""A tiny hand-made Python-backend model repository for runtime tests and the foundation demo.
+
+Two models, small enough to load in a second on the embedded CPU server:
+- `affine`:  x FP32 [-1] -> y = 2 x + 1, dynamic batching (max_batch_size 8);
+- `reverse`: sequences BYTES [1] -> reversed BYTES [1] (UTF-8 strings reversed per item).
+`broken_repository()` writes a model whose initialize() raises, for load-failure tests.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from bionemo_export.model_repository import write_config
+
+AFFINE_MODEL_PY = '''\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """y = 2 x + 1, element-wise."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            y = (2.0 * x + 1.0).astype(np.float32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", y)]))
+        return responses
+'''
+
+REVERSE_MODEL_PY = '''\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """Reverse each UTF-8 string."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            items = pb_utils.get_input_tensor_by_name(request, "sequences").as_numpy()
+            out = np.array([[s[0].decode("utf-8")[::-1].encode("utf-8")] for s in items], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("reversed", out)]))
+        return responses
+'''
+
+BROKEN_MODEL_PY = '''\
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("deliberately broken model: initialize() always fails")
+
+    def execute(self, requests):
+        return []
+'''
+
+
+def _tensor(name: str, dtype: int, dims: list[int]) -> mc.ModelInput:
+    return mc.ModelInput(name=name, data_type=dtype, dims=dims)
+
+
+def _output(name: str, dtype: int, dims: list[int]) -> mc.ModelOutput:
+    return mc.ModelOutput(name=name, data_type=dtype, dims=dims)
+
+
+def _python_model(repo: Path, name: str, code: str, config: mc.ModelConfig) -> None:
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "1" / "model.py").write_text(textwrap.dedent(code))
+    config.name = name
+    config.backend = "python"
+    config.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
+    write_config(model_dir, config)
+
+
+def tiny_repository(repo: Path) -> Path:
+    """Write the `affine` and `reverse` models into `repo` and return it."""
+    _python_model(repo, "affine", AFFINE_MODEL_PY, mc.ModelConfig(
+        max_batch_size=8,
+        input=[_tensor("x", mc.TYPE_FP32, [-1])],
+        output=[_output("y", mc.TYPE_FP32, [-1])],
+        dynamic_batching=mc.ModelDynamicBatching(),
+    ))
+    _python_model(repo, "reverse", REVERSE_MODEL_PY, mc.ModelConfig(
+        max_batch_size=8,
+        input=[_tensor("sequences", mc.TYPE_STRING, [1])],
+        output=[_output("reversed", mc.TYPE_STRING, [1])],
+    ))
+    return repo
+
+
+def broken_repository(repo: Path) -> Path:
+    """Write a repository whose only model, `broken`, fails in initialize()."""
+    _python_model(repo, "broken", BROKEN_MODEL_PY, mc.ModelConfig(
+        max_batch_size=1,
+        input=[_tensor("x", mc.TYPE_FP32, [1])],
+        output=[_output("y", mc.TYPE_FP32, [1])],
+    ))
+    return repo

@@ -1,0 +1,69 @@
+"""Finding and preparing tritonserver and perf_analyzer."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from bionemo_export.runtime import (
+    TritonNotFoundError,
+    find_perf_analyzer,
+    find_tritonserver,
+    prepare_embedded_tritonserver,
+)
+
+
+def test_embedded_server_is_prepared_with_the_python_backend_and_its_stub(tmp_path):
+    install = prepare_embedded_tritonserver(cache_root=tmp_path)
+    assert install.source == "nvidia-pytriton"
+    assert install.binary.is_file() and os.access(install.binary, os.X_OK)
+    assert "python" in install.backends
+    assert (install.backend_directory / "python" / "triton_python_backend_stub").is_file()
+    # The stub must see this interpreter's environment through PATH.
+    import sys
+    from pathlib import Path
+
+    assert install.env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    # Preparing again reuses the folder.
+    again = prepare_embedded_tritonserver(cache_root=tmp_path)
+    assert again.binary == install.binary
+    assert len(list(tmp_path.iterdir())) == 1
+
+
+def test_explicit_path_wins_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITONSERVER", raising=False)
+    with pytest.raises(TritonNotFoundError, match="does not exist"):
+        find_tritonserver(tmp_path / "no-such-tritonserver")
+    fake_root = tmp_path / "triton"
+    (fake_root / "bin").mkdir(parents=True)
+    (fake_root / "backends" / "onnxruntime").mkdir(parents=True)
+    (fake_root / "backends" / "onnxruntime" / "libtriton_onnxruntime.so").write_bytes(b"")
+    binary = fake_root / "bin" / "tritonserver"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    (fake_root / "TRITON_VERSION").write_text("2.60.0\n")
+    found = find_tritonserver(binary)
+    assert found.source == "explicit"
+    assert found.version == "2.60.0"
+    assert found.backends == ("onnxruntime",)
+    assert found.can_load("onnxruntime") and not found.can_load("python")
+
+
+def test_environment_variable_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONSERVER", str(tmp_path / "missing"))
+    with pytest.raises(TritonNotFoundError, match=r"\$TRITONSERVER"):
+        find_tritonserver()
+
+
+def test_default_search_finds_a_server_with_the_python_backend(monkeypatch):
+    monkeypatch.delenv("TRITONSERVER", raising=False)
+    install = find_tritonserver()
+    assert install.can_load("python")
+
+
+def test_perf_analyzer_is_found_and_runs():
+    pa = find_perf_analyzer()
+    assert pa.version == "2.51.0"
+    assert pa.binary.is_file()

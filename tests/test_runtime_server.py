@@ -1,0 +1,130 @@
+"""The runtime layer against the real embedded tritonserver: serve, infer (HTTP, gRPC), stop, fail readably."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from bionemo_export.runtime import TritonServer, TritonStartError, find_perf_analyzer, probe_server
+from tests.helpers.tiny_repository import broken_repository, tiny_repository
+
+pytestmark = pytest.mark.e2e
+
+
+def _group_members(pgid: int) -> list[int]:
+    """PIDs whose process group is `pgid` (the server and the Python-backend stubs it spawned)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def test_http_inference_returns_the_right_numbers(tiny_server):
+    client = httpclient.InferenceServerClient(tiny_server.endpoints.http_url)
+    x = np.array([[0.0, 1.5, -2.0], [3.0, 4.0, 5.0]], dtype=np.float32)
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    result = client.infer("affine", [inp]).as_numpy("y")
+    np.testing.assert_array_equal(result, 2 * x + 1)
+
+
+def test_grpc_inference_returns_the_right_numbers_and_strings(tiny_server):
+    client = grpcclient.InferenceServerClient(tiny_server.endpoints.grpc_url)
+    x = np.linspace(-1, 1, 7, dtype=np.float32)[None, :]
+    inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("y"), 2 * x + 1)
+
+    words = np.array([["MKTAYIAK".encode()], ["ΑΒΓ".encode()]], dtype=np.object_)
+    sinp = grpcclient.InferInput("sequences", list(words.shape), "BYTES")
+    sinp.set_data_from_numpy(words)
+    out = client.infer("reverse", [sinp]).as_numpy("reversed")
+    assert [row[0].decode() for row in out] == ["KAIYATKM", "ΓΒΑ"]
+
+
+def test_server_reports_models_ready_and_binds_loopback(tiny_server):
+    states = {m["name"]: m["state"] for m in tiny_server.model_states()}
+    assert states == {"affine": "READY", "reverse": "READY"}
+    assert tiny_server.metadata()["version"].startswith("2.")
+    assert tiny_server.endpoints.host == "127.0.0.1"
+    assert f"--http-address=127.0.0.1" in tiny_server.command()
+
+
+def test_stop_leaves_no_process_behind(tmp_path, triton_install):
+    repo = tiny_repository(tmp_path / "models")
+    server = TritonServer(repo, install=triton_install, log_file=tmp_path / "server.log")
+    server.start(timeout=120)
+    pid = server.pid
+    assert pid is not None
+    # The server and at least one Python-backend stub per model run in the server's group.
+    assert len(_group_members(pid)) >= 3
+    server.stop()
+    assert not server.is_running()
+    assert _group_members(pid) == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_model_that_fails_to_load_gives_a_readable_error(tmp_path, triton_install):
+    repo = broken_repository(tmp_path / "models")
+    server = TritonServer(repo, install=triton_install, log_file=tmp_path / "server.log")
+    with pytest.raises(TritonStartError) as excinfo:
+        server.start(timeout=120)
+    message = str(excinfo.value)
+    assert "exited with code" in message
+    # Triton's own explanation, quoted from the log: which model and why.
+    assert "broken" in message
+    assert "deliberately broken model" in message
+    assert not server.is_running()
+
+
+def test_a_missing_repository_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model repository not found"):
+        TritonServer(tmp_path / "nope")
+
+
+def test_probe_reads_the_server_version(triton_install):
+    meta = probe_server(triton_install)
+    assert meta["name"] == "triton"
+    assert meta["version"] == "2.51.0"
+
+
+def test_perf_analyzer_measures_the_served_model(tiny_server, tmp_path):
+    pa = find_perf_analyzer()
+    report = tmp_path / "latency.csv"
+    result = pa.run(
+        [
+            "-m", "affine",
+            "-u", tiny_server.endpoints.grpc_url,
+            "-i", "grpc",
+            "--shape", "x:16",
+            "--concurrency-range", "1:2",
+            "--measurement-mode", "count_windows",
+            "--measurement-request-count", "50",
+            "--stability-percentage", "100",
+            "-f", str(report),
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Throughput" in result.stdout
+    rows = report.read_text().strip().splitlines()
+    assert rows[0].startswith("Concurrency,Inferences/Second")
+    assert len(rows) == 3  # header + concurrency 1 and 2
+    throughput = [float(r.split(",")[1]) for r in rows[1:]]
+    assert all(t > 0 for t in throughput)
