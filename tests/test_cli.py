@@ -26,7 +26,7 @@ CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 def test_help_lists_every_command_group_with_its_help():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("serve", "doctor"):
+    for command in ("build", "serve", "verify", "client", "doctor"):
         assert command in result.output
         sub = runner.invoke(app, [command, "--help"])
         assert sub.exit_code == 0 and "Usage" in sub.output

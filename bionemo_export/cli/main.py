@@ -6,7 +6,7 @@ import typer
 
 from bionemo_export import __version__
 
-from . import doctor, serve
+from . import build, client, doctor, serve, verify
 
 app = typer.Typer(
     name="bionemo-export",
@@ -35,7 +35,10 @@ def _root(
     """Export, serve, query and benchmark biology language models on Triton Inference Server."""
 
 
+app.add_typer(build.app, name="build")
 app.command("serve", help=serve.__doc__)(serve.serve)
+app.command("verify", help=verify.__doc__)(verify.verify)
+app.add_typer(client.app, name="client")
 app.command("doctor", help=doctor.__doc__)(doctor.doctor)
 
 

@@ -1,1 +1,5 @@
+"""Numpy-only tokenizers, importable without torch and copied verbatim into generated repositories."""
 
+from bionemo_export.tokenizers.character import CharacterTokenizer, Encoded, TokenizationError
+
+__all__ = ["CharacterTokenizer", "Encoded", "TokenizationError"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from bionemo_export.model_repository import write_config
+from bionemo_export.model_repository.pbtxt import write_config
 
 AFFINE_MODEL_PY = '''\
 import numpy as np

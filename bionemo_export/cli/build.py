@@ -1,0 +1,85 @@
+"""Build Triton model repositories from model checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help=__doc__, no_args_is_help=True)
+
+
+@app.command("repo")
+def repo(
+    model: str = typer.Option(..., "--model", "-m", help="Model family: esm2, bert (see `bionemo-export build families`)."),
+    checkpoint: Path = typer.Option(..., help="Checkpoint folder or file (e.g. a Hugging Face model directory).",
+                                    exists=True, resolve_path=True),
+    name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
+    out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves)."),
+    backend: str = typer.Option("auto", help="python (ONNX Runtime in the Python backend), native (Triton's "
+                                "onnxruntime_onnx), or auto (native when the found tritonserver can load it)."),
+    exporter: str = typer.Option("torch", help="ONNX exporter: torch (torch.onnx) or navigator (Triton Model Navigator)."),
+    max_batch_size: int = typer.Option(32, help="Largest batch any model accepts (requests and dynamic batches)."),
+    max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sequence, specials included "
+                                             "(default: the model's own limit)."),
+    truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
+    tokenizer_instances: int = typer.Option(1, help="Tokenizer model instances."),
+    encoder_instances: int = typer.Option(1, help="Encoder model instances."),
+    intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per encoder instance (0: its default)."),
+    queue_delay_us: int = typer.Option(2000, help="Dynamic batcher's maximum queue delay in microseconds."),
+    response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "
+                                        "(serve with --response-cache-mb)."),
+    warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
+    force: bool = typer.Option(False, help="Replace OUT if it exists."),
+) -> None:
+    """Export a checkpoint and write a model repository that tritonserver serves directly."""
+    from bionemo_export.build import BuildError, BuildRequest, build_repository
+    from bionemo_export.exporters import ExportVerificationError
+    from bionemo_export.model_repository.encoder import ServingOptions
+
+    console = Console()
+    try:
+        serving = ServingOptions(
+            max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
+            encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
+            response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
+        )
+        request = BuildRequest(
+            family=model, checkpoint=checkpoint, name=name, out=out,
+            tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
+            exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
+        )
+        with console.status("building") as status:
+            result = build_repository(request, progress=lambda message: (status.update(message),
+                                                                          console.log(message)))
+    except (BuildError, ValueError, ExportVerificationError) as err:
+        console.print(f"[red]build failed:[/red] {err}", highlight=False)
+        raise typer.Exit(1)
+    manifest = result.manifest
+    table = Table(title=f"export check ({manifest['export']['exporter']} exporter, opset {manifest['export']['opset']})")
+    for column in ("output", "max abs error", "min cosine", "tolerance", "ok"):
+        table.add_column(column)
+    for output, figures in manifest["verification"]["outputs"].items():
+        table.add_row(output, f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
+                      f"{manifest['verification']['atol']:.0e}", "yes" if figures["passed"] else "NO")
+    console.print(table)
+    console.print(f"Repository {result.repository} ({manifest['backend']} backend): {', '.join(result.models)}")
+    console.print(f"Serve it with: bionemo-export serve {result.repository}")
+
+
+@app.command("families")
+def families() -> None:
+    """List the model families and the tasks each serves."""
+    from bionemo_export.models import REGISTRY
+
+    table = Table()
+    for column in ("family", "tasks", "description"):
+        table.add_column(column)
+    for family_name in sorted(REGISTRY):
+        family = REGISTRY[family_name]
+        table.add_row(family_name, ", ".join(family.tasks), family.description)
+    Console().print(table)

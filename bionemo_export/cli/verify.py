@@ -1,0 +1,41 @@
+"""Check a served repository's outputs against the PyTorch reference of the checkpoint it came from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def verify(
+    repository: Path = typer.Argument(..., help="Repository built by `bionemo-export build repo`.",
+                                      exists=True, file_okay=False, resolve_path=True),
+    checkpoint: Path = typer.Option(..., help="The checkpoint the repository was built from.", exists=True,
+                                    resolve_path=True),
+    url: Optional[str] = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
+                                      "default: start the repository on the embedded tritonserver."),
+    tritonserver: Optional[str] = typer.Option(None, help="tritonserver binary to start (default: search)."),
+) -> None:
+    from bionemo_export.verify import verify_repository
+
+    console = Console()
+    try:
+        checks = verify_repository(repository, checkpoint, url=url, tritonserver=tritonserver)
+    except (FileNotFoundError, ValueError, RuntimeError) as err:
+        console.print(f"[red]verify failed:[/red] {err}", highlight=False)
+        raise typer.Exit(2)
+    table = Table(title=f"served {repository.name} vs PyTorch")
+    for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok"):
+        table.add_column(column)
+    for check in checks:
+        mask = "" if check.mask_exact is None else ("yes" if check.mask_exact else "NO")
+        table.add_row(check.model, check.batch, f"{check.max_abs_error:.2e}", f"{check.min_cosine:.6f}", mask,
+                      "yes" if check.passed else "[red]NO[/red]")
+    console.print(table)
+    if not all(check.passed for check in checks):
+        console.print("[red]served outputs differ from PyTorch beyond the family's tolerance[/red]")
+        raise typer.Exit(1)
+    console.print("all checks passed")

@@ -1,0 +1,207 @@
+"""A typed plan of a Triton model repository, checked for consistency, then written to disk.
+
+The plan is what a build decides (models, tensors, batching, ensemble steps, files); `write()`
+turns it into folders, `config.pbtxt` files serialized from Triton's `ModelConfig` protobuf, and
+the version folders' files. `validate()` catches what Triton would only report at load time, or
+not at all: an ensemble step naming a tensor nobody produces, mismatched dtypes or shapes between
+steps, an ensemble allowing larger batches than a model it calls.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from .pbtxt import write_config
+
+
+class PlanError(ValueError):
+    """The repository plan is inconsistent; the message names the model and tensor."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A model input or output. `dims` excludes the batch dimension; -1 is a variable size."""
+
+    name: str
+    dtype: str  # Triton's name without the TYPE_ prefix: FP32, INT64, BOOL, BYTES (= STRING)
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def data_type(self) -> int:
+        name = "STRING" if self.dtype == "BYTES" else self.dtype
+        return mc.DataType.Value(f"TYPE_{name}")
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 0
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    """One call inside an ensemble: maps the model's tensor names to ensemble tensor names."""
+
+    model: str
+    input_map: dict[str, str]
+    output_map: dict[str, str]
+
+
+@dataclass
+class ModelPlan:
+    """One model folder of the repository."""
+
+    name: str
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    max_batch_size: int
+    backend: str | None = None  # "python"
+    platform: str | None = None  # "onnxruntime_onnx", "tensorrt_plan", "ensemble"
+    instance_count: int = 1
+    dynamic_batching: DynamicBatching | None = None
+    parameters: dict[str, str] = field(default_factory=dict)
+    response_cache: bool = False
+    default_model_filename: str | None = None
+    steps: list[EnsembleStep] = field(default_factory=list)
+    files: dict[str, Path | str | bytes] = field(default_factory=dict)
+    """Version-folder files: relative name -> a Path to copy, or text/bytes to write."""
+    warmup: list[mc.ModelWarmup] = field(default_factory=list)
+    description: str = ""
+
+    @property
+    def is_ensemble(self) -> bool:
+        return self.platform == "ensemble"
+
+    def tensor(self, name: str, *, output: bool) -> Tensor | None:
+        for tensor in self.outputs if output else self.inputs:
+            if tensor.name == name:
+                return tensor
+        return None
+
+    def to_config(self) -> mc.ModelConfig:
+        """The ModelConfig protobuf Triton reads from config.pbtxt."""
+        config = mc.ModelConfig(name=self.name, max_batch_size=self.max_batch_size)
+        if self.backend:
+            config.backend = self.backend
+        if self.platform:
+            config.platform = self.platform
+        if self.default_model_filename:
+            config.default_model_filename = self.default_model_filename
+        for tensor in self.inputs:
+            config.input.append(mc.ModelInput(name=tensor.name, data_type=tensor.data_type,
+                                              dims=list(tensor.dims), optional=tensor.optional))
+        for tensor in self.outputs:
+            config.output.append(mc.ModelOutput(name=tensor.name, data_type=tensor.data_type,
+                                                dims=list(tensor.dims)))
+        if self.is_ensemble:
+            for step in self.steps:
+                config.ensemble_scheduling.step.append(mc.ModelEnsembling.Step(
+                    model_name=step.model, model_version=-1,
+                    input_map=step.input_map, output_map=step.output_map,
+                ))
+        else:
+            config.instance_group.append(
+                mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=self.instance_count))
+        if self.dynamic_batching is not None:
+            config.dynamic_batching.preferred_batch_size.extend(self.dynamic_batching.preferred_batch_sizes)
+            config.dynamic_batching.max_queue_delay_microseconds = self.dynamic_batching.max_queue_delay_microseconds
+        for key, value in self.parameters.items():
+            config.parameters[key].string_value = value
+        if self.response_cache:
+            config.response_cache.enable = True
+        config.model_warmup.extend(self.warmup)
+        return config
+
+
+def _dims_compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
+
+
+@dataclass
+class RepositoryPlan:
+    models: list[ModelPlan]
+
+    def model(self, name: str) -> ModelPlan:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise PlanError(f"no model named {name!r} in the plan")
+
+    def validate(self) -> None:
+        """Raise PlanError on the first inconsistency."""
+        names = [m.name for m in self.models]
+        duplicates = {n for n in names if names.count(n) > 1}
+        if duplicates:
+            raise PlanError(f"model names used twice: {sorted(duplicates)}")
+        for model in self.models:
+            if model.max_batch_size < 0:
+                raise PlanError(f"{model.name}: max_batch_size must be >= 0")
+            if model.dynamic_batching and any(
+                size > model.max_batch_size for size in model.dynamic_batching.preferred_batch_sizes
+            ):
+                raise PlanError(f"{model.name}: a preferred batch size exceeds max_batch_size {model.max_batch_size}")
+            if model.is_ensemble:
+                self._validate_ensemble(model)
+
+    def _validate_ensemble(self, ensemble: ModelPlan) -> None:
+        # Tensors available so far: ensemble inputs, then each step's outputs in order.
+        available: dict[str, Tensor] = {t.name: t for t in ensemble.inputs}
+        for step in ensemble.steps:
+            where = f"ensemble {ensemble.name}, step {step.model}"
+            target = self.model(step.model)
+            if target.max_batch_size < ensemble.max_batch_size:
+                raise PlanError(f"{where}: max_batch_size {ensemble.max_batch_size} exceeds the model's "
+                                f"{target.max_batch_size}")
+            for model_input, ensemble_tensor in step.input_map.items():
+                wanted = target.tensor(model_input, output=False)
+                if wanted is None:
+                    raise PlanError(f"{where}: the model has no input {model_input!r}")
+                have = available.get(ensemble_tensor)
+                if have is None:
+                    raise PlanError(f"{where}: ensemble tensor {ensemble_tensor!r} is not produced before this step")
+                self._check_match(where, ensemble_tensor, have, wanted)
+            for model_input in (t.name for t in target.inputs if not t.optional):
+                if model_input not in step.input_map:
+                    raise PlanError(f"{where}: required input {model_input!r} is not mapped")
+            for model_output, ensemble_tensor in step.output_map.items():
+                produced = target.tensor(model_output, output=True)
+                if produced is None:
+                    raise PlanError(f"{where}: the model has no output {model_output!r}")
+                if ensemble_tensor in available:
+                    raise PlanError(f"{where}: ensemble tensor {ensemble_tensor!r} is produced twice")
+                available[ensemble_tensor] = Tensor(ensemble_tensor, produced.dtype, produced.dims)
+        for output in ensemble.outputs:
+            have = available.get(output.name)
+            if have is None:
+                raise PlanError(f"ensemble {ensemble.name}: output {output.name!r} is produced by no step")
+            self._check_match(f"ensemble {ensemble.name}", output.name, have, output)
+
+    @staticmethod
+    def _check_match(where: str, name: str, have: Tensor, wanted: Tensor) -> None:
+        if have.dtype != wanted.dtype:
+            raise PlanError(f"{where}: tensor {name!r} is {have.dtype} but {wanted.dtype} is expected")
+        if not _dims_compatible(have.dims, wanted.dims):
+            raise PlanError(f"{where}: tensor {name!r} has dims {list(have.dims)} but {list(wanted.dims)} is expected")
+
+    def write(self, root: Path) -> None:
+        """Validate, then write every model folder under `root` (which must exist and be empty)."""
+        self.validate()
+        for model in self.models:
+            model_dir = root / model.name
+            version_dir = model_dir / "1"
+            version_dir.mkdir(parents=True)
+            write_config(model_dir, model.to_config())
+            for relative, source in model.files.items():
+                destination = version_dir / relative
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                if isinstance(source, Path):
+                    shutil.copy2(source, destination)
+                elif isinstance(source, bytes):
+                    destination.write_bytes(source)
+                else:
+                    destination.write_text(source)

@@ -1,0 +1,122 @@
+"""What a model family declares, in the style of optimum's exporter configs.
+
+A family is one small class registered under a name (`esm2`, `bert`, ...). It says how to read
+its checkpoint forms, which tokenizer it uses, which tasks it serves, the tolerance its exported
+graph must meet, and it wraps its PyTorch backbone into the one encoder signature every exporter
+and repository template understands:
+
+    inputs : input_ids INT64 [batch, length], attention_mask INT64 [batch, length],
+             residue_mask BOOL [batch, length]   (True exactly on real residues)
+    outputs: hiddens FP32 [batch, length, hidden], embeddings FP32 [batch, hidden]
+             (embeddings = mean of hiddens over residue_mask, computed inside the graph)
+
+Adding a family is one new module in this package that subclasses `ModelFamily` and decorates it
+with `@register`; nothing else in the tree changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
+    import torch
+
+    from bionemo_export.tokenizers.character import CharacterTokenizer
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A named graph tensor: dtype as Triton names it, shape with symbolic dynamic axes."""
+
+    name: str
+    dtype: str  # Triton dtype name: "INT64", "BOOL", "FP32", "BYTES"
+    axes: tuple[str | int, ...]  # e.g. ("batch", "length", 320); str = dynamic axis name
+
+
+ENCODER_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("input_ids", "INT64", ("batch", "length")),
+    TensorSpec("attention_mask", "INT64", ("batch", "length")),
+    TensorSpec("residue_mask", "BOOL", ("batch", "length")),
+)
+
+
+def encoder_outputs(hidden_size: int) -> tuple[TensorSpec, ...]:
+    return (
+        TensorSpec("hiddens", "FP32", ("batch", "length", hidden_size)),
+        TensorSpec("embeddings", "FP32", ("batch", hidden_size)),
+    )
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint read into memory, ready to export and to serve as the reference."""
+
+    family: "ModelFamily"
+    encoder: "torch.nn.Module"
+    """forward(input_ids, attention_mask, residue_mask) -> (hiddens, embeddings); eval mode, fp32."""
+    tokenizer: "CharacterTokenizer"
+    hidden_size: int
+    checkpoint: Path
+    description: dict[str, Any] = field(default_factory=dict)
+    """Facts for manifest.json (architecture, layers, parameters, checkpoint form, ...)."""
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return ENCODER_INPUTS
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return encoder_outputs(self.hidden_size)
+
+
+class ModelFamily(ABC):
+    """One architecture family. Subclasses set the class variables and implement the methods."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    tasks: ClassVar[tuple[str, ...]] = ("embeddings", "hiddens")
+    atol: ClassVar[float] = 1e-4
+    """Max abs error allowed between the exported graph and PyTorch (fp32)."""
+    min_cosine: ClassVar[float] = 0.9999
+
+    @abstractmethod
+    def load(self, checkpoint: Path, max_length: int | None = None) -> LoadedModel:
+        """Read a checkpoint (any supported form) into a LoadedModel.
+
+        `max_length` (tokens, specials included) lowers the tokenizer's limit; it may not exceed
+        what the architecture supports. Raise ValueError naming the problem for bad checkpoints.
+        """
+
+    @abstractmethod
+    def save_random_checkpoint(self, out: Path, *, seed: int = 0, **sizes: int) -> Path:
+        """Write a small randomly initialised checkpoint of this architecture to `out` (for tests
+        and demos: no downloaded weights) in a form `load()` reads. Returns `out`."""
+
+    @abstractmethod
+    def sample_sequences(self) -> list[str]:
+        """Valid inputs of varied lengths (short and long) for export checks and verification."""
+
+
+REGISTRY: dict[str, type[ModelFamily]] = {}
+
+
+def register(cls: type[ModelFamily]) -> type[ModelFamily]:
+    """Class decorator: make a family available under `cls.name`."""
+    if cls.name in REGISTRY:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family registered as `name`; the error lists the known ones."""
+    from bionemo_export import models  # noqa: F401 - importing the package registers every family
+
+    try:
+        return REGISTRY[name]()
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY)) or "none"
+        raise ValueError(f"unknown model family {name!r}; known families: {known}") from None

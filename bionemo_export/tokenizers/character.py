@@ -1,0 +1,210 @@
+"""A character-level tokenizer for protein sequences, vectorized with numpy.
+
+This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+only the standard library and numpy (never torch, transformers or bionemo_export).
+
+Every input character is one token: BOS + residues + EOS, padded to the longest sequence in the
+batch. Bad input is an error naming the sequence and the problem; nothing is lowercased, stripped
+or replaced by an unknown token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+_INVALID = -1
+
+
+class TokenizationError(ValueError):
+    """An input sequence the tokenizer cannot encode; the message names the sequence and why."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tokenized batch: all arrays are [batch, length], padded to the longest sequence."""
+
+    input_ids: np.ndarray  # int64, pad id on padding
+    attention_mask: np.ndarray  # int64, 1 on BOS + residues + EOS, 0 on padding
+    residue_mask: np.ndarray  # bool, True exactly on residues
+
+
+class CharacterTokenizer:
+    """Maps each allowed character to one vocabulary id, adding optional BOS/EOS tokens.
+
+    `residues` are the allowed input characters (ASCII); each is a vocabulary token or a key of
+    `aliases`, which maps it to one (e.g. rare amino acids to "X"). `max_length` counts tokens
+    including BOS/EOS.
+    """
+
+    def __init__(
+        self,
+        vocab: Sequence[str],
+        *,
+        residues: str,
+        pad_token: str,
+        bos_token: str | None,
+        eos_token: str | None,
+        unk_token: str | None,
+        max_length: int,
+        aliases: Mapping[str, str] = {},
+    ) -> None:
+        self.vocab = tuple(vocab)
+        self.residues = residues
+        self.pad_token, self.bos_token, self.eos_token = pad_token, bos_token, eos_token
+        self.unk_token = unk_token  # recorded for consumers of the vocabulary; never emitted
+        self.max_length = int(max_length)
+        self.aliases = dict(aliases)
+
+        self._ids = {token: i for i, token in enumerate(self.vocab)}
+        if len(self._ids) != len(self.vocab):
+            raise ValueError("the vocabulary has duplicate tokens")
+        for token in (pad_token, bos_token, eos_token, unk_token):
+            if token is not None and token not in self._ids:
+                raise ValueError(f"special token {token!r} is not in the vocabulary")
+        if self.max_residues < 1:
+            raise ValueError(f"max_length {max_length} leaves no room for residues")
+        self._table = self._lookup_table()
+
+    def _lookup_table(self) -> np.ndarray:
+        """Byte value -> token id (-1 where invalid); non-ASCII bytes are always invalid."""
+        table = np.full(256, _INVALID, dtype=np.int64)
+        if len(set(self.residues)) != len(self.residues):
+            raise ValueError(f"residues {self.residues!r} repeat a character")
+        for char in self.residues:
+            if len(char.encode("utf-8")) != 1:
+                raise ValueError(f"residue {char!r} is not an ASCII character")
+            token = self.aliases.get(char, char)
+            if token not in self._ids:
+                raise ValueError(f"residue {char!r} maps to {token!r}, which is not in the vocabulary")
+            table[ord(char)] = self._ids[token]
+        unused = set(self.aliases) - set(self.residues)
+        if unused:
+            raise ValueError(f"aliases {sorted(unused)} are not among the residues")
+        return table
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def pad_id(self) -> int:
+        return self._ids[self.pad_token]
+
+    @property
+    def bos_id(self) -> int | None:
+        return None if self.bos_token is None else self._ids[self.bos_token]
+
+    @property
+    def eos_id(self) -> int | None:
+        return None if self.eos_token is None else self._ids[self.eos_token]
+
+    @property
+    def max_residues(self) -> int:
+        """The longest sequence accepted without truncation (max_length minus BOS/EOS)."""
+        return self.max_length - len(self._specials())
+
+    def _specials(self) -> list[str]:
+        return [token for token in (self.bos_token, self.eos_token) if token is not None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "vocab": list(self.vocab),
+            "residues": self.residues,
+            "pad_token": self.pad_token,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "max_length": self.max_length,
+            "aliases": self.aliases,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CharacterTokenizer:
+        settings = dict(d)
+        return cls(settings.pop("vocab"), **settings)
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> CharacterTokenizer:
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def encode(self, sequences: Sequence[str | bytes], *, truncate: bool = False) -> Encoded:
+        """Tokenize a batch. Sequences over `max_residues` are an error unless `truncate`."""
+        raw = [_utf8(i, seq) for i, seq in enumerate(sequences)]
+        if not raw:
+            raise TokenizationError("no sequences to encode")
+        lengths = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+        # Residues are ASCII, so bytes are characters wherever the lookup succeeds.
+        ids = self._table[np.frombuffer(b"".join(raw), dtype=np.uint8)]
+        invalid = np.flatnonzero(ids == _INVALID)
+        if invalid.size:
+            starts = np.cumsum(lengths) - lengths
+            index = int(np.searchsorted(starts, invalid[0], side="right")) - 1
+            raise self._invalid_character(index, raw[index])
+        too_long = np.flatnonzero(lengths > self.max_residues)
+        if too_long.size and not truncate:
+            raise self._too_long(int(too_long[0]), int(lengths[too_long[0]]))
+        return self._assemble(ids, lengths)
+
+    def _assemble(self, ids: np.ndarray, lengths: np.ndarray) -> Encoded:
+        """Scatter the flat residue ids into a padded [batch, length] batch with BOS/EOS."""
+        first = 0 if self.bos_id is None else 1
+        kept = np.minimum(lengths, self.max_residues)
+        total = kept + len(self._specials())
+        rows = np.repeat(np.arange(lengths.size), lengths)
+        cols = np.arange(ids.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        keep = cols < self.max_residues
+
+        input_ids = np.full((lengths.size, int(total.max())), self.pad_id, dtype=np.int64)
+        input_ids[rows[keep], cols[keep] + first] = ids[keep]
+        if self.bos_id is not None:
+            input_ids[:, 0] = self.bos_id
+        if self.eos_id is not None:
+            input_ids[np.arange(lengths.size), kept + first] = self.eos_id
+
+        positions = np.arange(input_ids.shape[1])
+        attention_mask = (positions < total[:, None]).astype(np.int64)
+        residue_mask = (positions >= first) & (positions < (kept + first)[:, None])
+        return Encoded(input_ids, attention_mask, residue_mask)
+
+    def _invalid_character(self, index: int, raw: bytes) -> TokenizationError:
+        # Only on the error path: find the first bad character by decoding (non-ASCII included).
+        text = raw.decode("utf-8", "surrogatepass")
+        position, char = next((p, c) for p, c in enumerate(text) if c not in self.residues)
+        return TokenizationError(
+            f"sequence {index} has an invalid character {char!r} at position {position}; "
+            f"allowed characters: {self.residues}"
+        )
+
+    def _too_long(self, index: int, length: int) -> TokenizationError:
+        specials = self._specials()
+        tokens = f"{self.max_length} tokens" + (f" including {'/'.join(specials)}" if specials else "")
+        return TokenizationError(
+            f"sequence {index} has {length} residues; the maximum is {self.max_residues} ({tokens})"
+        )
+
+
+def _utf8(index: int, sequence: str | bytes) -> bytes:
+    """The sequence as UTF-8 bytes, checked to be text and non-empty."""
+    if isinstance(sequence, str):
+        # surrogatepass: a lone surrogate is reported as an invalid character, like any other.
+        data = sequence.encode("utf-8", "surrogatepass")
+    elif isinstance(sequence, (bytes, bytearray, memoryview)):
+        data = bytes(sequence)
+        if not data.isascii():
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TokenizationError(f"sequence {index} is not valid UTF-8") from None
+    else:
+        raise TokenizationError(f"sequence {index} is {type(sequence).__name__}, not str or bytes")
+    if not data:
+        raise TokenizationError(f"sequence {index} is empty")
+    return data

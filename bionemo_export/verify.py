@@ -1,0 +1,103 @@
+"""Check a served repository against the PyTorch reference of the same checkpoint.
+
+Sample sequences of several lengths go through the public models (`N_embeddings`, `N_hiddens`) of
+a running server, or of the embedded tritonserver started for the purpose; the answers are
+compared with the checkpoint's PyTorch model: max abs error and minimum cosine per task, and for
+`hiddens` the exact `mask`.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bionemo_export.client import EncoderClient
+from bionemo_export.model_repository.manifest import read_manifest
+
+
+@dataclass(frozen=True)
+class TaskCheck:
+    model: str
+    batch: str
+    """What was sent, e.g. "6 sequences, 5-118 residues"."""
+    max_abs_error: float
+    min_cosine: float
+    mask_exact: bool | None
+    passed: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of corresponding rows (last axis); 1.0 where both rows are zero."""
+    dot = (a * b).sum(-1)
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    return np.where(norms > 0, dot / np.maximum(norms, 1e-30), 1.0)
+
+
+def _describe(batch: list[str]) -> str:
+    lengths = [len(s) for s in batch]
+    if len(batch) == 1:
+        return f"1 sequence, {lengths[0]} residues"
+    return f"{len(batch)} sequences, {min(lengths)}-{max(lengths)} residues"
+
+
+def _reference(loaded, batch: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    import torch
+
+    encoded = loaded.tokenizer.encode(batch)
+    with torch.no_grad():
+        hiddens, embeddings = loaded.encoder(
+            torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask),
+            torch.from_numpy(encoded.residue_mask))
+    return hiddens.numpy(), embeddings.numpy(), encoded.attention_mask.astype(bool), encoded.residue_mask
+
+
+def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list[list[str]],
+                  atol: float, min_cosine: float) -> list[TaskCheck]:
+    """Compare the served public models with PyTorch on each batch."""
+    checks = []
+    for batch in batches:
+        ref_hiddens, ref_embeddings, attention, residues = _reference(loaded, batch)
+        if "embeddings" in tasks:
+            served = client.seqs_to_embedding(batch)
+            error = float(np.abs(served - ref_embeddings).max())
+            cosine = float(cosine_rows(served, ref_embeddings).min())
+            checks.append(TaskCheck(f"{client.name}_embeddings", _describe(batch), error, cosine, None,
+                                    error <= atol and cosine >= min_cosine))
+        if "hiddens" in tasks:
+            hiddens, mask = client.seqs_to_hidden(batch)
+            shape_ok = hiddens.shape == ref_hiddens.shape and mask.shape == residues.shape
+            if shape_ok:
+                # Padding positions are don't-care; every real token (BOS/EOS included) must match.
+                error = float(np.abs(hiddens - ref_hiddens)[attention].max())
+                cosine = float(cosine_rows(hiddens[attention], ref_hiddens[attention]).min())
+                mask_exact = bool(np.array_equal(mask, residues))
+            else:
+                error, cosine, mask_exact = float("inf"), float("-inf"), False
+            checks.append(TaskCheck(f"{client.name}_hiddens", _describe(batch), error, cosine, mask_exact,
+                                    shape_ok and mask_exact and error <= atol and cosine >= min_cosine))
+    return checks
+
+
+def verify_repository(repository: Path, checkpoint: Path, url: str | None = None,
+                      tritonserver: str | None = None) -> list[TaskCheck]:
+    """Serve `repository` (unless `url` names a running server) and check it against `checkpoint`."""
+    from bionemo_export.models import get_family
+    from bionemo_export.runtime import TritonServer, find_tritonserver
+
+    manifest = read_manifest(repository)
+    family = get_family(manifest["family"])
+    loaded = family.load(checkpoint, max_length=manifest.get("max_length"))
+    samples = family.sample_sequences()
+    batches = [samples] + [[s] for s in sorted(samples, key=len)[:: max(1, len(samples) // 3)]]
+    with ExitStack() as stack:
+        if url is None:
+            server = stack.enter_context(TritonServer(repository, install=find_tritonserver(tritonserver)))
+            url = f"grpc://{server.endpoints.grpc_url}"
+        client = stack.enter_context(EncoderClient(manifest["name"], url))
+        return verify_served(client, loaded, manifest["tasks"], batches, family.atol, family.min_cosine)

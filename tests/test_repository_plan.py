@@ -1,0 +1,104 @@
+"""The repository plan: configs are schema-valid ModelConfigs and inconsistent ensembles are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
+from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
+from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan, Tensor
+
+TOKENIZER_JSON = {"vocab": ["<pad>", "A"], "residues": "A"}
+
+
+def _plan(tmp_path: Path, **options) -> RepositoryPlan:
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"not really onnx")
+    return plan_encoder_repository(
+        "esm2nv", family="esm2", hidden_size=32, tokenizer_json=TOKENIZER_JSON,
+        bos_description="<cls> + residues + <eos>", onnx_files={"model.onnx": onnx},
+        options=ServingOptions(**options),
+    )
+
+
+def test_encoder_plan_has_the_public_models_and_valid_configs(tmp_path):
+    plan = _plan(tmp_path)
+    names = [m.name for m in plan.models]
+    assert names == ["esm2nv_tokenizer", "esm2nv_encoder", "esm2nv_embeddings", "esm2nv_hiddens"]
+    for model in plan.models:
+        text = to_pbtxt(model.to_config())
+        assert parse_pbtxt(text) == model.to_config()
+    hiddens = plan.model("esm2nv_hiddens").to_config()
+    assert hiddens.platform == "ensemble"
+    assert [o.name for o in hiddens.output] == ["hiddens", "mask"]
+    assert hiddens.output[1].data_type == mc.TYPE_BOOL
+    assert [s.model_name for s in hiddens.ensemble_scheduling.step] == ["esm2nv_tokenizer", "esm2nv_encoder"]
+
+
+def test_native_backend_uses_onnxruntime_platform(tmp_path):
+    encoder = _plan(tmp_path, backend="native").model("esm2nv_encoder")
+    config = encoder.to_config()
+    assert config.platform == "onnxruntime_onnx" and not config.backend
+    assert config.default_model_filename == "model.onnx"
+    assert "model.py" not in encoder.files
+
+
+def test_python_backend_ships_a_model_py_that_compiles(tmp_path):
+    encoder = _plan(tmp_path, backend="python").model("esm2nv_encoder")
+    assert encoder.to_config().backend == "python"
+    compile(encoder.files["model.py"], "model.py", "exec")
+    tokenizer = _plan(tmp_path).model("esm2nv_tokenizer")
+    compile(tokenizer.files["model.py"], "model.py", "exec")
+    assert "import bionemo_export" not in encoder.files["model.py"] + tokenizer.files["model.py"]
+
+
+def test_batching_and_cache_options_reach_the_configs(tmp_path):
+    plan = _plan(tmp_path, max_batch_size=48, response_cache=True, encoder_instances=2)
+    encoder = plan.model("esm2nv_encoder").to_config()
+    assert encoder.max_batch_size == 48
+    assert list(encoder.dynamic_batching.preferred_batch_size) == [8, 16, 32, 48]
+    assert encoder.instance_group[0].count == 2
+    assert plan.model("esm2nv_embeddings").to_config().response_cache.enable
+
+
+def test_write_creates_folders_configs_and_files(tmp_path):
+    plan = _plan(tmp_path)
+    root = tmp_path / "repo"
+    root.mkdir()
+    plan.write(root)
+    for model in plan.models:
+        assert read_config(root / model.name).name == model.name
+        assert (root / model.name / "1").is_dir()
+    assert (root / "esm2nv_encoder" / "1" / "model.onnx").read_bytes() == b"not really onnx"
+    assert (root / "esm2nv_tokenizer" / "1" / "character.py").is_file()
+
+
+def _two_step(out_dtype: str = "FP32", mapped: str = "y", ensemble_batch: int = 4) -> RepositoryPlan:
+    first = ModelPlan("first", [Tensor("x", "BYTES", (1,))], [Tensor("y", "FP32", (-1,))], 8, backend="python")
+    second = ModelPlan("second", [Tensor("y", out_dtype, (-1,))], [Tensor("z", "FP32", (3,))], 8, backend="python")
+    ensemble = ModelPlan("ens", [Tensor("x", "BYTES", (1,))], [Tensor("z", "FP32", (3,))], ensemble_batch,
+                         platform="ensemble", steps=[
+                             EnsembleStep("first", {"x": "x"}, {"y": "y_t"}),
+                             EnsembleStep("second", {"y": mapped}, {"z": "z"}),
+                         ])
+    return RepositoryPlan([first, second, ensemble])
+
+
+def test_a_consistent_ensemble_validates():
+    _two_step(mapped="y_t").validate()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mapped": "nowhere"}, "'nowhere' is not produced before this step"),
+        ({"mapped": "y_t", "out_dtype": "INT64"}, "'y_t' is FP32 but INT64 is expected"),
+        ({"mapped": "y_t", "ensemble_batch": 16}, "max_batch_size 16 exceeds the model's 8"),
+    ],
+)
+def test_inconsistent_ensembles_are_refused_with_the_reason(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        _two_step(**kwargs).validate()
