@@ -146,10 +146,10 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
                            **loaded.description},
             "precision": "fp32",
             "backend": backend,
-            "export": exported.to_dict(),
+            "export": _relative_paths(exported.to_dict(), exported, f"{request.name}_encoder/1"),
             "serving": dataclasses.asdict(serving),
             "max_length": tokenizer.max_length,
-            "verification": report.to_dict(),
+            "verification": {**report.to_dict(), "onnx_path": f"{request.name}_encoder/1/{exported.path.name}"},
             "versions": package_versions(),
         }
         write_manifest(staging, manifest)
@@ -159,6 +159,15 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
         raise
     progress(f"built {request.out}")
     return BuildResult(request.out, manifest, [m.name for m in plan.models])
+
+
+def _relative_paths(export: dict, exported, folder: str) -> dict:
+    """The export record with the graph's paths as they are inside the repository (the export
+    itself happened in a temporary folder that no longer exists)."""
+    export["path"] = f"{folder}/{exported.path.name}"
+    if exported.data_path is not None:
+        export["data_path"] = f"{folder}/{exported.data_path.name}"
+    return export
 
 
 def _layout_description(tokenizer) -> str:

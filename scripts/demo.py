@@ -1,52 +1,83 @@
-"""The main job on the embedded default: build a model repository, serve it, query it.
+"""The main job on the embedded default, end to end, on the real pretrained AntiBERTy model.
 
-Until `bionemo-export build repo` exists this serves the small hand-made Python-backend
-repository used by the runtime tests; it exercises the same path a real repository takes:
-the real tritonserver from nvidia-pytriton, loopback ports, HTTP and gRPC clients.
+1. build a model repository from the AntiBERTy checkpoint shipped in the antiberty==0.1.3 wheel
+   (the same as `bionemo-export build repo --model bert --checkpoint <that folder> ...`);
+2. serve it with the real tritonserver from nvidia-pytriton (`bionemo-export serve`);
+3. query `antiberty_embeddings` and `antiberty_hiddens` over gRPC and HTTP;
+4. compare the served answers with PyTorch (`bionemo-export verify`).
 """
 
 from __future__ import annotations
 
-import shutil
 import sys
+import time
 from pathlib import Path
 
-import numpy as np
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
+from rich.console import Console
+from rich.table import Table
+
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.client import EncoderClient
+from bionemo_export.models import get_family
+from bionemo_export.models.bert import antiberty_checkpoint
+from bionemo_export.runtime import TritonServer
+from bionemo_export.verify import verify_served
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+OUT = ROOT / "demo_out"
+HEAVY_CHAIN = "EVQLVESGGGLVQPGGSLRLSCAASGFTFSSYAMSWVRQAPGKGLEWVSAISGSGGSTYYADSVKGRFTISRDNSKNTLYLQMNSLRAEDTAVYYCAK"
+LIGHT_CHAIN = "DIQMTQSPSSLSASVGDRVTITCRASQSISSYLNWYQQKPGKAPKLLIYAASSLQSGVPSRFSGSGSGTDFTLTISSLQPEDFATYYCQQSYSTP"
 
-from bionemo_export.runtime import TritonServer  # noqa: E402
-from tests.helpers.tiny_repository import tiny_repository  # noqa: E402
 
+def main() -> int:
+    console = Console()
+    checkpoint = antiberty_checkpoint()
+    repository = OUT / "model_repository"
+    console.rule("1. build")
+    console.print(f"bionemo-export build repo --model bert --checkpoint {checkpoint} --name antiberty "
+                  f"--out {repository} --force")
+    started = time.perf_counter()
+    result = build_repository(
+        BuildRequest(family="bert", checkpoint=checkpoint, name="antiberty", out=repository, force=True),
+        progress=lambda message: console.log(message),
+    )
+    worst = max(output["max_abs_error"] for output in result.manifest["verification"]["outputs"])
+    console.print(f"built {', '.join(result.models)} in {time.perf_counter() - started:.1f} s "
+                  f"(ONNX vs PyTorch: max abs error {worst:.1e})")
 
-def main() -> None:
-    out = ROOT / "demo_out"
-    shutil.rmtree(out, ignore_errors=True)
-    repo = tiny_repository(out / "model_repository")
-    print(f"model repository: {repo}")
-    with TritonServer(repo, log_file=out / "tritonserver.log") as server:
+    console.rule("2. serve")
+    with TritonServer(repository, log_file=OUT / "tritonserver.log") as server:
         ep = server.endpoints
-        print(f"tritonserver {server.metadata()['version']} ready: http://{ep.http_url} grpc://{ep.grpc_url}")
+        console.print(f"tritonserver {server.metadata()['version']}: http://{ep.http_url} grpc://{ep.grpc_url}")
 
-        http = httpclient.InferenceServerClient(ep.http_url)
-        x = np.array([[0.5, 1.0, 2.0]], dtype=np.float32)
-        inp = httpclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        print(f"HTTP affine({x.tolist()}) = {http.infer('affine', [inp]).as_numpy('y').tolist()}")
-        http.close()
+        console.rule("3. query")
+        with EncoderClient("antiberty", f"grpc://{ep.grpc_url}") as client:
+            embeddings = client.seqs_to_embedding([HEAVY_CHAIN, LIGHT_CHAIN])
+        with EncoderClient("antiberty", f"http://{ep.http_url}") as client:
+            hiddens, mask = client.seqs_to_hidden([HEAVY_CHAIN, LIGHT_CHAIN])
+        console.print(f"antiberty_embeddings (gRPC): shape {list(embeddings.shape)}, "
+                      f"heavy chain [:4] = {", ".join(f"{v:.4f}" for v in embeddings[0, :4])}")
+        console.print(f"antiberty_hiddens (HTTP): hiddens {list(hiddens.shape)}, mask {list(mask.shape)} "
+                      f"with {mask.sum(1).tolist()} residues")
 
-        grpc = grpcclient.InferenceServerClient(ep.grpc_url)
-        seqs = np.array([[b"MSLKRKNIALIPAAGIGVRFG"]], dtype=np.object_)
-        sinp = grpcclient.InferInput("sequences", list(seqs.shape), "BYTES")
-        sinp.set_data_from_numpy(seqs)
-        out_seqs = grpc.infer("reverse", [sinp]).as_numpy("reversed")
-        print(f"gRPC reverse({seqs[0, 0].decode()}) = {out_seqs[0, 0].decode()}")
-        grpc.close()
-    print("server stopped")
+        console.rule("4. verify against PyTorch")
+        family = get_family("bert")
+        loaded = family.load(checkpoint)
+        samples = family.sample_sequences()
+        with EncoderClient("antiberty", f"grpc://{ep.grpc_url}") as client:
+            checks = verify_served(client, loaded, ["embeddings", "hiddens"], [samples, [HEAVY_CHAIN]],
+                                   family.atol, family.min_cosine)
+    table = Table()
+    for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok"):
+        table.add_column(column)
+    for check in checks:
+        table.add_row(check.model, check.batch, f"{check.max_abs_error:.2e}", f"{check.min_cosine:.6f}",
+                      "" if check.mask_exact is None else str(check.mask_exact), "yes" if check.passed else "NO")
+    console.print(table)
+    ok = all(check.passed for check in checks)
+    console.print("demo passed" if ok else "[red]served outputs differ from PyTorch[/red]")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

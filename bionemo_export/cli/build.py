@@ -63,8 +63,8 @@ def repo(
     table = Table(title=f"export check ({manifest['export']['exporter']} exporter, opset {manifest['export']['opset']})")
     for column in ("output", "max abs error", "min cosine", "tolerance", "ok"):
         table.add_column(column)
-    for output, figures in manifest["verification"]["outputs"].items():
-        table.add_row(output, f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
+    for figures in manifest["verification"]["outputs"]:
+        table.add_row(figures["name"], f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
                       f"{manifest['verification']['atol']:.0e}", "yes" if figures["passed"] else "NO")
     console.print(table)
     console.print(f"Repository {result.repository} ({manifest['backend']} backend): {', '.join(result.models)}")

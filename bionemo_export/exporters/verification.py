@@ -1,0 +1,249 @@
+"""Verify an exported ONNX graph against the PyTorch module it came from.
+
+Both run on the same batches (ONNX Runtime on CPU, the module under torch.inference_mode); for
+each output we record the largest absolute difference and the smallest cosine similarity between
+corresponding vectors (one per item, or one per valid position for per-position outputs). Padded
+positions are don't-care: for an output whose leading axes are [batch, length], only positions
+where the attention mask is 1 are compared. The check really fails: any NaN, shape mismatch or
+figure over tolerance makes `passed` False and `raise_for_tolerance()` raise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+DEFAULT_MASK_INPUT = "attention_mask"
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """How one output of the graph compared with PyTorch over all batches."""
+
+    name: str
+    max_abs_error: float
+    min_cosine: float
+    shapes: tuple[tuple[int, ...], ...]
+    """The output's shape in each batch."""
+    passed: bool
+    problem: str | None = None
+    """Why it failed beyond the figures (a shape mismatch), if so."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "max_abs_error": _json_float(self.max_abs_error),
+            "min_cosine": _json_float(self.min_cosine),
+            "shapes": [list(shape) for shape in self.shapes],
+            "passed": self.passed,
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """The result of `verify_onnx`, for the build log and manifest.json."""
+
+    onnx_path: Path
+    atol: float
+    min_cosine: float
+    batch_shapes: tuple[tuple[int, ...], ...]
+    """The shape of the first input in each batch checked (batch, length)."""
+    outputs: tuple[OutputCheck, ...]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.outputs)
+
+    @property
+    def failures(self) -> tuple[OutputCheck, ...]:
+        return tuple(check for check in self.outputs if not check.passed)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (non-finite figures as strings, since JSON has no NaN)."""
+        return {
+            "onnx_path": str(self.onnx_path),
+            "passed": self.passed,
+            "atol": self.atol,
+            "min_cosine": self.min_cosine,
+            "batches": len(self.batch_shapes),
+            "batch_shapes": [list(shape) for shape in self.batch_shapes],
+            "outputs": [check.to_dict() for check in self.outputs],
+            "seconds": self.seconds,
+        }
+
+    def raise_for_tolerance(self) -> None:
+        """Raise ExportVerificationError if any output is over tolerance."""
+        if not self.passed:
+            raise ExportVerificationError(self)
+
+
+class ExportVerificationError(RuntimeError):
+    """The exported graph disagrees with PyTorch; `.report` has the figures."""
+
+    def __init__(self, report: VerificationReport) -> None:
+        self.report = report
+        lines = [
+            f"{report.onnx_path} disagrees with PyTorch beyond tolerance (atol {report.atol:g}, "
+            f"min cosine {report.min_cosine:g}) over {len(report.batch_shapes)} batches "
+            f"of shapes {[list(s) for s in report.batch_shapes]}:"
+        ]
+        for check in report.failures:
+            figures = [
+                f"max abs error {check.max_abs_error:.3g} (allowed {report.atol:g})",
+                f"min cosine {check.min_cosine:.6f} (required {report.min_cosine:g})",
+            ]
+            if check.problem:
+                figures.insert(0, check.problem)
+            lines.append(f"  {check.name}: " + "; ".join(figures))
+        lines.append(
+            "The graph is wrong for some inputs: look at the export's warnings (a traced constant "
+            "or a fixed shape), try the other exporter, or, if the difference is expected "
+            "(reduced precision), raise the model family's atol/min_cosine."
+        )
+        super().__init__("\n".join(lines))
+
+
+def verify_onnx(
+    reference_module: torch.nn.Module,
+    onnx_path: Path,
+    batches: Sequence[Mapping[str, np.ndarray]],
+    *,
+    atol: float,
+    min_cosine: float,
+    output_names: Sequence[str] | None = None,
+    mask_input: str = DEFAULT_MASK_INPUT,
+) -> VerificationReport:
+    """Run the graph and `reference_module` (forward takes the graph's inputs positionally, in
+    graph order, and returns its outputs in graph order) on every batch and compare the outputs
+    named in `output_names` (default: all). `mask_input` names the [batch, length] input whose
+    zeros mark padded positions. Does not raise on disagreement: see `raise_for_tolerance()`."""
+    if not batches:
+        raise ValueError("verify_onnx needs at least one batch")
+    start = time.perf_counter()
+    session = _session(Path(onnx_path))
+    input_names = [value.name for value in session.get_inputs()]
+    graph_outputs = [value.name for value in session.get_outputs()]
+    names = list(output_names) if output_names is not None else graph_outputs
+    if unknown := [name for name in names if name not in graph_outputs]:
+        raise ValueError(f"{onnx_path} has no outputs {unknown}; its outputs are {graph_outputs}")
+
+    comparisons: dict[str, list[_Comparison]] = {name: [] for name in names}
+    batch_shapes = []
+    for index, batch in enumerate(batches):
+        if missing := [name for name in input_names if name not in batch]:
+            raise ValueError(f"batch {index} lacks the graph inputs {missing}")
+        onnx_values = dict(zip(graph_outputs, session.run(None, {n: batch[n] for n in input_names})))
+        torch_values = _run_reference(reference_module, [batch[n] for n in input_names], graph_outputs)
+        valid = np.asarray(batch[mask_input]) != 0 if mask_input in batch else None
+        for name in names:
+            comparisons[name].append(_compare(onnx_values[name], torch_values[name], valid))
+        batch_shapes.append(tuple(np.shape(batch[input_names[0]])))
+
+    checks = tuple(
+        _summarize(name, results, atol=atol, min_cosine=min_cosine)
+        for name, results in comparisons.items()
+    )
+    return VerificationReport(
+        onnx_path=Path(onnx_path),
+        atol=atol,
+        min_cosine=min_cosine,
+        batch_shapes=tuple(batch_shapes),
+        outputs=checks,
+        seconds=round(time.perf_counter() - start, 3),
+    )
+
+
+@dataclass(frozen=True)
+class _Comparison:
+    """One output in one batch."""
+
+    shape: tuple[int, ...]
+    max_abs_error: float
+    min_cosine: float
+    problem: str | None = None
+
+
+def _session(onnx_path: Path) -> ort.InferenceSession:
+    """A CPU session with ONNX Runtime's defaults (threads included), as a server would run it."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: its warnings are about graph rewrites
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def _run_reference(
+    module: torch.nn.Module, arguments: list[np.ndarray], output_names: list[str]
+) -> dict[str, np.ndarray]:
+    """The module's outputs on the batch, named like the graph's outputs."""
+    with torch.inference_mode():
+        result = module(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arguments))
+    values = (result,) if isinstance(result, torch.Tensor) else tuple(result)
+    if len(values) != len(output_names):
+        raise ValueError(
+            f"the reference module returned {len(values)} outputs; the graph has {output_names}"
+        )
+    return {name: value.detach().float().numpy() for name, value in zip(output_names, values)}
+
+
+def _compare(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None) -> _Comparison:
+    """Max abs error and min cosine of `actual` (ONNX) against `expected` (PyTorch)."""
+    if actual.shape != expected.shape:
+        return _Comparison(
+            actual.shape, math.inf, -1.0,
+            f"ONNX shape {actual.shape} differs from PyTorch's {expected.shape}",
+        )
+    rows_actual, rows_expected = _rows(actual, valid), _rows(expected, valid)
+    if rows_actual.size == 0:
+        return _Comparison(actual.shape, 0.0, 1.0)
+    max_abs = float(np.max(np.abs(rows_actual - rows_expected)))  # NaN propagates, and fails
+    return _Comparison(actual.shape, max_abs, float(np.min(_cosines(rows_actual, rows_expected))))
+
+
+def _rows(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
+    """The vectors to compare, as [n, features]: one per valid position for [batch, length, ...]
+    outputs (padded positions dropped), otherwise one per item."""
+    values = values.astype(np.float64)
+    if valid is not None and values.ndim >= 2 and values.shape[:2] == valid.shape:
+        return values[valid].reshape(int(valid.sum()), -1)
+    return values.reshape(values.shape[0], -1) if values.ndim >= 2 else values.reshape(1, -1)
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity; two zero vectors agree (1), a zero and a non-zero do not (0)."""
+    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    dots = np.einsum("ij,ij->i", a, b)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosines = dots / (norm_a * norm_b)
+    zero = (norm_a == 0) | (norm_b == 0)
+    return np.where(zero, np.where((norm_a == 0) & (norm_b == 0), 1.0, 0.0), cosines)
+
+
+def _summarize(
+    name: str, results: list[_Comparison], *, atol: float, min_cosine: float
+) -> OutputCheck:
+    """Worst figures over all batches. np.max/np.min, unlike max()/min(), propagate NaN."""
+    max_abs = float(np.max([r.max_abs_error for r in results]))
+    min_cos = float(np.min([r.min_cosine for r in results]))
+    problem = next((r.problem for r in results if r.problem), None)
+    # Written as "within tolerance" so that NaN (every comparison False) fails.
+    passed = problem is None and max_abs <= atol and min_cos >= min_cosine
+    return OutputCheck(
+        name=name,
+        max_abs_error=max_abs,
+        min_cosine=min_cos,
+        shapes=tuple(r.shape for r in results),
+        passed=passed,
+        problem=problem,
+    )
+
+
+def _json_float(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
