@@ -100,13 +100,16 @@ def test_auto_backend_follows_the_servers_backends():
     assert resolve_backend("native") == "native"
 
 
-def test_cli_build_reports_the_export_check(esm2_checkpoint, tmp_path):
+def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpoint, tmp_path):
     out = tmp_path / "repo"
     result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
-                                 "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4"],
+                                 "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4",
+                                 "--exporter", "navigator"],
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
+    assert "navigator exporter" in result.output
     assert "max abs error" in result.output and "esm2nv_embeddings" in result.output
+    assert json.loads((out / "manifest.json").read_text())["export"]["exporter"] == "navigator"
     again = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                 "--name", "esm2nv", "--out", str(out)], env={"COLUMNS": "200"})
     assert again.exit_code == 1 and "--force" in again.output

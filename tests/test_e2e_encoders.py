@@ -6,12 +6,17 @@ queried over HTTP and gRPC like a plain tritonclient user would.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 
+from typer.testing import CliRunner
+
 from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient, InferenceError, TritonClient, strings_to_tensor
 from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.model_repository.manifest import read_manifest
@@ -38,10 +43,11 @@ def served(request, tmp_path_factory, triton_install):
     name = f"{request.param}test"
     build_repository(BuildRequest(
         family=request.param, checkpoint=checkpoint, name=name, out=work / "repo", backend="python",
-        serving=ServingOptions(max_batch_size=MAX_BATCH, max_queue_delay_microseconds=0),
+        serving=ServingOptions(max_batch_size=MAX_BATCH, max_queue_delay_microseconds=0, response_cache=True),
     ))
     loaded = family.load(checkpoint)
-    with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
+    with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log",
+                      response_cache_bytes=16 << 20) as server:
         yield family, loaded, server, name, checkpoint
 
 
@@ -148,3 +154,45 @@ def test_verify_against_the_running_server_passes(served):
     checks = verify_repository(repository, checkpoint, url=f"grpc://{server.endpoints.grpc_url}")
     assert checks and all(check.passed for check in checks)
     assert {check.model for check in checks} == {f"{name}_embeddings", f"{name}_hiddens"}
+
+
+def test_verify_cli_passes_for_the_checkpoint_and_fails_for_another(served, tmp_path):
+    family, _, server, name, checkpoint = served
+    runner = CliRunner()
+    url = f"grpc://{server.endpoints.grpc_url}"
+    repository = str(server.model_repository)
+    passed = runner.invoke(app, ["verify", repository, "--checkpoint", str(checkpoint), "--url", url],
+                           env={"COLUMNS": "200"})
+    assert passed.exit_code == 0, passed.output
+    assert "all checks passed" in passed.output and f"{name}_hiddens" in passed.output
+    other = family.save_random_checkpoint(tmp_path / "other", seed=7)
+    failed = runner.invoke(app, ["verify", repository, "--checkpoint", str(other), "--url", url],
+                           env={"COLUMNS": "200"})
+    assert failed.exit_code == 1, failed.output
+    assert "differ from PyTorch" in failed.output
+
+
+def test_client_encode_cli_writes_bionemo_style_json(served, tmp_path):
+    _, loaded, server, name, _ = served
+    out = tmp_path / "hiddens.json"
+    result = CliRunner().invoke(app, ["client", "encode", "--model", f"{name}_hiddens", "-s", "MKTAYIAK",
+                                      "-s", "MKT", "--triton-url", f"grpc://{server.endpoints.grpc_url}",
+                                      "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    written = json.loads(out.read_text())
+    assert set(written) == {"hiddens", "mask"}
+    assert np.array(written["hiddens"]).shape == (2, 10, loaded.hidden_size)
+    assert np.array(written["mask"]).sum(axis=1).tolist() == [8, 3]
+
+
+def test_repeated_requests_are_served_from_the_response_cache(served):
+    _, _, server, name, _ = served
+    model = f"{name}_embeddings"
+    sequences = strings_to_tensor(["MKTAYIAKQRQISFVKSHFSRQLEE"])
+    with TritonClient(f"grpc://{server.endpoints.grpc_url}") as client:
+        first = client.infer(model, {"sequences": sequences})["embeddings"]
+        second = client.infer(model, {"sequences": sequences})["embeddings"]
+    np.testing.assert_array_equal(first, second)
+    stats = grpcclient.InferenceServerClient(server.endpoints.grpc_url).get_inference_statistics(
+        model, as_json=True)["model_stats"][0]["inference_stats"]
+    assert int(stats["cache_hit"]["count"]) >= 1
