@@ -51,6 +51,36 @@ def encoder_outputs(hidden_size: int) -> tuple[TensorSpec, ...]:
 
 
 @dataclass
+class Seq2SeqModules:
+    """The decoder side of an encoder-decoder family, split into the graphs a served decode loop
+    needs (all fp32, eval mode):
+
+    cross_kv(hiddens [B,S,H]) -> (cross_k, cross_v), each [layers, B, heads, S, head_dim]:
+        the cross-attention keys/values, computed once per request.
+    decoder_step(tokens INT64 [B,1], enc_mask BOOL [B,S], cross_k, cross_v,
+                 past_k, past_v [layers, B, heads, P, head_dim])
+        -> (logits FP32 [B, vocab], present_k, present_v [layers, B, heads, P+1, head_dim]):
+        one decoding step with the self-attention cache (P = 0 on the first step; the position of
+        the new token is P).
+    decoder_full(tokens INT64 [B,T], hiddens [B,S,H], enc_mask BOOL [B,S]) -> logits [B,T,vocab]:
+        the same decoder without a cache (recomputes every position; reference and benchmark).
+    """
+
+    cross_kv: "torch.nn.Module"
+    decoder_step: "torch.nn.Module"
+    decoder_full: "torch.nn.Module"
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    vocab_size: int
+    begin_id: int
+    end_id: int
+    pad_id: int
+    max_decode_length: int
+    """Most tokens a decode may produce (the decoder's position limit, minus the begin token)."""
+
+
+@dataclass
 class LoadedModel:
     """A checkpoint read into memory, ready to export and to serve as the reference."""
 
@@ -62,6 +92,8 @@ class LoadedModel:
     checkpoint: Path
     description: dict[str, Any] = field(default_factory=dict)
     """Facts for manifest.json (architecture, layers, parameters, checkpoint form, ...)."""
+    seq2seq: Seq2SeqModules | None = None
+    """The decoder graphs, for families that decode (tasks decodes/samplings)."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
