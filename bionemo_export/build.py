@@ -128,8 +128,7 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
                 request.name,
                 family=family.name,
                 hidden_size=loaded.hidden_size,
-                tokenizer_json=tokenizer.to_dict(),
-                bos_description=_layout_description(tokenizer),
+                tokenizer=tokenizer,
                 onnx_files={p.name: p for p in Path(export_dir).iterdir() if p.is_file()},
                 tasks=tasks,
                 options=serving,
@@ -168,11 +167,6 @@ def _relative_paths(export: dict, exported, folder: str) -> dict:
     if exported.data_path is not None:
         export["data_path"] = f"{folder}/{exported.data_path.name}"
     return export
-
-
-def _layout_description(tokenizer) -> str:
-    parts = [t for t in (tokenizer.bos_token,) if t] + ["residues"] + [t for t in (tokenizer.eos_token,) if t]
-    return " + ".join(parts) + f", padded with {tokenizer.pad_token}"
 
 
 def _move_into_place(staging: Path, out: Path, force: bool) -> None:

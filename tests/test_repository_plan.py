@@ -9,17 +9,18 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
+from bionemo_export.tokenizers.character import CharacterTokenizer
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan, Tensor
 
-TOKENIZER_JSON = {"vocab": ["<pad>", "A"], "residues": "A"}
+TOKENIZER = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "A", "C"], residues="AC", pad_token="<pad>",
+                               bos_token="<cls>", eos_token="<eos>", unk_token=None, max_length=16)
 
 
 def _plan(tmp_path: Path, **options) -> RepositoryPlan:
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"not really onnx")
     return plan_encoder_repository(
-        "esm2nv", family="esm2", hidden_size=32, tokenizer_json=TOKENIZER_JSON,
-        bos_description="<cls> + residues + <eos>", onnx_files={"model.onnx": onnx},
+        "esm2nv", family="esm2", hidden_size=32, tokenizer=TOKENIZER, onnx_files={"model.onnx": onnx},
         options=ServingOptions(**options),
     )
 

@@ -28,8 +28,8 @@ from .plan import DynamicBatching, EnsembleStep, ModelPlan, RepositoryPlan, Tens
 
 BACKENDS = ("python", "native")
 ENCODER_TASKS = ("embeddings", "hiddens")
-# The tokenizer source file copied verbatim into the repository (one source of truth).
-TOKENIZER_SOURCE = Path(__file__).resolve().parent.parent / "tokenizers" / "character.py"
+# Tokenizer sources are copied verbatim from here into the repository (one source of truth).
+TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 
 
 @dataclass(frozen=True)
@@ -62,24 +62,41 @@ class ServingOptions:
         return DynamicBatching(self.preferred_batch_sizes(), self.max_queue_delay_microseconds)
 
 
-def _io_lines(inputs: list[Tensor], outputs: list[Tensor]) -> list[str]:
+def _io_lines(inputs: list[Tensor], outputs: list[Tensor], batched: bool = True) -> list[str]:
     """Docstring lines describing the tensors, aligned like a table."""
     lines = []
     for label, tensors in (("Inputs", inputs), ("Outputs", outputs)):
         for i, tensor in enumerate(tensors):
-            dims = ", ".join(["batch", *(str(d) for d in tensor.dims)])
+            dims = ", ".join((["batch"] if batched else []) + [str(d) for d in tensor.dims])
             lines.append(f"{label if i == 0 else '':<8}{tensor.name:<16}{tensor.dtype:<6}[{dims}]")
     return lines
 
 
-def _tokenizer_model(name: str, tokenizer_json: dict, options: ServingOptions, bos: str) -> ModelPlan:
+def tokenizer_files(tokenizer) -> tuple[str, str, dict[str, Path]]:
+    """(module name, class name, version-folder files) that make `tokenizer` importable inside a
+    generated model: its own module, plus character.py, which holds the shared Encoded and
+    TokenizationError types."""
+    module = type(tokenizer).__module__.rsplit(".", 1)[-1]
+    files = {"character.py": TOKENIZERS_DIR / "character.py", f"{module}.py": TOKENIZERS_DIR / f"{module}.py"}
+    return module, type(tokenizer).__name__, files
+
+
+def describe_layout(tokenizer) -> str:
+    """How a sequence becomes tokens, for the generated docstring: '<cls> + residues + <eos>, ...'."""
+    parts = [t for t in (tokenizer.bos_token,) if t] + ["tokens"] + [t for t in (tokenizer.eos_token,) if t]
+    return " + ".join(parts) + f", padded with {tokenizer.pad_token}"
+
+
+def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan:
     sequences = Tensor("sequences", "BYTES", (1,))
     outputs = [Tensor("input_ids", "INT64", (-1,)), Tensor("attention_mask", "INT64", (-1,)),
                Tensor("mask", "BOOL", (-1,))]
+    module, class_name, files = tokenizer_files(tokenizer)
     code = render(
         "tokenizer_model.py.j2",
         model_name=f"{name}_tokenizer", encoder_name=f"{name}_encoder", tool_version=__version__,
-        tokenizer_module="character", bos_description=bos, public_prefix=name,
+        tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
+        public_prefix=name,
     )
     return ModelPlan(
         name=f"{name}_tokenizer",
@@ -91,11 +108,48 @@ def _tokenizer_model(name: str, tokenizer_json: dict, options: ServingOptions, b
         parameters={"truncate": "true" if options.truncate else "false"},
         files={
             "model.py": code,
-            "character.py": TOKENIZER_SOURCE,
-            "tokenizer.json": json.dumps(tokenizer_json, indent=2) + "\n",
+            **files,
+            "tokenizer.json": json.dumps(tokenizer.to_dict(), indent=2) + "\n",
         },
         description="tokenizer (Python backend)",
     )
+
+
+def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: list[Tensor],
+                onnx_files: dict[str, Path], options: ServingOptions, *, batched: bool = True,
+                instances: int = 1, what: str = "encoder") -> ModelPlan:
+    """A model that runs one exported ONNX graph: Triton's onnxruntime_onnx platform with
+    `--backend native`, or ONNX Runtime inside a Python-backend model with `--backend python`.
+
+    `batched=False` is for graphs whose batch is not their first axis (key/value caches laid out
+    [layers, batch, ...]): max_batch_size 0 and full shapes in dims; their callers batch."""
+    plan = ModelPlan(
+        name=model_name,
+        inputs=inputs, outputs=outputs,
+        max_batch_size=options.max_batch_size if batched else 0,
+        instance_count=instances,
+        dynamic_batching=options.dynamic_batching() if batched else None,
+        files=dict(onnx_files),
+        warmup=[_zero_warmup(inputs)] if options.warmup and batched else [],
+    )
+    if options.backend == "native":
+        plan.platform = "onnxruntime_onnx"
+        plan.default_model_filename = "model.onnx"
+        if options.intra_op_threads:
+            plan.parameters["intra_op_thread_count"] = str(options.intra_op_threads)
+        plan.description = f"{what} (onnxruntime_onnx)"
+    else:
+        plan.backend = "python"
+        plan.parameters["intra_op_threads"] = str(options.intra_op_threads)
+        plan.files["model.py"] = render(
+            "onnx_model.py.j2",
+            model_name=plan.name, family=family, what=what, tool_version=__version__,
+            io_lines=_io_lines(inputs, outputs, batched),
+            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
+            batched=batched,
+        )
+        plan.description = f"{what} (ONNX Runtime in the Python backend)"
+    return plan
 
 
 def _encoder_model(name: str, family: str, hidden_size: int, onnx_files: dict[str, Path],
@@ -103,32 +157,8 @@ def _encoder_model(name: str, family: str, hidden_size: int, onnx_files: dict[st
     inputs = [Tensor("input_ids", "INT64", (-1,)), Tensor("attention_mask", "INT64", (-1,)),
               Tensor("residue_mask", "BOOL", (-1,))]
     outputs = [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("embeddings", "FP32", (hidden_size,))]
-    plan = ModelPlan(
-        name=f"{name}_encoder",
-        inputs=inputs, outputs=outputs,
-        max_batch_size=options.max_batch_size,
-        instance_count=options.encoder_instances,
-        dynamic_batching=options.dynamic_batching(),
-        files=dict(onnx_files),
-        warmup=[_zero_warmup(inputs)] if options.warmup else [],
-    )
-    if options.backend == "native":
-        plan.platform = "onnxruntime_onnx"
-        plan.default_model_filename = "model.onnx"
-        if options.intra_op_threads:
-            plan.parameters["intra_op_thread_count"] = str(options.intra_op_threads)
-        plan.description = "encoder (onnxruntime_onnx)"
-    else:
-        plan.backend = "python"
-        plan.parameters["intra_op_threads"] = str(options.intra_op_threads)
-        plan.files["model.py"] = render(
-            "onnx_model.py.j2",
-            model_name=plan.name, family=family, tool_version=__version__,
-            io_lines=_io_lines(inputs, outputs),
-            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-        )
-        plan.description = "encoder (ONNX Runtime in the Python backend)"
-    return plan
+    return graph_model(f"{name}_encoder", family, inputs, outputs, onnx_files, options,
+                       instances=options.encoder_instances)
 
 
 def _zero_warmup(inputs: list[Tensor], length: int = 16) -> mc.ModelWarmup:
@@ -171,8 +201,7 @@ def plan_encoder_repository(
     *,
     family: str,
     hidden_size: int,
-    tokenizer_json: dict,
-    bos_description: str,
+    tokenizer,
     onnx_files: dict[str, Path],
     tasks: tuple[str, ...] = ENCODER_TASKS,
     options: ServingOptions = ServingOptions(),
@@ -183,7 +212,7 @@ def plan_encoder_repository(
     if unknown:
         raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [
-        _tokenizer_model(name, tokenizer_json, options, bos_description),
+        _tokenizer_model(name, tokenizer, options),
         _encoder_model(name, family, hidden_size, onnx_files, options),
     ]
     if "embeddings" in tasks:
