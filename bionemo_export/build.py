@@ -17,7 +17,10 @@ from typing import Callable
 from bionemo_export import __version__
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
 from bionemo_export.model_repository.manifest import checkpoint_digest, package_versions, write_manifest
+from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family
+from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.generation.reference import decoder_check_batches
 
 Progress = Callable[[str], None]
 
@@ -41,6 +44,8 @@ class BuildRequest:
     serving: ServingOptions = field(default_factory=ServingOptions)
     tritonserver: str | None = None
     """Server whose backends decide `--backend auto`."""
+    max_decode_length: int | None = None
+    """Decoding families: most tokens a decode produces (default: the model's limit)."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +91,59 @@ def _encode_batch(loaded: LoadedModel, sequences: list[str]) -> dict:
             "residue_mask": encoded.residue_mask}
 
 
+@dataclass(frozen=True)
+class ExportedGraph:
+    """One graph exported and checked; `files` are what goes into its model's version folder."""
+
+    name: str
+    files: dict[str, Path]
+    record: dict
+    verification: dict
+
+
+def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
+                  family, progress: Progress, mask_input: str = "attention_mask") -> ExportedGraph:
+    """Export `module` to ONNX under export_dir/name and check it against PyTorch on `batches`;
+    raises ExportVerificationError over the family's tolerance."""
+    from bionemo_export.exporters import export_onnx, verify_onnx
+
+    progress(f"exporting the {name} graph to ONNX ({exporter})")
+    folder = export_dir / name
+    folder.mkdir()
+    exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter)
+    progress(f"checking the {name} graph against PyTorch")
+    report = verify_onnx(module, exported.path, batches, atol=family.atol, min_cosine=family.min_cosine,
+                         output_names=[t.name for t in outputs], mask_input=mask_input)
+    report.raise_for_tolerance()
+    record = exported.to_dict()
+    # The export happened in a temporary folder: record the names the files have in the repository.
+    record["path"] = exported.path.name
+    record["data_path"] = exported.data_path.name if exported.data_path else None
+    verification = {**report.to_dict(), "onnx_path": exported.path.name}
+    return ExportedGraph(name, {p.name: p for p in folder.iterdir() if p.is_file()}, record, verification)
+
+
+def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, exporter: str,
+                progress: Progress) -> dict[str, ExportedGraph]:
+    family = loaded.family
+    batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
+    graphs = {"encoder": _export_graph("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
+                                       export_dir, exporter, family, progress)}
+    if loaded.seq2seq is not None and {"decodes", "samplings"} & set(tasks):
+        specs = seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
+        cross_batches, step_batches = decoder_check_batches(loaded, batches)
+        for name, module, graph_batches in (("cross_kv", loaded.seq2seq.cross_kv, cross_batches),
+                                            ("decoder_step", loaded.seq2seq.decoder_step, step_batches)):
+            inputs, outputs = specs[name]
+            # Key/value outputs are [layers, batch, ...]: compare them whole, not per position.
+            graphs[name] = _export_graph(name, module, inputs, outputs, graph_batches, export_dir, exporter,
+                                         family, progress, mask_input="")
+    return graphs
+
+
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
     """Build the repository described by `request`; raises BuildError (or the exporter's
     verification error) and leaves nothing on disk when anything fails."""
-    from bionemo_export.exporters import export_onnx, verify_onnx
-
     _check_request(request)
     family = get_family(request.family)
     tasks = request.tasks or family.tasks
@@ -110,29 +163,9 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     staging = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.building-", dir=request.out.parent))
     try:
         with tempfile.TemporaryDirectory(prefix="bionemo-export-onnx-") as export_dir:
-            progress(f"exporting the encoder to ONNX ({request.exporter})")
-            batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
-            exported = export_onnx(
-                loaded.encoder, loaded.inputs, loaded.outputs, batches[0],
-                Path(export_dir) / "model.onnx", exporter=request.exporter,
-            )
-            progress("checking the ONNX graph against PyTorch")
-            report = verify_onnx(loaded.encoder, exported.path, batches, atol=family.atol,
-                                 min_cosine=family.min_cosine,
-                                 output_names=[t.name for t in loaded.outputs])
-            report.raise_for_tolerance()
-
+            graphs = _export_all(loaded, tasks, Path(export_dir), request.exporter, progress)
             progress(f"writing the repository ({backend} backend)")
-            tokenizer = loaded.tokenizer
-            plan = plan_encoder_repository(
-                request.name,
-                family=family.name,
-                hidden_size=loaded.hidden_size,
-                tokenizer=tokenizer,
-                onnx_files={p.name: p for p in Path(export_dir).iterdir() if p.is_file()},
-                tasks=tasks,
-                options=serving,
-            )
+            plan = _plan(request, loaded, tasks, serving, graphs)
             plan.write(staging)
         manifest = {
             "tool": {"name": "bionemo-export", "version": __version__},
@@ -145,10 +178,13 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
                            **loaded.description},
             "precision": "fp32",
             "backend": backend,
-            "export": _relative_paths(exported.to_dict(), exported, f"{request.name}_encoder/1"),
+            "exporter": request.exporter,
+            "export": {name: graph.record for name, graph in graphs.items()},
             "serving": dataclasses.asdict(serving),
-            "max_length": tokenizer.max_length,
-            "verification": {**report.to_dict(), "onnx_path": f"{request.name}_encoder/1/{exported.path.name}"},
+            "max_length": loaded.tokenizer.max_length,
+            "max_decode_length": request.max_decode_length or (loaded.seq2seq.max_decode_length
+                                                               if loaded.seq2seq else None),
+            "verification": {"passed": True, "graphs": {name: graph.verification for name, graph in graphs.items()}},
             "versions": package_versions(),
         }
         write_manifest(staging, manifest)
@@ -160,13 +196,16 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     return BuildResult(request.out, manifest, [m.name for m in plan.models])
 
 
-def _relative_paths(export: dict, exported, folder: str) -> dict:
-    """The export record with the graph's paths as they are inside the repository (the export
-    itself happened in a temporary folder that no longer exists)."""
-    export["path"] = f"{folder}/{exported.path.name}"
-    if exported.data_path is not None:
-        export["data_path"] = f"{folder}/{exported.data_path.name}"
-    return export
+def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+          graphs: dict[str, ExportedGraph]):
+    common = dict(family=loaded.family.name, hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
+                  tasks=tasks, options=serving)
+    if loaded.seq2seq is None:
+        return plan_encoder_repository(request.name, onnx_files=graphs["encoder"].files, **common)
+    return plan_seq2seq_repository(
+        request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
+        onnx_files={name: graph.files for name, graph in graphs.items()},
+        max_decode_length=request.max_decode_length, **common)
 
 
 def _move_into_place(staging: Path, out: Path, force: bool) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bionemo_export.client import EncoderClient
+from bionemo_export.client import EncoderClient, Seq2SeqClient
 from bionemo_export.model_repository.manifest import read_manifest
 
 
@@ -23,10 +23,12 @@ class TaskCheck:
     model: str
     batch: str
     """What was sent, e.g. "6 sequences, 5-118 residues"."""
-    max_abs_error: float
-    min_cosine: float
+    max_abs_error: float | None
+    min_cosine: float | None
     mask_exact: bool | None
     passed: bool
+    note: str = ""
+    """For string outputs: how many matched the reference, or which method was checked."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,6 +89,51 @@ def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list
     return checks
 
 
+SAMPLING_CHECKS = (
+    ("greedy-perturbate", {"num_samples": 2}),
+    ("topkp-perturbate", {"num_samples": 2, "top_k": 4, "top_p": 0.9}),
+    ("beam-search-perturbate", {"num_samples": 1, "beam_size": 2}),
+    ("beam-search-single-sample", {"num_samples": 2}),
+    ("beam-search-perturbate-sample", {"num_samples": 2, "beam_size": 2}),
+)
+
+
+def _expected_outputs(method: str, parameters: dict) -> int:
+    """Outputs per sequence: num_samples, times beam_size for beam-search-perturbate-sample."""
+    samples = parameters.get("num_samples", 1)
+    return samples * parameters.get("beam_size", 5) if method == "beam-search-perturbate-sample" else samples
+
+
+def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: int = 1234,
+                    max_decode_length: int | None = None) -> list[TaskCheck]:
+    """decodes: served strings equal the reference greedy decode (no cache, PyTorch) exactly.
+    samplings: every method answers with the right shape, and a seeded request equals the
+    reference sampling with the same seed."""
+    from bionemo_export.generation.reference import encode_hiddens, reference_decode, reference_sample
+
+    checks = []
+    described = _describe(batch)
+    if "decodes" in tasks:
+        hiddens, mask = encode_hiddens(loaded, batch)
+        served = client.hidden_to_seqs(hiddens, mask)
+        expected = reference_decode(loaded, hiddens, mask, max_decode_length)
+        same = sum(a == b for a, b in zip(served, expected))
+        checks.append(TaskCheck(f"{client.name}_decodes", described, None, None, None,
+                                same == len(batch) and len(served) == len(batch),
+                                f"{same}/{len(batch)} strings equal the reference greedy decode"))
+    if "samplings" in tasks:
+        for method, parameters in SAMPLING_CHECKS:
+            served = client.sample_seqs(batch, sampling_method=method, seed=seed, **parameters)
+            expected = reference_sample(loaded, batch, seed=seed, method=method, max_length=max_decode_length,
+                                        **parameters)
+            shape_ok = [len(row) for row in served] == [_expected_outputs(method, parameters)] * len(batch)
+            checks.append(TaskCheck(f"{client.name}_samplings", described, None, None, None,
+                                    shape_ok and served == expected,
+                                    f"{method}: {'same as' if served == expected else 'DIFFERS from'} the seeded "
+                                    f"reference; shape {'ok' if shape_ok else 'WRONG'}"))
+    return checks
+
+
 def verify_repository(repository: Path, checkpoint: Path, url: str | None = None,
                       tritonserver: str | None = None) -> list[TaskCheck]:
     """Serve `repository` (unless `url` names a running server) and check it against `checkpoint`."""
@@ -102,5 +149,7 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
         if url is None:
             server = stack.enter_context(TritonServer(repository, install=find_tritonserver(tritonserver)))
             url = f"grpc://{server.endpoints.grpc_url}"
-        client = stack.enter_context(EncoderClient(manifest["name"], url))
-        return verify_served(client, loaded, manifest["tasks"], batches, family.atol, family.min_cosine)
+        client = stack.enter_context(Seq2SeqClient(manifest["name"], url))
+        checks = verify_served(client, loaded, manifest["tasks"], batches, family.atol, family.min_cosine)
+        return checks + verify_decoding(client, loaded, manifest["tasks"], samples,
+                                        max_decode_length=manifest.get("max_decode_length"))

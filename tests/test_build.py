@@ -107,9 +107,10 @@ def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpo
                                  "--exporter", "navigator"],
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "navigator exporter" in result.output
+    assert "navigator exporter" in result.output and "encoder" in result.output
     assert "max abs error" in result.output and "esm2nv_embeddings" in result.output
-    assert json.loads((out / "manifest.json").read_text())["export"]["exporter"] == "navigator"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["exporter"] == "navigator" and manifest["export"]["encoder"]["exporter"] == "navigator"
     again = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                 "--name", "esm2nv", "--out", str(out)], env={"COLUMNS": "200"})
     assert again.exit_code == 1 and "--force" in again.output

@@ -14,7 +14,7 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 @app.command("repo")
 def repo(
-    model: str = typer.Option(..., "--model", "-m", help="Model family: esm2, bert (see `bionemo-export build families`)."),
+    model: str = typer.Option(..., "--model", "-m", help="Model family: esm2, bert, megamolbart (see `bionemo-export build families`)."),
     checkpoint: Path = typer.Option(..., help="Checkpoint folder or file (e.g. a Hugging Face model directory).",
                                     exists=True, resolve_path=True),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
@@ -34,6 +34,8 @@ def repo(
     response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "
                                         "(serve with --response-cache-mb)."),
     warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
+    max_decode_length: Optional[int] = typer.Option(None, help="Decoding families: most tokens one decode "
+                                                    "produces (default: the model's limit)."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
 ) -> None:
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
@@ -52,6 +54,7 @@ def repo(
             family=model, checkpoint=checkpoint, name=name, out=out,
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
+            max_decode_length=max_decode_length,
         )
         with console.status("building") as status:
             result = build_repository(request, progress=lambda message: (status.update(message),
@@ -60,12 +63,13 @@ def repo(
         console.print(f"[red]build failed:[/red] {err}", highlight=False)
         raise typer.Exit(1)
     manifest = result.manifest
-    table = Table(title=f"export check ({manifest['export']['exporter']} exporter, opset {manifest['export']['opset']})")
-    for column in ("output", "max abs error", "min cosine", "tolerance", "ok"):
+    table = Table(title=f"ONNX vs PyTorch ({manifest['exporter']} exporter)")
+    for column in ("graph", "output", "max abs error", "min cosine", "tolerance", "ok"):
         table.add_column(column)
-    for figures in manifest["verification"]["outputs"]:
-        table.add_row(figures["name"], f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
-                      f"{manifest['verification']['atol']:.0e}", "yes" if figures["passed"] else "NO")
+    for graph, report in manifest["verification"]["graphs"].items():
+        for figures in report["outputs"]:
+            table.add_row(graph, figures["name"], f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
+                          f"{report['atol']:.0e}", "yes" if figures["passed"] else "NO")
     console.print(table)
     console.print(f"Repository {result.repository} ({manifest['backend']} backend): {', '.join(result.models)}")
     console.print(f"Serve it with: bionemo-export serve {result.repository}")

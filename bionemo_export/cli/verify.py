@@ -28,12 +28,14 @@ def verify(
         console.print(f"[red]verify failed:[/red] {err}", highlight=False)
         raise typer.Exit(2)
     table = Table(title=f"served {repository.name} vs PyTorch")
-    for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok"):
+    for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok", "note"):
         table.add_column(column)
     for check in checks:
         mask = "" if check.mask_exact is None else ("yes" if check.mask_exact else "NO")
-        table.add_row(check.model, check.batch, f"{check.max_abs_error:.2e}", f"{check.min_cosine:.6f}", mask,
-                      "yes" if check.passed else "[red]NO[/red]")
+        error = "" if check.max_abs_error is None else f"{check.max_abs_error:.2e}"
+        cosine = "" if check.min_cosine is None else f"{check.min_cosine:.6f}"
+        table.add_row(check.model, check.batch, error, cosine, mask, "yes" if check.passed else "[red]NO[/red]",
+                      check.note)
     console.print(table)
     if not all(check.passed for check in checks):
         console.print("[red]served outputs differ from PyTorch beyond the family's tolerance[/red]")

@@ -1,7 +1,7 @@
 """tritonclient-based clients for the served models (Python API and the `client` CLI commands)."""
 
-from .encoders import EncoderClient, masked_mean
+from .encoders import EncoderClient, Seq2SeqClient, masked_mean
 from .triton import DEFAULT_URL, InferenceError, TritonClient, TritonUrl, strings_to_tensor
 
-__all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "TritonClient", "TritonUrl", "masked_mean",
+__all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "TritonClient", "TritonUrl", "Seq2SeqClient", "masked_mean",
            "strings_to_tensor"]

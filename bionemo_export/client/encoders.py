@@ -39,3 +39,36 @@ def masked_mean(hiddens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Client-side pooling, as BioNeMo's notebooks do it: mean over the positions where mask is True."""
     weights = mask.astype(hiddens.dtype)[..., None]
     return (hiddens * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1.0)
+
+
+class Seq2SeqClient(EncoderClient):
+    """Adds the decoding models `N_decodes` and `N_samplings` of an encoder-decoder repository."""
+
+    def hidden_to_seqs(self, hiddens: np.ndarray, mask: np.ndarray | None = None) -> list[str]:
+        """Greedy-decode hidden states [batch, length, hidden] (mask: True on real tokens; all True
+        when omitted) into strings."""
+        hiddens = np.asarray(hiddens, dtype=np.float32)
+        if mask is None:
+            mask = np.ones(hiddens.shape[:2], dtype=bool)
+        out = self.client.infer(f"{self.name}_decodes", {"hiddens": hiddens, "mask": np.asarray(mask, dtype=bool)},
+                                ["sequences"])
+        return [row[0].decode("utf-8") for row in out["sequences"]]
+
+    def sample_seqs(self, sequences: list[str], *, num_samples: int | None = None,
+                    scaled_radius: float | None = None, sampling_method: str | None = None,
+                    seed: int | None = None, top_k: int | None = None, top_p: float | None = None,
+                    temperature: float | None = None, beam_size: int | None = None) -> list[list[str]]:
+        """New sequences sampled around each input: [batch][outputs]. Unset options take the
+        server's defaults (greedy-perturbate, 1 sample, scaled_radius 1.0)."""
+        batch = len(sequences)
+        inputs = {"sequences": strings_to_tensor(sequences)}
+        options = {"num_samples": (num_samples, np.int32), "scaled_radius": (scaled_radius, np.float32),
+                   "seed": (seed, np.int64), "top_k": (top_k, np.int32), "top_p": (top_p, np.float32),
+                   "temperature": (temperature, np.float32), "beam_size": (beam_size, np.int32)}
+        for name, (value, dtype) in options.items():
+            if value is not None:
+                inputs[name] = np.full((batch, 1), value, dtype=dtype)
+        if sampling_method is not None:
+            inputs["sampling_method"] = strings_to_tensor([sampling_method] * batch)
+        out = self.client.infer(f"{self.name}_samplings", inputs, ["generated"])
+        return [[item.decode("utf-8") for item in row] for row in out["generated"]]

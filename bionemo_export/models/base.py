@@ -152,3 +152,41 @@ def get_family(name: str) -> ModelFamily:
     except KeyError:
         known = ", ".join(sorted(REGISTRY)) or "none"
         raise ValueError(f"unknown model family {name!r}; known families: {known}") from None
+
+
+def seq2seq_graph_specs(seq2seq: Seq2SeqModules, hidden_size: int) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+    """(inputs, outputs) of each decoder graph, as Seq2SeqModules documents them. Key/value
+    tensors are [layers, batch, heads, length, head_dim]: their batch is not the first axis."""
+
+    def kv(name: str, length: str) -> TensorSpec:
+        return TensorSpec(name, "FP32", (seq2seq.num_layers, "batch", seq2seq.num_heads, length, seq2seq.head_dim))
+
+    return {
+        "cross_kv": (
+            (TensorSpec("hiddens", "FP32", ("batch", "src_length", hidden_size)),),
+            (kv("cross_k", "src_length"), kv("cross_v", "src_length")),
+        ),
+        "decoder_step": (
+            (
+                TensorSpec("tokens", "INT64", ("batch", 1)),
+                TensorSpec("enc_mask", "BOOL", ("batch", "src_length")),
+                kv("cross_k", "src_length"),
+                kv("cross_v", "src_length"),
+                kv("past_k", "past_length"),
+                kv("past_v", "past_length"),
+            ),
+            (
+                TensorSpec("logits", "FP32", ("batch", seq2seq.vocab_size)),
+                kv("present_k", "present_length"),
+                kv("present_v", "present_length"),
+            ),
+        ),
+        "decoder_full": (
+            (
+                TensorSpec("tokens", "INT64", ("batch", "tgt_length")),
+                TensorSpec("hiddens", "FP32", ("batch", "src_length", hidden_size)),
+                TensorSpec("enc_mask", "BOOL", ("batch", "src_length")),
+            ),
+            (TensorSpec("logits", "FP32", ("batch", "tgt_length", seq2seq.vocab_size)),),
+        ),
+    }
