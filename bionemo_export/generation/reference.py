@@ -18,7 +18,7 @@ import torch
 from bionemo_export.models.base import LoadedModel, Seq2SeqModules
 
 from .kv_decoder import KVCacheDecoder
-from .search import generate
+from .search import SAMPLING_DEFAULTS, generate
 
 
 class TorchDecoder(KVCacheDecoder):
@@ -77,8 +77,8 @@ def reference_sample(loaded: LoadedModel, sequences: Sequence[str], *, seed: int
     """What N_samplings answers for `sequences` with `seed`, computed with PyTorch."""
     seq2seq = loaded.seq2seq
     hiddens, mask = encode_hiddens(loaded, sequences)
-    options = {"num_samples": 1, "scaled_radius": 1.0, "top_k": 0, "top_p": 0.9, "temperature": 1.0,
-               "beam_size": 5, **parameters}
+    options = {**SAMPLING_DEFAULTS, "sampling_method": method, **parameters}
+    method = options.pop("sampling_method")
     ids = generate(TorchDecoder(seq2seq), hiddens, mask, method=method, rng=np.random.default_rng(seed),
                    begin_id=seq2seq.begin_id, end_id=seq2seq.end_id,
                    max_length=max_length or seq2seq.max_decode_length, **options)

@@ -32,6 +32,16 @@ SAMPLING_METHODS: tuple[str, ...] = (
 )
 MAX_NUM_SAMPLES = 64
 """Most samples one request may ask for (each one is a full decode of every row)."""
+SAMPLING_DEFAULTS = {
+    "num_samples": 1,
+    "scaled_radius": 1.0,
+    "sampling_method": "greedy-perturbate",
+    "top_k": 0,
+    "top_p": 0.9,
+    "temperature": 1.0,
+    "beam_size": 5,
+}
+"""What a sampling request gets for the options it leaves out (BioNeMo's defaults)."""
 
 
 class GenerationError(ValueError):
