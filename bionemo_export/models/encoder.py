@@ -39,10 +39,16 @@ class PooledEncoder(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hiddens = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         hiddens = hiddens.float()
-        weights = residue_mask.unsqueeze(-1).to(hiddens.dtype)
-        # clamp: an all-False mask (never produced by the tokenizer) gives zeros, not NaN.
-        counts = weights.sum(dim=1).clamp(min=1.0)
-        return hiddens, (hiddens * weights).sum(dim=1) / counts
+        return hiddens, masked_mean(hiddens, residue_mask)
+
+
+def masked_mean(hiddens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The embeddings [batch, hidden]: mean of hiddens [batch, length, hidden] where mask
+    [batch, length] is True. Tensor operations only, so it traces for any batch and length."""
+    weights = mask.unsqueeze(-1).to(hiddens.dtype)
+    # clamp: an all-False mask (never produced by the tokenizer) gives zeros, not NaN.
+    counts = weights.sum(dim=1).clamp(min=1.0)
+    return (hiddens * weights).sum(dim=1) / counts
 
 
 class HuggingFaceEncoderFamily(ModelFamily):
