@@ -103,6 +103,7 @@ def _optimize(
     opset: int,
 ) -> Any:
     """`nav.torch.optimize` with the ONNX target on CPU, our names and dynamic axes: a Package."""
+    _forget_earlier_workspaces()
     return nav.torch.optimize(
         model=module,
         dataloader=[arguments],
@@ -129,6 +130,16 @@ def _optimize(
             batch_sizes=[1], window_size=1, stabilization_windows=1, min_trials=1, max_trials=1
         ),
     )
+
+
+def _forget_earlier_workspaces() -> None:
+    """Navigator 0.14's process-wide optimize report remembers every workspace of the process and
+    writes its report into all of them after each run: the second export in one process fails
+    when the first one's (temporary) workspace is gone. Its own "registry cleared" event resets
+    that list."""
+    from model_navigator.reporting.optimize.events import OptimizeEvent, default_event_emitter
+
+    default_event_emitter().emit(OptimizeEvent.MODULE_REGISTRY_CLEARED)
 
 
 def _produced_model(nav: ModuleType, package: Any, folder: Path) -> Path:
