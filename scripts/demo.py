@@ -56,8 +56,8 @@ def main() -> int:
             embeddings = client.seqs_to_embedding([HEAVY_CHAIN, LIGHT_CHAIN])
         with EncoderClient("antiberty", f"http://{ep.http_url}") as client:
             hiddens, mask = client.seqs_to_hidden([HEAVY_CHAIN, LIGHT_CHAIN])
-        console.print(f"antiberty_embeddings (gRPC): shape {list(embeddings.shape)}, "
-                      f"heavy chain [:4] = {", ".join(f"{v:.4f}" for v in embeddings[0, :4])}")
+        first = ", ".join(f"{value:.4f}" for value in embeddings[0, :4])
+        console.print(f"antiberty_embeddings (gRPC): shape {list(embeddings.shape)}, heavy chain [:4] = {first}")
         console.print(f"antiberty_hiddens (HTTP): hiddens {list(hiddens.shape)}, mask {list(mask.shape)} "
                       f"with {mask.sum(1).tolist()} residues")
 
