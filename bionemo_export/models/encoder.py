@@ -156,7 +156,10 @@ def read_config(directory: Path, model_type: str) -> dict[str, Any]:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
-    if config.get("model_type") != model_type:
+    # Configs written by old transformers versions (rxnfp's, for one) have no model_type: the
+    # family the user named decides, and loading checks every weight's name and shape anyway.
+    config.setdefault("model_type", model_type)
+    if config["model_type"] != model_type:
         raise ValueError(f"{path} has model_type {config.get('model_type')!r}, expected {model_type!r}")
     return config
 
