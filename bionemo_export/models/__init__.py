@@ -1,6 +1,15 @@
-"""Model families: one module per architecture, registered by name (see base.py)."""
+"""Model families: one module per architecture, registered by name (see base.py).
 
-from bionemo_export.models import bert, esm2, megamolbart  # noqa: F401 - importing registers the families
-from bionemo_export.models.base import REGISTRY, LoadedModel, ModelFamily, get_family
+Every module of this package is imported here, so a family registers itself just by being a
+module in it (no list to edit); checkpoint readers live in the `readers` subpackage.
+"""
 
-__all__ = ["REGISTRY", "LoadedModel", "ModelFamily", "get_family"]
+import importlib
+import pkgutil
+
+from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, ModelFamily, get_family, infer_family
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["REGISTRY", "LoadedModel", "ModelDescription", "ModelFamily", "get_family", "infer_family"]

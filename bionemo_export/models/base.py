@@ -1,9 +1,18 @@
 """What a model family declares, in the style of optimum's exporter configs.
 
-A family is one small class registered under a name (`esm2`, `bert`, ...). It says how to read
-its checkpoint forms, which tokenizer it uses, which tasks it serves, the tolerance its exported
-graph must meet, and it wraps its PyTorch backbone into the one encoder signature every exporter
-and repository template understands:
+A family is one small class registered under a name (`esm2`, `bert`, ...). Loading a checkpoint
+goes in two steps:
+
+    path --(a reader, models/readers/)--> Checkpoint --(family.from_<form>)--> ModelDescription
+         --(family.build)--> LoadedModel
+
+A reader knows a form on disk and nothing of architectures; a family reads the forms for which it
+defines a `from_<form>` method (`from_huggingface`, `from_nemo`, `from_saved`), each turning that
+form's configuration, tokenizer files and key names into one normalized `ModelDescription` (its
+own config object, its tokenizer, the state dict in its own naming), and `build` makes the PyTorch
+module from that, whatever the form was. The family also says which tasks it serves and the
+tolerance its exported graph must meet, and wraps its backbone into the one encoder signature
+every exporter and repository template understands:
 
     inputs : input_ids INT64 [batch, length], attention_mask INT64 [batch, length],
              residue_mask BOOL [batch, length]   (True exactly on real residues)
@@ -11,7 +20,8 @@ and repository template understands:
              (embeddings = mean of hiddens over residue_mask, computed inside the graph)
 
 Adding a family is one new module in this package that subclasses `ModelFamily` and decorates it
-with `@register`; nothing else in the tree changes.
+with `@register` (the package imports every module in it); adding a form is one reader module plus a
+`from_<form>` method on the families that read it.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
 
-    from bionemo_export.tokenizers.character import CharacterTokenizer
+    from bionemo_export.models.readers import Checkpoint
+    from bionemo_export.tokenizers.protocol import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,7 @@ class LoadedModel:
     family: "ModelFamily"
     encoder: "torch.nn.Module"
     """forward(input_ids, attention_mask, residue_mask) -> (hiddens, embeddings); eval mode, fp32."""
-    tokenizer: "CharacterTokenizer"
+    tokenizer: "Tokenizer"
     hidden_size: int
     checkpoint: Path
     description: dict[str, Any] = field(default_factory=dict)
@@ -104,8 +115,23 @@ class LoadedModel:
         return encoder_outputs(self.hidden_size)
 
 
+@dataclass
+class ModelDescription:
+    """A checkpoint in normalized form: what `ModelFamily.build` needs, whatever the form was."""
+
+    checkpoint: "Checkpoint"
+    config: Any
+    """The family's own configuration object (a transformers config, a TransformerConfig, ...)."""
+    tokenizer: "Tokenizer"
+    state_dict: dict[str, "torch.Tensor"]
+    """The weights under the names of the module `build` makes (every one of them, nothing else)."""
+    facts: dict[str, Any] = field(default_factory=dict)
+    """What the form adds to manifest.json's description (e.g. the NeMo target class)."""
+
+
 class ModelFamily(ABC):
-    """One architecture family. Subclasses set the class variables and implement the methods."""
+    """One architecture family. Subclasses set the class variables, define a `from_<form>` method
+    for each checkpoint form they read, and implement the abstract methods."""
 
     name: ClassVar[str]
     description: ClassVar[str]
@@ -113,14 +139,39 @@ class ModelFamily(ABC):
     atol: ClassVar[float] = 1e-4
     """Max abs error allowed between the exported graph and PyTorch (fp32)."""
     min_cosine: ClassVar[float] = 0.9999
+    nemo_targets: ClassVar[tuple[str, ...]] = ()
+    """Class names of the `.nemo` `target`s this family reads (how `--model` is inferred)."""
 
-    @abstractmethod
+    @classmethod
+    def forms(cls) -> tuple[str, ...]:
+        """The checkpoint forms this family reads (those it has a from_<form> method for)."""
+        from bionemo_export.models.readers import READERS
+
+        return tuple(form for form in READERS if callable(getattr(cls, f"from_{form}", None)))
+
     def load(self, checkpoint: Path, max_length: int | None = None) -> LoadedModel:
-        """Read a checkpoint (any supported form) into a LoadedModel.
+        """Read a checkpoint (any form this family reads) into a LoadedModel.
 
         `max_length` (tokens, specials included) lowers the tokenizer's limit; it may not exceed
-        what the architecture supports. Raise ValueError naming the problem for bad checkpoints.
+        what the architecture supports. Raises ValueError (CheckpointError) naming the file and the
+        problem for bad checkpoints.
         """
+        return self.build(self.describe(read_checkpoint_for(self, Path(checkpoint)), max_length))
+
+    def describe(self, checkpoint: "Checkpoint", max_length: int | None = None) -> ModelDescription:
+        """The normalized description of a checkpoint already read."""
+        from bionemo_export.models.readers import CheckpointError
+
+        convert = getattr(self, f"from_{checkpoint.form}", None)
+        if convert is None:
+            kind = f" ({checkpoint.model_class if checkpoint.form == 'nemo' else f'model_type {checkpoint.model_class!r}'})"
+            raise CheckpointError(f"{checkpoint.path} is a {checkpoint.form} checkpoint{kind if checkpoint.model_class else ''}; "
+                                  f"the {self.name} family reads {', '.join(self.forms())} checkpoints")
+        return convert(checkpoint, max_length)
+
+    @abstractmethod
+    def build(self, description: ModelDescription) -> LoadedModel:
+        """The PyTorch modules (eval mode, fp32) and tokenizer of a described checkpoint."""
 
     @abstractmethod
     def save_random_checkpoint(self, out: Path, *, seed: int = 0, **sizes: int) -> Path:
@@ -141,6 +192,36 @@ def register(cls: type[ModelFamily]) -> type[ModelFamily]:
         raise ValueError(f"model family {cls.name!r} is registered twice")
     REGISTRY[cls.name] = cls
     return cls
+
+
+def read_checkpoint_for(family: ModelFamily, path: Path) -> "Checkpoint":
+    """Read `path` (any form), refusing a .nemo whose `target` belongs to another family."""
+    from bionemo_export.models.readers import CheckpointError, read_checkpoint
+
+    checkpoint = read_checkpoint(path)
+    if checkpoint.form == "nemo" and family.nemo_targets:
+        found = infer_family(checkpoint, required=False)
+        if found is not None and found != family.name:
+            raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "
+                                  f"reads, not {family.name}: use --model {found}")
+    return checkpoint
+
+
+def infer_family(checkpoint: "Checkpoint", required: bool = True) -> str | None:
+    """The family that reads a .nemo checkpoint, from its `target` class."""
+    from bionemo_export import models  # noqa: F401 - importing the package registers every family
+    from bionemo_export.models.readers import CheckpointError
+
+    target = (checkpoint.model_class or "").rsplit(".", 1)[-1]
+    for name, cls in sorted(REGISTRY.items()):
+        if target and target in cls.nemo_targets:
+            return name
+    if not required:
+        return None
+    known = ", ".join(f"{t} ({name})" for name, cls in sorted(REGISTRY.items()) for t in cls.nemo_targets)
+    what = f"target {checkpoint.model_class!r}" if target else "no target"
+    raise CheckpointError(f"{checkpoint.path} has {what} in model_config.yaml; known targets: {known}. "
+                          "Name the family with --model if it is one of them under another class name")
 
 
 def get_family(name: str) -> ModelFamily:

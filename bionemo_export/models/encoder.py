@@ -1,26 +1,30 @@
-"""What families with a Hugging Face encoder backbone (ESM-2, BERT protein LMs) have in common.
+"""What encoder families (ESM-2, ESM-1, ProtT5, BERT protein LMs) have in common.
 
 - `PooledEncoder`: the backbone wrapped into the one encoder signature of `base.py`, with the
   masked mean pooling inside the graph.
-- `HuggingFaceEncoderFamily`: reading such a checkpoint directory (config.json, weights, strict key
-  check) into a `LoadedModel`; a family supplies only its backbone class, key layout and tokenizer.
+- `EncoderFamily`: building an encoder from a `ModelDescription` (strict key check, pooling), for
+  Hugging Face backbones and the project's pre-LN transformer (Megatron layouts) alike;
+  `HuggingFaceEncoderFamily` adds the Hugging Face directory form: a family supplies only its
+  backbone class, key layout and tokenizer.
 - `save_random_model`: writing a small random checkpoint in the layout `load()` reads.
 """
 
 from __future__ import annotations
 
-import json
 from abc import abstractmethod
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from transformers.initialization import no_init_weights
 
-from bionemo_export.models.base import LoadedModel, ModelFamily
-from bionemo_export.tokenizers.character import CharacterTokenizer
-
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily
+from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.models.readers.base import some as _some
+from bionemo_export.models.readers.huggingface import read_config_json, read_weights  # noqa: F401 - re-exported
+from bionemo_export.models.transformer import Encoder as TransformerEncoder
+from bionemo_export.models.transformer import TransformerConfig
+from bionemo_export.tokenizers.protocol import Tokenizer
 
 
 class PooledEncoder(torch.nn.Module):
@@ -37,8 +41,9 @@ class PooledEncoder(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, residue_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hiddens = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        hiddens = hiddens.float()
+        output = self.backbone(input_ids=input_ids, attention_mask=attention_mask)
+        # transformers backbones return an output object, the project's own transformer a tensor
+        hiddens = getattr(output, "last_hidden_state", output).float()
         return hiddens, masked_mean(hiddens, residue_mask)
 
 
@@ -51,146 +56,150 @@ def masked_mean(hiddens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (hiddens * weights).sum(dim=1) / counts
 
 
-class HuggingFaceEncoderFamily(ModelFamily):
-    """A family whose checkpoint is a Hugging Face directory: config.json + weights (+ vocab)."""
+class EncoderFamily(ModelFamily):
+    """A family that serves an encoder (embeddings, hiddens): `build` makes the backbone its
+    description's config calls for, loads the state dict strictly and adds the pooling."""
+
+    backbone_class: ClassVar[type[Any]]
+    """The transformers model class of its Hugging Face form (EsmModel, BertModel, ...)."""
+    unused_prefixes: ClassVar[tuple[str, ...]] = ()
+    """Parameters of `backbone_class` the encoder does not use (heads): never loaded."""
+
+    def make_backbone(self, config: Any) -> torch.nn.Module:
+        """The backbone for `config`, its parameters not yet loaded: the project's pre-LN
+        transformer for a TransformerConfig (Megatron layouts), else `backbone_class`."""
+        if isinstance(config, TransformerConfig):
+            with torch.device("meta"):  # every parameter comes from the checkpoint
+                return TransformerEncoder(config)
+        # Skip the random initialisation (12 s for ESM-2 650M): strict loading overwrites every
+        # parameter the encoder uses, and buffers are computed in the constructors regardless.
+        with no_init_weights():
+            return self.backbone_class(config, add_pooling_layer=False)
+
+    def build(self, description: ModelDescription) -> LoadedModel:
+        config, checkpoint = description.config, description.checkpoint
+        backbone = self.make_backbone(config)
+        load_strict(backbone, description.state_dict, checkpoint.weights_path, self.unused_prefixes)
+        layers, hidden, heads = architecture_sizes(config)
+        return LoadedModel(
+            family=self,
+            encoder=PooledEncoder(backbone).float().eval(),
+            tokenizer=description.tokenizer,
+            hidden_size=hidden,
+            checkpoint=checkpoint.path,
+            description={
+                "architecture": type(backbone).__name__,
+                "layers": layers,
+                "hidden": hidden,
+                "heads": heads,
+                "parameters": sum(p.numel() for name, p in backbone.named_parameters()
+                                  if not name.startswith(self.unused_prefixes)),
+                "checkpoint_form": describe_form(checkpoint),
+                **description.facts,
+            },
+        )
+
+
+class HuggingFaceEncoderFamily(EncoderFamily):
+    """An encoder family with a Hugging Face directory form: config.json + weights (+ vocab)."""
 
     model_type: ClassVar[str]
     """config.json's model_type this family reads."""
     config_class: ClassVar[type[Any]]
     """The transformers config class (EsmConfig, BertConfig)."""
-    backbone_class: ClassVar[type[Any]]
-    """The transformers model class, built with add_pooling_layer=False (EsmModel, BertModel)."""
     key_prefix: ClassVar[str]
     """Prefix of the backbone's keys in *ForMaskedLM-style checkpoints (stripped when present)."""
-    unused_prefixes: ClassVar[tuple[str, ...]]
-    """Keys (after the prefix is stripped) of heads the encoder does not use: never loaded."""
 
     @abstractmethod
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
-        """The tokenizer for this checkpoint, limited to `max_length` tokens when given."""
+    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> Tokenizer:
+        """The tokenizer for the checkpoint directory, limited to `max_length` tokens when given."""
 
-    def load(self, checkpoint: Path, max_length: int | None = None) -> LoadedModel:
-        checkpoint = Path(checkpoint)
-        config = self.config_class.from_dict(read_config(checkpoint, self.model_type))
-        tokenizer = self.build_tokenizer(checkpoint, config, max_length)
+    def huggingface_config(self, checkpoint: Checkpoint) -> Any:
+        """config.json as this family's transformers config, checked to be of `model_type`."""
+        config = dict(checkpoint.config)
+        # Configs written by old transformers versions (rxnfp's, for one) have no model_type: the
+        # family the user named decides, and loading checks every weight's name and shape anyway.
+        config.setdefault("model_type", self.model_type)
+        if config["model_type"] != self.model_type:
+            raise CheckpointError(f"{checkpoint.path / 'config.json'} has model_type {config['model_type']!r}, "
+                                  f"expected {self.model_type!r}")
+        return self.config_class.from_dict(config)
+
+    def from_huggingface(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        config = self.huggingface_config(checkpoint)
+        tokenizer = self.build_tokenizer(checkpoint.path, config, max_length)
         if tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(
-                f"{checkpoint}: the vocabulary has {tokenizer.vocab_size} tokens but config.json's "
+            raise CheckpointError(
+                f"{checkpoint.path}: the vocabulary has {tokenizer.vocab_size} tokens but config.json's "
                 f"vocab_size is {config.vocab_size}"
             )
-        weights, weights_file = read_weights(checkpoint)
-        # Skip the random initialisation (12 s for ESM-2 650M): strict loading overwrites every
-        # parameter the encoder uses, and buffers are computed in the constructors regardless.
-        with no_init_weights():
-            backbone = self.backbone_class(config, add_pooling_layer=False)
-        self._load_strict(backbone, weights, checkpoint / weights_file)
-        return LoadedModel(
-            family=self,
-            encoder=PooledEncoder(backbone).eval(),
-            tokenizer=tokenizer,
-            hidden_size=config.hidden_size,
-            checkpoint=checkpoint,
-            description={
-                "architecture": self.backbone_class.__name__,
-                "layers": config.num_hidden_layers,
-                "hidden": config.hidden_size,
-                "heads": config.num_attention_heads,
-                "parameters": sum(p.numel() for p in self._used_parameters(backbone).values()),
-                "checkpoint_form": f"huggingface directory ({weights_file})",
-            },
-        )
+        return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(checkpoint.weights))
 
-    def _used_parameters(self, backbone: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        """The backbone's parameters minus the unused heads: what a checkpoint must provide."""
-        return {
-            name: p
-            for name, p in backbone.named_parameters()
-            if not name.startswith(self.unused_prefixes)
-        }
+    def huggingface_keys(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's weights under the backbone's names: the *ForMaskedLM prefix stripped,
+        old LayerNorm names modernized, heads the encoder does not use dropped."""
+        renamed = {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()}
+        return {key: tensor for key, tensor in renamed.items() if not key.startswith(self.unused_prefixes)}
 
-    def _load_strict(
-        self, backbone: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: Path
-    ) -> None:
-        """Load every parameter the encoder uses; raise ValueError on missing/unexpected/mis-shaped
-        keys. Buffers (position ids, rotary frequencies) are computed from the config, not read."""
-        buffers = {name.rsplit(".", 1)[-1] for name, _ in backbone.named_buffers()}
-        weights = {}
-        for key, tensor in state_dict.items():
-            key = _modern_name(key.removeprefix(self.key_prefix))
-            if not key.startswith(self.unused_prefixes) and key.rsplit(".", 1)[-1] not in buffers:
-                weights[key] = tensor
-        expected = self._used_parameters(backbone)
-        problems = []
-        if missing := sorted(expected.keys() - weights.keys()):
-            problems.append(f"missing keys: {_some(missing)}")
-        if unexpected := sorted(weights.keys() - expected.keys()):
-            problems.append(f"unexpected keys: {_some(unexpected)}")
-        shapes = [
-            f"{key} is {tuple(weights[key].shape)}, expected {tuple(expected[key].shape)}"
-            for key in sorted(expected.keys() & weights.keys())
-            if weights[key].shape != expected[key].shape
-        ]
-        if shapes:
-            problems.append(f"wrong shapes: {_some(shapes)}")
-        if problems:
-            raise ValueError(
-                f"{source} does not match the {type(backbone).__name__} described by config.json: "
-                + "; ".join(problems)
-            )
-        backbone.load_state_dict(weights, strict=False)
-        with torch.no_grad():  # unused heads were never initialised: make their memory defined
-            for name, parameter in backbone.named_parameters():
-                if name not in expected:
-                    parameter.zero_()
+
+def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str,
+                unused_prefixes: tuple[str, ...] = ()) -> None:
+    """Give `module` every parameter it uses from `state_dict`; CheckpointError naming `source`
+    for missing, unexpected and mis-shaped keys. Buffers (position ids, rotary frequencies) are
+    computed from the config, never read; parameters under `unused_prefixes` (heads) are zeroed."""
+    buffers = {name for name, _ in module.named_buffers()}
+    buffer_leaves = {name.rsplit(".", 1)[-1] for name in buffers}
+    weights = {key: tensor for key, tensor in state_dict.items()
+               if key not in buffers and key.rsplit(".", 1)[-1] not in buffer_leaves}
+    expected = {name: p for name, p in module.named_parameters() if not name.startswith(unused_prefixes)}
+    problems = []
+    if missing := sorted(expected.keys() - weights.keys()):
+        problems.append(f"missing keys: {_some(missing)}")
+    if unexpected := sorted(weights.keys() - expected.keys()):
+        problems.append(f"unexpected keys: {_some(unexpected)}")
+    shapes = [
+        f"{key} is {tuple(weights[key].shape)}, expected {tuple(expected[key].shape)}"
+        for key in sorted(expected.keys() & weights.keys())
+        if weights[key].shape != expected[key].shape
+    ]
+    if shapes:
+        problems.append(f"wrong shapes: {_some(shapes)}")
+    if problems:
+        raise CheckpointError(f"{source} does not match the {type(module).__name__} its configuration describes: "
+                              + "; ".join(problems))
+    module.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False, assign=True)
+    with torch.no_grad():  # unused heads were never initialised: make their memory defined
+        for name, parameter in module.named_parameters():
+            if name not in expected:
+                parameter.zero_()
+
+
+def architecture_sizes(config: Any) -> tuple[int, int, int]:
+    """(layers, hidden, heads) of a transformers config or a TransformerConfig."""
+    if isinstance(config, TransformerConfig):
+        return config.num_layers, config.hidden_size, config.num_heads
+    return config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+
+
+def describe_form(checkpoint: Checkpoint) -> str:
+    """The checkpoint form as manifest.json records it."""
+    if checkpoint.form == "huggingface":
+        return f"huggingface directory ({checkpoint.weights_name})"
+    if checkpoint.form == "nemo":
+        return f".nemo archive ({checkpoint.model_class or 'no target'})"
+    return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"  # the saved form
 
 
 def read_config(directory: Path, model_type: str) -> dict[str, Any]:
-    """config.json of a Hugging Face checkpoint directory, checked to be of `model_type`."""
+    """config.json of a checkpoint directory, checked to be of `model_type`."""
     if not directory.is_dir():
-        raise ValueError(f"checkpoint {directory} is not a directory (expected a Hugging Face "
-                         f"{model_type} checkpoint: config.json and weights)")
-    path = directory / "config.json"
-    if not path.is_file():
-        raise ValueError(f"checkpoint {directory} has no config.json")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-    # Configs written by old transformers versions (rxnfp's, for one) have no model_type: the
-    # family the user named decides, and loading checks every weight's name and shape anyway.
+        raise CheckpointError(f"checkpoint {directory} is not a directory (expected config.json and weights)")
+    config = read_config_json(directory)
     config.setdefault("model_type", model_type)
     if config["model_type"] != model_type:
-        raise ValueError(f"{path} has model_type {config.get('model_type')!r}, expected {model_type!r}")
+        raise CheckpointError(f"{directory / 'config.json'} has model_type {config['model_type']!r}, "
+                              f"expected {model_type!r}")
     return config
-
-
-def read_weights(directory: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """The state dict in `directory` (single file or sharded with an index) and its file name."""
-    for name in WEIGHT_FILES:
-        if (directory / name).is_file():
-            return _read_weight_file(directory / name), name
-        index = directory / f"{name}.index.json"
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            weights: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                weights.update(_read_weight_file(directory / shard))
-            return weights, index.name
-    raise ValueError(
-        f"checkpoint {directory} has no weights: expected {' or '.join(WEIGHT_FILES)} "
-        "(or a sharded *.index.json)"
-    )
-
-
-def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(path, device="cpu")
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # every reader has its own error types; name the file either way
-        raise ValueError(f"cannot read weights {path}: {err}") from err
 
 
 def _modern_name(key: str) -> str:
@@ -200,12 +209,6 @@ def _modern_name(key: str) -> str:
         if key.endswith(old):
             return key[: -len(old)] + new
     return key
-
-
-def _some(items: list[str], limit: int = 8) -> str:
-    """A readable list of the first `limit` items."""
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
 
 
 def read_vocab(path: Path) -> list[str]:

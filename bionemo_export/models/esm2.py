@@ -1,19 +1,26 @@
-"""ESM-2 (rotary positions, pre-LN) from a Hugging Face directory, read into `EsmModel`."""
+"""ESM-2 (rotary positions, pre-LN), read into transformers' `EsmModel` from a Hugging Face
+directory or from a BioNeMo ESM-2nv `.nemo` archive (Megatron BERT layout, mapped key by key to
+Hugging Face's names as shared/reference/bionemo-serving.md documents).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 
-from bionemo_export.models.base import register
+from bionemo_export.models.base import ModelDescription, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
     read_vocab,
     save_random_model,
     token_limit,
 )
+from bionemo_export.models.megatron import check_gelu, cut_vocab, rename, split_fused
+from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.models.readers.nemo import setting
 from bionemo_export.tokenizers.character import CharacterTokenizer
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
@@ -33,19 +40,69 @@ class Esm2Family(HuggingFaceEncoderFamily):
     key_prefix = "esm."
     unused_prefixes = ("lm_head.", "contact_head.")
 
+    nemo_targets = ("ESM2nvModel",)
+
+    position_embedding_type = "rotary"
+    """What config.json must say (ESM-1b-style directories say "absolute": the esm1 family)."""
+
+    def huggingface_config(self, checkpoint: Checkpoint) -> Any:
+        config = super().huggingface_config(checkpoint)
+        if config.position_embedding_type != self.position_embedding_type:
+            other = "esm1" if config.position_embedding_type == "absolute" else "esm2"
+            raise CheckpointError(f"{checkpoint.path / 'config.json'}: position_embedding_type is "
+                                  f"{config.position_embedding_type!r}, not {self.position_embedding_type!r}: "
+                                  f"use --model {other}")
+        return config
+
     def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
         vocab_file = checkpoint / "vocab.txt"
         if vocab_file.is_file():
             _check_alphabet(vocab_file)
-        return CharacterTokenizer(
-            ALPHABET,
-            residues=RESIDUES,
-            pad_token="<pad>",
-            bos_token="<cls>",
-            eos_token="<eos>",
-            unk_token="<unk>",
-            max_length=token_limit(MAX_TOKENS, max_length, "ESM-2"),
+        return esm_tokenizer(token_limit(MAX_TOKENS, max_length, "ESM-2"))
+
+    def from_nemo(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        """An ESM-2nv archive. Its tokenizer is named by Hugging Face model name (not in the
+        archive): the fixed ESM-2 alphabet applies."""
+        source = f"{checkpoint.path}:model_config.yaml"
+        position = setting(checkpoint, "position_embedding_type", default="rope")
+        if position != "rope":
+            raise CheckpointError(f"{source}: position_embedding_type is {position!r}; ESM-2nv uses 'rope'")
+        heads = int(setting(checkpoint, "num_attention_heads"))
+        layers = int(setting(checkpoint, "num_layers"))
+        hidden = int(setting(checkpoint, "hidden_size"))
+        exact = bool(setting(checkpoint, "esm_gelu", default=False))
+        activation = "gelu" if exact else check_gelu(
+            setting(checkpoint, "activation", default="gelu"), bool(setting(checkpoint, "bias_gelu_fusion", default=True)),
+            source)
+        seq_length = int(setting(checkpoint, "seq_length", default=MAX_TOKENS))
+        config = transformers.EsmConfig(
+            vocab_size=len(ALPHABET),
+            pad_token_id=ALPHABET.index("<pad>"),
+            mask_token_id=ALPHABET.index("<mask>"),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=int(setting(checkpoint, "ffn_hidden_size", default=4 * hidden)),
+            position_embedding_type="rotary",
+            max_position_embeddings=int(setting(checkpoint, "max_position_embeddings", default=seq_length)),
+            token_dropout=bool(setting(checkpoint, "embedding_token_dropout", default=False)),
+            emb_layer_norm_before=False,
+            layer_norm_eps=float(setting(checkpoint, "layernorm_epsilon", default=1e-5)),
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
+        config.gelu_approximate = "tanh" if activation == "gelu_tanh" else "none"
+        tokenizer = esm_tokenizer(token_limit(min(seq_length, MAX_TOKENS), max_length, "this ESM-2nv model"))
+        weights = _megatron_to_huggingface(checkpoint, config)
+        return ModelDescription(checkpoint, config, tokenizer, weights,
+                                facts={"nemo_target": checkpoint.model_class, "activation": activation})
+
+    def make_backbone(self, config: Any) -> torch.nn.Module:
+        backbone = super().make_backbone(config)
+        if getattr(config, "gelu_approximate", "none") == "tanh":
+            for layer in backbone.encoder.layer:
+                layer.intermediate = _TanhGeluIntermediate(layer.intermediate.dense)
+        return backbone
 
     def save_random_checkpoint(
         self,
@@ -88,6 +145,61 @@ class Esm2Family(HuggingFaceEncoderFamily):
             "MSKGEELFTGVVPILVELDGDVNGHKFSVSGEGEGDATYGKLTLKFICTTGKLPVPWPTLVTTFSYGVQCFSRYPDHMKQ"
             "HDFFKSAMPEGYVQERTIFFKDDGNYKTRAEVKFEGDTLV",
         ]
+
+
+def esm_tokenizer(max_length: int) -> CharacterTokenizer:
+    """<cls> + residues + <eos> over the 33-token ESM alphabet (ESM-2, and ESM-1b in Hugging Face form)."""
+    return CharacterTokenizer(ALPHABET, residues=RESIDUES, pad_token="<pad>", bos_token="<cls>",
+                              eos_token="<eos>", unk_token="<unk>", max_length=max_length)
+
+
+class _TanhGeluIntermediate(torch.nn.Module):
+    """EsmIntermediate with the tanh approximation of GELU (Megatron's fused bias-GELU)."""
+
+    def __init__(self, dense: torch.nn.Linear) -> None:
+        super().__init__()
+        self.dense = dense
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.dense(hidden_states), approximate="tanh")
+
+
+def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmConfig) -> dict[str, torch.Tensor]:
+    """ESM-2nv's Megatron BERT keys -> EsmModel's (the table in bionemo-serving.md): fused QKV
+    split per head, the word embeddings cut from 128 padded rows to 33, the LM head left out."""
+    source = checkpoint.weights_path
+    weights = {key.removeprefix("model."): tensor for key, tensor in checkpoint.weights.items()}
+    _check_rotary(weights.pop("language_model.rotary_pos_emb.inv_freq", None), config, source)
+    weights = split_fused(weights, config.num_attention_heads, source)
+    table = [("language_model.embedding.word_embeddings.", "embeddings.word_embeddings."),
+             ("language_model.encoder.final_layernorm.", "encoder.emb_layer_norm_after.")]
+    for i in range(config.num_hidden_layers):
+        old, new = f"language_model.encoder.layers.{i}.", f"encoder.layer.{i}."
+        table += [(old + "input_layernorm.", new + "attention.LayerNorm."),
+                  (old + "self_attention.query.", new + "attention.self.query."),
+                  (old + "self_attention.key.", new + "attention.self.key."),
+                  (old + "self_attention.value.", new + "attention.self.value."),
+                  (old + "self_attention.dense.", new + "attention.output.dense."),
+                  (old + "post_attention_layernorm.", new + "LayerNorm."),
+                  (old + "mlp.dense_h_to_4h.", new + "intermediate.dense."),
+                  (old + "mlp.dense_4h_to_h.", new + "output.dense.")]
+    weights = rename(weights, table, drop=("lm_head.", "language_model.pooler.", "binary_head."))
+    key = "embeddings.word_embeddings.weight"
+    if key in weights:
+        weights[key] = cut_vocab(weights[key], config.vocab_size, "model.language_model.embedding.word_embeddings.weight",
+                                 source)
+    return weights
+
+
+def _check_rotary(inv_freq: torch.Tensor | None, config: transformers.EsmConfig, source: str) -> None:
+    """The archive's rotary frequencies must be the standard ones EsmModel computes."""
+    if inv_freq is None:
+        return
+    head_dim = config.hidden_size // config.num_attention_heads
+    expected = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if inv_freq.shape != expected.shape or not torch.allclose(inv_freq.float(), expected, rtol=1e-4):
+        raise CheckpointError(f"{source}: model.language_model.rotary_pos_emb.inv_freq is not the standard "
+                              f"rotary frequency table for head size {head_dim}")
 
 
 def _check_alphabet(vocab_file: Path) -> None:

@@ -9,8 +9,10 @@ The encoder is exported with the standard signature of base.py; the decoder as t
 `Seq2SeqModules` (cross_kv, decoder_step with a self-attention cache, decoder_full without), all
 views of one `MegaMolBart` sharing its parameters.
 
-Checkpoint form read here: the project's own saved form, a directory with config.json
-({"model_type": "megamolbart", sizes...}), model.safetensors and vocab.txt (line order = id).
+Checkpoint forms read here: BioNeMo's `.nemo` archive (NeMo's Megatron encoder-decoder layout,
+regex tokenizer artifacts) and the project's own saved form, a directory with config.json
+({"model_type": "megamolbart", sizes...}), model.safetensors and vocab.txt (line order = id). A
+vocabulary padded beyond the tokenizer (Megatron pads to a multiple of 128) is cut back to it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,20 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from bionemo_export.models.base import LoadedModel, ModelFamily, Seq2SeqModules, register
-from bionemo_export.models.encoder import masked_mean, read_config, read_vocab, read_weights, token_limit
+from bionemo_export.models.transformer import (
+    DecoderLayer,
+    Embedding,
+    EncoderLayer,
+    Stack,
+    TransformerConfig,
+    encode,
+    initialize,
+)
+from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, Seq2SeqModules, register
+from bionemo_export.models.encoder import describe_form, load_strict, masked_mean, token_limit
+from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
+from bionemo_export.models.readers import Checkpoint, CheckpointError, read_checkpoint
+from bionemo_export.models.readers.nemo import artifact_text, setting
 from bionemo_export.tokenizers.smiles import SmilesTokenizer, build_vocab
 
 MODEL_TYPE = "megamolbart"
@@ -56,30 +70,8 @@ DEFAULT_VOCAB_SMILES = [
 
 
 @dataclass
-class MegaMolBartConfig:
+class MegaMolBartConfig(TransformerConfig):
     """The sizes of a MegaMolBART; defaults are the released checkpoint's (except vocab_size)."""
-
-    vocab_size: int
-    hidden_size: int = 512
-    num_layers: int = 6
-    """Layers of the encoder, and of the decoder."""
-    num_heads: int = 8
-    ffn_size: int = 0
-    """Width of the MLPs; 0 means 4 * hidden_size."""
-    max_position_embeddings: int = 512
-    layer_norm_eps: float = 1e-5
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.ffn_size = self.ffn_size or 4 * self.hidden_size
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     def to_dict(self) -> dict[str, Any]:
         """config.json's content."""
@@ -100,125 +92,6 @@ class MegaMolBartConfig:
             raise ValueError(f"{source}: {err}") from None
 
 
-def _split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[batch, length, hidden] -> [batch, heads, length, head_dim]."""
-    return x.unflatten(-1, (num_heads, -1)).transpose(1, 2)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Scaled dot-product attention; `allowed` (bool, broadcast to [batch, heads, queries, keys])
-    is True where a query may look at a key. Returns [batch, queries, hidden]."""
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    # The dtype's minimum rather than -inf: exp() still gives exactly 0, and a fully masked row
-    # (a padded query) gives a uniform average instead of NaN.
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return (scores.softmax(dim=-1) @ v).transpose(1, 2).flatten(2)
-
-
-class Attention(nn.Module):
-    """Multi-head attention with separate query/key/value projections and an output `dense`."""
-
-    def __init__(self, config: MegaMolBartConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        hidden = config.hidden_size
-        self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.dense = nn.Linear(hidden, hidden)
-
-    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `x`, each [batch, heads, length, head_dim] (what caches hold)."""
-        return _split_heads(self.key(x), self.num_heads), _split_heads(self.value(x), self.num_heads)
-
-    def forward(
-        self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention of the queries of `x` over keys `k` and values `v` where `allowed`."""
-        return self.dense(_attend(_split_heads(self.query(x), self.num_heads), k, v, allowed))
-
-
-class Mlp(nn.Module):
-    def __init__(self, config: MegaMolBartConfig) -> None:
-        super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_size)
-        self.dense_4h_to_h = nn.Linear(config.ffn_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(nn.functional.gelu(self.dense_h_to_4h(x)))
-
-
-class EncoderLayer(nn.Module):
-    """Pre-LN: x + attention(LN(x)), then x + mlp(LN(x))."""
-
-    def __init__(self, config: MegaMolBartConfig) -> None:
-        super().__init__()
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attention = Attention(config)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = Mlp(config)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.dropout(self.self_attention(h, *self.self_attention.keys_values(h), allowed))
-        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
-
-
-class DecoderLayer(nn.Module):
-    """Pre-LN: causal self-attention, cross-attention to the encoder (`inter_attention`), MLP."""
-
-    def __init__(self, config: MegaMolBartConfig) -> None:
-        super().__init__()
-        eps = config.layer_norm_eps
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.self_attention = Attention(config)
-        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.inter_attention = Attention(config)
-        self.post_inter_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
-        self.mlp = Mlp(config)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
-        self_allowed: torch.Tensor,
-        cross: tuple[torch.Tensor, torch.Tensor],
-        cross_allowed: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x, keys, values): the keys/values of the cached positions followed by x's own."""
-        h = self.input_layernorm(x)
-        k, v = self.self_attention.keys_values(h)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        x = x + self.dropout(self.self_attention(h, k, v, self_allowed))
-        x = x + self.dropout(self.inter_attention(self.post_attention_layernorm(x), *cross, cross_allowed))
-        x = x + self.dropout(self.mlp(self.post_inter_attention_layernorm(x)))
-        return x, k, v
-
-
-class Embedding(nn.Module):
-    """Token + learned absolute position embeddings; tokens start at position `offset`."""
-
-    def __init__(self, config: MegaMolBartConfig) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, ids: torch.Tensor, offset: int | torch.SymInt = 0) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device) + offset
-        return self.dropout(self.word_embeddings(ids) + self.position_embeddings(positions))
-
-
-class Stack(nn.Module):
-    """The layers of the encoder or of the decoder, and their final LayerNorm."""
-
-    def __init__(self, config: MegaMolBartConfig, layer: type[nn.Module]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layer(config) for _ in range(config.num_layers))
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-
 class MegaMolBart(nn.Module):
     """The whole model. `encode` gives the hidden states; `cross_kv` + `decode` run the decoder
     (teacher-forced, incrementally with a cache, or both); `forward` is the training pass."""
@@ -227,18 +100,14 @@ class MegaMolBart(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config)
-        self.encoder = Stack(config, EncoderLayer)
-        self.decoder = Stack(config, DecoderLayer)
+        self.encoder = Stack(config, EncoderLayer, config.num_layers)
+        self.decoder = Stack(config, DecoderLayer, config.num_decoder_layers)
         self.tokens_head = nn.Linear(config.hidden_size, config.vocab_size)
-        self.apply(_initialize)
+        self.apply(initialize)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Hidden states [batch, length, hidden] of the SMILES tokens (no begin/end tokens)."""
-        allowed = attention_mask.bool()[:, None, None, :]
-        x = self.embedding(input_ids)
-        for layer in self.encoder.layers:
-            x = layer(x, allowed)
-        return self.encoder.final_layernorm(x)
+        return encode(self.embedding, self.encoder, input_ids, attention_mask)
 
     def cross_kv(self, hiddens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer's cross-attention keys and values of the encoder's hidden states,
@@ -279,15 +148,6 @@ class MegaMolBart(nn.Module):
         """Teacher-forced logits [batch, T, vocab] of the decoder given `decoder_tokens` (training)."""
         cross = self.cross_kv(self.encode(input_ids, attention_mask))
         return self.decode(decoder_tokens, attention_mask, *cross)[0]
-
-
-def _initialize(module: nn.Module) -> None:
-    """Megatron's initialisation (normal, std 0.02; zero biases), which MegaMolBART was trained
-    from; PyTorch's defaults would give the embeddings unit variance."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
 
 
 class _ModelView(nn.Module):
@@ -361,49 +221,91 @@ def load_model(directory: Path) -> tuple[MegaMolBart, list[str], str]:
     """(model in eval mode, vocabulary, weights file name) of a saved-form directory, read
     strictly: ValueError names a missing file, a wrong model_type, or the missing, unexpected
     and mis-shaped weights."""
-    directory = Path(directory)
-    config = MegaMolBartConfig.from_dict(read_config(directory, MODEL_TYPE), directory / "config.json")
-    vocab_file = directory / "vocab.txt"
-    if not vocab_file.is_file():
-        raise ValueError(f"checkpoint {directory} has no vocab.txt")
-    vocab = read_vocab(vocab_file)
-    if len(vocab) > config.vocab_size:
-        raise ValueError(
-            f"{vocab_file} has {len(vocab)} tokens but config.json's vocab_size is {config.vocab_size}"
-        )
-    weights, weights_file = read_weights(directory)
-    # Built on the meta device and then given the checkpoint's tensors: no time spent on a random
-    # initialisation that strict loading overwrites entirely.
-    with torch.device("meta"):
-        model = MegaMolBart(config)
-    try:
-        model.load_state_dict(weights, strict=True, assign=True)
-    except RuntimeError as err:  # torch lists every missing, unexpected and mis-shaped key
-        raise ValueError(f"{directory / weights_file} does not match config.json: {err}") from None
-    return model.float().eval(), vocab, weights_file
+    family = MegaMolBartFamily()
+    description = family.describe(read_checkpoint(Path(directory)))
+    return family.build_model(description), list(description.tokenizer.vocab), description.checkpoint.weights_name
+
+
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "tokens_head.weight", "tokens_head.bias")
+"""The tensors with one row per vocabulary entry (cut to the tokenizer's size when padded)."""
+
+
+def _cut_padded_vocab(weights: dict[str, torch.Tensor], rows: int, size: int, source: str) -> dict[str, torch.Tensor]:
+    """Keep the tokenizer's `size` rows of the tensors declared with `rows` (padded) rows: a
+    padded id then has no logit at all, so no decode can ever produce one."""
+    for key in VOCAB_ROWS:
+        if key in weights:
+            if weights[key].shape[0] != rows:
+                raise CheckpointError(f"{source}: {key} has {weights[key].shape[0]} rows, expected {rows}")
+            weights[key] = cut_vocab(weights[key], size, key, source)
+    return weights
 
 
 @register
 class MegaMolBartFamily(ModelFamily):
     name = "megamolbart"
-    description = "MegaMolBART SMILES encoder-decoder (pre-LN, learned positions), the project's saved form"
+    description = "MegaMolBART SMILES encoder-decoder (pre-LN, learned positions): .nemo or the project's saved form"
     tasks = ("embeddings", "hiddens", "decodes", "samplings")
     atol = 1e-4
+    nemo_targets = ("MegaMolBARTModel",)
 
-    def load(self, checkpoint: Path, max_length: int | None = None) -> LoadedModel:
-        checkpoint = Path(checkpoint)
-        model, vocab, weights_file = load_model(checkpoint)
-        config = model.config
+    def from_saved(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        config = MegaMolBartConfig.from_dict(checkpoint.config, checkpoint.path / "config.json")
+        vocab = checkpoint.text("vocab.txt", "vocabulary").splitlines()
+        if len(vocab) > config.vocab_size:
+            raise CheckpointError(f"{checkpoint.path / 'vocab.txt'} has {len(vocab)} tokens but config.json's "
+                                  f"vocab_size is {config.vocab_size}")
+        tokenizer = self._tokenizer(checkpoint, vocab, config, max_length)
+        weights = _cut_padded_vocab(dict(checkpoint.weights), config.vocab_size, len(vocab), checkpoint.weights_path)
+        return ModelDescription(checkpoint, dataclasses.replace(config, vocab_size=len(vocab)), tokenizer, weights)
+
+    def from_nemo(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        """A BioNeMo MegaMolBART archive: NeMo's regex tokenizer files, the Megatron
+        encoder-decoder layout (megatron.py), vocabulary rows padded to a multiple of 128."""
+        vocab = artifact_text(checkpoint, "vocab_file").splitlines()
+        vocab = vocab[:-1] if vocab and not vocab[-1] else vocab
+        pattern = artifact_text(checkpoint, "model").strip() if "model" in (checkpoint.config.get("tokenizer") or {}) \
+            else None
+        base = transformer_config(checkpoint, len(vocab), ("encoder", "decoder"))
+        config = MegaMolBartConfig(**base.to_dict())
+        tokenizer = self._tokenizer(checkpoint, vocab, config, max_length, pattern)
+        source = checkpoint.weights_path
+        weights = encoder_decoder_keys(checkpoint.weights, config.num_heads, source)
+        embedding = weights.get("embedding.word_embeddings.weight")
+        if "tokens_head.weight" not in weights and embedding is not None and \
+                setting(checkpoint, "share_decoder_tokens_head_embeddings", default=True):
+            weights["tokens_head.weight"] = embedding  # the output head tied to the token embeddings
+        if embedding is not None:
+            weights = _cut_padded_vocab(weights, embedding.shape[0], len(vocab), source)
+        return ModelDescription(checkpoint, config, tokenizer, weights,
+                                facts={"nemo_target": checkpoint.model_class, "activation": config.activation})
+
+    def _tokenizer(self, checkpoint: Checkpoint, vocab: list[str], config: MegaMolBartConfig,
+                   max_length: int | None, pattern: str | None = None) -> SmilesTokenizer:
         try:
             limit = token_limit(config.max_position_embeddings, max_length, "MegaMolBART")
-            tokenizer = SmilesTokenizer(vocab, max_length=limit)
+            options = {"pattern": pattern} if pattern else {}
+            return SmilesTokenizer(vocab, max_length=limit, **options)
         except ValueError as err:
-            raise ValueError(f"checkpoint {checkpoint}: {err}") from None
+            raise CheckpointError(f"checkpoint {checkpoint.path}: {err}") from None
+
+    def build_model(self, description: ModelDescription) -> MegaMolBart:
+        """The whole model, its parameters strictly loaded from the description."""
+        # Built on the meta device and then given the checkpoint's tensors: no time spent on a random
+        # initialisation that strict loading overwrites entirely.
+        with torch.device("meta"):
+            model = MegaMolBart(MegaMolBartConfig(**dataclasses.asdict(description.config)))
+        load_strict(model, description.state_dict, description.checkpoint.weights_path)
+        return model.float().eval()
+
+    def build(self, description: ModelDescription) -> LoadedModel:
+        model = self.build_model(description)
+        config, tokenizer = model.config, description.tokenizer
         seq2seq = Seq2SeqModules(
             cross_kv=CrossKV(model).eval(),
             decoder_step=DecoderStep(model).eval(),
             decoder_full=DecoderFull(model).eval(),
-            num_layers=config.num_layers,
+            num_layers=config.num_decoder_layers,
             num_heads=config.num_heads,
             head_dim=config.head_dim,
             vocab_size=config.vocab_size,
@@ -417,14 +319,15 @@ class MegaMolBartFamily(ModelFamily):
             encoder=MegaMolBartEncoder(model).eval(),
             tokenizer=tokenizer,
             hidden_size=config.hidden_size,
-            checkpoint=checkpoint,
+            checkpoint=description.checkpoint.path,
             description={
                 "architecture": type(model).__name__,
                 "layers": config.num_layers,
                 "hidden": config.hidden_size,
                 "heads": config.num_heads,
                 "parameters": sum(p.numel() for p in model.parameters()),
-                "checkpoint_form": f"megamolbart directory ({weights_file})",
+                "checkpoint_form": describe_form(description.checkpoint),
+                **description.facts,
             },
             seq2seq=seq2seq,
         )

@@ -1,0 +1,107 @@
+"""What a checkpoint reader returns: one `Checkpoint`, whatever the form on disk.
+
+A reader knows a file layout (a Hugging Face directory, a BioNeMo `.nemo` archive, the project's
+saved form) and nothing about architectures: it hands over the configuration, the raw state dict
+under the checkpoint's own key names, and the small side files (vocabularies, tokenizer models).
+Families turn that into their module (models/base.py: `ModelFamily.describe`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_SIDE_FILE_BYTES = 64 << 20
+"""Side files (vocabularies, tokenizer models, configs) larger than this are not read into memory."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the file (and key) and the problem."""
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read into memory, in its own naming."""
+
+    path: Path
+    """The file or directory the user named."""
+    form: str
+    """The reader's name: "huggingface", "nemo", "saved"."""
+    config: dict[str, Any]
+    """config.json, or a .nemo's model_config.yaml (nested sections kept as they are)."""
+    weights: Mapping[str, "torch.Tensor"]
+    """The state dict, keys as stored."""
+    weights_name: str
+    """Where the weights came from, for messages ("model.safetensors", "model_weights.ckpt")."""
+    files: dict[str, bytes] = field(default_factory=dict)
+    """Side files by name (vocab.txt, spiece.model, tokenizer.json, a .nemo's tokenizer artifacts)."""
+    model_class: str | None = None
+    """What the checkpoint says it is: config.json's model_type, or a .nemo's `target` class."""
+
+    @property
+    def weights_path(self) -> str:
+        """The weights' location for error messages: 'dir/model.safetensors', 'x.nemo:model_weights.ckpt'."""
+        return f"{self.path}:{self.weights_name}" if self.path.is_file() else str(self.path / self.weights_name)
+
+    def file(self, name: str, what: str = "file") -> bytes:
+        """The side file `name`; CheckpointError naming the checkpoint when it is missing."""
+        try:
+            return self.files[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no {what} {name!r} in the checkpoint") from None
+
+    def text(self, name: str, what: str = "file") -> str:
+        data = self.file(name, what)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: {what} {name!r} is not UTF-8 text") from None
+
+
+class CheckpointReader:
+    """One checkpoint form. Subclasses set `form` and implement `recognizes` and `read`."""
+
+    form: ClassVar[str]
+    description: ClassVar[str]
+
+    def recognizes(self, path: Path) -> bool:
+        """Whether `path` looks like this form (cheap: no weights are read)."""
+        raise NotImplementedError
+
+    def read(self, path: Path) -> Checkpoint:
+        """The checkpoint at `path`; CheckpointError naming the file and the problem."""
+        raise NotImplementedError
+
+
+READERS: dict[str, CheckpointReader] = {}
+
+
+def register_reader(cls: type[CheckpointReader]) -> type[CheckpointReader]:
+    """Class decorator: make a reader available under `cls.form`."""
+    if cls.form in READERS:
+        raise ValueError(f"checkpoint form {cls.form!r} is registered twice")
+    READERS[cls.form] = cls()
+    return cls
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Read `path` with the first reader that recognizes it; the error lists the known forms."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    for reader in READERS.values():
+        if reader.recognizes(path):
+            return reader.read(path)
+    forms = "; ".join(f"{r.form}: {r.description}" for r in READERS.values())
+    what = "is not a directory nor a .nemo archive" if path.is_file() else "is not a checkpoint"
+    raise CheckpointError(f"{path} {what}; this tool reads {forms}")
+
+
+def some(items: list[str], limit: int = 8) -> str:
+    """A readable list of the first `limit` items."""
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more

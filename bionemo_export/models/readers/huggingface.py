@@ -1,0 +1,107 @@
+"""The Hugging Face directory form: config.json, weights (safetensors or torch, maybe sharded) and
+tokenizer files (vocab.txt, spiece.model, tokenizer.json, ...)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SAVED_FORM_TYPES = ("megamolbart",)
+"""model_type values of the project's own saved form (readers/saved.py), not Hugging Face models."""
+
+
+def read_config_json(directory: Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory, as a dict."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return config
+
+
+def read_weights(directory: Path) -> tuple[dict[str, Any], str]:
+    """The state dict in `directory` (one file, or shards listed by an index) and its file name."""
+    for name in WEIGHT_FILES:
+        if (directory / name).is_file():
+            return read_weight_file(directory / name), name
+        index = directory / f"{name}.index.json"
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise CheckpointError(f"{index} is not a weight index ({err})") from None
+            weights: dict[str, Any] = {}
+            for shard in shards:
+                weights.update(read_weight_file(directory / shard))
+            return weights, index.name
+    raise CheckpointError(
+        f"checkpoint {directory} has no weights: expected {' or '.join(WEIGHT_FILES)} "
+        "(or a sharded *.index.json)"
+    )
+
+
+def read_weight_file(path: Path) -> dict[str, Any]:
+    """A safetensors or torch state dict; torch files are read with weights_only=True, so no
+    pickled code ever runs."""
+    import torch
+
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            weights = load_file(path, device="cpu")
+        else:
+            weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # every format has its own errors; name the file either way
+        raise CheckpointError(f"cannot read weights {path}: {type(err).__name__}: {err}") from None
+    return check_state_dict(weights, str(path))
+
+
+def check_state_dict(weights: Any, source: str) -> dict[str, Any]:
+    """`weights` checked to be a flat {name: tensor} dict (some files wrap it in {"state_dict": ...})."""
+    import torch
+
+    if isinstance(weights, dict) and isinstance(weights.get("state_dict"), dict):
+        weights = weights["state_dict"]
+    if not isinstance(weights, dict) or not weights:
+        raise CheckpointError(f"{source} holds no state dict (found {type(weights).__name__})")
+    if bad := [str(k) for k, v in weights.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]:
+        raise CheckpointError(f"{source}: entries that are not named tensors: {', '.join(bad[:5])}")
+    return weights
+
+
+@register_reader
+class HuggingFaceReader(CheckpointReader):
+    form = "huggingface"
+    description = "a Hugging Face directory (config.json + model.safetensors or pytorch_model.bin)"
+
+    def recognizes(self, path: Path) -> bool:
+        # Any directory but the saved form's: the most common form, so its errors ("no
+        # config.json", "no weights") are the helpful ones for a directory that is neither.
+        if not path.is_dir():
+            return False
+        try:
+            return read_config_json(path).get("model_type") not in SAVED_FORM_TYPES
+        except CheckpointError:
+            return True  # ours to report
+
+    def read(self, path: Path) -> Checkpoint:
+        config = read_config_json(path)
+        weights, weights_name = read_weights(path)
+        files = {
+            item.name: item.read_bytes()
+            for item in sorted(path.iterdir())
+            if item.is_file() and item.stat().st_size <= MAX_SIDE_FILE_BYTES
+            and not item.name.startswith(WEIGHT_FILES)
+        }
+        return Checkpoint(path=path, form=self.form, config=config, weights=weights, weights_name=weights_name,
+                          files=files, model_class=config.get("model_type"))
