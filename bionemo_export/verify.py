@@ -143,7 +143,7 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
     manifest = read_manifest(repository)
     family = get_family(manifest["family"])
     loaded = family.load(checkpoint, max_length=manifest.get("max_length"))
-    samples = family.sample_sequences()
+    samples = loaded.family.sample_sequences()  # fits the checkpoint (bert: protein or SMILES)
     batches = [samples] + [[s] for s in sorted(samples, key=len)[:: max(1, len(samples) // 3)]]
     with ExitStack() as stack:
         if url is None:

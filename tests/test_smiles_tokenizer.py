@@ -185,3 +185,150 @@ except TokenizationError as err:
     ids, error = result.stdout.strip().splitlines()
     assert ids == str(tokenizer.encode(["CCO", "C[C@@H](Cl)Br"]).input_ids.tolist())
     assert error == "sequence 0: token 'X' at character 1 is not in the vocabulary"
+
+
+# --- the generalized tokenizer: any regex, bos/eos around each sequence (BERT SMILES models) ----
+
+# rxnfp's regex as its authors publish it (one capturing group, applied with re.findall): the
+# independent reference for REACTION_SMILES_PATTERN.
+RXNFP_REGEX = re.compile(
+    r"(\%\([0-9]{3}\)|\[[^\]]+]|Br?|Cl?|N|O|S|P|F|I|b|c|n|o|s|p|\||\(|\)|\.|=|#|-|\+|\\|\/|:|~|@|\?|>>?|\*|\$"
+    r"|\%[0-9]{2}|[0-9])"
+)
+REACTIONS = [
+    "CC(=O)O.OCC>>CC(=O)OCC",
+    "Brc1ccccc1.OB(O)c1ccccc1>>c1ccc(-c2ccccc2)cc1",
+    "C[C@@H](N)C(=O)O.[Na+].[OH-]>>C[C@@H](N)C(=O)[O-].[Na+]",
+    "CCO",
+    "C1CC%(123)CC1%(123)",  # three-digit ring closure
+    "CC>O>CC|c1ccccc1",  # reagents between single '>' and the '|' fragment separator
+    "F/C=C\\F",
+]
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def bert_smiles(vocab, max_length=16, **options) -> SmilesTokenizer:
+    settings = dict(pattern=smiles.REACTION_SMILES_PATTERN, pad_token="[PAD]", unk_token="[UNK]",
+                    bos_token="[CLS]", eos_token="[SEP]", begin_token=None, end_token=None)
+    return SmilesTokenizer(vocab, max_length=max_length, **{**settings, **options})
+
+
+@pytest.fixture(scope="module")
+def reaction_tokenizer() -> SmilesTokenizer:
+    tokens = sorted({t for r in REACTIONS for t in RXNFP_REGEX.findall(r)})
+    return bert_smiles(BERT_SPECIALS + tokens, max_length=64)
+
+
+@pytest.mark.parametrize("text", REACTIONS)
+def test_reaction_pattern_splits_like_rxnfps_regex(text):
+    assert tokenize(text, smiles.REACTION_SMILES_PATTERN) == RXNFP_REGEX.findall(text)
+
+
+def test_reaction_pattern_differs_from_megamolbarts_where_it_should():
+    assert tokenize("CC>>CO", smiles.REACTION_SMILES_PATTERN) == ["C", "C", ">>", "C", "O"]
+    assert tokenize("CC>>CO") == ["C", "C", ">", ">", "C", "O"]  # MegaMolBART's: two '>'
+    assert tokenize("C%(123)", smiles.REACTION_SMILES_PATTERN) == ["C", "%(123)"]
+    # A pattern with capturing groups still yields whole tokens, and the catch-all keeps every char.
+    assert tokenize("C>>O x", r"(>>)|(C)|O") == ["C", ">>", "O", " ", "x"]
+
+
+def test_bert_ids_and_masks_have_cls_and_sep(reaction_tokenizer):
+    batch = ["CC(=O)O.OCC>>CC(=O)OCC", "CCO"]
+    encoded = reaction_tokenizer.encode(batch)
+    ids = {t: i for i, t in enumerate(reaction_tokenizer.vocab)}
+    expected = [[ids["[CLS]"], *(ids[t] for t in RXNFP_REGEX.findall(s)), ids["[SEP]"]] for s in batch]
+    width = max(map(len, expected))
+    np.testing.assert_array_equal(encoded.input_ids, [row + [ids["[PAD]"]] * (width - len(row)) for row in expected])
+    lengths = [len(row) for row in expected]
+    np.testing.assert_array_equal(encoded.attention_mask, [[int(i < n) for i in range(width)] for n in lengths])
+    # residue_mask: exactly the SMILES tokens, never [CLS]/[SEP]/padding.
+    np.testing.assert_array_equal(encoded.residue_mask, [[0 < i < n - 1 for i in range(width)] for n in lengths])
+    assert encoded.residue_mask.dtype == bool and encoded.input_ids.dtype == np.int64
+    assert (reaction_tokenizer.bos_id, reaction_tokenizer.eos_id, reaction_tokenizer.pad_id) == (2, 3, 0)
+    assert reaction_tokenizer.unknown_id == 1 and reaction_tokenizer.begin_id is None
+    assert reaction_tokenizer.max_tokens == 62
+
+
+def test_bert_max_length_counts_cls_and_sep():
+    tokenizer = bert_smiles(BERT_SPECIALS + ["C", "O"], max_length=6)  # 4 SMILES tokens
+    assert tokenizer.encode(["CCCO"]).input_ids.shape == (1, 6)
+    with pytest.raises(TokenizationError, match=re.escape(
+            "sequence 1 has 5 tokens; the maximum is 4 (6 tokens including [CLS]/[SEP])")):
+        tokenizer.encode(["CO", "CCCCO"])
+    truncated = tokenizer.encode(["CO", "CCCCO"], truncate=True)
+    np.testing.assert_array_equal(truncated.input_ids, [[2, 5, 6, 3, 0, 0], [2, 5, 5, 5, 5, 3]])
+    assert truncated.residue_mask[1].sum() == 4 and not truncated.residue_mask[:, [0, -1]].any()
+    with pytest.raises(ValueError, match="max_length 2 leaves no room for tokens"):
+        bert_smiles(BERT_SPECIALS + ["C"], max_length=2)
+
+
+@pytest.mark.parametrize(
+    ("sequences", "message"),
+    [
+        (["CCO", "CC[Xe]O"], "sequence 1: token '[Xe]' at character 2 is not in the vocabulary"),
+        (["CC O"], "sequence 0: token ' ' at character 2 is not in the vocabulary"),
+        (["CC>>CO", "CCé"], "sequence 1: token 'é' at character 2"),
+        (["CC", ""], "sequence 1 is empty"),
+    ],
+)
+def test_bert_unknown_tokens_are_errors_never_unk(reaction_tokenizer, sequences, message):
+    with pytest.raises(TokenizationError, match=re.escape(message)):
+        reaction_tokenizer.encode(sequences)
+
+
+def test_bert_decode_inverts_encode(reaction_tokenizer):
+    assert reaction_tokenizer.decode_batch(reaction_tokenizer.encode(REACTIONS).input_ids) == REACTIONS
+
+
+def test_megamolbart_vocabulary_check_only_for_megamolbarts_begin_and_end():
+    bert_smiles(BERT_SPECIALS + ["C"])  # no <PAD> ? ^ & ... prefix needed without ^/&
+    with pytest.raises(ValueError, match="must start with the special tokens"):
+        SmilesTokenizer(BERT_SPECIALS + ["^", "&", "C"], max_length=8, pad_token="[PAD]")
+    with pytest.raises(ValueError, match=re.escape("special token '[CLS]' is not in the vocabulary")):
+        bert_smiles(["[PAD]", "[UNK]", "[SEP]", "C"])
+    with pytest.raises(ValueError, match="invalid tokenization pattern"):
+        bert_smiles(BERT_SPECIALS + ["C"], pattern="[C")
+
+
+def test_bert_settings_round_trip_and_old_dicts_keep_megamolbarts_defaults(reaction_tokenizer, tokenizer, tmp_path):
+    reaction_tokenizer.save_json(tmp_path / "tokenizer.json")
+    restored = SmilesTokenizer.from_json(tmp_path / "tokenizer.json")
+    assert restored.to_dict() == reaction_tokenizer.to_dict()
+    assert restored.to_dict()["type"] == "smiles" and restored.pattern == smiles.REACTION_SMILES_PATTERN
+    np.testing.assert_array_equal(restored.encode(REACTIONS).input_ids, reaction_tokenizer.encode(REACTIONS).input_ids)
+    # A tokenizer.json written before the settings existed: vocab and max_length only.
+    old = SmilesTokenizer.from_dict({"type": "smiles", "vocab": list(tokenizer.vocab), "max_length": 24})
+    assert old.to_dict() == tokenizer.to_dict()
+    assert (old.pattern, old.pad_token, old.bos_token, old.eos_token, old.begin_token, old.end_token) == (
+        smiles.MEGAMOLBART_PATTERN, "<PAD>", None, None, "^", "&")
+
+
+def test_bert_module_runs_beside_character_with_numpy_alone(reaction_tokenizer, tmp_path):
+    for module in (character, smiles):
+        (tmp_path / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
+    reaction_tokenizer.save_json(tmp_path / "tokenizer.json")
+    script = f"""
+import sys
+for blocked in ("torch", "transformers", "bionemo_export"):
+    sys.modules[blocked] = None
+sys.path.insert(0, {str(tmp_path)!r})
+from smiles import SmilesTokenizer
+tokenizer = SmilesTokenizer.from_json({str(tmp_path / "tokenizer.json")!r})
+encoded = tokenizer.encode([b"CC(=O)O.OCC>>CC(=O)OCC", "CCO"])
+print(encoded.input_ids.tolist(), encoded.residue_mask.tolist())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    encoded = reaction_tokenizer.encode(["CC(=O)O.OCC>>CC(=O)OCC", "CCO"])
+    assert result.stdout.strip() == f"{encoded.input_ids.tolist()} {encoded.residue_mask.tolist()}"
+
+
+def test_encoding_a_large_batch_is_fast(reaction_tokenizer):
+    import time
+
+    batch = REACTIONS * 150  # ~1,000 sequences
+    reaction_tokenizer.encode(batch)
+    start = time.perf_counter()
+    encoded = reaction_tokenizer.encode(batch)
+    elapsed = time.perf_counter() - start
+    assert encoded.input_ids.shape[0] == len(batch)
+    assert elapsed < 0.5, f"{elapsed:.3f} s for {len(batch)} sequences"

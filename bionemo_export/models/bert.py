@@ -1,16 +1,23 @@
-"""BERT protein language models (AntiBERTy, ProtBert) from a Hugging Face directory, read into
-`BertModel`. The real AntiBERTy ships inside the `antiberty==0.1.3` wheel (see antiberty_checkpoint).
+"""BERT language models from a Hugging Face directory, read into `BertModel`: protein LMs
+(AntiBERTy, ProtBert) and reaction-SMILES models (rxnfp). The real AntiBERTy ships inside the
+`antiberty==0.1.3` wheel (see antiberty_checkpoint), rxnfp's BERTs inside `rxnfp==0.1.0`
+(see rxnfp_checkpoint).
+
+The vocabulary decides the tokenizer (see `is_smiles_vocab`): a SMILES vocabulary gets the regex
+SmilesTokenizer with rxnfp's reaction pattern, [CLS]/[SEP] around each sequence and [PAD]; any other
+the one-character-per-residue CharacterTokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import transformers
 
-from bionemo_export.models.base import register
+from bionemo_export.models.base import LoadedModel, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
     read_vocab,
@@ -18,29 +25,88 @@ from bionemo_export.models.encoder import (
     token_limit,
 )
 from bionemo_export.tokenizers.character import CharacterTokenizer
+from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "bos": "[CLS]", "eos": "[SEP]"}
 RARE_RESIDUES = "UZOB"
 """Mapped to X when the vocabulary has X, as ProtBert's authors prescribe."""
 ANTIBERTY_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"ACDEFGHIKLMNPQRSTVWY"]
+ALPHABETS = ("protein", "smiles")
+
+SMILES_BRANCH_TOKENS = ("(", ")")
+"""A vocabulary holding both is a SMILES vocabulary (see is_smiles_vocab)."""
+
+RXNFP_VARIANTS = ("bert_pretrained", "bert_ft", "bert_ft_10k_25s")
+"""The BERT folders under rxnfp/models/transformers/ in the rxnfp==0.1.0 wheel."""
+
+SAMPLE_SMILES = (
+    "CCO",
+    "c1ccccc1",
+    "CC(=O)O.OCC>>CC(=O)OCC",  # Fischer esterification
+    "CC(=O)Oc1ccccc1C(=O)O",  # aspirin
+    "CN1C=NC2=C1C(=O)N(C(=O)N2C)C",  # caffeine
+    "Brc1ccccc1.OB(O)c1ccccc1>>c1ccc(-c2ccccc2)cc1",  # Suzuki coupling
+    "CC(C)(C)OC(=O)N1CCC(C(=O)O)CC1.Cl.O1CCOCC1>>O=C(O)C1CCNCC1",  # Boc removal, reagents
+    "C[C@@H](N)C(=O)O.[Na+].[OH-]>>C[C@@H](N)C(=O)[O-].[Na+]",  # bracket atoms, chirality
+    "COc1ccc(CC(=O)N[C@@H](Cc2ccccc2)C(=O)OC)cc1.O=C(O)C(F)(F)F.ClCCl>>COc1ccc(CC(=O)N[C@@H]"
+    "(Cc2ccccc2)C(=O)O)cc1",
+)
+"""Molecules and reactions of varied lengths for SMILES BERTs (every token in rxnfp's vocabulary)."""
+
+
+def is_smiles_vocab(vocab: Sequence[str]) -> bool:
+    """Whether a BERT vocabulary is for SMILES: it holds both branch tokens "(" and ")". Every
+    SMILES vocabulary has them (branches are in nearly every molecule); protein vocabularies
+    (AntiBERTy, ProtBert: letters and [..] specials) never do."""
+    return all(token in vocab for token in SMILES_BRANCH_TOKENS)
 
 
 @register
 class BertFamily(HuggingFaceEncoderFamily):
     name = "bert"
-    description = "BERT protein language models (AntiBERTy, ProtBert), Hugging Face BertModel"
+    description = "BERT language models: protein (AntiBERTy, ProtBert), reaction SMILES (rxnfp); Hugging Face BertModel"
     model_type = "bert"
     config_class = transformers.BertConfig
     backbone_class = transformers.BertModel
     key_prefix = "bert."
     unused_prefixes = ("pooler.", "cls.", "classifier.")
 
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
+    def __init__(self, alphabet: str = "protein") -> None:
+        """`alphabet` ("protein" or "smiles") decides what sample_sequences() returns; load()
+        gives its LoadedModel a family with the alphabet of the checkpoint's vocabulary."""
+        if alphabet not in ALPHABETS:
+            raise ValueError(f"alphabet must be one of {ALPHABETS}, got {alphabet!r}")
+        self.alphabet = alphabet
+
+    def load(self, checkpoint: Path, max_length: int | None = None) -> LoadedModel:
+        loaded = super().load(checkpoint, max_length)
+        alphabet = "smiles" if isinstance(loaded.tokenizer, SmilesTokenizer) else "protein"
+        if alphabet != self.alphabet:  # loaded.family.sample_sequences() then fits the tokenizer
+            loaded = dataclasses.replace(loaded, family=type(self)(alphabet))
+        return loaded
+
+    def build_tokenizer(
+        self, checkpoint: Path, config: Any, max_length: int | None
+    ) -> CharacterTokenizer | SmilesTokenizer:
         vocab_file = _find_vocab(checkpoint)
         vocab = read_vocab(vocab_file)
         missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
         if missing:
             raise ValueError(f"{vocab_file} lacks the special tokens {missing}")
+        if is_smiles_vocab(vocab):
+            # rxnfp's tokenization: its regex, ids in vocab.txt order, [CLS] + tokens + [SEP].
+            # A token missing from the vocabulary is an error naming it, never [UNK].
+            return SmilesTokenizer(
+                vocab,
+                max_length=token_limit(config.max_position_embeddings, max_length, "this BERT model"),
+                pattern=REACTION_SMILES_PATTERN,
+                pad_token=SPECIAL_TOKENS["pad"],
+                unk_token=SPECIAL_TOKENS["unk"],
+                bos_token=SPECIAL_TOKENS["bos"],
+                eos_token=SPECIAL_TOKENS["eos"],
+                begin_token=None,
+                end_token=None,
+            )
         residues = "".join(t for t in vocab if len(t) == 1 and t.isascii() and t.isalpha())
         if not residues:
             raise ValueError(f"{vocab_file} has no single-letter residue tokens")
@@ -86,6 +152,8 @@ class BertFamily(HuggingFaceEncoderFamily):
         )
 
     def sample_sequences(self) -> list[str]:
+        if self.alphabet == "smiles":
+            return list(SAMPLE_SMILES)
         # Antibody variable-domain fragments: trastuzumab VH/VL, a CDR-H3, human germline starts.
         return [
             "EVQLV",
@@ -122,4 +190,28 @@ def antiberty_checkpoint() -> Path:
     raise FileNotFoundError(
         "the AntiBERTy weights are not installed: pip install antiberty==0.1.3 "
         "(the only version whose wheel ships them)"
+    )
+
+
+def rxnfp_checkpoint(variant: str = "bert_pretrained") -> Path:
+    """A real rxnfp reaction-SMILES BERT folder (config.json, pytorch_model.bin, vocab.txt) inside
+    the installed rxnfp package: `bert_pretrained` (masked-LM pretrained), `bert_ft` (fine-tuned
+    on reaction classes) or `bert_ft_10k_25s`.
+
+    Located without importing rxnfp: it imports rdkit and needs an old transformers. Install it
+    with `pip install --no-deps rxnfp==0.1.0` (its pinned requirements cannot install on
+    Python 3.11, and only the files are needed).
+    """
+    if variant not in RXNFP_VARIANTS:
+        raise ValueError(f"unknown rxnfp model {variant!r}; the rxnfp wheel ships {', '.join(RXNFP_VARIANTS)}")
+    spec = importlib.util.find_spec("rxnfp")  # finds the package without running it
+    locations = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
+    for location in locations:
+        folder = Path(location) / "models" / "transformers" / variant
+        if (folder / "config.json").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"the rxnfp {variant} weights are not installed: pip install --no-deps rxnfp==0.1.0 "
+        "(the wheel ships them; --no-deps because its pinned scipy/scikit-learn/matplotlib "
+        "cannot install on Python 3.11, and only the files are read)"
     )
