@@ -1,0 +1,150 @@
+"""ESM-1 (learned absolute positions, pre-LN) in two forms:
+
+- a BioNeMo ESM-1nv `.nemo` archive: a NeMo Megatron BERT (positions counted from 0, GELU exact
+  or tanh per `bias_gelu_fusion`), built as the project's own `transformer.Encoder`; its tokenizer
+  is the 30-piece character SentencePiece vocabulary the archive carries as an artifact
+  (`<unk>`0 `<s>`1 `</s>`2 `<pad>`3 `<mask>`4, residues 5..29; `<s>` + residues + `</s>`, at most
+  512 tokens);
+- a Hugging Face ESM-1b-style directory: transformers' `EsmModel` with
+  `position_embedding_type: "absolute"` and the 33-token ESM alphabet (`<cls>` + residues +
+  `<eos>`). Hugging Face numbers absolute positions from `pad_token_id + 1`, so such a model
+  takes `max_position_embeddings - pad_token_id - 1` tokens (1024 for ESM-1b).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+from bionemo_export.models.base import ModelDescription, register
+from bionemo_export.models.encoder import save_random_model, token_limit
+from bionemo_export.models.esm2 import ALPHABET, Esm2Family, _check_alphabet, esm_tokenizer
+from bionemo_export.models.megatron import bert_encoder_keys, cut_vocab, transformer_config
+from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.models.readers.nemo import CONFIG_NAME, artifact, setting
+from bionemo_export.tokenizers.character import CharacterTokenizer
+from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer, read_pieces
+
+ESM1NV_RESIDUES = "LASGVERTDIPKNFQYHMCWXBZUO"
+ESM1NV_PIECES = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *ESM1NV_RESIDUES]
+"""The 30 ESM-1nv token ids, in order (shared/reference/bionemo-serving.md); the archive's own
+tokenizer artifact is what the importer reads."""
+ESM1NV_MAX_TOKENS = 512
+"""ESM-1nv's length limit: <s> + 510 residues + </s>."""
+ESM1B_MAX_POSITIONS = 1026
+"""The released ESM-1b's max_position_embeddings (1024 tokens after Hugging Face's offset)."""
+
+
+@register
+class Esm1Family(Esm2Family):
+    name = "esm1"
+    description = ("ESM-1 protein language model (learned absolute positions, pre-LN): ESM-1nv .nemo, "
+                   "or a Hugging Face ESM-1b-style EsmModel")
+    nemo_targets = ("ESM1nvModel",)
+    position_embedding_type = "absolute"
+
+    # ------------------------------------------------------------- Hugging Face directory
+    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
+        vocab_file = checkpoint / "vocab.txt"
+        if vocab_file.is_file():
+            _check_alphabet(vocab_file)
+        return esm_tokenizer(token_limit(huggingface_token_limit(config, checkpoint), max_length, "this ESM-1b model"))
+
+    def save_random_checkpoint(
+        self,
+        out: Path,
+        *,
+        seed: int = 0,
+        hidden_size: int = 32,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        intermediate_size: int = 64,
+    ) -> Path:
+        # The settings of the released ESM-1b config (esm1b_t33_650M_UR50S), at a small size.
+        config = transformers.EsmConfig(
+            vocab_size=len(ALPHABET),
+            pad_token_id=ALPHABET.index("<pad>"),
+            mask_token_id=ALPHABET.index("<mask>"),
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            intermediate_size=intermediate_size,
+            position_embedding_type="absolute",
+            max_position_embeddings=ESM1B_MAX_POSITIONS,
+            token_dropout=True,
+            emb_layer_norm_before=True,
+            layer_norm_eps=1e-5,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        return save_random_model(lambda: transformers.EsmForMaskedLM(config), out, seed=seed, vocab=ALPHABET)
+
+    # ------------------------------------------------------------- ESM-1nv .nemo archive
+    def from_nemo(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        """An ESM-1nv archive: Megatron BERT weights, SentencePiece tokenizer artifact."""
+        pieces = nemo_pieces(checkpoint)
+        config = transformer_config(checkpoint, vocab_size=len(pieces))
+        seq_length = int(setting(checkpoint, "seq_length", default=config.max_position_embeddings))
+        limit = min(seq_length, config.max_position_embeddings)
+        tokenizer = esm1nv_tokenizer(pieces, token_limit(limit, max_length, "this ESM-1nv model"),
+                                     f"{checkpoint.path}: the tokenizer artifact")
+        source = checkpoint.weights_path
+        weights = bert_encoder_keys(checkpoint.weights, config.num_heads, source)
+        key = "embedding.word_embeddings.weight"
+        if key in weights:
+            weights[key] = cut_vocab(weights[key], len(pieces), "model.language_model.embedding.word_embeddings.weight",
+                                     source)
+        return ModelDescription(checkpoint, config, tokenizer, weights,
+                                facts={"nemo_target": checkpoint.model_class, "activation": config.activation})
+
+
+def huggingface_token_limit(config: Any, checkpoint: Path | str = "config.json") -> int:
+    """Most tokens an absolute-position Hugging Face ESM model takes: its positions run from
+    pad_token_id + 1 (transformers' create_position_ids_from_input_ids) to
+    max_position_embeddings - 1."""
+    limit = int(config.max_position_embeddings) - int(config.pad_token_id) - 1
+    if limit < 3:
+        raise CheckpointError(f"{checkpoint}: max_position_embeddings {config.max_position_embeddings} leaves no "
+                              f"room for residues (positions start at pad_token_id + 1 = {config.pad_token_id + 1})")
+    return limit
+
+
+def esm1nv_tokenizer(pieces: list[str], max_length: int, source: str = "the vocabulary") -> SentencePieceTokenizer:
+    """`<s>` + residues + `</s>` over an ESM-1nv piece vocabulary, padded with `<pad>`."""
+    try:
+        return SentencePieceTokenizer(pieces, residues=ESM1NV_RESIDUES, pad_token="<pad>", bos_token="<s>",
+                                      eos_token="</s>", unk_token="<unk>", max_length=max_length)
+    except ValueError as err:
+        raise CheckpointError(f"{source} is not an ESM-1nv vocabulary: {err}") from None
+
+
+def nemo_pieces(checkpoint: Checkpoint) -> list[str]:
+    """The piece vocabulary (id order) of an ESM-1nv archive's tokenizer artifacts: the
+    SentencePiece `tokenizer.model` and/or the `tokenizer.vocab_file`; when both are there they
+    must agree."""
+    source = f"{checkpoint.path}:{CONFIG_NAME}"
+    tokenizer = checkpoint.config.get("tokenizer") or {}
+    if not isinstance(tokenizer, dict):
+        raise CheckpointError(f"{source}: tokenizer is not a mapping")
+    library = tokenizer.get("library", "sentencepiece")
+    if library != "sentencepiece":
+        raise CheckpointError(f"{source}: tokenizer.library is {library!r}; ESM-1nv uses 'sentencepiece'")
+    found: dict[str, list[str]] = {}
+    for key in ("model", "vocab_file"):
+        reference = tokenizer.get(key)
+        if not isinstance(reference, str) or not reference:
+            continue
+        data = artifact(checkpoint, key)
+        try:
+            found[key] = read_pieces(data, reference)
+        except ValueError as err:
+            raise CheckpointError(f"{checkpoint.path}: tokenizer.{key} ({reference}): {err}") from None
+    if not found:
+        raise CheckpointError(f"{source} names no tokenizer artifact (tokenizer.model or tokenizer.vocab_file); "
+                              "an ESM-1nv archive carries its SentencePiece vocabulary")
+    if len(found) == 2 and found["model"] != found["vocab_file"]:
+        raise CheckpointError(f"{checkpoint.path}: the pieces of tokenizer.model and tokenizer.vocab_file differ "
+                              f"({len(found['model'])} vs {len(found['vocab_file'])} pieces)")
+    return next(iter(found.values()))
