@@ -18,7 +18,7 @@ from bionemo_export import __version__
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
 from bionemo_export.model_repository.manifest import checkpoint_digest, package_versions, write_manifest
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
-from bionemo_export.models import LoadedModel, get_family
+from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
 from bionemo_export.generation.reference import decoder_check_batches
 
@@ -31,7 +31,8 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class BuildRequest:
-    family: str
+    family: str | None
+    """Model family; None: the one a .nemo archive's `target` names."""
     checkpoint: Path
     name: str
     out: Path
@@ -75,6 +76,15 @@ def _check_request(request: BuildRequest) -> None:
         raise BuildError(f"{request.out} already exists; pass --force to replace it")
     if not request.checkpoint.exists():
         raise BuildError(f"checkpoint not found: {request.checkpoint}")
+
+
+def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The tasks to serve: those asked for, which the family must serve, or all it serves."""
+    tasks = tasks or family.tasks
+    unsupported = [t for t in tasks if t not in family.tasks]
+    if unsupported:
+        raise BuildError(f"family {family.name!r} serves {', '.join(family.tasks)}; not {', '.join(unsupported)}")
+    return tasks
 
 
 def _sample_batches(loaded: LoadedModel) -> list[list[str]]:
@@ -145,19 +155,19 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     """Build the repository described by `request`; raises BuildError (or the exporter's
     verification error) and leaves nothing on disk when anything fails."""
     _check_request(request)
-    family = get_family(request.family)
-    tasks = request.tasks or family.tasks
-    unsupported = [t for t in tasks if t not in family.tasks]
-    if unsupported:
-        raise BuildError(f"family {family.name!r} serves {', '.join(family.tasks)}; not {', '.join(unsupported)}")
+    if request.family is not None:
+        _check_tasks(get_family(request.family), request.tasks)
     backend = resolve_backend(request.backend, request.tritonserver)
     serving = dataclasses.replace(request.serving, backend=backend)
 
-    progress(f"loading {family.name} checkpoint {request.checkpoint}")
+    progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     try:
-        loaded = family.load(request.checkpoint, max_length=request.max_length)
+        loaded = load_checkpoint(request.checkpoint, request.family, max_length=request.max_length)
     except (ValueError, OSError) as err:
-        raise BuildError(f"cannot load {request.checkpoint} as {family.name}: {err}") from err
+        raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
+                         f"{err}") from err
+    family = loaded.family
+    tasks = _check_tasks(family, request.tasks)
 
     request.out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.building-", dir=request.out.parent))

@@ -58,6 +58,11 @@ pip_quiet install -q -c "$ROOT/requirements/constraints.txt" -r "$ROOT/requireme
 log "installing Triton Model Navigator $NAVIGATOR_VERSION without its tensorrt requirement"
 pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" "triton-model-navigator==$NAVIGATOR_VERSION"
 
+# rxnfp ships a real pretrained SMILES BERT (read as files, never imported); its own pins (scipy
+# 1.4, scikit-learn 0.23) do not build on Python 3.11, and nothing of it but the weights is used.
+log "installing rxnfp $(grep -o 'rxnfp==[0-9.]*' "$ROOT/requirements/constraints.txt") without its dependencies (for its weights)"
+pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" rxnfp
+
 log "installing bionemo-export (editable)"
 pip_quiet install -q --no-deps --no-build-isolation -e "$ROOT"
 

@@ -14,9 +14,11 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 @app.command("repo")
 def repo(
-    model: str = typer.Option(..., "--model", "-m", help="Model family: esm2, bert, megamolbart (see `bionemo-export build families`)."),
-    checkpoint: Path = typer.Option(..., help="Checkpoint folder or file (e.g. a Hugging Face model directory).",
-                                    exists=True, resolve_path=True),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
+                                        "megamolbart (see `bionemo-export build families`); optional for a .nemo "
+                                        "archive, whose target names it."),
+    checkpoint: Path = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo archive, "
+                                    "or the project's saved form.", exists=True, resolve_path=True),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves)."),
@@ -81,9 +83,9 @@ def families() -> None:
     from bionemo_export.models import REGISTRY
 
     table = Table()
-    for column in ("family", "tasks", "description"):
+    for column in ("family", "checkpoint forms", "tasks", "description"):
         table.add_column(column)
     for family_name in sorted(REGISTRY):
         family = REGISTRY[family_name]
-        table.add_row(family_name, ", ".join(family.tasks), family.description)
+        table.add_row(family_name, ", ".join(family.forms()), ", ".join(family.tasks), family.description)
     Console().print(table)

@@ -156,7 +156,7 @@ class ModelFamily(ABC):
         what the architecture supports. Raises ValueError (CheckpointError) naming the file and the
         problem for bad checkpoints.
         """
-        return self.build(self.describe(read_checkpoint_for(self, Path(checkpoint)), max_length))
+        return load_checkpoint(Path(checkpoint), self.name, max_length)
 
     def describe(self, checkpoint: "Checkpoint", max_length: int | None = None) -> ModelDescription:
         """The normalized description of a checkpoint already read."""
@@ -194,17 +194,23 @@ def register(cls: type[ModelFamily]) -> type[ModelFamily]:
     return cls
 
 
-def read_checkpoint_for(family: ModelFamily, path: Path) -> "Checkpoint":
-    """Read `path` (any form), refusing a .nemo whose `target` belongs to another family."""
+def load_checkpoint(path: Path, family: str | None = None, max_length: int | None = None) -> LoadedModel:
+    """Read the checkpoint at `path` (any form) and load it as `family`; without a family, a
+    .nemo archive's `target` names it. A .nemo whose target belongs to another family is refused."""
     from bionemo_export.models.readers import CheckpointError, read_checkpoint
 
-    checkpoint = read_checkpoint(path)
-    if checkpoint.form == "nemo" and family.nemo_targets:
-        found = infer_family(checkpoint, required=False)
-        if found is not None and found != family.name:
-            raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "
-                                  f"reads, not {family.name}: use --model {found}")
-    return checkpoint
+    checkpoint = read_checkpoint(Path(path))
+    found = infer_family(checkpoint, required=family is None) if checkpoint.form == "nemo" else None
+    if family is None:
+        if found is None:
+            raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with --model "
+                                  "(only .nemo archives say what they are)")
+        family = found
+    elif found is not None and found != family:
+        raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "
+                              f"reads, not {family}: use --model {found}")
+    reader = get_family(family)
+    return reader.build(reader.describe(checkpoint, max_length))
 
 
 def infer_family(checkpoint: "Checkpoint", required: bool = True) -> str | None:

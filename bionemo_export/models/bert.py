@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import transformers
 
-from bionemo_export.models.base import LoadedModel, register
+from bionemo_export.models.base import LoadedModel, ModelDescription, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
     read_vocab,
@@ -72,14 +72,14 @@ class BertFamily(HuggingFaceEncoderFamily):
     unused_prefixes = ("pooler.", "cls.", "classifier.")
 
     def __init__(self, alphabet: str = "protein") -> None:
-        """`alphabet` ("protein" or "smiles") decides what sample_sequences() returns; load()
+        """`alphabet` ("protein" or "smiles") decides what sample_sequences() returns; build()
         gives its LoadedModel a family with the alphabet of the checkpoint's vocabulary."""
         if alphabet not in ALPHABETS:
             raise ValueError(f"alphabet must be one of {ALPHABETS}, got {alphabet!r}")
         self.alphabet = alphabet
 
-    def load(self, checkpoint: Path, max_length: int | None = None) -> LoadedModel:
-        loaded = super().load(checkpoint, max_length)
+    def build(self, description: ModelDescription) -> LoadedModel:
+        loaded = super().build(description)
         alphabet = "smiles" if isinstance(loaded.tokenizer, SmilesTokenizer) else "protein"
         if alphabet != self.alphabet:  # loaded.family.sample_sequences() then fits the tokenizer
             loaded = dataclasses.replace(loaded, family=type(self)(alphabet))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,11 @@ def _load_weights(tar: tarfile.TarFile, member: tarfile.TarInfo, source: str) ->
     try:
         weights = torch.load(handle, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{source} holds objects other than tensors, which would need its pickled code "
-                              f"to run; refusing it ({str(err).splitlines()[0]})") from None
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found:
+            raise CheckpointError(f"{source} holds objects other than tensors ({found.group(1)}), which would need "
+                                  "its pickled code to run; refusing it") from None
+        raise CheckpointError(f"cannot read weights {source}: not a torch state dict") from None
     except Exception as err:
         raise CheckpointError(f"cannot read weights {source}: {type(err).__name__}: {err}") from None
     return check_state_dict(weights, source)
