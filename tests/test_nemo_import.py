@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from bionemo_export.generation.reference import reference_greedy
 from bionemo_export.models import get_family, load_checkpoint
-from bionemo_export.models.megamolbart import MegaMolBart, MegaMolBartConfig, load_model
+from bionemo_export.models.megamolbart import MegaMolBart, load_model
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.models.readers import nemo as nemo_reader
 from tests.helpers.nemo_archives import (

@@ -6,7 +6,6 @@ end to end by the real tritonserver."""
 from __future__ import annotations
 
 import io
-import json
 import re
 import shutil
 import tarfile

@@ -21,7 +21,6 @@ from transformers.initialization import no_init_weights
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.base import some as _some
-from bionemo_export.models.readers.huggingface import read_config_json, read_weights  # noqa: F401 - re-exported
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
 from bionemo_export.models.transformer import TransformerConfig
 from bionemo_export.tokenizers.protocol import Tokenizer
@@ -188,18 +187,6 @@ def describe_form(checkpoint: Checkpoint) -> str:
     if checkpoint.form == "nemo":
         return f".nemo archive ({checkpoint.model_class or 'no target'})"
     return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"  # the saved form
-
-
-def read_config(directory: Path, model_type: str) -> dict[str, Any]:
-    """config.json of a checkpoint directory, checked to be of `model_type`."""
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory} is not a directory (expected config.json and weights)")
-    config = read_config_json(directory)
-    config.setdefault("model_type", model_type)
-    if config["model_type"] != model_type:
-        raise CheckpointError(f"{directory / 'config.json'} has model_type {config['model_type']!r}, "
-                              f"expected {model_type!r}")
-    return config
 
 
 def _modern_name(key: str) -> str:

@@ -16,16 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import transformers
-
 from bionemo_export.models.base import ModelDescription, register
-from bionemo_export.models.encoder import save_random_model, token_limit
-from bionemo_export.models.esm2 import ALPHABET, Esm2Family, _check_alphabet, esm_tokenizer
+from bionemo_export.models.encoder import token_limit
+from bionemo_export.models.esm2 import Esm2Family, _check_alphabet, esm_tokenizer
 from bionemo_export.models.megatron import bert_encoder_keys, cut_vocab, transformer_config
 from bionemo_export.models.readers import Checkpoint, CheckpointError
-from bionemo_export.models.readers.nemo import CONFIG_NAME, artifact, setting
+from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
 from bionemo_export.tokenizers.character import CharacterTokenizer
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer, read_pieces
+from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
 ESM1NV_RESIDUES = "LASGVERTDIPKNFQYHMCWXBZUO"
 ESM1NV_PIECES = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *ESM1NV_RESIDUES]
@@ -44,6 +42,8 @@ class Esm1Family(Esm2Family):
                    "or a Hugging Face ESM-1b-style EsmModel")
     nemo_targets = ("ESM1nvModel",)
     position_embedding_type = "absolute"
+    # The released ESM-1b config (esm1b_t33_650M_UR50S): what random checkpoints are written with.
+    released_settings = {"max_position_embeddings": ESM1B_MAX_POSITIONS, "emb_layer_norm_before": True}
 
     # ------------------------------------------------------------- Hugging Face directory
     def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
@@ -52,39 +52,10 @@ class Esm1Family(Esm2Family):
             _check_alphabet(vocab_file)
         return esm_tokenizer(token_limit(huggingface_token_limit(config, checkpoint), max_length, "this ESM-1b model"))
 
-    def save_random_checkpoint(
-        self,
-        out: Path,
-        *,
-        seed: int = 0,
-        hidden_size: int = 32,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        intermediate_size: int = 64,
-    ) -> Path:
-        # The settings of the released ESM-1b config (esm1b_t33_650M_UR50S), at a small size.
-        config = transformers.EsmConfig(
-            vocab_size=len(ALPHABET),
-            pad_token_id=ALPHABET.index("<pad>"),
-            mask_token_id=ALPHABET.index("<mask>"),
-            hidden_size=hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            intermediate_size=intermediate_size,
-            position_embedding_type="absolute",
-            max_position_embeddings=ESM1B_MAX_POSITIONS,
-            token_dropout=True,
-            emb_layer_norm_before=True,
-            layer_norm_eps=1e-5,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-        return save_random_model(lambda: transformers.EsmForMaskedLM(config), out, seed=seed, vocab=ALPHABET)
-
     # ------------------------------------------------------------- ESM-1nv .nemo archive
     def from_nemo(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
         """An ESM-1nv archive: Megatron BERT weights, SentencePiece tokenizer artifact."""
-        pieces = nemo_pieces(checkpoint)
+        pieces = sentencepiece_pieces(checkpoint, "ESM-1nv")
         config = transformer_config(checkpoint, vocab_size=len(pieces))
         seq_length = int(setting(checkpoint, "seq_length", default=config.max_position_embeddings))
         limit = min(seq_length, config.max_position_embeddings)
@@ -118,33 +89,3 @@ def esm1nv_tokenizer(pieces: list[str], max_length: int, source: str = "the voca
                                       eos_token="</s>", unk_token="<unk>", max_length=max_length)
     except ValueError as err:
         raise CheckpointError(f"{source} is not an ESM-1nv vocabulary: {err}") from None
-
-
-def nemo_pieces(checkpoint: Checkpoint) -> list[str]:
-    """The piece vocabulary (id order) of an ESM-1nv archive's tokenizer artifacts: the
-    SentencePiece `tokenizer.model` and/or the `tokenizer.vocab_file`; when both are there they
-    must agree."""
-    source = f"{checkpoint.path}:{CONFIG_NAME}"
-    tokenizer = checkpoint.config.get("tokenizer") or {}
-    if not isinstance(tokenizer, dict):
-        raise CheckpointError(f"{source}: tokenizer is not a mapping")
-    library = tokenizer.get("library", "sentencepiece")
-    if library != "sentencepiece":
-        raise CheckpointError(f"{source}: tokenizer.library is {library!r}; ESM-1nv uses 'sentencepiece'")
-    found: dict[str, list[str]] = {}
-    for key in ("model", "vocab_file"):
-        reference = tokenizer.get(key)
-        if not isinstance(reference, str) or not reference:
-            continue
-        data = artifact(checkpoint, key)
-        try:
-            found[key] = read_pieces(data, reference)
-        except ValueError as err:
-            raise CheckpointError(f"{checkpoint.path}: tokenizer.{key} ({reference}): {err}") from None
-    if not found:
-        raise CheckpointError(f"{source} names no tokenizer artifact (tokenizer.model or tokenizer.vocab_file); "
-                              "an ESM-1nv archive carries its SentencePiece vocabulary")
-    if len(found) == 2 and found["model"] != found["vocab_file"]:
-        raise CheckpointError(f"{checkpoint.path}: the pieces of tokenizer.model and tokenizer.vocab_file differ "
-                              f"({len(found['model'])} vs {len(found['vocab_file'])} pieces)")
-    return next(iter(found.values()))

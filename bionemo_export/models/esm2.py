@@ -44,6 +44,8 @@ class Esm2Family(HuggingFaceEncoderFamily):
 
     position_embedding_type = "rotary"
     """What config.json must say (ESM-1b-style directories say "absolute": the esm1 family)."""
+    released_settings: dict[str, Any] = {"max_position_embeddings": MAX_TOKENS + 2, "emb_layer_norm_before": False}
+    """What the released configs set beyond the sizes (random checkpoints are written with it)."""
 
     def huggingface_config(self, checkpoint: Checkpoint) -> Any:
         config = super().huggingface_config(checkpoint)
@@ -114,7 +116,7 @@ class Esm2Family(HuggingFaceEncoderFamily):
         num_heads: int = 4,
         intermediate_size: int = 64,
     ) -> Path:
-        # The settings of the released ESM-2 configs, at a small size.
+        # The settings of the released configs, at a small size.
         config = transformers.EsmConfig(
             vocab_size=len(ALPHABET),
             pad_token_id=ALPHABET.index("<pad>"),
@@ -123,13 +125,12 @@ class Esm2Family(HuggingFaceEncoderFamily):
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             intermediate_size=intermediate_size,
-            position_embedding_type="rotary",
-            max_position_embeddings=MAX_TOKENS + 2,
+            position_embedding_type=self.position_embedding_type,
             token_dropout=True,
-            emb_layer_norm_before=False,
             layer_norm_eps=1e-5,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
+            **self.released_settings,
         )
         return save_random_model(
             lambda: transformers.EsmForMaskedLM(config), out, seed=seed, vocab=ALPHABET

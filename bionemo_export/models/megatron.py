@@ -1,4 +1,5 @@
-"""Megatron's weight layouts, as found in BioNeMo `.nemo` checkpoints, turned into plain ones.
+"""Megatron's weight layouts and settings, as found in BioNeMo `.nemo` checkpoints, turned into
+plain ones (the names of transformer.py's modules, or a family's own).
 
 - Fused attention projections: `query_key_value` [3 * hidden, hidden] holds, for each head h in
   turn, the rows [q_h, k_h, v_h] (head_dim rows each); the cross-attention `key_value` holds
@@ -7,7 +8,10 @@
 - Vocabulary padding: embedding and output rows are padded to a multiple of
   `make_vocab_size_divisible_by` (128); `cut_vocab` keeps the tokenizer's rows only, so nothing
   downstream (a softmax, an argmax) ever sees a padded id.
-- `rename` maps key prefixes (the checkpoint's module paths to the family's).
+- `rename` maps key prefixes (the checkpoint's module paths to the family's);
+  `encoder_decoder_keys` (MegaMolBART, ProtT5nv) and `bert_encoder_keys` (ESM-1nv) apply all of it.
+- `transformer_config` reads model_config.yaml (flat, or nested encoder:/decoder: sections) into a
+  TransformerConfig, refusing settings the pre-LN transformer does not implement, by name.
 """
 
 from __future__ import annotations

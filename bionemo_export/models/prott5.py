@@ -32,7 +32,7 @@ from bionemo_export.models.base import ModelDescription, register
 from bionemo_export.models.encoder import HuggingFaceEncoderFamily, token_limit
 from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
 from bionemo_export.models.readers import Checkpoint, CheckpointError
-from bionemo_export.models.readers.nemo import artifact, setting
+from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
 from bionemo_export.models.transformer import TransformerConfig
 from bionemo_export.tokenizers.sentencepiece_vocab import WORD_START, SentencePieceTokenizer, read_pieces
 
@@ -219,25 +219,7 @@ def nemo_vocabulary(checkpoint: Checkpoint) -> tuple[list[str], int]:
     the artifact before that extension, so the sentinels are usually absent: they get the ids NeMo
     gives them (32..127 after ESM-1nv's 30 pieces); pieces already present keep their ids."""
     tokenizer = checkpoint.config.get("tokenizer") or {}
-    library = tokenizer.get("library", "sentencepiece")
-    if library != "sentencepiece":
-        raise CheckpointError(f"{checkpoint.path}: tokenizer.library is {library!r}; ProtT5nv uses sentencepiece")
-    found = {}
-    for key in ("model", "vocab_file"):
-        if tokenizer.get(key):
-            data = artifact(checkpoint, key)
-            try:
-                found[key] = read_pieces(data, ".vocab" if key == "vocab_file" else ".model")
-            except ValueError as err:
-                raise CheckpointError(f"{checkpoint.path}: the artifact of tokenizer.{key} ({tokenizer[key]}): "
-                                      f"{err}") from None
-    if not found:
-        raise CheckpointError(f"{checkpoint.path}: model_config.yaml names no tokenizer.model nor tokenizer.vocab_file")
-    pieces = found.get("model", found.get("vocab_file"))
-    if len(found) == 2 and found["model"] != found["vocab_file"]:
-        raise CheckpointError(f"{checkpoint.path}: the artifacts of tokenizer.model and tokenizer.vocab_file list "
-                              "different pieces")
-    pieces = list(pieces)
+    pieces = list(sentencepiece_pieces(checkpoint, "ProtT5nv"))
     count = len(pieces)
     sentinels = int(tokenizer.get("num_sentinel_tokens", NEMO_SENTINELS) or 0)
     for token in (*NEMO_ADDED, *(f"<extra_id_{i}>" for i in range(sentinels))):

@@ -151,28 +151,9 @@ class CharacterTokenizer:
         too_long = np.flatnonzero(lengths > self.max_residues)
         if too_long.size and not truncate:
             raise self._too_long(int(too_long[0]), int(lengths[too_long[0]]))
-        return self._assemble(ids, lengths)
+        return assemble(ids, lengths, limit=self.max_residues, pad_id=self.pad_id, bos_id=self.bos_id,
+                        eos_id=self.eos_id)
 
-    def _assemble(self, ids: np.ndarray, lengths: np.ndarray) -> Encoded:
-        """Scatter the flat residue ids into a padded [batch, length] batch with BOS/EOS."""
-        first = 0 if self.bos_id is None else 1
-        kept = np.minimum(lengths, self.max_residues)
-        total = kept + len(self._specials())
-        rows = np.repeat(np.arange(lengths.size), lengths)
-        cols = np.arange(ids.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        keep = cols < self.max_residues
-
-        input_ids = np.full((lengths.size, int(total.max())), self.pad_id, dtype=np.int64)
-        input_ids[rows[keep], cols[keep] + first] = ids[keep]
-        if self.bos_id is not None:
-            input_ids[:, 0] = self.bos_id
-        if self.eos_id is not None:
-            input_ids[np.arange(lengths.size), kept + first] = self.eos_id
-
-        positions = np.arange(input_ids.shape[1])
-        attention_mask = (positions < total[:, None]).astype(np.int64)
-        residue_mask = (positions >= first) & (positions < (kept + first)[:, None])
-        return Encoded(input_ids, attention_mask, residue_mask)
 
     def _invalid_character(self, index: int, raw: bytes) -> TokenizationError:
         # Only on the error path: find the first bad character by decoding (non-ASCII included).
@@ -189,6 +170,31 @@ class CharacterTokenizer:
         return TokenizationError(
             f"sequence {index} has {length} residues; the maximum is {self.max_residues} ({tokens})"
         )
+
+
+def assemble(ids: np.ndarray, lengths: np.ndarray, *, limit: int, pad_id: int, bos_id: int | None,
+             eos_id: int | None) -> Encoded:
+    """Scatter flat token ids (each sequence's in turn, `lengths` of them) into a padded
+    [batch, length] batch: BOS + at most `limit` tokens + EOS per row (one vectorized pass; every
+    tokenizer here ends with it)."""
+    first = 0 if bos_id is None else 1
+    kept = np.minimum(lengths, limit)
+    total = kept + first + (eos_id is not None)
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    cols = np.arange(ids.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    keep = cols < limit
+
+    input_ids = np.full((lengths.size, int(total.max())), pad_id, dtype=np.int64)
+    input_ids[rows[keep], cols[keep] + first] = ids[keep]
+    if bos_id is not None:
+        input_ids[:, 0] = bos_id
+    if eos_id is not None:
+        input_ids[np.arange(lengths.size), kept + first] = eos_id
+
+    positions = np.arange(input_ids.shape[1])
+    attention_mask = (positions < total[:, None]).astype(np.int64)
+    residue_mask = (positions >= first) & (positions < (kept + first)[:, None])
+    return Encoded(input_ids, attention_mask, residue_mask)
 
 
 def _utf8(index: int, sequence: str | bytes) -> bytes:

@@ -24,9 +24,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 try:  # inside the bionemo_export package
-    from .character import Encoded, TokenizationError, _utf8
+    from .character import Encoded, TokenizationError, _utf8, assemble
 except ImportError:  # copied beside character.py into a Triton model folder
-    from character import Encoded, TokenizationError, _utf8
+    from character import Encoded, TokenizationError, _utf8, assemble
 
 SPECIAL_TOKENS = ("<PAD>", "?", "^", "&", "<MASK>", "<SEP>")
 """MegaMolBART's special tokens, at ids 0..5: pad, unknown, begin, end, mask, separator."""
@@ -223,28 +223,8 @@ class SmilesTokenizer:
         too_long = np.flatnonzero(lengths > self.max_tokens)
         if too_long.size and not truncate:
             raise self._too_long(int(too_long[0]), int(lengths[too_long[0]]))
-        return self._assemble(ids, lengths)
-
-    def _assemble(self, ids: np.ndarray, lengths: np.ndarray) -> Encoded:
-        """Scatter the flat token ids into a padded [batch, length] batch with bos/eos."""
-        first = 0 if self.bos_token is None else 1
-        kept = np.minimum(lengths, self.max_tokens)
-        total = kept + len(self._specials())
-        rows = np.repeat(np.arange(lengths.size), lengths)
-        cols = np.arange(ids.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        keep = cols < self.max_tokens
-
-        input_ids = np.full((lengths.size, int(total.max())), self.pad_id, dtype=np.int64)
-        input_ids[rows[keep], cols[keep] + first] = ids[keep]
-        if self.bos_id is not None:
-            input_ids[:, 0] = self.bos_id
-        if self.eos_id is not None:
-            input_ids[np.arange(lengths.size), kept + first] = self.eos_id
-
-        positions = np.arange(input_ids.shape[1])
-        attention_mask = (positions < total[:, None]).astype(np.int64)
-        residue_mask = (positions >= first) & (positions < (kept + first)[:, None])
-        return Encoded(input_ids, attention_mask, residue_mask)
+        return assemble(ids, lengths, limit=self.max_tokens, pad_id=self.pad_id, bos_id=self.bos_id,
+                        eos_id=self.eos_id)
 
     def _missing_token(self, index: int, tokens: list[str], position: int) -> TokenizationError:
         character = sum(map(len, tokens[:position]))

@@ -182,6 +182,32 @@ def artifact_text(checkpoint: Checkpoint, key: str) -> str:
         raise CheckpointError(f"{checkpoint.path}: the artifact of tokenizer.{key} is not UTF-8 text") from None
 
 
-def target_class(checkpoint: Checkpoint) -> str:
-    """The class name of the archive's `target` (e.g. 'ESM2nvModel'), '' when absent."""
-    return (checkpoint.model_class or "").rsplit(".", 1)[-1]
+def sentencepiece_pieces(checkpoint: Checkpoint, model_name: str) -> list[str]:
+    """The piece vocabulary (id order) of the archive's SentencePiece tokenizer artifacts: the
+    `tokenizer.model` protobuf and/or the `tokenizer.vocab_file` (`piece<TAB>score` lines); when
+    both are there they must agree. `model_name` (ESM-1nv, ProtT5nv) is for messages."""
+    from bionemo_export.tokenizers.sentencepiece_vocab import read_pieces
+
+    source = f"{checkpoint.path}:{CONFIG_NAME}"
+    tokenizer = checkpoint.config.get("tokenizer") or {}
+    if not isinstance(tokenizer, dict):
+        raise CheckpointError(f"{source}: tokenizer is not a mapping")
+    library = tokenizer.get("library", "sentencepiece")
+    if library != "sentencepiece":
+        raise CheckpointError(f"{source}: tokenizer.library is {library!r}; {model_name} uses 'sentencepiece'")
+    found: dict[str, list[str]] = {}
+    for key, kind in (("model", ".model"), ("vocab_file", ".vocab")):
+        reference = tokenizer.get(key)
+        if not isinstance(reference, str) or not reference:
+            continue
+        try:
+            found[key] = read_pieces(artifact(checkpoint, key), kind)
+        except ValueError as err:
+            raise CheckpointError(f"{checkpoint.path}: tokenizer.{key} ({reference}): {err}") from None
+    if not found:
+        raise CheckpointError(f"{source} names no tokenizer artifact (tokenizer.model or tokenizer.vocab_file); "
+                              f"a {model_name} archive carries its SentencePiece vocabulary")
+    if len(found) == 2 and found["model"] != found["vocab_file"]:
+        raise CheckpointError(f"{checkpoint.path}: the pieces of tokenizer.model and tokenizer.vocab_file differ "
+                              f"({len(found['model'])} vs {len(found['vocab_file'])} pieces)")
+    return next(iter(found.values()))
