@@ -164,8 +164,9 @@ class ModelFamily(ABC):
 
         convert = getattr(self, f"from_{checkpoint.form}", None)
         if convert is None:
-            kind = f" ({checkpoint.model_class if checkpoint.form == 'nemo' else f'model_type {checkpoint.model_class!r}'})"
-            raise CheckpointError(f"{checkpoint.path} is a {checkpoint.form} checkpoint{kind if checkpoint.model_class else ''}; "
+            said = checkpoint.model_class if checkpoint.form == "nemo" else f"model_type {checkpoint.model_class!r}"
+            what = f" ({said})" if checkpoint.model_class else ""
+            raise CheckpointError(f"{checkpoint.path} is a {checkpoint.form} checkpoint{what}; "
                                   f"the {self.name} family reads {', '.join(self.forms())} checkpoints")
         return convert(checkpoint, max_length)
 

@@ -33,7 +33,7 @@ MAX_TOKENS = 1024
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
-    description = "ESM-2 protein language model (rotary positions, pre-LN), Hugging Face EsmModel"
+    description = "ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, or BioNeMo ESM-2nv .nemo"
     model_type = "esm"
     config_class = transformers.EsmConfig
     backbone_class = transformers.EsmModel
