@@ -6,7 +6,7 @@ import typer
 
 from bionemo_export import __version__
 
-from . import build, client, doctor, serve, verify
+from . import bench, build, client, doctor, serve, verify
 
 app = typer.Typer(
     name="bionemo-export",
@@ -40,6 +40,7 @@ app.command("serve", help=serve.__doc__)(serve.serve)
 app.command("verify", help=verify.__doc__)(verify.verify)
 app.add_typer(client.app, name="client")
 app.command("doctor", help=doctor.__doc__)(doctor.doctor)
+app.command("bench", help=bench.__doc__)(bench.bench)
 
 
 if __name__ == "__main__":  # pragma: no cover
