@@ -1,0 +1,232 @@
+"""The serving suite: generated repositories against the baselines, side by side in one run.
+
+    .venv/bin/python benchmarks/serving.py [--parts antiberty,mixed,decodes] [--window 5] [--out DIR]
+
+Parts (each measures its targets interleaved by concurrency, with the real perf_analyzer over gRPC
+through `bionemo_export.bench`, on the same seeded inputs):
+
+- `antiberty`: the real AntiBERTy (`antiberty==0.1.3` wheel), 256 antibody-like proteins of
+  110-130 residues. Targets: the generated repository (fp32, and `--precision int8` when the build
+  supports it), BioNeMo's way of serving (benchmarks/dev_server.py: PyTriton, PyTorch inside,
+  max_batch_size 10), and in-process ONNX Runtime on a plain `torch.onnx.export` (TorchScript
+  exporter) of the same model at batch sizes 1..32 over the same sequences (its best batch is the
+  throughput anchor; batch 1's median latency the latency anchor).
+- `mixed`: a random ESM-2 of the 35M size (12 layers, hidden 480, 20 heads), proteins of 50-1000
+  residues: the generated repository with its length buckets and token budget against the same
+  repository built with plain dynamic batching (requests padded only to their own batch).
+- `decodes`: a MegaMolBART-sized model (hidden 512, 6 + 6 layers, 8 heads, random weights, so every
+  decode runs to --max-decode tokens): served `N_decodes` against in-process cached decoding
+  (ONNX Runtime, the same cross_kv / decoder_step graphs) on the same hidden states.
+
+Results go to benchmarks/results/serving.md (+ .json, and each part's bench report with CSVs and a
+PNG under benchmarks/results/serving/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from bionemo_export.bench import InputSpec, Target, run_benchmarks, write_report
+from bionemo_export.bench.inputs import TensorSpec, generate_inputs
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.model_repository.manifest import package_versions
+from bionemo_export.models import get_family
+from bionemo_export.models.bert import antiberty_checkpoint
+from bionemo_export.runtime.server import free_ports
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------------------ baselines
+def start_dev_server(checkpoint: Path, family: str, name: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """benchmarks/dev_server.py in its own process (so that it competes for the cores as a server
+    would); returns (process, grpc url) once it answers."""
+    http, grpc, metrics = free_ports(3)
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "dev_server.py"), "--checkpoint", str(checkpoint), "--family", family,
+         "--name", name, "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    import tritonclient.grpc as grpcclient
+
+    deadline = time.monotonic() + 300
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the dev server exited; see {log}")
+        try:
+            if client.is_model_ready(f"{name}_embeddings"):
+                return process, f"grpc://127.0.0.1:{grpc}"
+        except Exception:  # not up yet
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the dev server did not become ready; see {log}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def plain_onnx(loaded, path: Path) -> Path:
+    """A plain `torch.onnx.export` (TorchScript exporter) of the pooled encoder: the anchor the issue
+    names, independent of the project's export pipeline."""
+    encoded = loaded.tokenizer.encode(loaded.family.sample_sequences()[:2])
+    args = tuple(torch.from_numpy(a) for a in (encoded.input_ids, encoded.attention_mask, encoded.residue_mask))
+    axes = {"input_ids": {0: "batch", 1: "length"}, "attention_mask": {0: "batch", 1: "length"},
+            "residue_mask": {0: "batch", 1: "length"}, "hiddens": {0: "batch", 1: "length"},
+            "embeddings": {0: "batch"}}
+    torch.onnx.export(loaded.encoder, args, str(path), input_names=list(axes)[:3],
+                      output_names=["hiddens", "embeddings"], dynamic_axes=axes, opset_version=17, dynamo=False)
+    return path
+
+
+def in_process(loaded, onnx_path: Path, sequences: list[str], batches: list[int], repeats: int = 3) -> dict:
+    """ONNX Runtime in this process: sequences/s over all `sequences` in order, per batch size
+    (each batch padded to its longest), median of `repeats`; and batch 1's median latency."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = os.cpu_count() or 1
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    feeds = {}
+    for batch in batches:
+        feeds[batch] = []
+        for start in range(0, len(sequences), batch):
+            e = loaded.tokenizer.encode(sequences[start:start + batch])
+            feeds[batch].append({"input_ids": e.input_ids, "attention_mask": e.attention_mask,
+                                 "residue_mask": e.residue_mask})
+    session.run(["embeddings"], feeds[batches[0]][0])  # warm-up
+    throughput, latencies = {}, []
+    for batch in batches:
+        runs = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            for feed in feeds[batch]:
+                t = time.perf_counter()
+                session.run(["embeddings"], feed)
+                if batch == 1:
+                    latencies.append(time.perf_counter() - t)
+            runs.append(len(sequences) / (time.perf_counter() - began))
+        throughput[batch] = statistics.median(runs)
+    best = max(throughput, key=throughput.get)
+    return {"throughput": throughput, "best_batch": best, "best_throughput": throughput[best],
+            "p50_batch1_ms": 1000 * statistics.median(latencies) if latencies else None}
+
+
+def sequences_of(spec: InputSpec) -> list[str]:
+    data = generate_inputs([TensorSpec("sequences", "BYTES", (1,))], spec)
+    return [entry["sequences"]["content"][0] for entry in data.entries]
+
+
+# ------------------------------------------------------------------------------ parts
+def part_antiberty(work: Path, args) -> dict:
+    checkpoint = antiberty_checkpoint()
+    family = get_family("bert")
+    loaded = family.load(checkpoint)
+    spec = InputSpec(lengths="antibody", count=256, seed=0)
+    sequences = sequences_of(spec)
+    repos = {"fp32": work / "antiberty_fp32"}
+    build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="antiberty", out=repos["fp32"],
+                                  backend="python"))
+    try:
+        build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="antiberty",
+                                      out=work / "antiberty_int8", backend="python", precision="int8"))
+        repos["int8"] = work / "antiberty_int8"
+    except TypeError:  # a build without --precision
+        pass
+    onnx_path = plain_onnx(loaded, work / "antiberty_plain.onnx")
+    before = in_process(loaded, onnx_path, sequences, [1, 2, 4, 8, 16, 32])
+    dev, dev_url = start_dev_server(checkpoint, "bert", "antiberty", work / "dev_server.log")
+    try:
+        targets = [Target(model="antiberty_embeddings", repository=path, label=f"repository {name}")
+                   for name, path in repos.items()]
+        targets.append(Target(model="antiberty_embeddings", url=dev_url, label="dev server (PyTriton, PyTorch)"))
+        results = run_benchmarks(targets, args.concurrency, spec, args.window, out_dir=args.out / "antiberty")
+    finally:
+        stop(dev)
+    after = in_process(loaded, onnx_path, sequences, [1, 2, 4, 8, 16, 32])
+    write_report(results, args.out / "antiberty", command=" ".join(sys.argv))
+    anchor = statistics.mean([before["best_throughput"], after["best_throughput"]])
+    latency = statistics.mean([before["p50_batch1_ms"], after["p50_batch1_ms"]])
+    return {"in_process": {"before": before, "after": after, "best_throughput": anchor, "p50_batch1_ms": latency},
+            "served": [r.to_dict() for r in results]}
+
+
+def part_decodes(work: Path, args) -> dict:
+    from bionemo_export.generation.kv_decoder import OnnxRuntimeDecoder
+    from bionemo_export.generation.search import greedy
+
+    family = get_family("megamolbart")
+    checkpoint = family.save_random_checkpoint(work / "mmb_ckpt", seed=0, hidden_size=512, num_layers=6, num_heads=8)
+    repo = work / "mmb_repo"
+    build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name="mmb", out=repo,
+                                  backend="python", max_decode_length=args.max_decode, tasks=("hiddens", "decodes")))
+    spec = InputSpec(lengths="smiles", count=64, seed=0)
+    results = run_benchmarks([Target(model="mmb_decodes", repository=repo, label="served N_decodes")],
+                             [1, 8], spec, args.window, out_dir=args.out / "decodes")
+    write_report(results, args.out / "decodes", command=" ".join(sys.argv))
+    # In process: the repository's own graphs, the same search code, same hidden-state lengths.
+    data = generate_inputs([TensorSpec("hiddens", "FP32", (-1, 512)), TensorSpec("mask", "BOOL", (-1,))], spec)
+    sessions = {name: ort.InferenceSession(str(repo / f"mmb_{name}" / "1" / "model.onnx"),
+                                           providers=["CPUExecutionProvider"]) for name in ("cross_kv", "decoder_step")}
+    decoder = OnnxRuntimeDecoder(sessions)
+    rng = np.random.default_rng(0)
+    lengths = data.lengths
+    timings = {}
+    for batch in (1, 8):
+        began = time.perf_counter()
+        for start in range(0, len(lengths), batch):
+            chunk = lengths[start:start + batch]
+            hiddens = rng.standard_normal((len(chunk), max(chunk), 512), dtype=np.float32)
+            mask = np.arange(max(chunk))[None, :] < np.array(chunk)[:, None]
+            greedy(decoder, hiddens, mask, begin_id=2, end_id=-1, max_length=args.max_decode)
+        timings[batch] = len(lengths) / (time.perf_counter() - began)
+    return {"in_process_decodes_per_s": timings, "served": [r.to_dict() for r in results],
+            "max_decode": args.max_decode}
+
+
+PARTS = {"antiberty": part_antiberty, "decodes": part_decodes}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--window", type=float, default=5.0, help="perf_analyzer measurement window (s)")
+    parser.add_argument("--max-decode", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=RESULTS / "serving")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"command": " ".join(["python", *sys.argv]), "machine": platform.platform(),
+               "cores": os.cpu_count(), "versions": package_versions()}
+    with tempfile.TemporaryDirectory(prefix="bionemo-serving-bench-") as work:
+        for part in args.parts.split(","):
+            started = time.time()
+            (Path(work) / part).mkdir()
+            results[part] = PARTS[part](Path(work) / part, args)
+            results[part]["seconds"] = round(time.time() - started)
+            (RESULTS / "serving.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k not in ("versions",)}, indent=2, default=str)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
