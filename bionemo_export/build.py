@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from bionemo_export import __version__
-from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
+from bionemo_export.model_repository.encoder import plan_encoder_repository
+from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.manifest import checkpoint_digest, package_versions, write_manifest
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
+from bionemo_export.model_repository.encoder import plan_encoder_repository
+from bionemo_export.model_repository.options import RoleOptions, ServingOptions
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
 from bionemo_export.tokenizers.character import CharacterTokenizer
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan, Tensor
@@ -26,43 +27,91 @@ def _plan(tmp_path: Path, **options) -> RepositoryPlan:
 
 
 def test_encoder_plan_has_the_public_models_and_valid_configs(tmp_path):
-    plan = _plan(tmp_path)
+    plan = _plan(tmp_path)  # python backend: the fused layout
     names = [m.name for m in plan.models]
-    assert names == ["esm2nv_tokenizer", "esm2nv_encoder", "esm2nv_embeddings", "esm2nv_hiddens"]
+    assert names == ["esm2nv_encoder", "esm2nv_embeddings", "esm2nv_hiddens"]
     for model in plan.models:
         text = to_pbtxt(model.to_config())
         assert parse_pbtxt(text) == model.to_config()
+    encoder = plan.model("esm2nv_encoder").to_config()
+    assert [i.name for i in encoder.input] == ["sequences"] and encoder.input[0].data_type == mc.TYPE_STRING
+    assert [o.name for o in encoder.output] == ["hiddens", "embeddings", "mask"]
     hiddens = plan.model("esm2nv_hiddens").to_config()
     assert hiddens.platform == "ensemble"
     assert [o.name for o in hiddens.output] == ["hiddens", "mask"]
     assert hiddens.output[1].data_type == mc.TYPE_BOOL
+    assert [s.model_name for s in hiddens.ensemble_scheduling.step] == ["esm2nv_encoder"]
+    assert dict(hiddens.ensemble_scheduling.step[0].output_map) == {"hiddens": "hiddens", "mask": "mask"}
+
+
+def test_ensemble_layout_has_a_tokenizer_step_and_ragged_token_inputs(tmp_path):
+    plan = _plan(tmp_path, layout="ensemble")
+    assert [m.name for m in plan.models] == ["esm2nv_tokenizer", "esm2nv_encoder", "esm2nv_embeddings",
+                                             "esm2nv_hiddens"]
+    hiddens = plan.model("esm2nv_hiddens").to_config()
     assert [s.model_name for s in hiddens.ensemble_scheduling.step] == ["esm2nv_tokenizer", "esm2nv_encoder"]
+    encoder = plan.model("esm2nv_encoder").to_config()
+    assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "residue_mask"]
+    assert all(i.allow_ragged_batch for i in encoder.input)
+    assert encoder.parameters["pad_id"].string_value == str(TOKENIZER.pad_id)
+    compile(plan.model("esm2nv_encoder").files["model.py"], "model.py", "exec")
 
 
 def test_native_backend_uses_onnxruntime_platform(tmp_path):
-    encoder = _plan(tmp_path, backend="native").model("esm2nv_encoder")
+    plan = _plan(tmp_path, backend="native")
+    assert "esm2nv_tokenizer" in [m.name for m in plan.models]  # native: always the ensemble layout
+    encoder = plan.model("esm2nv_encoder")
     config = encoder.to_config()
     assert config.platform == "onnxruntime_onnx" and not config.backend
     assert config.default_model_filename == "model.onnx"
+    assert not any(i.allow_ragged_batch for i in config.input)  # Triton's ORT backend would flatten them
     assert "model.py" not in encoder.files
+    with pytest.raises(ValueError, match="fused layout"):
+        ServingOptions(backend="native", layout="fused")
 
 
 def test_python_backend_ships_a_model_py_that_compiles(tmp_path):
     encoder = _plan(tmp_path, backend="python").model("esm2nv_encoder")
     assert encoder.to_config().backend == "python"
-    compile(encoder.files["model.py"], "model.py", "exec")
-    tokenizer = _plan(tmp_path).model("esm2nv_tokenizer")
+    code = encoder.files["model.py"]
+    compile(code, "model.py", "exec")
+    assert "import bionemo_export" not in code
+    # The numpy-only helpers and the tokenizer are copied beside it.
+    assert {"batching.py", "host.py", "character.py", "tokenizer.json", "model.onnx"} <= set(encoder.files)
+    tokenizer = _plan(tmp_path, layout="ensemble").model("esm2nv_tokenizer")
     compile(tokenizer.files["model.py"], "model.py", "exec")
-    assert "import bionemo_export" not in encoder.files["model.py"] + tokenizer.files["model.py"]
+    assert "import bionemo_export" not in tokenizer.files["model.py"]
 
 
 def test_batching_and_cache_options_reach_the_configs(tmp_path):
-    plan = _plan(tmp_path, max_batch_size=48, response_cache=True, encoder_instances=2)
+    plan = _plan(tmp_path, max_batch_size=48, response_cache=True, encoder_instances=2, length_bucket=32,
+                 token_budget=4096, max_queue_delay_microseconds=500)
     encoder = plan.model("esm2nv_encoder").to_config()
     assert encoder.max_batch_size == 48
     assert list(encoder.dynamic_batching.preferred_batch_size) == [8, 16, 32, 48]
+    assert encoder.dynamic_batching.max_queue_delay_microseconds == 500
     assert encoder.instance_group[0].count == 2
+    parameters = {key: value.string_value for key, value in encoder.parameters.items()}
+    assert parameters["length_bucket"] == "32" and parameters["token_budget"] == "4096"
+    assert parameters["intra_op_threads"] == "auto"  # resolved by the serving host
     assert plan.model("esm2nv_embeddings").to_config().response_cache.enable
+
+
+def test_each_role_owns_its_settings():
+    options = ServingOptions(tokenizer_instances=3, encoder_instances=2, intra_op_threads=4)
+    assert options.role("encoder").instances == 2 and options.role("encoder").threads == 4
+    assert options.role("encoder").token_budget == 8192 and options.role("encoder").length_bucket == 16
+    assert options.role("decoder_step").batching is None and options.role("cross_kv").instances == 2
+    assert options.role("samplings").instances == 3 and options.role("samplings").batching is not None
+    assert options.role("encoder").graph_parameters()["intra_op_threads"] == "4"
+    assert ServingOptions().role("encoder").graph_parameters()["intra_op_threads"] == "auto"
+    tuned = options.with_role("decodes", instances=5)
+    assert tuned.role("decodes").instances == 5 and tuned.role("samplings").instances == 3
+    assert ServingOptions(roles={"encoder": RoleOptions(instances=4)}).role("encoder").instances == 4
+    with pytest.raises(ValueError, match="unknown role"):
+        options.role("pooler")
+    with pytest.raises(ValueError, match="token_budget"):
+        ServingOptions(token_budget=-1)
 
 
 def test_write_creates_folders_configs_and_files(tmp_path):
@@ -74,7 +123,8 @@ def test_write_creates_folders_configs_and_files(tmp_path):
         assert read_config(root / model.name).name == model.name
         assert (root / model.name / "1").is_dir()
     assert (root / "esm2nv_encoder" / "1" / "model.onnx").read_bytes() == b"not really onnx"
-    assert (root / "esm2nv_tokenizer" / "1" / "character.py").is_file()
+    assert (root / "esm2nv_encoder" / "1" / "character.py").is_file()
+    assert (root / "esm2nv_encoder" / "1" / "batching.py").is_file()
 
 
 def _two_step(out_dtype: str = "FP32", mapped: str = "y", ensemble_batch: int = 4) -> RepositoryPlan:

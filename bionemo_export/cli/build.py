@@ -29,10 +29,17 @@ def repo(
     max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sequence, specials included "
                                              "(default: the model's own limit)."),
     truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
-    tokenizer_instances: int = typer.Option(1, help="Tokenizer model instances."),
-    encoder_instances: int = typer.Option(1, help="Encoder model instances."),
-    intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per encoder instance (0: its default)."),
-    queue_delay_us: int = typer.Option(2000, help="Dynamic batcher's maximum queue delay in microseconds."),
+    tokenizer_instances: int = typer.Option(1, help="Instances of the Python models around the graphs "
+                                            "(tokenizer, decodes, samplings)."),
+    encoder_instances: int = typer.Option(1, help="Instances of each graph model (encoder, cross_kv, decoder_step)."),
+    intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per graph-model instance (0: auto, the "
+                                         "serving host's cores divided among the instances, at load time)."),
+    queue_delay_us: int = typer.Option(0, help="Dynamic batcher's maximum queue delay in microseconds."),
+    layout: str = typer.Option("auto", help="fused (the encoder model tokenizes; python backend), ensemble "
+                               "(tokenizer model -> encoder model), or auto (fused with python, ensemble with native)."),
+    length_bucket: int = typer.Option(16, help="Encoder rows are padded to a multiple of this many tokens."),
+    token_budget: int = typer.Option(8192, help="Most tokens (rows x padded length) in one encoder graph call "
+                                     "(0: no limit)."),
     response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "
                                         "(serve with --response-cache-mb)."),
     warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
@@ -43,7 +50,7 @@ def repo(
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
     from bionemo_export.build import BuildError, BuildRequest, build_repository
     from bionemo_export.exporters import ExportVerificationError
-    from bionemo_export.model_repository.encoder import ServingOptions
+    from bionemo_export.model_repository.options import ServingOptions
 
     console = Console()
     try:
@@ -51,6 +58,7 @@ def repo(
             max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
             encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
+            layout=layout, length_bucket=length_bucket, token_budget=token_budget,
         )
         request = BuildRequest(
             family=model, checkpoint=checkpoint, name=name, out=out,

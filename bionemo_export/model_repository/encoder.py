@@ -1,22 +1,29 @@
 """The repository layout for encoder models (embeddings, hiddens).
 
-For `--name N`:
+For `--name N`, with `--backend python` (the "fused" layout, the default there):
+
+    N_encoder     python    sequences BYTES [1] -> hiddens FP32 [-1, H], embeddings FP32 [H], mask BOOL [-1]
+                            (tokenizes, then runs the exported graph with ONNX Runtime; requests of
+                            any lengths batched together in length buckets)
+    N_embeddings  ensemble  sequences -> embeddings       (one step: N_encoder)
+    N_hiddens     ensemble  sequences -> hiddens, mask    (one step: N_encoder)
+
+With `--backend native`, or `layout="ensemble"` (ServingOptions), a tokenizer model feeds the graph:
 
     N_tokenizer   python    sequences BYTES [1] -> input_ids, attention_mask INT64 [-1], mask BOOL [-1]
     N_encoder     onnx      input_ids, attention_mask, residue_mask -> hiddens FP32 [-1, H], embeddings FP32 [H]
                             (platform onnxruntime_onnx with --backend native; a Python-backend model
-                            running ONNX Runtime with --backend python)
+                            running ONNX Runtime, whose token inputs allow ragged batches, with --backend python)
     N_embeddings  ensemble  sequences -> embeddings       (tokenizer -> encoder)
     N_hiddens     ensemble  sequences -> hiddens, mask    (tokenizer -> encoder; mask from the tokenizer)
 
 Pooling (masked mean over residues) happens inside the exported graph, so `N_embeddings` adds no
-Python step after the encoder.
+Python step after the encoder. Every model's settings come from its role in options.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -24,42 +31,15 @@ from tritonclient.grpc import model_config_pb2 as mc
 from bionemo_export import __version__
 from bionemo_export.templates import render
 
-from .plan import DynamicBatching, EnsembleStep, ModelPlan, RepositoryPlan, Tensor
+from .options import BACKENDS, RoleOptions, ServingOptions
+from .plan import EnsembleStep, ModelPlan, RepositoryPlan, Tensor
 
-BACKENDS = ("python", "native")
+__all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_repository"]
+
 ENCODER_TASKS = ("embeddings", "hiddens")
-# Tokenizer sources are copied verbatim from here into the repository (one source of truth).
+# Numpy-only sources copied verbatim from here into the repository (one source of truth).
 TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
-
-
-@dataclass(frozen=True)
-class ServingOptions:
-    """How the repository's models are scheduled; every field has a sensible CPU default."""
-
-    backend: str = "python"
-    """python: ONNX Runtime inside a Python-backend model; native: Triton's onnxruntime_onnx."""
-    max_batch_size: int = 32
-    tokenizer_instances: int = 1
-    encoder_instances: int = 1
-    max_queue_delay_microseconds: int = 2000
-    response_cache: bool = False
-    truncate: bool = False
-    """Cut sequences over the maximum length instead of refusing them."""
-    intra_op_threads: int = 0
-    """ONNX Runtime threads per encoder instance (0: ONNX Runtime's default, one per core)."""
-    warmup: bool = True
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1")
-
-    def preferred_batch_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted({s for s in (8, 16, 32, 64) if s < self.max_batch_size} | {self.max_batch_size}))
-
-    def dynamic_batching(self) -> DynamicBatching:
-        return DynamicBatching(self.preferred_batch_sizes(), self.max_queue_delay_microseconds)
+SERVING_DIR = Path(__file__).resolve().parent.parent / "serving"
 
 
 def _io_lines(inputs: list[Tensor], outputs: list[Tensor], batched: bool = True) -> list[str]:
@@ -81,10 +61,23 @@ def tokenizer_files(tokenizer) -> tuple[str, str, dict[str, Path]]:
     return module, type(tokenizer).__name__, files
 
 
+def serving_files(*modules: str) -> dict[str, Path]:
+    """Version-folder files for the serving helpers a generated model imports (batching, host)."""
+    return {f"{module}.py": SERVING_DIR / f"{module}.py" for module in modules}
+
+
 def describe_layout(tokenizer) -> str:
     """How a sequence becomes tokens, for the generated docstring: '<cls> + residues + <eos>, ...'."""
     parts = [t for t in (tokenizer.bos_token,) if t] + ["tokens"] + [t for t in (tokenizer.eos_token,) if t]
     return " + ".join(parts) + f", padded with {tokenizer.pad_token}"
+
+
+def _tokenizer_json(tokenizer) -> str:
+    return json.dumps(tokenizer.to_dict(), indent=2) + "\n"
+
+
+def _instances(role: RoleOptions) -> dict:
+    return dict(instance_count=role.instances, dynamic_batching=role.batching)
 
 
 def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan:
@@ -103,62 +96,85 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
         inputs=[sequences], outputs=outputs,
         max_batch_size=options.max_batch_size,
         backend="python",
-        instance_count=options.tokenizer_instances,
-        dynamic_batching=options.dynamic_batching(),
+        **_instances(options.role("tokenizer")),
         parameters={"truncate": "true" if options.truncate else "false"},
-        files={
-            "model.py": code,
-            **files,
-            "tokenizer.json": json.dumps(tokenizer.to_dict(), indent=2) + "\n",
-        },
+        files={"model.py": code, **files, "tokenizer.json": _tokenizer_json(tokenizer)},
         description="tokenizer (Python backend)",
     )
 
 
 def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: list[Tensor],
-                onnx_files: dict[str, Path], options: ServingOptions, *, batched: bool = True,
-                instances: int = 1, what: str = "encoder") -> ModelPlan:
-    """A model that runs one exported ONNX graph: Triton's onnxruntime_onnx platform with
-    `--backend native`, or ONNX Runtime inside a Python-backend model with `--backend python`.
-
-    `batched=False` is for graphs whose batch is not their first axis (key/value caches laid out
-    [layers, batch, ...]): max_batch_size 0 and full shapes in dims; their callers batch."""
-    plan = ModelPlan(
-        name=model_name,
-        inputs=inputs, outputs=outputs,
-        max_batch_size=options.max_batch_size if batched else 0,
-        instance_count=instances,
-        dynamic_batching=options.dynamic_batching() if batched else None,
-        files=dict(onnx_files),
-        warmup=[_zero_warmup(inputs)] if options.warmup and batched else [],
-    )
-    if options.backend == "native":
-        plan.platform = "onnxruntime_onnx"
-        plan.default_model_filename = "model.onnx"
-        if options.intra_op_threads:
-            plan.parameters["intra_op_thread_count"] = str(options.intra_op_threads)
-        plan.description = f"{what} (onnxruntime_onnx)"
+                onnx_files: dict[str, Path], *, role: RoleOptions, backend: str, what: str) -> ModelPlan:
+    """A model that runs one exported ONNX graph whose batch is not its first axis (key/value
+    caches laid out [layers, batch, ...]): max_batch_size 0 and full shapes in dims; its callers
+    batch. Triton's onnxruntime_onnx platform with `--backend native`, ONNX Runtime inside a
+    Python-backend model with `--backend python`."""
+    plan = ModelPlan(name=model_name, inputs=inputs, outputs=outputs, max_batch_size=0,
+                     instance_count=role.instances, files=dict(onnx_files))
+    if backend == "native":
+        _native(plan, role, what)
     else:
         plan.backend = "python"
-        plan.parameters["intra_op_threads"] = str(options.intra_op_threads)
+        plan.parameters["intra_op_threads"] = role.graph_parameters()["intra_op_threads"]
+        plan.files.update(serving_files("host"))
         plan.files["model.py"] = render(
             "onnx_model.py.j2",
             model_name=plan.name, family=family, what=what, tool_version=__version__,
-            io_lines=_io_lines(inputs, outputs, batched),
+            io_lines=_io_lines(inputs, outputs, batched=False),
             input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-            batched=batched,
         )
         plan.description = f"{what} (ONNX Runtime in the Python backend)"
     return plan
 
 
-def _encoder_model(name: str, family: str, hidden_size: int, onnx_files: dict[str, Path],
+def _native(plan: ModelPlan, role: RoleOptions, what: str) -> None:
+    plan.platform = "onnxruntime_onnx"
+    plan.default_model_filename = "model.onnx"
+    if role.threads:
+        plan.parameters["intra_op_thread_count"] = str(role.threads)
+    plan.description = f"{what} (onnxruntime_onnx)"
+
+
+GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
+
+
+def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_files: dict[str, Path],
                    options: ServingOptions) -> ModelPlan:
-    inputs = [Tensor("input_ids", "INT64", (-1,)), Tensor("attention_mask", "INT64", (-1,)),
-              Tensor("residue_mask", "BOOL", (-1,))]
+    """N_encoder: the encoder graph; in the fused layout it takes the sequences and tokenizes."""
+    role = options.role("encoder")
+    fused = options.fused
+    if fused:
+        inputs = [Tensor("sequences", "BYTES", (1,))]
+    else:  # Python: requests of different lengths may be batched together (the model joins them).
+        inputs = [Tensor(n, dtype, (-1,), ragged=options.backend == "python") for n, dtype in GRAPH_INPUTS]
     outputs = [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("embeddings", "FP32", (hidden_size,))]
-    return graph_model(f"{name}_encoder", family, inputs, outputs, onnx_files, options,
-                       instances=options.encoder_instances)
+    if fused:
+        outputs.append(Tensor("mask", "BOOL", (-1,)))
+    plan = ModelPlan(name=f"{name}_encoder", inputs=inputs, outputs=outputs,
+                     max_batch_size=options.max_batch_size, **_instances(role), files=dict(onnx_files))
+    if options.backend == "native":
+        _native(plan, role, "encoder")
+        if options.warmup:
+            plan.warmup = [_zero_warmup(inputs)]
+        return plan
+    module, class_name, files = tokenizer_files(tokenizer)
+    plan.backend = "python"
+    plan.parameters.update(role.graph_parameters(), warmup="true" if options.warmup else "false")
+    if fused:
+        plan.parameters["truncate"] = "true" if options.truncate else "false"
+        plan.files.update(files, **{"tokenizer.json": _tokenizer_json(tokenizer)})
+    else:
+        plan.parameters["pad_id"] = str(tokenizer.pad_id)
+    plan.files.update(serving_files("batching", "host"))
+    plan.files["model.py"] = render(
+        "encoder_model.py.j2",
+        model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
+        io_lines=_io_lines(inputs, outputs), output_names=[t.name for t in outputs],
+        tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
+        public_prefix=name,
+    )
+    plan.description = ("tokenizer + encoder" if fused else "encoder") + " (ONNX Runtime in the Python backend)"
+    return plan
 
 
 def _zero_warmup(inputs: list[Tensor], length: int = 16) -> mc.ModelWarmup:
@@ -173,25 +189,30 @@ def _zero_warmup(inputs: list[Tensor], length: int = 16) -> mc.ModelWarmup:
 
 def _ensemble(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
               encoder_outputs: dict[str, str]) -> ModelPlan:
-    return ModelPlan(
-        name=f"{name}_{task}",
-        inputs=[Tensor("sequences", "BYTES", (1,))],
-        outputs=outputs,
-        max_batch_size=options.max_batch_size,
-        platform="ensemble",
-        response_cache=options.response_cache,
-        steps=[
+    encoder = f"{name}_encoder"
+    if options.fused:  # one step: the encoder model tokenizes
+        steps = [EnsembleStep(encoder, {"sequences": "sequences"}, encoder_outputs)]
+    else:  # the tokenizer's mask is the public mask
+        steps = [
             EnsembleStep(
                 model=f"{name}_tokenizer",
                 input_map={"sequences": "sequences"},
                 output_map={"input_ids": "input_ids", "attention_mask": "attention_mask", "mask": "mask"},
             ),
             EnsembleStep(
-                model=f"{name}_encoder",
+                model=encoder,
                 input_map={"input_ids": "input_ids", "attention_mask": "attention_mask", "residue_mask": "mask"},
-                output_map=encoder_outputs,
+                output_map={k: v for k, v in encoder_outputs.items() if k != "mask"},
             ),
-        ],
+        ]
+    return ModelPlan(
+        name=f"{name}_{task}",
+        inputs=[Tensor("sequences", "BYTES", (1,))],
+        outputs=outputs,
+        max_batch_size=options.max_batch_size,
+        platform="ensemble",
+        response_cache=options.role(task).response_cache,
+        steps=steps,
         description=f"public: {task}",
     )
 
@@ -211,17 +232,15 @@ def plan_encoder_repository(
     unknown = set(tasks) - set(ENCODER_TASKS)
     if unknown:
         raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
-    models = [
-        _tokenizer_model(name, tokenizer, options),
-        _encoder_model(name, family, hidden_size, onnx_files, options),
-    ]
+    models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
+    models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options))
     if "embeddings" in tasks:
         models.append(_ensemble(name, "embeddings", [Tensor("embeddings", "FP32", (hidden_size,))], options,
                                 {"embeddings": "embeddings"}))
     if "hiddens" in tasks:
         models.append(_ensemble(name, "hiddens",
                                 [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("mask", "BOOL", (-1,))],
-                                options, {"hiddens": "hiddens"}))
+                                options, {"hiddens": "hiddens", "mask": "mask"}))
     plan = RepositoryPlan(models)
     plan.validate()
     return plan

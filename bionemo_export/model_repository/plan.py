@@ -30,6 +30,9 @@ class Tensor:
     dtype: str  # Triton's name without the TYPE_ prefix: FP32, INT64, BOOL, BYTES (= STRING)
     dims: tuple[int, ...]
     optional: bool = False
+    ragged: bool = False
+    """allow_ragged_batch: the dynamic batcher may join requests whose shapes differ (the model
+    handles the different lengths itself)."""
 
     @property
     def data_type(self) -> int:
@@ -94,7 +97,8 @@ class ModelPlan:
             config.default_model_filename = self.default_model_filename
         for tensor in self.inputs:
             config.input.append(mc.ModelInput(name=tensor.name, data_type=tensor.data_type,
-                                              dims=list(tensor.dims), optional=tensor.optional))
+                                              dims=list(tensor.dims), optional=tensor.optional,
+                                              allow_ragged_batch=tensor.ragged))
         for tensor in self.outputs:
             config.output.append(mc.ModelOutput(name=tensor.name, data_type=tensor.data_type,
                                                 dims=list(tensor.dims)))

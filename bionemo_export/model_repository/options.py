@@ -1,0 +1,162 @@
+"""How each served model is scheduled: the settings belong to the model's ROLE, in one place.
+
+A repository's models play a few roles; every setting that tunes one (instances, ONNX Runtime
+threads, dynamic batching, length buckets, token budget, response cache) is decided here, by
+`ServingOptions.role(name)`, and the planners (encoder.py, seq2seq.py) only read it:
+
+| role | model (for `--name N`) | what tunes it |
+|---|---|---|
+| `tokenizer` | `N_tokenizer` (ensemble layout only) | instances, dynamic batching |
+| `encoder` | `N_encoder`: the exported encoder graph (and, in the fused layout, the tokenizer) | instances, threads, dynamic batching, length buckets, token budget |
+| `embeddings`, `hiddens` | `N_embeddings`, `N_hiddens`: the public entry points (ensembles) | response cache |
+| `cross_kv`, `decoder_step` | the decoding graphs, called by BLS (not batched by Triton) | instances, threads |
+| `decodes`, `samplings` | the decode loops (Python, BLS) | instances, dynamic batching |
+
+Defaults and why (measured on 2-core CPU hosts; see the README's performance section):
+- `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
+  ("fused": one Python model behind the public ensembles, no tokenizer hop); with
+  `--backend native` Triton's own ONNX Runtime runs the graph, so a Python tokenizer model feeds it
+  ("ensemble", today's two-step layout).
+- ONNX Runtime threads: 0 = "auto", resolved when the SERVER loads the model (the repository is
+  usually served on another machine than the one that built it): the cores the server process may
+  use (CPU affinity, bounded by a cgroup quota) divided among the model's instances.
+- One encoder instance: ONNX Runtime already spreads one call over every core; a second instance
+  only splits them. Tokenization is vectorized numpy, a small fraction of a call.
+- Dynamic batching without a queue delay: while an instance runs (tens of milliseconds on a CPU),
+  the next requests queue and are handed over together, so batches form under load with no delay
+  added at low load.
+- Length buckets of 16 tokens and a token budget of 8192 tokens per graph call (see
+  bionemo_export/serving/batching.py): rows of every request the batcher hands over are sorted by
+  length and padded to a multiple of 16 tokens, so requests of different lengths run together with
+  little padding; a sub-batch holds at most 8192 tokens (e.g. 64 rows of 128, 8 of 1024), which
+  bounds the attention memory of long sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from .plan import DynamicBatching
+
+BACKENDS = ("python", "native")
+LAYOUTS = ("auto", "fused", "ensemble")
+ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings")
+AUTO_THREADS = "auto"
+
+
+@dataclass(frozen=True)
+class RoleOptions:
+    """The settings of one served model (see the module docstring for who gets what)."""
+
+    instances: int = 1
+    """Model instances (Triton's instance_group count)."""
+    threads: int = 0
+    """ONNX Runtime intra-op threads per instance; 0: auto, resolved by the serving host."""
+    batching: DynamicBatching | None = None
+    """Triton's dynamic batcher; None: not batched by Triton."""
+    length_bucket: int = 0
+    """Rows are padded to a multiple of this many tokens (0 or 1: to their own length)."""
+    token_budget: int = 0
+    """Most tokens (rows x padded length) in one graph call; 0: no limit."""
+    response_cache: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("instances",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("threads", "length_bucket", "token_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more")
+
+    def graph_parameters(self) -> dict[str, str]:
+        """Config `parameters` that the generated model.py of a graph-running model reads."""
+        return {
+            "intra_op_threads": str(self.threads) if self.threads else AUTO_THREADS,
+            "length_bucket": str(self.length_bucket),
+            "token_budget": str(self.token_budget),
+        }
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """How the repository's models are scheduled; every field has a sensible CPU default.
+
+    The flat fields are what the command line sets; `role()` turns them into each model's
+    settings, and `roles` overrides a role's settings outright (e.g. `{"decodes": RoleOptions(
+    instances=2, batching=...)}`)."""
+
+    backend: str = "python"
+    """python: ONNX Runtime inside a Python-backend model; native: Triton's onnxruntime_onnx."""
+    max_batch_size: int = 32
+    tokenizer_instances: int = 1
+    """Instances of the Python models around the graph: tokenizer, decodes, samplings."""
+    encoder_instances: int = 1
+    """Instances of each graph-running model (encoder, cross_kv, decoder_step)."""
+    max_queue_delay_microseconds: int = 0
+    response_cache: bool = False
+    truncate: bool = False
+    """Cut sequences over the maximum length instead of refusing them."""
+    intra_op_threads: int = 0
+    """ONNX Runtime threads per graph-model instance (0: auto, from the serving host's cores)."""
+    warmup: bool = True
+    layout: str = "auto"
+    """fused: the encoder model tokenizes (python backend); ensemble: tokenizer model -> encoder
+    model; auto: fused with the python backend, ensemble with native."""
+    length_bucket: int = 16
+    """Encoder rows are padded to a multiple of this many tokens (1: to their own length)."""
+    token_budget: int = 8192
+    """Most tokens (rows x padded length) in one encoder graph call (0: no limit)."""
+    roles: Mapping[str, RoleOptions] = field(default_factory=dict)
+    """Per-role overrides of what the fields above decide."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.backend == "native" and self.layout == "fused":
+            raise ValueError("the fused layout runs the graph in a Python-backend model: use --backend python")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        for name in ("tokenizer_instances", "encoder_instances"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more")
+        unknown = set(self.roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
+
+    @property
+    def fused(self) -> bool:
+        """True when the encoder model tokenizes itself (no separate tokenizer model)."""
+        return self.layout == "fused" or (self.layout == "auto" and self.backend == "python")
+
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({s for s in (8, 16, 32, 64) if s < self.max_batch_size} | {self.max_batch_size}))
+
+    def dynamic_batching(self) -> DynamicBatching:
+        return DynamicBatching(self.preferred_batch_sizes(), self.max_queue_delay_microseconds)
+
+    def role(self, name: str) -> RoleOptions:
+        """The settings of the model playing role `name`."""
+        if name not in ROLES:
+            raise ValueError(f"unknown role {name!r}; roles are {ROLES}")
+        if name in self.roles:
+            return self.roles[name]
+        if name == "encoder":
+            return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
+                               batching=self.dynamic_batching(), length_bucket=self.length_bucket,
+                               token_budget=self.token_budget)
+        if name in ("cross_kv", "decoder_step"):
+            return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
+        if name in ("embeddings", "hiddens"):
+            return RoleOptions(response_cache=self.response_cache)
+        # tokenizer, decodes, samplings: Python models batched by Triton.
+        return RoleOptions(instances=self.tokenizer_instances, batching=self.dynamic_batching())
+
+    def with_role(self, name: str, **changes) -> "ServingOptions":
+        """A copy whose role `name` has `changes` applied on top of its current settings."""
+        return replace(self, roles={**self.roles, name: replace(self.role(name), **changes)})
