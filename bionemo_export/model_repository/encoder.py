@@ -171,7 +171,7 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
         model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
         io_lines=_io_lines(inputs, outputs), output_names=[t.name for t in outputs],
         tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
-        public_prefix=name,
+        tokenizer_sources=", ".join(files), public_prefix=name,
     )
     plan.description = ("tokenizer + encoder" if fused else "encoder") + " (ONNX Runtime in the Python backend)"
     return plan

@@ -1,0 +1,226 @@
+"""Batching across lengths: the sub-batch planner (unit), and served repositories that join
+requests of different lengths (encoder, both layouts) and samplings requests (MegaMolBART)
+without changing any request's answer."""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.client import EncoderClient, InferenceError, Seq2SeqClient, TritonClient, strings_to_tensor
+from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.models import get_family
+from bionemo_export.runtime import TritonServer
+from bionemo_export.serving.batching import (
+    SubBatch, padded_lengths, padding_counts, plan_sub_batches, stack_padded)
+from bionemo_export.serving.host import available_cores, threads_per_instance
+
+AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
+
+
+# ----------------------------------------------------------------------------------- planner
+def _check_plan(lengths, batches, *, bucket, budget, limit=None):
+    rows = np.concatenate([b.rows for b in batches])
+    assert sorted(rows.tolist()) == list(range(len(lengths)))  # every row exactly once
+    expected = padded_lengths(np.asarray(lengths), bucket=bucket, limit=limit)
+    for batch in batches:
+        assert (expected[batch.rows] == batch.length).all()  # one length bucket per sub-batch
+        assert (np.asarray(lengths)[batch.rows] <= batch.length).all()
+        if budget > 0:
+            assert batch.tokens <= budget or batch.rows.size == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(("bucket", "budget"), [(16, 512), (1, 300), (32, 0), (8, 64)])
+def test_sub_batches_cover_every_row_once_within_the_token_budget(seed, bucket, budget):
+    lengths = np.random.default_rng(seed).integers(1, 200, size=57)
+    batches = plan_sub_batches(lengths, bucket=bucket, token_budget=budget)
+    _check_plan(lengths, batches, bucket=bucket, budget=budget)
+
+
+def test_token_budget_bounds_tokens_not_rows():
+    short = plan_sub_batches([10] * 40, bucket=16, token_budget=256)  # 16 tokens a row: 16 rows a call
+    assert [b.rows.size for b in short] == [14, 13, 13] and all(b.length == 16 for b in short)
+    long = plan_sub_batches([250] * 5, bucket=16, token_budget=1024)  # 256 tokens a row: 4 rows a call
+    assert [b.rows.size for b in long] == [3, 2]
+    alone = plan_sub_batches([1000, 3], bucket=16, token_budget=512)  # a row over the budget runs alone
+    assert [(b.rows.tolist(), b.length) for b in alone] == [([1], 16), ([0], 1008)]
+
+
+def test_rows_are_sorted_and_bucketed_and_the_limit_caps_padding():
+    batches = plan_sub_batches([130, 5, 120, 17, 128], bucket=16, token_budget=0, limit=130)
+    assert [(b.rows.tolist(), b.length) for b in batches] == [([1], 16), ([3], 32), ([2, 4], 128), ([0], 130)]
+    assert padded_lengths(np.array([5, 16, 17]), bucket=1).tolist() == [5, 16, 17]
+    assert plan_sub_batches([], bucket=16, token_budget=100) == []
+    real, padding = padding_counts(np.array([130, 5, 120, 17, 128]), batches)
+    assert real == 400 and padding == 16 + 32 + 256 + 130 - 400
+
+
+def test_stack_padded_joins_requests_of_different_lengths():
+    a = np.array([[1, 2, 3]])
+    b = np.array([[4], [5]])
+    joined = stack_padded([a, b], 9)
+    assert joined.tolist() == [[1, 2, 3], [4, 9, 9], [5, 9, 9]]
+    assert stack_padded([a], 0) is a
+    assert SubBatch(np.array([0, 1]), 8).tokens == 16
+
+
+def test_threads_are_the_cores_divided_among_instances():
+    assert threads_per_instance("3", 2, cores=16) == 3
+    assert threads_per_instance("auto", 2, cores=16) == 8
+    assert threads_per_instance("0", 4, cores=2) == 1
+    assert threads_per_instance(None, 1) == available_cores() >= 1
+
+
+# --------------------------------------------------------------------------- served encoder
+def _sequences(count: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(list(AMINO_ACIDS), size=int(n))) for n in rng.integers(3, 150, size=count)]
+
+
+def _requests() -> list[list[str]]:
+    """Requests of one to three sequences of very different lengths."""
+    sequences = _sequences(40)
+    requests, start = [], 0
+    for size in [1, 2, 3] * 8:
+        requests.append(sequences[start:start + size])
+        start = (start + size) % 35
+    return requests
+
+
+def _stats(url: str, model: str) -> tuple[int, int]:
+    stats = grpcclient.InferenceServerClient(url).get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+
+
+def _token_counts(server, model: str) -> dict[str, float]:
+    text = urllib.request.urlopen(server.endpoints.metrics_url, timeout=10).read().decode()
+    counts = {}
+    for match in re.finditer(r'^bionemo_export_encoder_tokens_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"]))
+        if labels["model"] == model:
+            counts[labels["kind"]] = float(match["value"])
+    return counts
+
+
+@pytest.fixture(scope="module", params=["fused", "ensemble"])
+def encoder_server(request, tmp_path_factory, triton_install):
+    """A tiny random ESM-2 served with a queue delay long enough that concurrent requests batch."""
+    work = tmp_path_factory.mktemp(f"batching-{request.param}")
+    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=3)
+    build_repository(BuildRequest(
+        family="esm2", checkpoint=checkpoint, name="tiny", out=work / "repo", backend="python",
+        serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=50_000, layout=request.param,
+                               length_bucket=16, token_budget=512),
+    ))
+    with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
+        yield server
+
+
+def test_concurrent_requests_of_different_lengths_batch_and_match_single_requests(encoder_server):
+    server = encoder_server
+    url = f"grpc://{server.endpoints.grpc_url}"
+    requests = _requests()
+    with EncoderClient("tiny", url) as client:
+        alone = [(client.seqs_to_embedding(r), *client.seqs_to_hidden(r)) for r in requests]
+    before = _stats(server.endpoints.grpc_url, "tiny_encoder")
+    tokens_before = _token_counts(server, "tiny_encoder")
+    barrier = threading.Barrier(len(requests))
+
+    def concurrently(sequences):
+        with EncoderClient("tiny", url) as client:
+            barrier.wait()
+            return client.seqs_to_embedding(sequences), *client.seqs_to_hidden(sequences)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(concurrently, requests))
+    inferences, executions = (b - a for a, b in zip(before, _stats(server.endpoints.grpc_url, "tiny_encoder")))
+    assert inferences == 2 * sum(len(r) for r in requests)
+    assert inferences / executions > 1.5  # the dynamic batcher joined requests of different lengths
+
+    for sequences, (embeddings, hiddens, mask), (ref_embeddings, ref_hiddens, ref_mask) in zip(
+            requests, together, alone):
+        np.testing.assert_allclose(embeddings, ref_embeddings, atol=1e-5)
+        assert hiddens.shape == ref_hiddens.shape and hiddens.shape[1] == max(map(len, sequences)) + 2
+        np.testing.assert_array_equal(mask, ref_mask)
+        np.testing.assert_allclose(hiddens, ref_hiddens, atol=1e-5)
+        for row, sequence in enumerate(sequences):  # hiddens cover BOS + residues + EOS, 0 on padding
+            assert not hiddens[row, len(sequence) + 2:].any()
+
+    # The padding the graph computed is counted: every real token exactly, padding within buckets.
+    tokens = {kind: value - tokens_before.get(kind, 0) for kind, value in _token_counts(server, "tiny_encoder").items()}
+    assert tokens["real"] == 2 * sum(len(s) + 2 for r in requests for s in r)
+    assert 0 < tokens["padding"] / (tokens["real"] + tokens["padding"]) < 0.3
+
+
+def test_a_bad_sequence_fails_alone_inside_a_batch(encoder_server):
+    url = encoder_server.endpoints.grpc_url
+    barrier = threading.Barrier(6)
+
+    def send(sequences):
+        with TritonClient(f"grpc://{url}") as client:
+            barrier.wait()
+            try:
+                return client.infer("tiny_embeddings", {"sequences": strings_to_tensor(sequences)})["embeddings"]
+            except InferenceError as err:
+                return err
+
+    batches = [["MKTAYIAK"], ["MKTAYJAK"], ["MSLKRKNIALIPAAGIGVRFG"], [""], ["MK", "MKT"], ["A" * 120]]
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(send, batches))
+    assert "invalid character 'J' at position 5" in str(results[1]) and "empty" in str(results[3])
+    for index in (0, 2, 4, 5):
+        assert isinstance(results[index], np.ndarray) and np.isfinite(results[index]).all()
+
+
+# --------------------------------------------------------------------------- served samplings
+@pytest.fixture(scope="module")
+def samplings_server(tmp_path_factory, triton_install):
+    work = tmp_path_factory.mktemp("batching-samplings")
+    family = get_family("megamolbart")
+    checkpoint = family.save_random_checkpoint(work / "checkpoint", seed=5)
+    build_repository(BuildRequest(
+        family="megamolbart", checkpoint=checkpoint, name="mmb", out=work / "repo", backend="python",
+        tasks=("hiddens", "samplings"), max_decode_length=12,
+        serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=100_000),
+    ))
+    with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
+        yield server, family.sample_sequences()
+
+
+def test_samplings_batched_across_requests_keep_each_seeded_result(samplings_server):
+    server, smiles = samplings_server
+    url = f"grpc://{server.endpoints.grpc_url}"
+    # Triton's dynamic batcher joins requests that send the same inputs: every request names all of
+    # these (each with its own values).
+    settings = [
+        ("greedy-perturbate", 1, 5), ("greedy-perturbate", 3, 5), ("beam-search-perturbate", 1, 2),
+        ("beam-search-perturbate-sample", 2, 2), ("topkp-perturbate", 1, 5), ("greedy-perturbate", 2, 5),
+        ("beam-search-perturbate", 2, 2), ("beam-search-single-sample", 2, 5),
+    ]
+    requests = [(smiles[i % 5:i % 5 + 1 + i % 3], dict(seed=i, sampling_method=method, num_samples=samples,
+                                                      beam_size=beams, top_k=3, scaled_radius=0.5 + i / 10))
+                for i, (method, samples, beams) in enumerate(settings)]
+    with Seq2SeqClient("mmb", url) as client:
+        alone = [client.sample_seqs(sequences, **parameters) for sequences, parameters in requests]
+    before = _stats(server.endpoints.grpc_url, "mmb_samplings")
+    barrier = threading.Barrier(len(requests))
+
+    def concurrently(request):
+        sequences, parameters = request
+        with Seq2SeqClient("mmb", url) as client:
+            barrier.wait()
+            return client.sample_seqs(sequences, **parameters)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(concurrently, requests))
+    inferences, executions = (b - a for a, b in zip(before, _stats(server.endpoints.grpc_url, "mmb_samplings")))
+    assert together == alone
+    assert inferences > executions  # requests were handed over (and sampled) together
