@@ -169,6 +169,50 @@ def part_antiberty(work: Path, args) -> dict:
             "served": [r.to_dict() for r in results]}
 
 
+def padding_fraction(metrics_url: str) -> float | None:
+    """Padded / all tokens the encoder ran, from its Triton metric (see templates/encoder_model.py.j2)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("bionemo_export_encoder_tokens_total{"):
+            kind = "padding" if 'kind="padding"' in line else "real"
+            totals[kind] = totals.get(kind, 0.0) + float(line.rsplit(" ", 1)[-1])
+    if not totals:
+        return None
+    return totals.get("padding", 0.0) / max(1.0, sum(totals.values()))
+
+
+def part_mixed(work: Path, args) -> dict:
+    """Length buckets + token budget against plain dynamic batching (every batch padded to its
+    longest request), same model, same inputs."""
+    from bionemo_export.model_repository.options import ServingOptions
+    from bionemo_export.runtime import TritonServer, find_tritonserver
+
+    family = get_family("esm2")
+    checkpoint = family.save_random_checkpoint(work / "esm2_35m", seed=0, hidden_size=480, num_layers=12,
+                                               num_heads=20, intermediate_size=1920)
+    repos = {"buckets + token budget": (work / "esm2_buckets", ServingOptions()),
+             "plain dynamic batching": (work / "esm2_plain", ServingOptions(length_bucket=1, token_budget=0))}
+    for path, options in repos.values():
+        build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2", out=path,
+                                      backend="python", serving=options))
+    spec = InputSpec(lengths="uniform:50-1000", count=256, seed=0)
+    targets = [Target(model="esm2_embeddings", repository=path, label=label) for label, (path, _) in repos.items()]
+    results = run_benchmarks(targets, [c for c in args.concurrency if c > 1], spec, args.window,
+                             out_dir=args.out / "mixed")
+    write_report(results, args.out / "mixed", command=" ".join(sys.argv))
+    # The padding each layout pays on the same requests: a short run per repository, read from its metric.
+    padding = {}
+    for label, (path, _) in repos.items():
+        with TritonServer(path, install=find_tritonserver()) as server:
+            run_benchmarks([Target(model="esm2_embeddings", url=f"grpc://{server.endpoints.grpc_url}", label=label)],
+                           [8], spec, 2.0, out_dir=work / f"padding_{len(padding)}")
+            padding[label] = padding_fraction(server.endpoints.metrics_url)
+    return {"served": [r.to_dict() for r in results], "padding_fraction": padding}
+
+
 def part_decodes(work: Path, args) -> dict:
     from bionemo_export.generation.kv_decoder import OnnxRuntimeDecoder
     from bionemo_export.generation.search import greedy
@@ -202,7 +246,7 @@ def part_decodes(work: Path, args) -> dict:
             "max_decode": args.max_decode}
 
 
-PARTS = {"antiberty": part_antiberty, "decodes": part_decodes}
+PARTS = {"antiberty": part_antiberty, "mixed": part_mixed, "decodes": part_decodes}
 
 
 def main() -> int:
