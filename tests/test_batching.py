@@ -72,9 +72,11 @@ def test_stack_padded_joins_requests_of_different_lengths():
     assert SubBatch(np.array([0, 1]), 8).tokens == 16
 
 
-def test_threads_are_the_cores_divided_among_instances():
+def test_auto_threads_use_every_core_with_at_most_two_threads_per_core():
     assert threads_per_instance("3", 2, cores=16) == 3
-    assert threads_per_instance("auto", 2, cores=16) == 8
+    assert threads_per_instance("auto", 1, cores=16) == 16
+    assert threads_per_instance("auto", 2, cores=16) == 16
+    assert threads_per_instance("auto", 4, cores=16) == 8
     assert threads_per_instance("0", 4, cores=2) == 1
     assert threads_per_instance(None, 1) == available_cores() >= 1
 

@@ -115,7 +115,8 @@ def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: lis
         _native(plan, role, what)
     else:
         plan.backend = "python"
-        plan.parameters["intra_op_threads"] = role.graph_parameters()["intra_op_threads"]
+        parameters = role.graph_parameters()
+        plan.parameters.update({key: parameters[key] for key in ("intra_op_threads", "allow_spinning")})
         plan.files.update(serving_files("host"))
         plan.files["model.py"] = render(
             "onnx_model.py.j2",
