@@ -8,6 +8,7 @@ repository is replaced (with `force`) in one rename.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -21,9 +22,12 @@ from bionemo_export.model_repository.manifest import checkpoint_digest, package_
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
 
 Progress = Callable[[str], None]
+LOG = logging.getLogger(__name__)
+PRECISIONS = ("fp32", "int8", "fp16")
 
 
 class BuildError(RuntimeError):
@@ -48,6 +52,10 @@ class BuildRequest:
     """Server whose backends decide `--backend auto`."""
     max_decode_length: int | None = None
     """Decoding families: most tokens a decode produces (default: the model's limit)."""
+    precision: str = "fp32"
+    """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); fp16 (GPU hosts)."""
+    optimize: bool = True
+    """Store the graphs optimized (exporters/optimize.py); False: the plain export."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ def _check_request(request: BuildRequest) -> None:
         raise BuildError(f"{request.out} already exists; pass --force to replace it")
     if not request.checkpoint.exists():
         raise BuildError(f"checkpoint not found: {request.checkpoint}")
+    if request.precision not in PRECISIONS:
+        raise BuildError(f"--precision {request.precision!r}: choose one of {', '.join(PRECISIONS)}")
 
 
 def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -113,33 +123,56 @@ class ExportedGraph:
 
 
 def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
-                  family, progress: Progress, mask_input: str = "attention_mask") -> ExportedGraph:
-    """Export `module` to ONNX under export_dir/name and check it against PyTorch on `batches`;
-    raises ExportVerificationError over the family's tolerance."""
-    from bionemo_export.exporters import export_onnx, verify_onnx
+                  family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
+                  optimize: bool = True, num_heads: int | None = None,
+                  hidden_size: int | None = None) -> ExportedGraph:
+    """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
+    store it optimized (and in `precision`) when that graph verifies too; raises
+    ExportVerificationError when the plain export is over the family's tolerance."""
+    from bionemo_export.exporters import export_onnx, optimize_and_verify, verify_onnx
 
     progress(f"exporting the {name} graph to ONNX ({exporter})")
     folder = export_dir / name
     folder.mkdir()
     exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter)
     progress(f"checking the {name} graph against PyTorch")
+    output_names = [t.name for t in outputs]
     report = verify_onnx(module, exported.path, batches, atol=family.atol, min_cosine=family.min_cosine,
-                         output_names=[t.name for t in outputs], mask_input=mask_input)
+                         output_names=output_names, mask_input=mask_input)
     report.raise_for_tolerance()
+    if optimize or precision != "fp32":
+        progress(f"optimizing the {name} graph ({precision}) and checking it against PyTorch")
+
+    def log(message: str) -> None:
+        LOG.warning(message)
+        progress(message)
+
+    chosen = optimize_and_verify(module, exported.path, report, export_dir / f"{name}.optimized", batches,
+                                 num_heads=num_heads, hidden_size=hidden_size, atol=family.atol,
+                                 min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
+                                 precision=precision, optimize=optimize, log=log)
     record = exported.to_dict()
     # The export happened in a temporary folder: record the names the files have in the repository.
     record["path"] = exported.path.name
     record["data_path"] = exported.data_path.name if exported.data_path else None
-    verification = {**report.to_dict(), "onnx_path": exported.path.name}
-    return ExportedGraph(name, {p.name: p for p in folder.iterdir() if p.is_file()}, record, verification)
+    record["optimization"] = chosen.record
+    verification = {**chosen.report.to_dict(), "onnx_path": exported.path.name,
+                    "precision": chosen.record["precision"], "optimized": chosen.path != exported.path}
+    if chosen.path != exported.path:
+        verification["unoptimized"] = {"outputs": [check.to_dict() for check in report.outputs]}
+    files = {p.name: p for p in chosen.path.parent.iterdir() if p.is_file()}
+    return ExportedGraph(name, files, record, verification)
 
 
-def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, exporter: str,
+def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
                 progress: Progress) -> dict[str, ExportedGraph]:
-    family = loaded.family
+    family, exporter = loaded.family, request.exporter
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
+    sizes = dict(optimize=request.optimize, num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size)
+    # Reduced precision applies to the encoder; decoder graphs stay fp32 (greedy decodes are exact).
     graphs = {"encoder": _export_graph("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
-                                       export_dir, exporter, family, progress)}
+                                       export_dir, exporter, family, progress, precision=request.precision,
+                                       **sizes)}
     if loaded.seq2seq is not None and {"decodes", "samplings"} & set(tasks):
         specs = seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
         cross_batches, step_batches = decoder_check_batches(loaded, batches)
@@ -148,7 +181,7 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, e
             inputs, outputs = specs[name]
             # Key/value outputs are [layers, batch, ...]: compare them whole, not per position.
             graphs[name] = _export_graph(name, module, inputs, outputs, graph_batches, export_dir, exporter,
-                                         family, progress, mask_input="")
+                                         family, progress, mask_input="", **sizes)
     return graphs
 
 
@@ -174,7 +207,10 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     staging = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.building-", dir=request.out.parent))
     try:
         with tempfile.TemporaryDirectory(prefix="bionemo-export-onnx-") as export_dir:
-            graphs = _export_all(loaded, tasks, Path(export_dir), request.exporter, progress)
+            try:
+                graphs = _export_all(loaded, tasks, Path(export_dir), request, progress)
+            except PrecisionError as err:
+                raise BuildError(str(err)) from err
             progress(f"writing the repository ({backend} backend)")
             plan = _plan(request, loaded, tasks, serving, graphs)
             plan.write(staging)
@@ -187,7 +223,7 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
             "models": {m.name: m.description for m in plan.models},
             "checkpoint": {"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
                            **loaded.description},
-            "precision": "fp32",
+            "precision": request.precision,
             "backend": backend,
             "exporter": request.exporter,
             "export": {name: graph.record for name, graph in graphs.items()},
@@ -196,6 +232,7 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
             "max_decode_length": request.max_decode_length or (loaded.seq2seq.max_decode_length
                                                                if loaded.seq2seq else None),
             "verification": {"passed": True, "graphs": {name: graph.verification for name, graph in graphs.items()}},
+            "accuracy": _accuracy(request.precision, graphs["encoder"]),
             "versions": package_versions(),
         }
         write_manifest(staging, manifest)
@@ -205,6 +242,20 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
         raise
     progress(f"built {request.out}")
     return BuildResult(request.out, manifest, [m.name for m in plan.models])
+
+
+def _accuracy(precision: str, encoder: ExportedGraph) -> dict:
+    """The stored encoder graph against the PyTorch fp32 model: what `precision` costs."""
+    return {
+        "precision": precision,
+        "reference": "PyTorch fp32",
+        "graph": "encoder",
+        "batch_shapes": encoder.verification["batch_shapes"],
+        "outputs": {check["name"]: {"max_abs_error": check["max_abs_error"], "min_cosine": check["min_cosine"],
+                                    "tolerance": check.get("tolerance") or {"atol": encoder.verification["atol"],
+                                                                            "min_cosine": encoder.verification["min_cosine"]}}
+                    for check in encoder.verification["outputs"]},
+    }
 
 
 def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,

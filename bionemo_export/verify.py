@@ -4,6 +4,11 @@ Sample sequences of several lengths go through the public models (`N_embeddings`
 a running server, or of the embedded tritonserver started for the purpose; the answers are
 compared with the checkpoint's PyTorch model: max abs error and minimum cosine per task, and for
 `hiddens` the exact `mask`.
+
+The tolerance follows manifest.json's `precision`: the family's (atol and cosine) for fp32; for an
+int8 or fp16 encoder, the precision's minimum cosine per output (exporters/verification.py), the
+figures then being the accuracy cost of that precision against PyTorch fp32 (each check's note
+says so, with what the build measured).
 """
 
 from __future__ import annotations
@@ -60,8 +65,14 @@ def _reference(loaded, batch: list[str]) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list[list[str]],
-                  atol: float, min_cosine: float) -> list[TaskCheck]:
-    """Compare the served public models with PyTorch on each batch."""
+                  atol: float, min_cosine: float, tolerances: dict | None = None,
+                  notes: dict[str, str] | None = None) -> list[TaskCheck]:
+    """Compare the served public models with PyTorch on each batch. `tolerances` (task ->
+    exporters.Tolerance) overrides `atol`/`min_cosine` per task; `notes` (task -> text) is
+    attached to that task's checks."""
+    tolerances, notes = tolerances or {}, notes or {}
+    limits = {task: (tolerances[task].atol, tolerances[task].min_cosine) if task in tolerances else (atol, min_cosine)
+              for task in ("embeddings", "hiddens")}
     checks = []
     for batch in batches:
         ref_hiddens, ref_embeddings, attention, residues = _reference(loaded, batch)
@@ -72,8 +83,9 @@ def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list
                 cosine = float(cosine_rows(served, ref_embeddings).min())
             else:  # e.g. a repository built from another checkpoint
                 error, cosine = float("inf"), float("-inf")
+            task_atol, task_cosine = limits["embeddings"]
             checks.append(TaskCheck(f"{client.name}_embeddings", _describe(batch), error, cosine, None,
-                                    error <= atol and cosine >= min_cosine))
+                                    error <= task_atol and cosine >= task_cosine, notes.get("embeddings", "")))
         if "hiddens" in tasks:
             hiddens, mask = client.seqs_to_hidden(batch)
             shape_ok = hiddens.shape == ref_hiddens.shape and mask.shape == residues.shape
@@ -84,8 +96,10 @@ def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list
                 mask_exact = bool(np.array_equal(mask, residues))
             else:
                 error, cosine, mask_exact = float("inf"), float("-inf"), False
+            task_atol, task_cosine = limits["hiddens"]
             checks.append(TaskCheck(f"{client.name}_hiddens", _describe(batch), error, cosine, mask_exact,
-                                    shape_ok and mask_exact and error <= atol and cosine >= min_cosine))
+                                    shape_ok and mask_exact and error <= task_atol and cosine >= task_cosine,
+                                    notes.get("hiddens", "")))
     return checks
 
 
@@ -105,10 +119,11 @@ def _expected_outputs(method: str, parameters: dict) -> int:
 
 
 def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: int = 1234,
-                    max_decode_length: int | None = None) -> list[TaskCheck]:
+                    max_decode_length: int | None = None, precision: str = "fp32") -> list[TaskCheck]:
     """decodes: served strings equal the reference greedy decode (no cache, PyTorch) exactly.
     samplings: every method answers with the right shape, and a seeded request equals the
-    reference sampling with the same seed."""
+    reference sampling with the same seed (fp32 encoders only: samplings start from the served
+    encoder's hiddens, which an int8/fp16 encoder changes, so only the shape is checked then)."""
     from bionemo_export.generation.reference import encode_hiddens, reference_decode, reference_sample
 
     checks = []
@@ -127,10 +142,11 @@ def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: in
             expected = reference_sample(loaded, batch, seed=seed, method=method, max_length=max_decode_length,
                                         **parameters)
             shape_ok = [len(row) for row in served] == [_expected_outputs(method, parameters)] * len(batch)
+            exact = precision == "fp32"
+            note = (f"{method}: {'same as' if served == expected else 'DIFFERS from'} the seeded reference"
+                    f"{'' if exact else f' (not required: {precision} encoder)'}; shape {'ok' if shape_ok else 'WRONG'}")
             checks.append(TaskCheck(f"{client.name}_samplings", described, None, None, None,
-                                    shape_ok and served == expected,
-                                    f"{method}: {'same as' if served == expected else 'DIFFERS from'} the seeded "
-                                    f"reference; shape {'ok' if shape_ok else 'WRONG'}"))
+                                    shape_ok and (served == expected or not exact), note))
     return checks
 
 
@@ -150,6 +166,29 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
             server = stack.enter_context(TritonServer(repository, install=find_tritonserver(tritonserver)))
             url = f"grpc://{server.endpoints.grpc_url}"
         client = stack.enter_context(Seq2SeqClient(manifest["name"], url))
-        checks = verify_served(client, loaded, manifest["tasks"], batches, family.atol, family.min_cosine)
+        precision = manifest.get("precision", "fp32")
+        tolerances, notes = precision_checks(manifest, family)
+        checks = verify_served(client, loaded, manifest["tasks"], batches, family.atol, family.min_cosine,
+                               tolerances=tolerances, notes=notes)
         return checks + verify_decoding(client, loaded, manifest["tasks"], samples,
-                                        max_decode_length=manifest.get("max_decode_length"))
+                                        max_decode_length=manifest.get("max_decode_length"), precision=precision)
+
+
+def precision_checks(manifest: dict, family) -> tuple[dict, dict[str, str]]:
+    """(task -> Tolerance, task -> note) for the repository's precision: the family's tolerance for
+    fp32; for int8/fp16 the precision's minimum cosine, and a note with the accuracy cost the build
+    measured (manifest.json's `accuracy`)."""
+    from bionemo_export.exporters.verification import precision_tolerances
+
+    precision = manifest.get("precision", "fp32")
+    tolerances = precision_tolerances(precision, ["embeddings", "hiddens"], family.atol, family.min_cosine)
+    if precision == "fp32":
+        return tolerances, {}
+    measured = manifest.get("accuracy", {}).get("outputs", {})
+    notes = {}
+    for task, tolerance in tolerances.items():
+        built = measured.get(task)
+        at_build = (f"; build: min cosine {built['min_cosine']:.6f}, max abs error {built['max_abs_error']:.2e}"
+                    if built and isinstance(built.get("min_cosine"), float) else "")
+        notes[task] = f"{precision} vs fp32 PyTorch: min cosine >= {tolerance.min_cosine:g} required{at_build}"
+    return tolerances, notes

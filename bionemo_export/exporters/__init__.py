@@ -5,6 +5,10 @@ verifying them against PyTorch.
     report = verify_onnx(model.encoder, result.path, batches, atol=family.atol,
                          min_cosine=family.min_cosine)
     report.raise_for_tolerance()
+    chosen = optimize_and_verify(model.encoder, result.path, report, work, batches, num_heads=8,
+                                 hidden_size=512, atol=family.atol, min_cosine=family.min_cosine,
+                                 output_names=["hiddens", "embeddings"], mask_input="attention_mask",
+                                 precision="int8")   # optimized (+ int8) graph, verified, or the plain one
 """
 
 from bionemo_export.exporters.navigator import NavigatorExportError, NavigatorUnavailableError
@@ -15,11 +19,22 @@ from bionemo_export.exporters.onnx_export import (
     export_onnx,
     tensorrt_available,
 )
+from bionemo_export.exporters.optimize import (
+    OptimizationError,
+    OptimizationResult,
+    PrecisionError,
+    VerifiedGraph,
+    fuse_attention,
+    optimize_and_verify,
+    optimize_onnx,
+)
 from bionemo_export.exporters.signature import SignatureError
 from bionemo_export.exporters.verification import (
     ExportVerificationError,
     OutputCheck,
+    Tolerance,
     VerificationReport,
+    precision_tolerances,
     verify_onnx,
 )
 
@@ -29,11 +44,20 @@ __all__ = [
     "ExportVerificationError",
     "NavigatorExportError",
     "NavigatorUnavailableError",
+    "OptimizationError",
+    "OptimizationResult",
     "OutputCheck",
+    "PrecisionError",
     "SignatureError",
+    "Tolerance",
     "VerificationReport",
+    "VerifiedGraph",
     "available_exporters",
     "export_onnx",
+    "fuse_attention",
+    "optimize_and_verify",
+    "optimize_onnx",
+    "precision_tolerances",
     "tensorrt_available",
     "verify_onnx",
 ]

@@ -1,0 +1,330 @@
+"""Stored optimized graphs (exporters/optimize.py): fusions that keep the graph equal to PyTorch, the
+fallback to the plain export, reduced precision (int8, fp16) with its accuracy cost recorded, and
+`verify`'s precision-aware tolerance."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.exporters import export_onnx, optimize as optimize_module, verify_onnx
+from bionemo_export.exporters.optimize import (
+    SERVING_GRAPH_OPTIMIZATION_LEVEL,
+    OptimizationError,
+    fuse_attention,
+    fused_operators,
+    optimize_onnx,
+)
+from bionemo_export.exporters.signature import dynamic_axes
+from bionemo_export.exporters.verification import PRECISION_MIN_COSINE, precision_tolerances
+from bionemo_export.models import get_family
+from bionemo_export.verify import precision_checks
+
+FAMILIES = ("esm2", "bert")
+
+
+def _encode(loaded, sequences):
+    encoded = loaded.tokenizer.encode(sequences)
+    return {"input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask,
+            "residue_mask": encoded.residue_mask}
+
+
+def _batches(loaded):
+    """Mixed lengths with padding, then the shortest and the longest alone."""
+    samples = sorted(loaded.family.sample_sequences(), key=len)
+    return [_encode(loaded, samples), _encode(loaded, samples[:1]), _encode(loaded, samples[-1:])]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    """(family name, loaded tiny random model, its plain dynamo export)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    family = get_family(request.param)
+    loaded = family.load(family.save_random_checkpoint(folder / "checkpoint", seed=1))
+    exported = export_onnx(loaded.encoder, loaded.inputs, loaded.outputs, _batches(loaded)[0], folder / "model.onnx")
+    return request.param, loaded, exported.path
+
+
+def _verify(loaded, path, **kwargs):
+    family = loaded.family
+    return verify_onnx(loaded.encoder, path, _batches(loaded), atol=family.atol, min_cosine=family.min_cosine,
+                       **kwargs)
+
+
+def _layers(loaded) -> int:
+    return loaded.description["layers"]
+
+
+def test_optimized_graph_fuses_attention_and_equals_pytorch(tiny, tmp_path):
+    name, loaded, plain = tiny
+    result = optimize_onnx(plain, tmp_path / "model.onnx", num_heads=loaded.description["heads"],
+                           hidden_size=loaded.hidden_size)
+    assert result.fused["MultiHeadAttention"] == _layers(loaded)
+    assert result.applied[0] == f"attention_fusion(MultiHeadAttention x{_layers(loaded)})"
+    assert result.applied[-1] == "onnxruntime_extended"
+    assert result.serving_graph_optimization_level == SERVING_GRAPH_OPTIMIZATION_LEVEL == "ORT_ENABLE_BASIC"
+    assert result.nodes_after < result.nodes_before
+    stored = onnx.load(str(result.path))
+    assert {(o.domain, o.version) for o in stored.opset_import} == {("", 18), ("com.microsoft", 1)}
+    assert stored.ir_version == onnx.load(str(plain)).ir_version
+    report = _verify(loaded, result.path)
+    assert report.passed, report.to_dict()
+    # Fewer, larger batch and length combinations still agree (the graph stays dynamic).
+    assert {shape[1] for shape in report.batch_shapes} == {len(b["input_ids"][0]) for b in _batches(loaded)}
+    assert max(check.max_abs_error for check in report.outputs) < 1e-4
+
+
+def test_attention_fusion_reads_the_torchscript_exporters_pattern_too(tiny, tmp_path):
+    """The legacy exporter transposes keys with one Transpose([0, 2, 3, 1]) and masks with -inf."""
+    name, loaded, _ = tiny
+    sample = _batches(loaded)[0]
+    path = tmp_path / "torchscript.onnx"
+    names = [spec.name for spec in loaded.inputs]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(loaded.encoder, tuple(torch.from_numpy(sample[n]) for n in names), str(path), dynamo=False,
+                          opset_version=18, input_names=names, output_names=[s.name for s in loaded.outputs],
+                          dynamic_axes=dynamic_axes([*loaded.inputs, *loaded.outputs]))
+    model = onnx.load(str(path))
+    assert fuse_attention(model, loaded.description["heads"]) == _layers(loaded)
+    fused = tmp_path / "fused.onnx"
+    onnx.save(model, str(fused))
+    assert _verify(loaded, fused).passed
+
+
+def test_a_subgraph_whose_values_are_used_elsewhere_is_left_alone(tiny):
+    _, loaded, plain = tiny
+    model = onnx.load(str(plain))
+    softmax = next(node for node in model.graph.node if node.op_type == "Softmax")
+    model.graph.output.append(onnx.helper.make_tensor_value_info(softmax.output[0], onnx.TensorProto.FLOAT, None))
+    fused = fuse_attention(model, loaded.description["heads"])
+    assert fused == _layers(loaded) - 1
+    assert softmax.output[0] in {o for node in model.graph.node for o in node.output}
+
+
+def test_build_stores_the_optimized_graph_and_records_the_optimizations(tmp_path):
+    family = get_family("esm2")
+    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
+                                           backend="python"))
+    manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
+    optimization = manifest["export"]["encoder"]["optimization"]
+    assert optimization["fallback"] is None
+    assert optimization["precision"] == "fp32" and manifest["precision"] == "fp32"
+    assert optimization["applied"][0] == "attention_fusion(MultiHeadAttention x2)"
+    assert "onnxruntime_extended" in optimization["applied"]
+    assert optimization["serving_graph_optimization_level"] == "ORT_ENABLE_BASIC"
+    stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))
+    assert fused_operators(stored) == optimization["fused"]
+    assert fused_operators(stored)["MultiHeadAttention"] == 2
+    verification = manifest["verification"]["graphs"]["encoder"]
+    assert verification["optimized"] and verification["passed"]
+    assert verification["unoptimized"]["outputs"][0]["name"] == "hiddens"
+    assert manifest["accuracy"]["outputs"]["embeddings"]["min_cosine"] > 0.9999
+    assert result.manifest == {k: v for k, v in manifest.items() if k != "created"}
+
+
+def _no_fusion_verifies(monkeypatch):
+    """Corrupt the attention fusion (a wrong scale): the optimized graph no longer verifies."""
+    original = optimize_module._fused_nodes
+
+    def wrong_scale(match, *args):
+        match.scale *= 1.5
+        return original(match, *args)
+
+    monkeypatch.setattr(optimize_module, "_fused_nodes", wrong_scale)
+
+
+def test_an_optimized_graph_that_fails_verification_falls_back_to_the_plain_export(tmp_path, monkeypatch, caplog):
+    _no_fusion_verifies(monkeypatch)
+    family = get_family("bert")
+    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    messages = []
+    build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="b", out=tmp_path / "repo",
+                                  backend="python", tasks=("embeddings",)), progress=messages.append)
+    manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
+    optimization = manifest["export"]["encoder"]["optimization"]
+    assert optimization["applied"] == [] and optimization["level"] == "none"
+    assert "min cosine" in optimization["fallback"] and optimization["rejected"][0]["figures"]
+    assert optimization["serving_graph_optimization_level"] == "ORT_ENABLE_ALL"
+    assert any("keeping the unoptimized graph" in m for m in messages)
+    assert any("keeping the unoptimized graph" in r.getMessage() for r in caplog.records)
+    stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))
+    assert "MultiHeadAttention" not in fused_operators(stored)
+    assert not manifest["verification"]["graphs"]["encoder"]["optimized"]
+
+
+def test_an_optimizer_error_falls_back_with_its_reason(tiny, tmp_path, monkeypatch):
+    _, loaded, plain = tiny
+
+    def broken(model, num_heads):
+        raise KeyError("unexpected pattern")
+
+    monkeypatch.setattr(optimize_module, "fuse_attention", broken)
+    with pytest.raises(OptimizationError, match="attention fusion failed: KeyError"):
+        optimize_onnx(plain, tmp_path / "model.onnx", num_heads=4, hidden_size=loaded.hidden_size)
+    report = _verify(loaded, plain)
+    chosen = optimize_module.optimize_and_verify(
+        loaded.encoder, plain, report, tmp_path / "work", _batches(loaded), num_heads=4,
+        hidden_size=loaded.hidden_size, atol=1e-4, min_cosine=0.9999, output_names=["hiddens", "embeddings"],
+        mask_input="attention_mask", log=lambda message: None)
+    assert chosen.path == plain and chosen.report is report
+    assert "attention fusion failed: KeyError" in chosen.record["fallback"]
+
+
+def test_external_data_graphs_are_optimized_into_one_weights_file(tiny, tmp_path):
+    _, loaded, plain = tiny
+    result = optimize_onnx(plain, tmp_path / "model.onnx", num_heads=loaded.description["heads"],
+                           hidden_size=loaded.hidden_size, external_data=True)
+    assert result.external_data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert any("transformer_fusions" in reason for reason in result.skipped)
+    assert result.fused["MultiHeadAttention"] == _layers(loaded)
+    assert _verify(loaded, result.path).passed
+
+
+def test_a_build_with_external_data_stores_the_optimized_graph_and_one_weights_file(tmp_path, monkeypatch):
+    from bionemo_export.exporters import onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
+    monkeypatch.setattr(optimize_module, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
+    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
+                                  backend="python", tasks=("embeddings",)))
+    manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
+    optimization = manifest["export"]["encoder"]["optimization"]
+    assert optimization["external_data"] and optimization["fallback"] is None
+    assert optimization["fused"]["MultiHeadAttention"] == 2
+    graph = next((tmp_path / "repo").rglob("model.onnx"))
+    assert sorted(p.name for p in graph.parent.iterdir() if p.name.startswith("model.onnx")) == [
+        "model.onnx", "model.onnx.data"]
+
+
+def test_a_graph_too_large_for_the_free_memory_is_not_optimized(tiny, tmp_path, monkeypatch):
+    _, loaded, plain = tiny
+    monkeypatch.setattr(optimize_module, "available_memory_bytes", lambda: 1000)
+    with pytest.raises(OptimizationError, match="needs about .* GiB of free memory"):
+        optimize_onnx(plain, tmp_path / "model.onnx", num_heads=4, hidden_size=loaded.hidden_size)
+    assert not (tmp_path / "model.onnx").exists()
+
+
+def test_int8_keeps_the_share_of_feed_forward_outputs_asked_in_fp32(tiny, tmp_path):
+    _, loaded, plain = tiny
+    heads, layers = loaded.description["heads"], _layers(loaded)
+    calibration = _batches(loaded)[0]
+    kept = {}
+    for fraction in (0.0, 0.25, 1.0):
+        result = optimize_onnx(plain, tmp_path / f"{fraction}.onnx", num_heads=heads, hidden_size=loaded.hidden_size,
+                               precision="int8", keep_fp32=fraction, calibration=calibration)
+        kept[fraction] = result.quantization["kept_fp32"]
+        assert result.quantization["matmuls_fp32"] == len(kept[fraction])
+        assert result.quantization["matmuls_int8"] == 6 * layers - len(kept[fraction])
+    assert (len(kept[0.0]), len(kept[0.25]), len(kept[1.0])) == (0, 1, layers)
+    assert set(kept[0.25]) < set(kept[1.0])
+    with pytest.raises(ValueError, match="fraction"):
+        optimize_onnx(plain, tmp_path / "x.onnx", num_heads=heads, hidden_size=loaded.hidden_size, keep_fp32=2)
+
+
+def test_int8_build_of_antiberty_keeps_embeddings_within_cosine_0_999(tmp_path):
+    """The real AntiBERTy: int8 embeddings against PyTorch fp32, measured by the build and recorded."""
+    from bionemo_export.models.bert import antiberty_checkpoint
+
+    build_repository(BuildRequest(family="bert", checkpoint=antiberty_checkpoint(), name="antiberty",
+                                  out=tmp_path / "repo", backend="python", precision="int8"))
+    manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
+    assert manifest["precision"] == "int8"
+    accuracy = manifest["accuracy"]
+    assert accuracy["precision"] == "int8" and accuracy["reference"] == "PyTorch fp32"
+    assert accuracy["outputs"]["embeddings"]["min_cosine"] >= 0.999
+    assert accuracy["outputs"]["embeddings"]["tolerance"]["min_cosine"] == 0.999
+    assert accuracy["outputs"]["hiddens"]["min_cosine"] >= PRECISION_MIN_COSINE["int8"]["hiddens"]
+    optimization = manifest["export"]["encoder"]["optimization"]
+    assert optimization["precision"] == "int8" and "quantize_dynamic(int8)" in optimization["applied"]
+    quantization = optimization["quantization"]
+    assert quantization["matmuls_int8"] > 6 * 8 * 3 // 4  # at most a few feed-forward outputs kept fp32
+    assert quantization["matmuls_fp32"] == len(quantization["kept_fp32"])
+    for rejected in optimization["rejected"]:  # the tries before: recorded with their figures
+        assert rejected["figures"]["embeddings"]["min_cosine"] < 0.999
+    stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))
+    assert {"DynamicQuantizeMatMul", "MatMulIntegerToFloat"} & set(fused_operators(stored))
+    # Graph inputs and outputs keep their types.
+    assert [o.type.tensor_type.elem_type for o in stored.graph.output] == [onnx.TensorProto.FLOAT] * 2
+
+
+def test_fp16_build_keeps_float32_inputs_and_outputs(tmp_path):
+    family = get_family("esm2")
+    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
+                                  backend="python", precision="fp16", tasks=("embeddings",)))
+    manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
+    assert manifest["precision"] == "fp16"
+    assert manifest["accuracy"]["outputs"]["embeddings"]["min_cosine"] >= PRECISION_MIN_COSINE["fp16"]["embeddings"]
+    optimization = manifest["export"]["encoder"]["optimization"]
+    assert optimization["serving_graph_optimization_level"] == "ORT_ENABLE_ALL"  # the GPU host optimizes
+    stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))
+    assert any(init.data_type == onnx.TensorProto.FLOAT16 for init in stored.graph.initializer)
+    assert [o.type.tensor_type.elem_type for o in stored.graph.output] == [onnx.TensorProto.FLOAT] * 2
+
+
+def test_a_precision_nothing_meets_fails_the_build_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(PRECISION_MIN_COSINE, "int8", {"embeddings": 1.01, "hiddens": 1.01})
+    family = get_family("esm2")
+    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(BuildError, match=r"no int8 graph of encoder meets .* --precision fp32"):
+        build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
+                                      backend="python", precision="int8", tasks=("embeddings",)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    with pytest.raises(BuildError, match="--precision 'int4'"):
+        build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
+                                      precision="int4"))
+
+
+def test_verify_holds_a_repository_to_its_precisions_tolerance():
+    family = get_family("bert")
+    fp32, notes = precision_checks({"precision": "fp32"}, family)
+    assert fp32["embeddings"].atol == family.atol and notes == {}
+    manifest = {"precision": "int8", "accuracy": {"outputs": {"embeddings": {"min_cosine": 0.99951,
+                                                                             "max_abs_error": 0.08}}}}
+    int8, notes = precision_checks(manifest, family)
+    assert int8["embeddings"].min_cosine == 0.999 and int8["embeddings"].atol == float("inf")
+    assert "int8 vs fp32 PyTorch" in notes["embeddings"] and "0.999510" in notes["embeddings"]
+    assert precision_tolerances("fp16", ["hiddens"], 1e-4, 0.9999)["hiddens"].min_cosine == 0.999
+    with pytest.raises(ValueError, match="unknown precision"):
+        precision_tolerances("int4", ["hiddens"], 1e-4, 0.9999)
+
+
+def test_cli_build_accepts_precision_and_reports_the_tolerance(tmp_path):
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    result = CliRunner().invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(checkpoint),
+                                      "--name", "esm", "--out", str(tmp_path / "repo"), "--backend", "python",
+                                      "--tasks", "embeddings", "--precision", "int8"])
+    assert result.exit_code == 0, result.output
+    assert "int8" in result.output and "cosine >=" in result.output
+    manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
+    assert manifest["precision"] == "int8"
+    assert np.isfinite(manifest["accuracy"]["outputs"]["embeddings"]["min_cosine"])
+
+
+def test_verify_reports_the_served_int8_accuracy_cost(tmp_path):
+    """An int8 repository served by the real tritonserver, checked by `verify` with int8's tolerance."""
+    from bionemo_export.verify import verify_repository
+
+    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
+                                  backend="python", precision="int8"))
+    checks = verify_repository(tmp_path / "repo", checkpoint)  # on the embedded tritonserver
+    assert checks and all(check.passed for check in checks), [c.to_dict() for c in checks]
+    assert {check.model for check in checks} == {"esm_embeddings", "esm_hiddens"}
+    assert all(check.note.startswith("int8 vs fp32 PyTorch: min cosine >= ") and "build: min cosine" in check.note
+               for check in checks)
+    assert all(check.min_cosine < 1.0 - 1e-7 for check in checks)  # the int8 graph is what was served
