@@ -180,8 +180,11 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                                             ("decoder_step", loaded.seq2seq.decoder_step, step_batches)):
             inputs, outputs = specs[name]
             # Key/value outputs are [layers, batch, ...]: compare them whole, not per position.
+            # Decoder graphs are stored as exported: the fused attention of decoder_step passed the
+            # export check but failed when served at batch > 1 (its attention_bias broadcast over the
+            # batch instead of the heads), so they are not optimized until that is fixed and tested.
             graphs[name] = _export_graph(name, module, inputs, outputs, graph_batches, export_dir, exporter,
-                                         family, progress, mask_input="", **sizes)
+                                         family, progress, mask_input="", **{**sizes, "optimize": False})
     return graphs
 
 
