@@ -43,7 +43,7 @@ import torch
 from bionemo_export.bench import InputSpec, Target, run_benchmarks, write_report
 from bionemo_export.bench.inputs import TensorSpec, generate_inputs
 from bionemo_export.build import BuildRequest, build_repository
-from bionemo_export.model_repository.manifest import package_versions
+from bionemo_export.model_repository.manifest import package_versions, read_manifest
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime.server import free_ports
@@ -165,8 +165,11 @@ def part_antiberty(work: Path, args) -> dict:
     write_report(results, args.out / "antiberty", command=" ".join(sys.argv))
     anchor = statistics.mean([before["best_throughput"], after["best_throughput"]])
     latency = statistics.mean([before["p50_batch1_ms"], after["p50_batch1_ms"]])
+    int8_cosine = None
+    if "int8" in repos:  # the build's own measurement against PyTorch fp32, from its manifest
+        int8_cosine = read_manifest(repos["int8"])["accuracy"]["outputs"]["embeddings"]["min_cosine"]
     return {"in_process": {"before": before, "after": after, "best_throughput": anchor, "p50_batch1_ms": latency},
-            "served": [r.to_dict() for r in results]}
+            "served": [r.to_dict() for r in results], "int8_min_cosine": int8_cosine}
 
 
 def padding_fraction(metrics_url: str) -> float | None:
@@ -194,7 +197,7 @@ def part_mixed(work: Path, args) -> dict:
     checkpoint = family.save_random_checkpoint(work / "esm2_35m", seed=0, hidden_size=480, num_layers=12,
                                                num_heads=20, intermediate_size=1920)
     repos = {"buckets + token budget": (work / "esm2_buckets", ServingOptions()),
-             "plain dynamic batching": (work / "esm2_plain", ServingOptions(length_bucket=1, token_budget=0))}
+             "plain dynamic batching": (work / "esm2_plain", ServingOptions(length_bucket=0, token_budget=0))}
     for path, options in repos.values():
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2", out=path,
                                       backend="python", serving=options))
@@ -249,6 +252,121 @@ def part_decodes(work: Path, args) -> dict:
 PARTS = {"antiberty": part_antiberty, "mixed": part_mixed, "decodes": part_decodes}
 
 
+# ------------------------------------------------------------------------------ summary
+def _served(part: dict, label_start: str) -> dict[int, dict]:
+    """concurrency -> that target's figures, for the first served target whose label starts so."""
+    for target in part.get("served", []):
+        if target["label"].startswith(label_start):
+            return {row["concurrency"]: row for row in target["results"]}
+    return {}
+
+
+def _check(value: float | None, target: float, higher_is_better: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    met = value >= target if higher_is_better else value <= target
+    return "met" if met else "**not met**"
+
+
+def targets(results: dict) -> list[tuple[str, str, str, str]]:
+    """(target, required, measured, verdict) for every figure the speed issue names."""
+    rows = []
+    if "antiberty" in results:
+        part = results["antiberty"]
+        anchor = part["in_process"]["best_throughput"]
+        latency = part["in_process"]["p50_batch1_ms"]
+        fp32, int8, dev = (_served(part, label) for label in ("repository fp32", "repository int8", "dev server"))
+        for c in (8, 32):
+            if c in fp32:
+                ratio = fp32[c]["sequences_per_s"] / anchor
+                rows.append((f"fp32 c{c} vs in-process ONNX Runtime best batch ({anchor:.1f} seq/s)", ">= 1.0x",
+                             f"{ratio:.2f}x", _check(ratio, 1.0)))
+            if c in fp32 and c in dev:
+                ratio = fp32[c]["sequences_per_s"] / dev[c]["sequences_per_s"]
+                rows.append((f"fp32 c{c} vs dev server", ">= 2x", f"{ratio:.2f}x", _check(ratio, 2.0)))
+        if 1 in fp32:
+            ratio = fp32[1]["p50_ms"] / latency
+            rows.append((f"fp32 p50 c1 vs in-process batch 1 ({latency:.1f} ms)", "<= 1.1x", f"{ratio:.2f}x",
+                         _check(ratio, 1.1, higher_is_better=False)))
+        if 32 in int8 and 32 in dev:
+            ratio = int8[32]["sequences_per_s"] / dev[32]["sequences_per_s"]
+            rows.append(("int8 c32 vs dev server", ">= 3x", f"{ratio:.2f}x", _check(ratio, 3.0)))
+        if part.get("int8_min_cosine") is not None:
+            rows.append(("int8 min cosine vs fp32 PyTorch (embeddings)", ">= 0.999", f"{part['int8_min_cosine']:.5f}",
+                         _check(part["int8_min_cosine"], 0.999)))
+    if "mixed" in results:
+        part = results["mixed"]
+        buckets, plain = _served(part, "buckets"), _served(part, "plain")
+        for c in sorted(set(buckets) & set(plain)):
+            ratio = buckets[c]["sequences_per_s"] / plain[c]["sequences_per_s"]
+            rows.append((f"mixed lengths c{c}: buckets + budget vs plain dynamic batching", ">= 1.5x",
+                         f"{ratio:.2f}x", _check(ratio, 1.5)))
+        waste = part.get("padding_fraction", {}).get("buckets + token budget")
+        rows.append(("mixed lengths: padding fraction (buckets + budget)", "< 15%",
+                     "-" if waste is None else f"{100 * waste:.1f}%",
+                     _check(None if waste is None else -waste, -0.15)))
+    if "decodes" in results:
+        part = results["decodes"]
+        served = _served(part, "served")
+        in_process = part["in_process_decodes_per_s"]
+        batch8 = in_process.get("8", in_process.get(8))
+        if 8 in served and batch8:
+            ratio = served[8]["sequences_per_s"] / batch8
+            rows.append((f"decodes c8 vs in-process cached decoding batch 8 ({batch8:.1f}/s)", ">= 0.8x",
+                         f"{ratio:.2f}x", _check(ratio, 0.8)))
+    return rows
+
+
+def summary(results: dict) -> str:
+    """benchmarks/results/serving.md: the targets, then every figure of each part."""
+    lines = ["# Serving suite", "",
+             f"Command: `{results['command']}`  ", f"Machine: {results['machine']}, {results['cores']} cores  ",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in sorted(results.get("versions", {}).items())), "",
+             "Each part measures its targets side by side in one run, interleaved by concurrency (real "
+             "perf_analyzer over gRPC). Ratios hold; absolute numbers on a shared machine do not.", "",
+             "## Targets", "", "| target | required | measured | |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in targets(results)]
+    for name in PARTS:
+        if name not in results:
+            continue
+        part = results[name]
+        lines += ["", f"## {name} ({part.get('seconds', '?')} s)", "",
+                  "| target | concurrency | seq/s | p50 ms | p99 ms | server batch |", "|---|---|---|---|---|---|"]
+        for target in part.get("served", []):
+            for row in target["results"]:
+                batch = "-" if row["server_batch_size"] is None else f"{row['server_batch_size']:.2f}"
+                lines.append(f"| {target['label']} | {row['concurrency']} | {row['sequences_per_s']:.1f} | "
+                             f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {batch} |")
+        lines += ["", "Where the time goes (perf_analyzer's server-side breakdown per request, ms):", "",
+                  "| target | concurrency | client + network | queue | compute input | compute infer | compute output |",
+                  "|---|---|---|---|---|---|---|"]
+        for target in part.get("served", []):
+            for row in target["results"]:
+                pa = {key: float(value) / 1000 for key, value in row.get("perf_analyzer", {}).items()
+                      if key != "Concurrency" and value not in ("", None)}
+                if not pa:
+                    continue
+                network = sum(pa.get(key, 0.0) for key in ("Client Send", "Network+Server Send/Recv", "Client Recv"))
+                lines.append(f"| {target['label']} | {row['concurrency']} | {network:.1f} | "
+                             f"{pa.get('Server Queue', 0):.1f} | {pa.get('Server Compute Input', 0):.1f} | "
+                             f"{pa.get('Server Compute Infer', 0):.1f} | {pa.get('Server Compute Output', 0):.1f} |")
+        if name == "antiberty":
+            ip = part["in_process"]
+            lines += ["", "In-process ONNX Runtime (plain `torch.onnx.export`), sequences/s per batch size, "
+                          "measured before and after the served targets:", "",
+                      "| batch | before | after |", "|---|---|---|"]
+            for batch, value in ip["before"]["throughput"].items():
+                lines.append(f"| {batch} | {value:.1f} | {ip['after']['throughput'][batch]:.1f} |")
+            lines.append(f"\nBatch 1 median latency: {ip['p50_batch1_ms']:.1f} ms (mean of both runs).")
+        if name == "mixed" and part.get("padding_fraction"):
+            lines += [""] + [f"- padding fraction, {label}: {100 * value:.1f}%"
+                             for label, value in part["padding_fraction"].items() if value is not None]
+        if name == "decodes":
+            lines += ["", f"In-process cached decoding ({part['max_decode']} tokens each), decodes/s: "
+                      + ", ".join(f"batch {b}: {v:.1f}" for b, v in part["in_process_decodes_per_s"].items())]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
@@ -256,18 +374,28 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=5.0, help="perf_analyzer measurement window (s)")
     parser.add_argument("--max-decode", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS / "serving")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="rewrite serving.md from the committed serving.json without measuring")
     args = parser.parse_args()
+    store = args.out.parent / "serving.json"
+    if args.summary_only:
+        (args.out.parent / "serving.md").write_text(summary(json.loads(store.read_text())))
+        return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"command": " ".join(["python", *sys.argv]), "machine": platform.platform(),
-               "cores": os.cpu_count(), "versions": package_versions()}
+    # Parts run separately add to the same record (each part is one side-by-side run of its own).
+    results = json.loads(store.read_text()) if store.exists() else {}
+    results.update({"command": " ".join(["python", *sys.argv]), "machine": platform.platform(),
+                    "cores": os.cpu_count(), "versions": package_versions()})
     with tempfile.TemporaryDirectory(prefix="bionemo-serving-bench-") as work:
         for part in args.parts.split(","):
             started = time.time()
             (Path(work) / part).mkdir()
             results[part] = PARTS[part](Path(work) / part, args)
             results[part]["seconds"] = round(time.time() - started)
-            (RESULTS / "serving.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+            results[part]["command"] = results["command"]
+            store.write_text(json.dumps(results, indent=2, default=str) + "\n")
+            (args.out.parent / "serving.md").write_text(summary(results))
     print(json.dumps({k: v for k, v in results.items() if k not in ("versions",)}, indent=2, default=str)[:4000])
     return 0
 

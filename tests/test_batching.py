@@ -63,6 +63,13 @@ def test_rows_are_sorted_and_bucketed_and_the_limit_caps_padding():
     assert real == 400 and padding == 16 + 32 + 256 + 130 - 400
 
 
+def test_bucket_zero_is_plain_dynamic_batching():
+    """Bucket 0 pads every row to the longest in one call: the baseline the buckets are measured against."""
+    batches = plan_sub_batches([130, 5, 120, 17], bucket=0, token_budget=0)
+    assert len(batches) == 1 and batches[0].length == 130
+    assert padding_counts(np.array([130, 5, 120, 17]), batches) == (272, 4 * 130 - 272)
+
+
 def test_stack_padded_joins_requests_of_different_lengths():
     a = np.array([[1, 2, 3]])
     b = np.array([[4], [5]])

@@ -402,7 +402,7 @@ def optimize_and_verify(
                                    precision=precision, **options)
         except OptimizationError as err:
             failures.append({"options": _options_record(options), "error": str(err)})
-            log(f"{plain.parent.name}: {precision} optimization {_options_record(options)} failed: {err}")
+            log(f"{plain.parent.name}: {precision} optimization {_options_text(options)} failed: {err}")
             continue
         try:
             report = verify_onnx(module, result.path, batches, atol=atol, min_cosine=min_cosine,
@@ -410,7 +410,7 @@ def optimize_and_verify(
                                  tolerances=tolerances if precision != "fp32" else None)
         except Exception as err:  # ONNX Runtime refusing to run the rewritten graph
             failures.append({"options": _options_record(options), "error": f"{type(err).__name__}: {err}"})
-            log(f"{plain.parent.name}: the {precision} graph {_options_record(options)} does not run: {err}")
+            log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} does not run: {err}")
             continue
         if report.passed:
             record = {**result.to_dict(), "fallback": None, "rejected": failures}
@@ -420,7 +420,7 @@ def optimize_and_verify(
                    for check in report.outputs}
         failures.append({"options": _options_record(options), "applied": list(result.applied),
                          "figures": figures})
-        log(f"{plain.parent.name}: the {precision} graph {_options_record(options)} is outside tolerance: "
+        log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} is outside tolerance: "
             + "; ".join(f"{name} min cosine {f['min_cosine']:.6f} (required {f['required_min_cosine']:g}), "
                         f"max abs error {f['max_abs_error']:.3g}" for name, f in figures.items()))
     if precision == "fp32":
@@ -443,8 +443,13 @@ def _options_record(options: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in options.items() if key != "calibration"}
 
 
+def _options_text(options: dict[str, Any]) -> str:
+    record = _options_record(options)
+    return f"with {record}" if record else "with all steps"
+
+
 def _failure_text(failure: dict[str, Any]) -> str:
-    what = f"with {failure['options']}" if failure["options"] else "with all steps"
+    what = _options_text(failure["options"])
     if "error" in failure:
         return f"{what}: {failure['error']}"
     return f"{what}: " + ", ".join(f"{name} min cosine {f['min_cosine']:.6f}, max abs error {f['max_abs_error']:.3g}"

@@ -9,7 +9,9 @@ or forfeits batching (one call per request). Instead every row of every request 
 
 1. rows are sorted by their real length (tokens whose attention mask is 1);
 2. each row's padded length is its length rounded up to a multiple of `bucket` tokens (capped at
-   `limit`, the model's maximum, and never below the row's own length);
+   `limit`, the model's maximum, and never below the row's own length); `bucket` 1 keeps every
+   row at its own length, and `bucket` 0 pads every row to the longest, which is plain dynamic
+   batching (Triton's own backends do that), kept as the baseline the buckets are measured against;
 3. rows with the same padded length form one length bucket;
 4. a bucket is split into sub-batches of at most `token_budget // padded length` rows (at least
    one), as even as possible: a sub-batch is bounded by tokens (rows x padded length), not by a
@@ -41,10 +43,13 @@ class SubBatch:
 
 
 def padded_lengths(lengths: np.ndarray, *, bucket: int, limit: int | None = None) -> np.ndarray:
-    """Each length rounded up to a multiple of `bucket` (1 or less: unchanged), at most `limit`
-    but never below the length itself."""
+    """Each length rounded up to a multiple of `bucket` (1: unchanged; 0: the longest length), at
+    most `limit` but never below the length itself."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    padded = lengths if bucket <= 1 else -(-lengths // bucket) * bucket
+    if bucket <= 0:
+        padded = np.full_like(lengths, lengths.max(initial=0))
+    else:
+        padded = lengths if bucket == 1 else -(-lengths // bucket) * bucket
     if limit is not None:
         padded = np.minimum(padded, limit)
     return np.maximum(padded, lengths)
