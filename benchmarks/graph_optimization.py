@@ -55,6 +55,7 @@ from bionemo_export.exporters.signature import dynamic_axes
 from bionemo_export.model_repository.manifest import package_versions
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
+from bionemo_export.numerics import cosine_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
@@ -156,10 +157,6 @@ def build_variants(loaded, sample, folder: Path) -> list[tuple[str, Path, str, s
             variants.append((f"{base}+pipeline int8 (as built: {kept} fp32)", chosen.path, "basic",
                              f"build repo --precision int8; kept fp32: {chosen.record['quantization']['kept_fp32']}"))
     return variants
-
-
-def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
 def measure(loaded, variants, batches: list[int], length: int, rounds: int, threads: int) -> list[dict]:

@@ -13,6 +13,7 @@ says so, with what the build measured).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from bionemo_export.client import EncoderClient, Seq2SeqClient
+from bionemo_export.errors import reason
 from bionemo_export.model_repository.manifest import read_manifest
+from bionemo_export.numerics import cosine_rows, degenerate_rows
 
 
 @dataclass(frozen=True)
@@ -34,16 +37,41 @@ class TaskCheck:
     passed: bool
     note: str = ""
     """For string outputs: how many matched the reference, or which method was checked."""
+    problem: str | None = None
+    """Why the check failed beyond the figures: a shape mismatch, degenerate rows (all zeros, constant, NaN/Inf)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Cosine similarity of corresponding rows (last axis); 1.0 where both rows are zero."""
-    dot = (a * b).sum(-1)
-    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    return np.where(norms > 0, dot / np.maximum(norms, 1e-30), 1.0)
+@dataclass(frozen=True)
+class Comparison:
+    """Served vectors against the reference's: the figures, and what is wrong beyond them."""
+
+    max_abs_error: float
+    min_cosine: float
+    problem: str | None = None
+
+    def within(self, atol: float, min_cosine: float) -> bool:
+        """Whether the served output passes (written so that NaN figures fail)."""
+        return self.problem is None and self.max_abs_error <= atol and self.min_cosine >= min_cosine
+
+
+def compare_outputs(served: np.ndarray, reference: np.ndarray) -> Comparison:
+    """Compare served vectors (last axis) with the reference's: max abs error, min cosine
+    (numerics.cosine_rows: a zero or non-finite row against a real one scores 0), and degenerate
+    served rows (all zeros, constant, NaN/Inf where the reference's are not), which fail whatever
+    the figures say."""
+    served, reference = np.asarray(served), np.asarray(reference)
+    if served.shape != reference.shape:  # e.g. a repository built from another checkpoint
+        return Comparison(float("inf"), float("-inf"),
+                          f"served shape {list(served.shape)} differs from the reference's {list(reference.shape)}")
+    if served.size == 0:
+        return Comparison(0.0, 1.0)
+    error = float(np.max(np.abs(served.astype(np.float64) - reference)))  # NaN propagates
+    cosine = float(np.min(cosine_rows(served, reference)))
+    degenerate = degenerate_rows(served, reference)
+    return Comparison(error, cosine, f"degenerate output: {degenerate}" if degenerate else None)
 
 
 def _describe(batch: list[str]) -> str:
@@ -77,30 +105,28 @@ def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list
     for batch in batches:
         ref_hiddens, ref_embeddings, attention, residues = _reference(loaded, batch)
         if "embeddings" in tasks:
-            served = client.seqs_to_embedding(batch)
-            if served.shape == ref_embeddings.shape:
-                error = float(np.abs(served - ref_embeddings).max())
-                cosine = float(cosine_rows(served, ref_embeddings).min())
-            else:  # e.g. a repository built from another checkpoint
-                error, cosine = float("inf"), float("-inf")
-            task_atol, task_cosine = limits["embeddings"]
-            checks.append(TaskCheck(f"{client.name}_embeddings", _describe(batch), error, cosine, None,
-                                    error <= task_atol and cosine >= task_cosine, notes.get("embeddings", "")))
+            found = compare_outputs(client.seqs_to_embedding(batch), ref_embeddings)
+            checks.append(_task_check(f"{client.name}_embeddings", batch, found, None, limits["embeddings"],
+                                      notes.get("embeddings", "")))
         if "hiddens" in tasks:
             hiddens, mask = client.seqs_to_hidden(batch)
-            shape_ok = hiddens.shape == ref_hiddens.shape and mask.shape == residues.shape
-            if shape_ok:
+            mask_exact = bool(mask.shape == residues.shape and np.array_equal(mask, residues))
+            if hiddens.shape == ref_hiddens.shape:
                 # Padding positions are don't-care; every real token (BOS/EOS included) must match.
-                error = float(np.abs(hiddens - ref_hiddens)[attention].max())
-                cosine = float(cosine_rows(hiddens[attention], ref_hiddens[attention]).min())
-                mask_exact = bool(np.array_equal(mask, residues))
+                found = compare_outputs(hiddens[attention], ref_hiddens[attention])
             else:
-                error, cosine, mask_exact = float("inf"), float("-inf"), False
-            task_atol, task_cosine = limits["hiddens"]
-            checks.append(TaskCheck(f"{client.name}_hiddens", _describe(batch), error, cosine, mask_exact,
-                                    shape_ok and mask_exact and error <= task_atol and cosine >= task_cosine,
-                                    notes.get("hiddens", "")))
+                found = compare_outputs(hiddens, ref_hiddens)
+            if found.problem is None and not mask_exact:
+                found = dataclasses.replace(found, problem="served mask differs from the reference's")
+            checks.append(_task_check(f"{client.name}_hiddens", batch, found, mask_exact, limits["hiddens"],
+                                      notes.get("hiddens", "")))
     return checks
+
+
+def _task_check(model: str, batch: list[str], found: Comparison, mask_exact: bool | None,
+                limits: tuple[float, float], note: str) -> TaskCheck:
+    return TaskCheck(model, _describe(batch), found.max_abs_error, found.min_cosine, mask_exact,
+                     found.within(*limits), note, found.problem)
 
 
 SAMPLING_CHECKS = (
@@ -156,9 +182,12 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
     from bionemo_export.models import get_family
     from bionemo_export.runtime import TritonServer, find_tritonserver
 
-    manifest = read_manifest(repository)
+    manifest = _built_manifest(repository)
     family = get_family(manifest["family"])
-    loaded = family.load(checkpoint, max_length=manifest.get("max_length"))
+    try:
+        loaded = family.load(checkpoint, max_length=manifest.get("max_length"))
+    except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
+        raise ValueError(f"cannot load {checkpoint} as {family.name}: {reason(err)}") from err
     samples = loaded.family.sample_sequences()  # fits the checkpoint (bert: protein or SMILES)
     batches = [samples] + [[s] for s in sorted(samples, key=len)[:: max(1, len(samples) // 3)]]
     with ExitStack() as stack:
@@ -172,6 +201,20 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
                                tolerances=tolerances, notes=notes)
         return checks + verify_decoding(client, loaded, manifest["tasks"], samples,
                                         max_decode_length=manifest.get("max_decode_length"), precision=precision)
+
+
+def _built_manifest(repository: Path) -> dict:
+    """The repository's manifest.json, checked to hold what verify reads (ValueError naming the file)."""
+    path = repository / "manifest.json"
+    try:
+        manifest = read_manifest(repository)
+    except ValueError as err:  # json.JSONDecodeError
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    if missing := [key for key in ("family", "name", "tasks") if key not in manifest]:
+        raise ValueError(f"{path} has no {', '.join(missing)}: not written by `bionemo-export build repo`")
+    return manifest
 
 
 def precision_checks(manifest: dict, family) -> tuple[dict, dict[str, str]]:

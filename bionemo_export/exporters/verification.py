@@ -25,6 +25,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from bionemo_export.numerics import cosine_rows
+
 DEFAULT_MASK_INPUT = "attention_mask"
 
 PRECISION_MIN_COSINE: dict[str, dict[str, float]] = {
@@ -257,7 +259,7 @@ def _compare(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None)
     if rows_actual.size == 0:
         return _Comparison(actual.shape, 0.0, 1.0)
     max_abs = float(np.max(np.abs(rows_actual - rows_expected)))  # NaN propagates, and fails
-    return _Comparison(actual.shape, max_abs, float(np.min(_cosines(rows_actual, rows_expected))))
+    return _Comparison(actual.shape, max_abs, float(np.min(cosine_rows(rows_actual, rows_expected))))
 
 
 def _rows(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
@@ -267,16 +269,6 @@ def _rows(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
     if valid is not None and values.ndim >= 2 and values.shape[:2] == valid.shape:
         return values[valid].reshape(int(valid.sum()), -1)
     return values.reshape(values.shape[0], -1) if values.ndim >= 2 else values.reshape(1, -1)
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity; two zero vectors agree (1), a zero and a non-zero do not (0)."""
-    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    dots = np.einsum("ij,ij->i", a, b)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cosines = dots / (norm_a * norm_b)
-    zero = (norm_a == 0) | (norm_b == 0)
-    return np.where(zero, np.where((norm_a == 0) & (norm_b == 0), 1.0, 0.0), cosines)
 
 
 def _summarize(
