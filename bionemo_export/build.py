@@ -1,21 +1,33 @@
 """Build a model repository from a checkpoint: load -> export -> verify -> plan -> write, atomically.
 
-The repository is assembled in a hidden staging folder beside the destination and renamed into
-place only when everything succeeded, so a failed build leaves nothing behind and an existing
-repository is replaced (with `force`) in one rename.
+Everything a build writes lives in one folder it owns beside the destination,
+`.NAME.building-PID-XXXX/`: `repository/` (the staged repository, renamed into place only when
+everything succeeded, so an existing repository is replaced with `force` in one rename), `tmp/`
+(every temporary file: ONNX exports, optimized graphs, Model Navigator's workspace, whatever
+torch or onnxruntime write to the temp folder) and, during a `force` swap, `replaced/`. The folder
+is removed when the build ends, however it ends: failures and SIGTERM, SIGINT or SIGHUP (turned
+into `BuildInterrupted`, so the cleanup runs). A build killed outright (SIGKILL, power loss)
+cannot clean up; the next build into the same place removes its folder, knowing it stale from the
+PID in its name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from bionemo_export import __version__
+from bionemo_export.errors import reason
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.manifest import checkpoint_digest, package_versions, write_manifest
@@ -32,6 +44,21 @@ PRECISIONS = ("fp32", "int8", "fp16")
 
 class BuildError(RuntimeError):
     """The build cannot go on; the message says why and what to do."""
+
+
+class BuildInterrupted(BaseException):
+    """A signal (SIGTERM, SIGINT, SIGHUP) stopped the build. A BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way (exporter fallbacks) swallows it
+    and the build's cleanup runs."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"build interrupted by {signal.Signals(signum).name}; its files were removed")
+
+
+INTERRUPTING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP")
+                             if hasattr(signal, name))
+"""The signals a build turns into BuildInterrupted (SIGHUP: the terminal closed)."""
 
 
 @dataclass(frozen=True)
@@ -81,12 +108,27 @@ def resolve_backend(backend: str, tritonserver: str | None = None) -> str:
 def _check_request(request: BuildRequest) -> None:
     if not request.name.replace("_", "").replace("-", "").isalnum():
         raise BuildError(f"--name {request.name!r}: use letters, digits, '_' or '-' (it prefixes model names)")
+    _check_out(request.out)
     if request.out.exists() and not request.force:
         raise BuildError(f"{request.out} already exists; pass --force to replace it")
     if not request.checkpoint.exists():
         raise BuildError(f"checkpoint not found: {request.checkpoint}")
     if request.precision not in PRECISIONS:
         raise BuildError(f"--precision {request.precision!r}: choose one of {', '.join(PRECISIONS)}")
+
+
+def _check_out(out: Path) -> None:
+    """`out` must be a folder (or not exist yet) whose nearest existing ancestor is a folder we
+    can write in: checked before the (slow) checkpoint load."""
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out}: a file is there, not a repository folder")
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BuildError(f"--out {out}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise BuildError(f"--out {out}: cannot write in {ancestor} (permission denied)")
 
 
 def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -129,12 +171,18 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance."""
-    from bionemo_export.exporters import export_onnx, optimize_and_verify, verify_onnx
+    from bionemo_export.exporters import NavigatorExportError, export_onnx, optimize_and_verify, verify_onnx
 
     progress(f"exporting the {name} graph to ONNX ({exporter})")
     folder = export_dir / name
     folder.mkdir()
-    exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter)
+    workspace = export_dir / f"{name}.navigator" if exporter == "navigator" else None
+    try:
+        exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter,
+                               workspace=workspace)
+    except NavigatorExportError as err:
+        # Its logs are in the build's folder, which the build removes: quote their end.
+        raise BuildError(f"{err}\n{_log_tail(workspace)}") from err
     progress(f"checking the {name} graph against PyTorch")
     output_names = [t.name for t in outputs]
     report = verify_onnx(module, exported.path, batches, atol=family.atol, min_cosine=family.min_cosine,
@@ -164,6 +212,20 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     return ExportedGraph(name, files, record, verification)
 
 
+def _log_tail(workspace: Path | None, lines: int = 20) -> str:
+    """The last lines of Model Navigator's logs in `workspace`, for an error message."""
+    from bionemo_export.exporters.navigator import CONSOLE_LOG
+
+    tails = []
+    for log in (workspace / "navigator" / "navigator.log", workspace / CONSOLE_LOG) if workspace else ():
+        try:
+            text = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+        except OSError:
+            continue
+        tails.append(f"last lines of {log.name} (removed with the build's folder):\n" + "\n".join(text))
+    return "\n".join(tails) or "(Model Navigator wrote no log)"
+
+
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
                 progress: Progress) -> dict[str, ExportedGraph]:
     family, exporter = loaded.family, request.exporter
@@ -190,7 +252,13 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
 
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
     """Build the repository described by `request`; raises BuildError (or the exporter's
-    verification error) and leaves nothing on disk when anything fails."""
+    verification error, or BuildInterrupted on SIGTERM, SIGINT or SIGHUP) and leaves nothing on
+    disk when anything fails."""
+    with _signals_interrupt_the_build():
+        return _build(request, progress)
+
+
+def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     _check_request(request)
     if request.family is not None:
         _check_tasks(get_family(request.family), request.tasks)
@@ -200,18 +268,27 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     try:
         loaded = load_checkpoint(request.checkpoint, request.family, max_length=request.max_length)
-    except (ValueError, OSError) as err:
+    except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
         raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
-                         f"{err}") from err
+                         f"{reason(err)}") from err
     family = loaded.family
     tasks = _check_tasks(family, request.tasks)
 
-    request.out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.building-", dir=request.out.parent))
     try:
-        with tempfile.TemporaryDirectory(prefix="bionemo-export-onnx-") as export_dir:
+        request.out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_builds(request.out, progress)
+        folder = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.building-{os.getpid()}-",
+                                       dir=request.out.parent))
+    except OSError as err:
+        raise BuildError(f"cannot write beside {request.out}: {reason(err)}") from err
+    try:
+        staging = folder / "repository"
+        staging.mkdir()
+        with _temporary_files_in(folder / "tmp") as temporary:
+            export_dir = temporary / "onnx"
+            export_dir.mkdir()
             try:
-                graphs = _export_all(loaded, tasks, Path(export_dir), request, progress)
+                graphs = _export_all(loaded, tasks, export_dir, request, progress)
             except PrecisionError as err:
                 raise BuildError(str(err)) from err
             progress(f"writing the repository ({backend} backend)")
@@ -239,10 +316,9 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
             "versions": package_versions(),
         }
         write_manifest(staging, manifest)
-        _move_into_place(staging, request.out, request.force)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        _move_into_place(staging, request.out, request.force, retired=folder / "replaced")
+    finally:
+        _discard_build_folder(folder, request.out, progress)
     progress(f"built {request.out}")
     return BuildResult(request.out, manifest, [m.name for m in plan.models])
 
@@ -273,14 +349,114 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
         max_decode_length=request.max_decode_length, **common)
 
 
-def _move_into_place(staging: Path, out: Path, force: bool) -> None:
+def _move_into_place(staging: Path, out: Path, force: bool, retired: Path) -> None:
+    """Rename `staging` to `out`; with `force` an existing `out` is first renamed to `retired`
+    (inside the build's folder, so the build's cleanup removes it)."""
     if not out.exists():
         staging.rename(out)
         return
     if not force:
         raise BuildError(f"{out} appeared during the build; pass --force to replace it")
     # Swap with two renames so `out` is never a half-written folder.
-    retired = out.with_name(f".{out.name}.replaced-{staging.name.rsplit('-', 1)[-1]}")
     out.rename(retired)
     staging.rename(out)
-    shutil.rmtree(retired, ignore_errors=True)
+
+
+# -- what a build owns, and what a killed build left behind ------------------------------------------------------
+
+def _build_folder_owner(out: Path, folder: Path) -> int | None:
+    """The PID in the name of a build folder of `out` (`.NAME.building-PID-XXXX`), else None."""
+    match = re.fullmatch(rf"\.{re.escape(out.name)}\.building-(\d+)-.+", folder.name)
+    return int(match.group(1)) if match else None
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs on this host (a zombie, killed but not yet reaped, does not)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def remove_stale_builds(out: Path, log: Progress = lambda message: None) -> list[Path]:
+    """Remove the folders that builds into `out` left beside it when they were killed (their
+    process no longer runs); returns them. A build killed in the middle of a `force` swap leaves
+    the previous repository in its `replaced/` folder: it is put back at `out` first. Builds of
+    other hosts sharing the folder are not told apart (PIDs are per host)."""
+    if not out.parent.is_dir():
+        return []
+    removed = []
+    for folder in sorted(out.parent.iterdir()):
+        pid = _build_folder_owner(out, folder)
+        if pid is None or _process_alive(pid):
+            continue
+        _discard_build_folder(folder, out, log)
+        _log_warning(log, f"removed {folder}, left by build process {pid}, which no longer runs")
+        removed.append(folder)
+    return removed
+
+
+def _discard_build_folder(folder: Path, out: Path, log: Progress) -> None:
+    """Remove a build's folder. A build stopped between the two renames of a `force` swap has
+    the previous repository in `replaced/` and none at `out`: it is put back first."""
+    previous = folder / "replaced"
+    if previous.is_dir() and not out.exists():
+        previous.rename(out)
+        _log_warning(log, f"restored {out} from {folder.name}: its build stopped while replacing it")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _log_warning(log: Progress, message: str) -> None:
+    LOG.warning(message)
+    log(message)
+
+
+@contextlib.contextmanager
+def _temporary_files_in(folder: Path) -> Iterator[Path]:
+    """Make `folder` the temp folder of this process (tempfile's default directory) and of the
+    processes it starts (TMPDIR: Model Navigator's workers) while the block runs, so that every
+    temporary file of the build, ours and the libraries' (torch.onnx, onnxruntime's quantizer,
+    Model Navigator), lands in the build's own folder and goes when it goes."""
+    folder.mkdir()
+    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+
+
+@contextlib.contextmanager
+def _signals_interrupt_the_build() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise BuildInterrupted while the block runs, so the build's
+    cleanup runs (their default actions kill the process without it). Further signals are ignored
+    until the block has exited, so that they cannot interrupt the cleanup. Only the main thread
+    can set signal handlers; elsewhere the block runs with the process's handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        for number in INTERRUPTING_SIGNALS:
+            signal.signal(number, signal.SIG_IGN)
+        raise BuildInterrupted(signum)
+
+    previous = {number: signal.signal(number, interrupt) for number in INTERRUPTING_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)

@@ -26,6 +26,7 @@ CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 def test_help_lists_every_command_group_with_its_help():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
+    assert "--debug" in result.output
     for command in ("build", "serve", "verify", "client", "doctor"):
         assert command in result.output
         sub = runner.invoke(app, [command, "--help"])

@@ -9,11 +9,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import debugging
+
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 
 @app.command("repo")
 def repo(
+    ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
                                         "megamolbart (see `bionemo-export build families`); optional for a .nemo "
                                         "archive, whose target names it."),
@@ -53,7 +56,8 @@ def repo(
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
 ) -> None:
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
-    from bionemo_export.build import BuildError, BuildRequest, build_repository
+    from bionemo_export.build import BuildError, BuildInterrupted, BuildRequest, build_repository
+    from bionemo_export.errors import reason
     from bionemo_export.exporters import ExportVerificationError
     from bionemo_export.model_repository.options import ServingOptions
 
@@ -75,8 +79,13 @@ def repo(
             result = build_repository(request, progress=lambda message: (status.update(message),
                                                                           console.log(message)))
     except (BuildError, ValueError, ExportVerificationError) as err:
-        console.print(f"[red]build failed:[/red] {err}", highlight=False)
+        if debugging(ctx):
+            raise
+        console.print(f"[red]build failed:[/red] {reason(err)}", highlight=False)
         raise typer.Exit(1)
+    except BuildInterrupted as err:
+        console.print(f"[red]{err}[/red]", highlight=False)
+        raise typer.Exit(128 + err.signum)  # the shell's status for "ended by this signal"
     manifest = result.manifest
     table = Table(title=f"ONNX vs PyTorch fp32 ({manifest['exporter']} exporter, {manifest['precision']})")
     for column in ("graph", "output", "max abs error", "min cosine", "tolerance", "ok"):

@@ -1,14 +1,51 @@
-"""The `bionemo-export` command: a Typer app assembled from one module per command group."""
+"""The `bionemo-export` command: a Typer app assembled from one module per command group.
+
+Errors end a command with one line on stderr and exit status 1: `error: <message>` for the
+project's own errors (their messages are written for users) and files that cannot be read or
+written, `error: <type>: <message> (run with --debug for the traceback)` for anything else.
+`--debug` (or BIONEMO_EXPORT_DEBUG=1) shows the traceback instead.
+"""
 
 from __future__ import annotations
 
+import warnings
+
 import typer
+from typer.core import TyperGroup
 
 from bionemo_export import __version__
+from bionemo_export.errors import reason, user_facing
 
 from . import bench, build, client, doctor, serve, verify
 
+# torch imports pynvml, which warns on every run that it is deprecated: noise before every
+# command's output that the user can do nothing about.
+warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+
+
+def error_line(err: BaseException) -> str:
+    """The line that reports `err` to the user (errors.reason: its type too when unexpected)."""
+    return f"error: {reason(err)}" + ("" if user_facing(err) else " (run with --debug for the traceback)")
+
+
+class _ReportingGroup(TyperGroup):
+    """The root command: an error escaping a command becomes `error_line(...)` and exit status 1,
+    unless --debug asks for the traceback. Typer's own exceptions (usage errors, exits) pass."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):
+            raise
+        except Exception as err:
+            if ctx.params.get("debug"):
+                raise
+            typer.echo(error_line(err), err=True)
+            raise typer.Exit(1) from None
+
+
 app = typer.Typer(
+    cls=_ReportingGroup,
     name="bionemo-export",
     help=(
         "Export biology language models (ESM-2, ProtT5, BERT protein LMs, MegaMolBART) into Triton "
@@ -31,6 +68,8 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version_callback, is_eager=True, help="Print the version and exit."
     ),
+    debug: bool = typer.Option(False, "--debug", envvar="BIONEMO_EXPORT_DEBUG",
+                               help="Show the Python traceback of an error instead of one line."),
 ) -> None:
     """Export, serve, query and benchmark biology language models on Triton Inference Server."""
 

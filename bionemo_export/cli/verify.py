@@ -9,8 +9,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import debugging
+
 
 def verify(
+    ctx: typer.Context,
     repository: Path = typer.Argument(..., help="Repository built by `bionemo-export build repo`.",
                                       exists=True, file_okay=False, resolve_path=True),
     checkpoint: Path = typer.Option(..., help="The checkpoint the repository was built from.", exists=True,
@@ -19,13 +22,16 @@ def verify(
                                       "default: start the repository on the embedded tritonserver."),
     tritonserver: Optional[str] = typer.Option(None, help="tritonserver binary to start (default: search)."),
 ) -> None:
+    from bionemo_export.errors import reason
     from bionemo_export.verify import verify_repository
 
     console = Console()
     try:
         checks = verify_repository(repository, checkpoint, url=url, tritonserver=tritonserver)
-    except (FileNotFoundError, ValueError, RuntimeError) as err:
-        console.print(f"[red]verify failed:[/red] {err}", highlight=False)
+    except (OSError, ValueError, RuntimeError) as err:  # OSError: unreadable files, an unreachable --url
+        if debugging(ctx):
+            raise
+        console.print(f"[red]verify failed:[/red] {reason(err)}", highlight=False)
         raise typer.Exit(2)
     table = Table(title=f"served {repository.name} vs PyTorch")
     for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok", "note"):
@@ -37,6 +43,9 @@ def verify(
         table.add_row(check.model, check.batch, error, cosine, mask, "yes" if check.passed else "[red]NO[/red]",
                       check.note)
     console.print(table)
+    for check in checks:
+        if check.problem:
+            console.print(f"[red]{check.model} ({check.batch}): {check.problem}[/red]", highlight=False)
     if not all(check.passed for check in checks):
         console.print("[red]served outputs differ from PyTorch beyond the family's tolerance[/red]")
         raise typer.Exit(1)

@@ -21,6 +21,10 @@ class InferenceError(RuntimeError):
     """The server refused or failed a request; the message is the server's."""
 
 
+class ServerUnreachableError(ConnectionError):
+    """No Triton server answers at the URL (refused, unresolvable, timed out); the message names the URL."""
+
+
 @dataclass(frozen=True)
 class TritonUrl:
     protocol: str  # "http" or "grpc"
@@ -35,6 +39,9 @@ class TritonUrl:
         if "://" in url:
             raise ValueError(f"unsupported URL scheme in {url!r}: use http://host:port or grpc://host:port")
         return cls("http", url)
+
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self.address}"
 
 
 def strings_to_tensor(sequences: list[str] | tuple[str, ...]) -> np.ndarray:
@@ -75,7 +82,11 @@ class TritonClient:
             else:
                 result = self._client.infer(model, infer_inputs, outputs=requested)
         except InferenceServerException as err:
+            if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
+                raise ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err.message()}") from err
             raise InferenceError(f"{model}: {err.message()}") from err
+        except OSError as err:  # HTTP: refused, reset, unresolvable host, timed out
+            raise ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err}") from err
         if outputs is None:
             response = result.get_response(as_json=True) if self.url.protocol == "grpc" else result.get_response()
             outputs = [output["name"] for output in response["outputs"]]

@@ -101,6 +101,16 @@ def read_checkpoint(path: Path) -> Checkpoint:
     raise CheckpointError(f"{path} {what}; this tool reads {forms}")
 
 
+def unreadable_weights(source: str, err: BaseException) -> CheckpointError:
+    """The error for weights their loader rejects (random bytes, a truncated download): it names
+    the file, says it is not a readable checkpoint, and keeps the loader's reason to one line
+    (torch.load's are paragraphs about weights_only with the cause at the end)."""
+    message = str(err).split("WeightsUnpickler error:", 1)[-1]
+    reason = next((line.strip() for line in message.splitlines() if line.strip()), "no reason given")
+    return CheckpointError(f"cannot read weights {source}: not a readable checkpoint (corrupt, truncated or not "
+                           f"a weights file; {type(err).__name__}: {reason})")
+
+
 def some(items: list[str], limit: int = 8) -> str:
     """A readable list of the first `limit` items."""
     more = f" and {len(items) - limit} more" if len(items) > limit else ""

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader
+from .base import (MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader,
+                   unreadable_weights)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SAVED_FORM_TYPES = ("megamolbart",)
@@ -62,7 +63,7 @@ def read_weight_file(path: Path) -> dict[str, Any]:
         else:
             weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # every format has its own errors; name the file either way
-        raise CheckpointError(f"cannot read weights {path}: {type(err).__name__}: {err}") from None
+        raise unreadable_weights(str(path), err) from None
     return check_state_dict(weights, str(path))
 
 

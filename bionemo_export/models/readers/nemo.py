@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 
-from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader
+from .base import (MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader,
+                   unreadable_weights)
 from .huggingface import check_state_dict
 
 CONFIG_NAME = "model_config.yaml"
@@ -99,9 +100,9 @@ def _load_weights(tar: tarfile.TarFile, member: tarfile.TarInfo, source: str) ->
         if found:
             raise CheckpointError(f"{source} holds objects other than tensors ({found.group(1)}), which would need "
                                   "its pickled code to run; refusing it") from None
-        raise CheckpointError(f"cannot read weights {source}: not a torch state dict") from None
+        raise unreadable_weights(source, err) from None
     except Exception as err:
-        raise CheckpointError(f"cannot read weights {source}: {type(err).__name__}: {err}") from None
+        raise unreadable_weights(source, err) from None
     return check_state_dict(weights, source)
 
 
@@ -131,7 +132,8 @@ class NemoReader(CheckpointReader):
                     if base not in (CONFIG_NAME, WEIGHTS_NAME) and member.size <= MAX_SIDE_FILE_BYTES
                 }
         except (tarfile.TarError, EOFError, OSError) as err:
-            raise CheckpointError(f"{path} is not a readable .nemo archive (plain or gzip tar): {err}") from None
+            reason = str(err).splitlines()[0].rstrip(":")  # tarfile lists every method it tried
+            raise CheckpointError(f"{path} is not a readable .nemo archive (plain or gzip tar): {reason}") from None
         return Checkpoint(path=path, form=self.form, config=config, weights=weights, weights_name=WEIGHTS_NAME,
                           files=files, model_class=config.get("target"))
 
