@@ -19,8 +19,8 @@ from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.model_repository.manifest import read_manifest
 from bionemo_export.models import get_family, load_checkpoint
 from bionemo_export.models.megamolbart import load_model
-from bionemo_export.runtime import TritonServer
 from bionemo_export.numerics import cosine_rows
+from bionemo_export.runtime import TritonServer
 from tests.helpers.nemo_archives import (
     esm2_to_megatron,
     esm2nv_config,
