@@ -1,54 +1,221 @@
-"""Query served models (compatible with BioNeMo's client_encode)."""
+"""Query served models: BioNeMo's client_encode / client_decode flags, plus files of any size.
+
+Works against a generated repository (`bionemo-export serve`) and a dev server
+(`bionemo-export dev-server`) alike. Inputs go in requests of the model's max_batch_size (read from
+the server), several in flight, and the answers are written in input order.
+"""
 
 from __future__ import annotations
 
-import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from . import debugging
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
+
+URL_HELP = "http://host:port, or grpc://host:port for gRPC."
+OUTPUT_HELP = ("Write the outputs here: .npz (arrays; with the record ids under `ids` for --input), else JSON "
+               "{output_name: nested lists} as BioNeMo's client writes it (strings as strings; `ids` added for "
+               "--input).")
+INPUT_HELP = "A FASTA file, or one sequence per line (`SMILES [name]`); for inputs of any size."
+BATCH_HELP = "Sequences per request (default: the model's max_batch_size, read from the server)."
+IN_FLIGHT_HELP = "Requests in flight at once."
+STOP_HELP = "Stop at the first record the server refuses (default: report it by id and keep the others)."
 
 
 @app.command("encode")
 def encode(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="Public model, e.g. esm2nv_embeddings or esm2nv_hiddens."),
-    sequences: List[str] = typer.Option(..., "--sequences", "-s", help="A sequence; repeat for a batch."),
-    triton_url: str = typer.Option("http://localhost:8000", help="http://host:port or grpc://host:port."),
+    sequences: Optional[List[str]] = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
+    input: Optional[Path] = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_name: str = typer.Option("sequences", help="Name of the model's string input."),
-    output: Optional[Path] = typer.Option(None, help="Write {output_name: nested lists} JSON here."),
+    output: Optional[Path] = typer.Option(None, help=OUTPUT_HELP),
+    batch_size: Optional[int] = typer.Option(None, min=1, help=BATCH_HELP),
+    in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
+    stop_on_error: bool = typer.Option(False, help=STOP_HELP),
 ) -> None:
-    """Send sequences to a model and print (or save) every output."""
-    from bionemo_export.client import InferenceError, TritonClient, strings_to_tensor
-    from bionemo_export.errors import reason
+    """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask."""
+    _query(ctx, model=model, sequences=sequences, input=input, triton_url=triton_url, output=output,
+           batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
+           make_inputs=lambda column: lambda rows, _: {in_name: column[rows]})
+
+
+@app.command("sample")
+def sample(
+    ctx: typer.Context,
+    model: str = typer.Option(..., "--model", "-m", help="Public samplings model, e.g. megamolbart_samplings."),
+    sequences: Optional[List[str]] = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
+    input: Optional[Path] = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    num_samples: Optional[int] = typer.Option(None, help="Outputs per sequence (server default 1)."),
+    sampling_method: Optional[str] = typer.Option(
+        None, help="greedy-perturbate (server default), topkp-perturbate, beam-search-perturbate, "
+                   "beam-search-single-sample, beam-search-perturbate-sample."),
+    scaled_radius: Optional[float] = typer.Option(None, help="Noise scale on the hidden states (server default 1.0)."),
+    seed: Optional[int] = typer.Option(None, help="Random seed: the same seed and inputs give the same samples "
+                                       "(request i of a split batch uses seed + i)."),
+    top_k: Optional[int] = typer.Option(None, help="topkp-perturbate: keep the k most likely tokens (0: off)."),
+    top_p: Optional[float] = typer.Option(None, help="topkp-perturbate: nucleus probability mass."),
+    temperature: Optional[float] = typer.Option(None, help="topkp-perturbate: softmax temperature."),
+    beam_size: Optional[int] = typer.Option(None, help="beam-search-perturbate(-sample): beams per search."),
+    triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
+    output: Optional[Path] = typer.Option(None, help=OUTPUT_HELP),
+    batch_size: Optional[int] = typer.Option(None, min=1, help=BATCH_HELP),
+    in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
+    stop_on_error: bool = typer.Option(False, help=STOP_HELP),
+) -> None:
+    """Sample new sequences around each input (MegaMolBART's N_samplings); writes {"generated": [[...], ...]}."""
+    from bionemo_export.client.repository import sampling_inputs
+
+    extra = sampling_inputs(sampling_method=sampling_method, num_samples=num_samples, scaled_radius=scaled_radius,
+                            seed=seed, top_k=top_k, top_p=top_p, temperature=temperature, beam_size=beam_size)
+    _query(ctx, model=model, sequences=sequences, input=input, triton_url=triton_url, output=output,
+           batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
+           make_inputs=lambda column: lambda rows, index: {"sequences": column[rows], **extra(rows, index)})
+
+
+@app.command("decode")
+def decode(
+    ctx: typer.Context,
+    model: str = typer.Option(..., "--model", "-m", help="Public decodes model, e.g. megamolbart_decodes."),
+    input: Path = typer.Option(..., "--input", "-i", exists=True, dir_okay=False,
+                               help="Hidden states: JSON as `client encode` (or BioNeMo's client) writes them, "
+                                    "{NAME: [[[...]]], \"mask\": [[...]]}, or .npz; mask optional (all True)."),
+    triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
+    in_name: str = typer.Option("hiddens", help="Name of the hidden states in the input file."),
+    output: Optional[Path] = typer.Option(None, help="Write the strings here: JSON list (BioNeMo's format), or "
+                                          ".npz with `sequences` (and `ids` when the input had them)."),
+    batch_size: Optional[int] = typer.Option(None, min=1, help=BATCH_HELP),
+    in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
+) -> None:
+    """Decode hidden states into sequences (MegaMolBART's N_decodes)."""
+    import json
+
+    from bionemo_export.client import TritonClient, infer_rows
+    from bionemo_export.client.files import read_hiddens, to_jsonable, write_outputs
 
     console = Console()
-    if output is not None and (problem := _unwritable(output)):
-        console.print(f"[red]--output {output}: {problem}[/red]", highlight=False)
+    _check_output(console, output)
+    with _reported(ctx, console):
+        hiddens, mask, ids = read_hiddens(input, in_name)
+        if mask is None:
+            mask = np.ones(hiddens.shape[:2], dtype=bool)
+        with TritonClient(triton_url, concurrency=in_flight) as client, _progress(len(hiddens)) as advance:
+            results = infer_rows(client, model, len(hiddens), lambda rows, _: {"hiddens": hiddens[rows],
+                                                                               "mask": mask[rows]},
+                                 outputs=["sequences"], batch_size=batch_size, in_flight=in_flight, progress=advance)
+    strings = [row[0] for row in to_jsonable(results.outputs["sequences"])]
+    if output is None:
+        for string in strings:
+            typer.echo(string)
+    elif output.suffix == ".npz":
+        write_outputs(output, {"sequences": results.outputs["sequences"][:, 0]}, ids)
+        console.print(f"wrote {len(strings)} sequences to {output}", highlight=False)
+    else:
+        output.write_text(json.dumps(strings))
+        console.print(f"wrote {len(strings)} sequences to {output}", highlight=False)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _query(ctx: typer.Context, *, model: str, sequences: Optional[List[str]], input: Optional[Path], triton_url: str,
+           output: Optional[Path], batch_size: Optional[int], in_flight: int, stop_on_error: bool,
+           make_inputs: Callable) -> None:
+    """encode and sample: strings from -s or --input through `model`, outputs printed or written.
+
+    From --input, a record the server refuses is reported by its id and left out (or ends the
+    run with --stop-on-error), and the outputs carry the ids of the records they belong to.
+    -s sequences are one batch, as in BioNeMo's client: a refused sequence fails the command."""
+    from bionemo_export.client import TritonClient, infer_rows
+    from bionemo_export.client.files import Record, read_records, write_outputs
+    from bionemo_export.client.repository import strings_column
+
+    console = Console()
+    if (sequences is None) == (input is None):
+        console.print("[red]give the sequences with -s/--sequences or a file with --input (one of them)[/red]")
         raise typer.Exit(2)
+    _check_output(console, output)
+    with _reported(ctx, console):
+        records = read_records(input) if input else [Record(f"sequence {i}", s, 0) for i, s in enumerate(sequences)]
+        if input is not None and not records:
+            raise ValueError(f"{input}: no sequences in the file")
+        # Records with no sequence are not sent, unless the run stops at the first bad record: then
+        # the server's refusal of it keeps the file's order of bad records.
+        sent = [record for record in records if record.sequence] if input and not stop_on_error else records
+        column = strings_column([record.sequence for record in sent])
+        with TritonClient(triton_url, concurrency=in_flight) as client, \
+                _progress(len(records) if input else 0) as advance:
+            advance(len(records) - len(sent))  # records with no sequence: done, nothing to send
+            results = infer_rows(client, model, len(sent), make_inputs(column), batch_size=batch_size,
+                                 in_flight=in_flight, isolate=input is not None, stop_on_failure=stop_on_error,
+                                 progress=advance)
+    skipped = [record for record in records if not record.sequence] if len(sent) < len(records) else []
+    failures = [(record, "no sequence after its header") for record in skipped]
+    failures += [(sent[row], message) for row, message in results.failures]
+    for record, message in sorted(failures, key=lambda failure: failure[0].line):
+        console.print(f"[red]bad record {record.id} (line {record.line}): {message}[/red]", highlight=False)
+    if failures and stop_on_error:
+        raise typer.Exit(1)
+    ids = [sent[row].id for row in results.rows] if input else None
+    if input:
+        console.print(f"{len(results.rows)} of {len(records)} records answered"
+                      + (f"; {len(failures)} bad records left out" if failures else ""), highlight=False)
+    if output:
+        write_outputs(output, results.outputs, ids)
+        console.print(f"wrote {', '.join(results.outputs) or 'nothing'} to {output}", highlight=False)
+        return
+    _print_outputs(console, results.outputs)
+
+
+def _print_outputs(console: Console, outputs: dict[str, np.ndarray]) -> None:
+    from bionemo_export.client.files import to_jsonable
+
+    for name, value in outputs.items():
+        console.print(f"{name}: shape {list(value.shape)} {value.dtype}", highlight=False)
+        console.print(np.array2string(value, threshold=20, precision=4) if value.dtype != object
+                      else str(to_jsonable(value)), highlight=False)
+
+
+@contextmanager
+def _reported(ctx: typer.Context, console: Console) -> Iterator[None]:
+    """Errors a user can act on (the server's refusal, an unreachable server, a bad input file)
+    as one red line and exit status 1; --debug re-raises them with the traceback."""
+    from bionemo_export.client import InferenceError
+    from bionemo_export.errors import reason
+
     try:
-        with TritonClient(triton_url) as client:
-            outputs = client.infer(model, {in_name: strings_to_tensor(sequences)})
-    except (InferenceError, ValueError, ConnectionError) as err:
+        yield
+    except (InferenceError, ValueError, ConnectionError, OSError) as err:
         if debugging(ctx):
             raise
         console.print(f"[red]{reason(err)}[/red]", highlight=False)
         raise typer.Exit(1)
-    serializable = {name: _to_json(value) for name, value in outputs.items()}
-    if output:
-        output.write_text(json.dumps(serializable))
-        console.print(f"wrote {', '.join(serializable)} to {output}")
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr over `total` rows (none for 0); yields the function that advances it."""
+    if not total:
+        yield lambda done: None
         return
-    for name, value in outputs.items():
-        console.print(f"{name}: shape {list(value.shape)} {value.dtype}")
-        console.print(np.array2string(value, threshold=20, precision=4) if value.dtype != object
-                      else str(serializable[name]))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("records", total=total)
+        yield lambda done: progress.advance(task, done)
+
+
+def _check_output(console: Console, output: Optional[Path]) -> None:
+    if output is not None and (problem := _unwritable(output)):
+        console.print(f"[red]--output {output}: {problem}[/red]", highlight=False)
+        raise typer.Exit(2)
 
 
 def _unwritable(path: Path) -> str | None:
@@ -58,10 +225,3 @@ def _unwritable(path: Path) -> str | None:
     if not path.parent.is_dir():
         return f"{path.parent} is not an existing folder"
     return None
-
-
-def _to_json(value: np.ndarray) -> list:
-    if value.dtype == object:
-        return [[item.decode("utf-8") if isinstance(item, bytes) else item for item in np.atleast_1d(row)]
-                for row in value]
-    return value.tolist()

@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 from bionemo_export import __version__
 from bionemo_export.errors import reason, user_facing
 
-from . import bench, build, client, doctor, serve, verify
+from . import bench, build, client, dev_server, doctor, serve, verify
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
 # command's output that the user can do nothing about.
@@ -79,6 +79,7 @@ app.command("serve", help=serve.__doc__)(serve.serve)
 app.command("verify", help=verify.__doc__)(verify.verify)
 app.add_typer(client.app, name="client")
 app.command("doctor", help=doctor.__doc__)(doctor.doctor)
+app.command("dev-server", help=dev_server.__doc__)(dev_server.dev_server)
 app.command("bench", help=bench.__doc__)(bench.bench)
 
 

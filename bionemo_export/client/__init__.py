@@ -1,7 +1,16 @@
-"""tritonclient-based clients for the served models (Python API and the `client` CLI commands)."""
+"""Clients for the served models (a generated repository or `bionemo-export dev-server`).
 
-from .encoders import EncoderClient, Seq2SeqClient, masked_mean
-from .triton import DEFAULT_URL, InferenceError, TritonClient, TritonUrl, strings_to_tensor
+- `RepositoryClient(name, url)`: one object for the public models of a repository built with
+  `--name N`, with BioNeMo's method names (`seqs_to_embedding`, `seqs_to_hidden`,
+  `hidden_to_seqs`, `sample_seqs`, MegaMolBART's `smis_*` aliases); batching and concurrency are
+  automatic. `EncoderClient` and `Seq2SeqClient` are earlier names of the same class.
+- `TritonClient(url)`: one request at a time to any model, numpy in and out.
+- `infer_rows`: the batching engine both use, and the `client` commands.
+"""
 
-__all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "TritonClient", "TritonUrl", "Seq2SeqClient", "masked_mean",
-           "strings_to_tensor"]
+from .batches import RowResults, infer_rows
+from .repository import EncoderClient, RepositoryClient, Seq2SeqClient, masked_mean
+from .triton import DEFAULT_URL, InferenceError, ServerUnreachableError, TritonClient, TritonUrl, strings_to_tensor
+
+__all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "RepositoryClient", "RowResults", "Seq2SeqClient",
+           "ServerUnreachableError", "TritonClient", "TritonUrl", "infer_rows", "masked_mean", "strings_to_tensor"]

@@ -2,16 +2,26 @@
 
 URLs follow BioNeMo's clients: `http://host:8000` (the default), `grpc://host:8001`, or a bare
 `host:port` (HTTP).
+
+`submit` sends a request without waiting for its answer (tritonclient's own asynchronous calls:
+gRPC futures, HTTP greenlets), so that a caller can keep several requests in flight from one
+thread; `infer` is `submit(...).result()`.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 DEFAULT_URL = "http://localhost:8000"
+
+GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
+"""gRPC's limit on one message, both ways: gRPC's own default is 4 MiB, which the hidden states of a
+few long sequences exceed (BioNeMo's ESM-2 client raised it to 100 MiB by hand). Triton's server
+accepts up to this size."""
 
 _NUMPY_TO_TRITON = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32",
                     np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES", np.dtype(np.float16): "FP16"}
@@ -49,24 +59,52 @@ def strings_to_tensor(sequences: list[str] | tuple[str, ...]) -> np.ndarray:
     return np.array([[s.encode("utf-8")] for s in sequences], dtype=np.object_).reshape(len(sequences), 1)
 
 
-class TritonClient:
-    """Run inference on one server over HTTP or gRPC."""
+def grpc_channel_args() -> list[tuple[str, int]]:
+    """The gRPC channel options of every client: message limits raised to GRPC_MAX_MESSAGE_BYTES
+    (whatever the installed tritonclient defaults to; older ones kept gRPC's 4 MiB) and
+    tritonclient's keepalive defaults, which passing `channel_args` would otherwise drop."""
+    from tritonclient.grpc import KeepAliveOptions
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout_s: float = 300.0) -> None:
+    keepalive = KeepAliveOptions()
+    return [
+        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+    ]
+
+
+class TritonClient:
+    """Run inference on one server over HTTP or gRPC.
+
+    `concurrency` bounds the HTTP requests in flight at once (gRPC has no such bound)."""
+
+    def __init__(self, url: str = DEFAULT_URL, *, timeout_s: float = 300.0, concurrency: int = 1) -> None:
         self.url = TritonUrl.parse(url)
         self.timeout_s = timeout_s
         if self.url.protocol == "grpc":
             import tritonclient.grpc as module
+
+            kwargs: dict[str, Any] = {"channel_args": grpc_channel_args()}
         else:
             import tritonclient.http as module
+
+            kwargs = {"network_timeout": timeout_s, "connection_timeout": timeout_s,
+                      "concurrency": max(1, concurrency)}
         self._module: Any = module
-        kwargs = {} if self.url.protocol == "grpc" else {"network_timeout": timeout_s, "connection_timeout": timeout_s}
         self._client = module.InferenceServerClient(self.url.address, **kwargs)
+        self._configs: dict[str, dict] = {}
 
     def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Send `inputs` (name -> array with the batch axis first) to `model`; return the outputs."""
-        from tritonclient.utils import InferenceServerException
+        return self.submit(model, inputs, outputs).result()
 
+    def submit(self, model: str, inputs: dict[str, np.ndarray],
+               outputs: list[str] | None = None) -> "Future[dict[str, np.ndarray]]":
+        """Send a request without waiting: a Future of `infer`'s answer (its `result()` raises
+        InferenceError or ServerUnreachableError as `infer` does)."""
         infer_inputs = []
         for name, array in inputs.items():
             dtype = _NUMPY_TO_TRITON.get(array.dtype)
@@ -76,21 +114,76 @@ class TritonClient:
             tensor.set_data_from_numpy(array)
             infer_inputs.append(tensor)
         requested = [self._module.InferRequestedOutput(name) for name in outputs] if outputs else None
-        try:
-            if self.url.protocol == "grpc":
-                result = self._client.infer(model, infer_inputs, outputs=requested, client_timeout=self.timeout_s)
-            else:
-                result = self._client.infer(model, infer_inputs, outputs=requested)
-        except InferenceServerException as err:
-            if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
-                raise ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err.message()}") from err
-            raise InferenceError(f"{model}: {err.message()}") from err
-        except OSError as err:  # HTTP: refused, reset, unresolvable host, timed out
-            raise ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err}") from err
+        if self.url.protocol == "grpc":
+            return self._submit_grpc(model, infer_inputs, requested, outputs)
+        return _HttpPending(self._guarded(model, lambda: self._client.async_infer(model, infer_inputs,
+                                                                                   outputs=requested)),
+                            lambda result: self._outputs(result, outputs), self._translate(model))
+
+    def _submit_grpc(self, model: str, infer_inputs: list, requested: list | None,
+                     outputs: list[str] | None) -> "Future[dict[str, np.ndarray]]":
+        future: Future = Future()
+        translate = self._translate(model)
+
+        def done(result: Any, error: Exception | None) -> None:  # runs on a gRPC thread
+            if error is not None:
+                future.set_exception(translate(error))
+                return
+            try:
+                future.set_result(self._outputs(result, outputs))
+            except Exception as err:  # noqa: BLE001 - the caller gets it from result()
+                future.set_exception(err)
+
+        self._guarded(model, lambda: self._client.async_infer(model, infer_inputs, done, outputs=requested,
+                                                              client_timeout=self.timeout_s))
+        return future
+
+    def _outputs(self, result: Any, outputs: list[str] | None) -> dict[str, np.ndarray]:
         if outputs is None:
             response = result.get_response(as_json=True) if self.url.protocol == "grpc" else result.get_response()
             outputs = [output["name"] for output in response["outputs"]]
         return {name: result.as_numpy(name) for name in outputs}
+
+    def _translate(self, model: str) -> Callable[[Exception], Exception]:
+        """The function that turns a tritonclient or socket error of a request to `model` into ours."""
+        from tritonclient.utils import InferenceServerException
+
+        def translate(err: Exception) -> Exception:
+            if isinstance(err, InferenceServerException):
+                if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
+                    return _chained(ServerUnreachableError(
+                        f"cannot reach a Triton server at {self.url}: {err.message()}"), err)
+                return _chained(InferenceError(f"{model}: {err.message()}"), err)
+            if isinstance(err, OSError):  # HTTP: refused, reset, unresolvable host, timed out
+                return _chained(ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err}"), err)
+            return err
+
+        return translate
+
+    def _guarded(self, model: str, call: Callable[[], Any]) -> Any:
+        """`call()`, its tritonclient or socket errors raised as ours."""
+        try:
+            return call()
+        except Exception as err:
+            translated = self._translate(model)(err)
+            if translated is err:
+                raise
+            raise translated from err
+
+    def model_config(self, model: str) -> dict:
+        """The configuration Triton serves `model` with (config.pbtxt's fields, snake_case)."""
+        if model not in self._configs:
+            if self.url.protocol == "grpc":
+                config = self._guarded(model, lambda: self._client.get_model_config(
+                    model, as_json=True, client_timeout=self.timeout_s))
+            else:
+                config = self._guarded(model, lambda: self._client.get_model_config(model))
+            self._configs[model] = config.get("config", config)  # gRPC wraps it in {"config": ...}
+        return self._configs[model]
+
+    def max_batch_size(self, model: str) -> int:
+        """The most rows one request to `model` may carry (0: the model takes no batch axis)."""
+        return int(self.model_config(model).get("max_batch_size", 0))
 
     def close(self) -> None:
         self._client.close()
@@ -100,3 +193,26 @@ class TritonClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chained(new: Exception, cause: Exception) -> Exception:
+    new.__cause__ = cause
+    return new
+
+
+class _HttpPending:
+    """An HTTP request in flight (tritonclient's InferAsyncRequest) with the Future's `result()`."""
+
+    def __init__(self, request: Any, convert: Callable[[Any], dict[str, np.ndarray]],
+                 translate: Callable[[Exception], Exception]) -> None:
+        self._request, self._convert, self._translate = request, convert, translate
+
+    def result(self) -> dict[str, np.ndarray]:
+        try:
+            result = self._request.get_result()
+        except Exception as err:
+            translated = self._translate(err)
+            if translated is err:
+                raise
+            raise translated from err
+        return self._convert(result)

@@ -1,0 +1,155 @@
+"""Many rows through one model: split into requests of at most the model's max_batch_size, keep
+several in flight, put the answers back together in the caller's order.
+
+`infer_rows` is the one engine behind the Python client (bionemo_export.client.RepositoryClient)
+and the `client` commands. A request the server refuses either ends the run (InferenceError, the
+server's message with the rows it covered) or, with `isolate=True`, is sent again one row at a
+time so that only the rows the server refuses alone are reported (`RowResults.failures`) and the
+others are kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from bionemo_export.serving.batching import stack_padded
+
+from .triton import InferenceError, TritonClient
+
+DEFAULT_IN_FLIGHT = 4
+"""Requests kept in flight: enough to keep a server's instances and dynamic batcher busy while
+the client packs the next request and unpacks the last."""
+
+MakeInputs = Callable[[np.ndarray, int], dict[str, np.ndarray]]
+"""(row indices of one request, that request's index) -> the request's input tensors."""
+
+
+@dataclass
+class RowResults:
+    """What came back for the rows that succeeded, in the caller's order."""
+
+    rows: np.ndarray
+    """The indices of the rows that succeeded, ascending."""
+    outputs: dict[str, np.ndarray]
+    """Output name -> [len(rows), ...]: requests' outputs joined, padded where lengths differ."""
+    failures: list[tuple[int, str]] = field(default_factory=list)
+    """(row, the server's message) for each row the server refused alone (isolate=True)."""
+
+
+def plan_requests(count: int, batch_size: int) -> list[np.ndarray]:
+    """Row indices of each request: consecutive runs of at most `batch_size` rows."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    return [np.arange(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
+
+
+def batch_size_for(client: TritonClient, model: str, requested: int | None = None) -> int:
+    """Rows per request: `requested`, else the model's max_batch_size read from the server; a
+    request over the model's max_batch_size is refused here (the server would refuse each one)."""
+    limit = client.max_batch_size(model)
+    if requested is None:
+        return limit or 2**31 - 1  # 0: the model batches nothing itself; send everything at once
+    if requested < 1:
+        raise ValueError(f"batch size must be at least 1, got {requested}")
+    if limit and requested > limit:
+        raise ValueError(f"batch size {requested} is over {model}'s max_batch_size {limit}")
+    return requested
+
+
+def in_order(client: TritonClient, model: str, requests: Iterable[dict[str, np.ndarray]], outputs: list[str] | None,
+             in_flight: int) -> Iterator[dict[str, np.ndarray] | InferenceError]:
+    """Send `requests` with at most `in_flight` awaiting an answer; yield each answer (or the
+    InferenceError it got) in the order of `requests`. Other errors (an unreachable server) raise."""
+    pending: deque = deque()
+    for inputs in requests:
+        if len(pending) >= max(1, in_flight):
+            yield _answer(pending.popleft())
+        pending.append(client.submit(model, inputs, outputs))
+    while pending:
+        yield _answer(pending.popleft())
+
+
+def _answer(future) -> dict[str, np.ndarray] | InferenceError:
+    try:
+        return future.result()
+    except InferenceError as err:
+        return err
+
+
+def infer_rows(client: TritonClient, model: str, count: int, make_inputs: MakeInputs, *,
+               outputs: list[str] | None = None, batch_size: int | None = None,
+               in_flight: int = DEFAULT_IN_FLIGHT, isolate: bool = False, stop_on_failure: bool = False,
+               progress: Callable[[int], None] | None = None) -> RowResults:
+    """Run `count` rows through `model` in requests of `batch_size` rows (default: the model's
+    max_batch_size), `in_flight` at a time. `make_inputs(rows, index)` builds request `index`'s
+    inputs for its `rows`; `progress(n)` is told each time n more rows are done.
+
+    A refused request raises InferenceError naming its rows (when there were several requests),
+    unless `isolate`: then its rows are sent one by one and those refused alone are listed in
+    `failures` with the server's message; `stop_on_failure` ends the run at the first such row
+    (the rows after it are left out of the results)."""
+    size = batch_size_for(client, model, batch_size)
+    plan = plan_requests(count, size)
+    pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []
+    failures: list[tuple[int, str]] = []
+    # A generator: each request is packed just before it is sent, not all of them up front.
+    answers = in_order(client, model, (make_inputs(rows, index) for index, rows in enumerate(plan)), outputs,
+                       in_flight)
+    for index, (rows, answer) in enumerate(zip(plan, answers)):
+        if isinstance(answer, InferenceError):
+            if not isolate:
+                where = f" (rows {rows[0]}-{rows[-1]} of {count}, sent as one request)" if len(plan) > 1 else ""
+                raise InferenceError(f"{answer}{where}") from answer
+            good, bad = _one_by_one(client, model, rows, make_inputs, index, outputs, in_flight)
+            if bad and stop_on_failure:
+                pieces += [(single, answer) for single, answer in good if single[0] < bad[0][0]]
+                return _join(pieces, bad[:1], outputs)
+            pieces += good
+            failures += bad
+        else:
+            pieces.append((rows, answer))
+        if progress is not None:
+            progress(len(rows))
+    return _join(pieces, failures, outputs)
+
+
+def _one_by_one(client: TritonClient, model: str, rows: np.ndarray, make_inputs: MakeInputs, index: int,
+                outputs: list[str] | None, in_flight: int):
+    """The rows of refused request `index`, each sent alone (with the request's index, so that
+    per-request settings such as a seed stay the same): (answers, failures)."""
+    good, bad = [], []
+    singles = [rows[i:i + 1] for i in range(len(rows))]
+    for single, answer in zip(singles, in_order(client, model, [make_inputs(s, index) for s in singles], outputs,
+                                                in_flight)):
+        if isinstance(answer, InferenceError):
+            bad.append((int(single[0]), _server_message(str(answer), model)))
+        else:
+            good.append((single, answer))
+    return good, bad
+
+
+def _server_message(message: str, model: str) -> str:
+    prefix = f"{model}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def _join(pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]], failures: list[tuple[int, str]],
+          outputs: list[str] | None) -> RowResults:
+    if not pieces:
+        return RowResults(np.zeros(0, dtype=np.int64), {name: np.zeros(0) for name in outputs or ()}, failures)
+    rows = np.concatenate([piece_rows for piece_rows, _ in pieces])
+    names = list(pieces[0][1])
+    # Requests' hidden states are padded to their own longest row: joined, they are padded to the
+    # longest of all, which is what one request for every row would have answered.
+    joined = {name: _stack([answer[name] for _, answer in pieces]) for name in names}
+    return RowResults(rows, joined, failures)
+
+
+def _stack(arrays: list[np.ndarray]) -> np.ndarray:
+    if arrays[0].ndim < 2:
+        return np.concatenate(arrays)
+    return stack_padded(arrays, b"" if arrays[0].dtype == np.object_ else 0)

@@ -1,0 +1,173 @@
+"""One Python client for a repository's public models, with the names BioNeMo's notebooks use.
+
+    from bionemo_export.client import RepositoryClient
+    with RepositoryClient("megamolbart", "grpc://localhost:8001") as client:
+        embeddings = client.seqs_to_embedding(["CCO", "c1ccccc1"])      # [2, H]
+        hiddens, mask = client.seqs_to_hidden(["CCO", "c1ccccc1"])     # [2, L, H], [2, L]
+        smiles = client.hidden_to_seqs(hiddens, mask)                   # ["CCO", "c1ccccc1"]
+        samples = client.sample_seqs(["CCO"], num_samples=3, seed=1)    # [["...", "...", "..."]]
+
+Any number of inputs: they go in requests of the model's max_batch_size (read from the server),
+several in flight, and come back in order as one batch, as one request would have answered
+(hidden states padded to the longest sequence). numpy in and out; torch tensors are accepted.
+Works against a generated repository and against `bionemo-export dev-server` alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .batches import DEFAULT_IN_FLIGHT, infer_rows
+from .triton import DEFAULT_URL, TritonClient
+
+_CONFIG_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_BOOL": np.bool_, "TYPE_STRING": np.object_,
+                  "TYPE_INT32": np.int32, "TYPE_INT64": np.int64}
+
+SAMPLING_INPUTS = {"num_samples": np.int32, "scaled_radius": np.float32, "seed": np.int64, "top_k": np.int32,
+                   "top_p": np.float32, "temperature": np.float32, "beam_size": np.int32}
+"""The optional numeric inputs of N_samplings and their dtypes (sampling_method is a string)."""
+
+
+def to_numpy(value: Any, dtype: Any = None) -> np.ndarray:
+    """`value` (numpy, torch tensor on any device, nested lists) as a numpy array."""
+    if hasattr(value, "detach"):  # torch, without importing it
+        value = value.detach().cpu().numpy()
+    return np.asarray(value, dtype=dtype)
+
+
+def strings_column(sequences: Sequence[str] | np.ndarray) -> np.ndarray:
+    """Sequences as a BYTES tensor [N, 1] (UTF-8): from a list of str or bytes, or an array of them."""
+    if isinstance(sequences, (str, bytes)):
+        raise TypeError("give a list of sequences, not one string")
+    items = np.asarray(sequences, dtype=np.object_).reshape(-1)
+    return np.array([[item if isinstance(item, bytes) else str(item).encode("utf-8")] for item in items],
+                    dtype=np.object_).reshape(len(items), 1)
+
+
+class RepositoryClient:
+    """The public models `N_embeddings`, `N_hiddens`, `N_decodes`, `N_samplings` of a repository
+    built with `--name N` (or of a dev server started with `--name N`), over HTTP or gRPC.
+
+    `in_flight`: requests awaiting an answer at once; `batch_size`: rows per request (default:
+    each model's max_batch_size). A refused request raises InferenceError with the server's
+    message; an unreachable server raises ServerUnreachableError naming the URL."""
+
+    def __init__(self, name: str, url: str = DEFAULT_URL, *, in_flight: int = DEFAULT_IN_FLIGHT,
+                 batch_size: int | None = None, timeout_s: float = 300.0) -> None:
+        self.name = name
+        self.in_flight = in_flight
+        self.batch_size = batch_size
+        self.client = TritonClient(url, timeout_s=timeout_s, concurrency=in_flight)
+
+    # ------------------------------------------------------------------------ BioNeMo's names
+    def seqs_to_embedding(self, sequences: Sequence[str]) -> np.ndarray:
+        """FP32 [batch, hidden]: mean of the hidden states over each sequence's residues/tokens."""
+        return self._strings_in("embeddings", sequences, ["embeddings"])["embeddings"]
+
+    def seqs_to_hidden(self, sequences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(hiddens FP32 [batch, length, hidden], mask BOOL [batch, length]); mask is True on
+        residues/tokens, length the longest sequence's."""
+        out = self._strings_in("hiddens", sequences, ["hiddens", "mask"])
+        return out["hiddens"], out["mask"]
+
+    def hidden_to_seqs(self, hiddens: Any, mask: Any = None) -> list[str]:
+        """Greedy-decode hidden states [batch, length, hidden] into strings; `mask` [batch, length]
+        is True on real tokens (all True when omitted)."""
+        hiddens = to_numpy(hiddens, np.float32)
+        if hiddens.ndim != 3:
+            raise ValueError(f"hiddens must be [batch, length, hidden], got shape {list(hiddens.shape)}")
+        mask = np.ones(hiddens.shape[:2], dtype=bool) if mask is None else to_numpy(mask).astype(bool)
+        if mask.shape != hiddens.shape[:2]:
+            raise ValueError(f"mask shape {list(mask.shape)} does not match hiddens [batch, length] "
+                             f"{list(hiddens.shape[:2])}")
+        if not len(hiddens):
+            return []
+        out = self._run("decodes", len(hiddens), lambda rows, _: {"hiddens": hiddens[rows], "mask": mask[rows]},
+                        ["sequences"])
+        return [row[0].decode("utf-8") for row in out["sequences"]]
+
+    def sample_seqs(self, sequences: Sequence[str], *, num_samples: int | None = None,
+                    scaled_radius: float | None = None, sampling_method: str | None = None,
+                    seed: int | None = None, top_k: int | None = None, top_p: float | None = None,
+                    temperature: float | None = None, beam_size: int | None = None) -> list[list[str]]:
+        """New sequences sampled around each input: [batch][outputs]. Options left out take the
+        server's defaults (greedy-perturbate, 1 sample, scaled_radius 1.0). With a seed, request i
+        of a split batch uses seed + i: the result is reproducible, and a batch that fits in one
+        request gets exactly what one request with `seed` gets."""
+        options = {"num_samples": num_samples, "scaled_radius": scaled_radius, "seed": seed, "top_k": top_k,
+                   "top_p": top_p, "temperature": temperature, "beam_size": beam_size}
+        out = self._strings_in("samplings", sequences, ["generated"],
+                               sampling_inputs(sampling_method=sampling_method, **options))
+        return [[item.decode("utf-8") for item in row] for row in out["generated"]]
+
+    # MegaMolBART's older gRPC wrapper called them this.
+    smis_to_embedding = seqs_to_embedding
+    smis_to_hidden = seqs_to_hidden
+    hidden_to_smis = hidden_to_seqs
+
+    # ---------------------------------------------------------------------------- plumbing
+    def model(self, task: str) -> str:
+        """The served name of a task's public model."""
+        return f"{self.name}_{task}"
+
+    def _strings_in(self, task: str, sequences: Sequence[str], outputs: list[str],
+                    extra=None) -> dict[str, np.ndarray]:
+        items = strings_column(sequences)
+        if not len(items):
+            return self._empty(task, outputs)
+        return self._run(task, len(items), lambda rows, index: {"sequences": items[rows],
+                                                                **(extra(rows, index) if extra else {})}, outputs)
+
+    def _run(self, task: str, count: int, make_inputs, outputs: list[str]) -> dict[str, np.ndarray]:
+        return infer_rows(self.client, self.model(task), count, make_inputs, outputs=outputs,
+                          batch_size=self.batch_size, in_flight=self.in_flight).outputs
+
+    def _empty(self, task: str, outputs: list[str]) -> dict[str, np.ndarray]:
+        """Answers for zero inputs, shaped from the model's configuration (no request sent)."""
+        declared = {tensor["name"]: tensor for tensor in self.client.model_config(self.model(task)).get("output", [])}
+        empty = {}
+        for name in outputs:
+            dims = [max(int(d), 0) for d in declared[name].get("dims", [])]
+            empty[name] = np.zeros((0, *dims), dtype=_CONFIG_DTYPES.get(declared[name].get("data_type"), np.float32))
+        return empty
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> "RepositoryClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sampling_inputs(*, sampling_method: str | None = None, **options: Any):
+    """The optional N_samplings inputs for the options that are set, as a `make_inputs` extra:
+    (rows, request index) -> {name: [rows, 1] array}. A seed becomes seed + request index."""
+    unknown = set(options) - set(SAMPLING_INPUTS)
+    if unknown:
+        raise TypeError(f"unknown sampling options {sorted(unknown)}; valid: {', '.join(SAMPLING_INPUTS)}")
+    chosen = {name: value for name, value in options.items() if value is not None}
+
+    def extra(rows: np.ndarray, index: int) -> dict[str, np.ndarray]:
+        inputs = {name: np.full((len(rows), 1), value + index if name == "seed" else value,
+                                dtype=SAMPLING_INPUTS[name]) for name, value in chosen.items()}
+        if sampling_method is not None:
+            inputs["sampling_method"] = np.full((len(rows), 1), sampling_method.encode("utf-8"), dtype=np.object_)
+        return inputs
+
+    return extra
+
+
+def masked_mean(hiddens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Client-side pooling, as BioNeMo's notebooks do it: mean over the positions where mask is True."""
+    weights = mask.astype(hiddens.dtype)[..., None]
+    return (hiddens * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1.0)
+
+
+EncoderClient = RepositoryClient
+"""The earlier name for the encoder models' client: the same class."""
+Seq2SeqClient = RepositoryClient
+"""The earlier name for the encoder-decoder models' client: the same class."""

@@ -1,0 +1,255 @@
+"""BioNeMo's way of serving, kept as a development mode and as the baseline every speed claim is
+measured against: a PyTriton process whose inference callables run the PyTorch model in Python.
+
+`bionemo-export dev-server --model FAMILY --checkpoint PATH --name N` binds the same public
+models, with the same tensors, as a repository built from that checkpoint with `--name N`
+(DESIGN.md's served API): `N_embeddings` and `N_hiddens`, and for encoder-decoder families
+`N_decodes` and `N_samplings`. Any client can be pointed at either and gets the same answers (the
+encoder within the family's tolerance, decodes and seeded samples equal), because both use the
+package's tokenizers and its one decoding and sampling implementation (generation/search.py with
+SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
+here, ONNX Runtime in the repository).
+
+As BioNeMo's servers: max_batch_size 10 (by default) with dynamic batching and no queue delay.
+Unlike them: decodes and samplings are bound only for families that decode, every request's
+hidden states are cropped to its own longest sequence, and sampling takes every option the
+repository's N_samplings takes. Limits of the mode (PyTriton 0.7): an error comes back with a
+traceback around its message, and fails every request the batcher handed over with it.
+
+PyTriton 0.7 protects Triton's statistics endpoint with a token, which perf_analyzer over gRPC
+cannot pass (PLATFORM.md): the endpoints are left unprotected, as tritonserver's own are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from bionemo_export.generation.reference import TorchDecoder, encode_hiddens
+from bionemo_export.generation.search import (
+    LIMITS, SAMPLING_DEFAULTS, check_sampling_arguments, generate, greedy)
+from bionemo_export.model_repository.options import GenerationLimits
+from bionemo_export.models.base import LoadedModel
+from bionemo_export.serving.batching import stack_padded
+
+MAX_BATCH_SIZE = 10
+"""BioNeMo's servers' max_batch_size."""
+
+OPTION_DTYPES = {"num_samples": np.int32, "scaled_radius": np.float32, "sampling_method": bytes, "seed": np.int64,
+                 "top_k": np.int32, "top_p": np.float32, "temperature": np.float32, "beam_size": np.int32}
+"""N_samplings' optional inputs, as the generated repository declares them (model_repository/seq2seq.py)."""
+
+Requests = Sequence[Mapping[str, np.ndarray]]
+"""What PyTriton hands an inference callable: one mapping of input name -> array per request."""
+
+
+class RequestError(ValueError):
+    """A request the dev server refuses; the message names the input and the problem."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One Triton model of the dev server: its name, callable and tensors (PyTriton's terms)."""
+
+    name: str
+    infer: Callable[[Requests], list[dict[str, np.ndarray]]]
+    inputs: list[tuple[str, Any, tuple[int, ...], bool]]
+    """(name, dtype, shape without the batch axis, optional)."""
+    outputs: list[tuple[str, Any, tuple[int, ...]]]
+
+
+@dataclass
+class DevModels:
+    """The inference callables of the public models over one loaded checkpoint (PyTorch, fp32).
+
+    Each takes a list of requests (what PyTriton hands over together) and answers one dict per
+    request. They are plain functions of numpy arrays, usable without a server."""
+
+    loaded: LoadedModel
+    max_decode_length: int | None = None
+    """Most tokens per decode (default: the model's own limit), as a repository's --max-decode-length."""
+    limits: GenerationLimits = field(default_factory=GenerationLimits)
+
+    def __post_init__(self) -> None:
+        self.loaded.encoder.eval()
+        seq2seq = self.loaded.seq2seq
+        if seq2seq is not None:
+            limit = seq2seq.max_decode_length
+            if self.max_decode_length is not None and not 1 <= self.max_decode_length <= limit:
+                raise ValueError(f"max decode length must be between 1 and the model's {limit}, "
+                                 f"got {self.max_decode_length}")
+            self.max_decode_length = self.max_decode_length or limit
+            self._decoder = TorchDecoder(seq2seq)
+            self._ids = dict(begin_id=seq2seq.begin_id, end_id=seq2seq.end_id, max_length=self.max_decode_length)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The public models this checkpoint serves: decodes and samplings only where it decodes."""
+        return ("embeddings", "hiddens") + (("decodes", "samplings") if self.loaded.seq2seq is not None else ())
+
+    # ---------------------------------------------------------------------------- encoder
+    def embeddings(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        return [{"embeddings": embeddings} for _, embeddings, _ in self._encode(requests)]
+
+    def hiddens(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        return [{"hiddens": hiddens, "mask": mask} for hiddens, _, mask in self._encode(requests)]
+
+    def _encode(self, requests: Requests) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(hiddens, embeddings, mask) per request from one encoder call over all their rows;
+        each request's hiddens cropped to its own longest sequence, zero on padding."""
+        tokenizer = self.loaded.tokenizer
+        # Tokenized per request, so that an error names the row of its own request.
+        encoded = [tokenizer.encode(_column(request, "sequences")) for request in requests]
+        arrays = [stack_padded([getattr(e, name) for e in encoded], pad)
+                  for name, pad in (("input_ids", tokenizer.pad_id), ("attention_mask", 0), ("residue_mask", False))]
+        with torch.inference_mode():
+            hiddens, embeddings = self.loaded.encoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+        hiddens = (hiddens * torch.from_numpy(arrays[1])[..., None]).numpy()
+        answers, start = [], 0
+        for e in encoded:
+            rows, length = e.input_ids.shape
+            answers.append((hiddens[start:start + rows, :length], embeddings[start:start + rows].numpy(),
+                            e.residue_mask))
+            start += rows
+        return answers
+
+    # --------------------------------------------------------------------------- decoding
+    def decodes(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """Greedy decoding of each request's hidden states (search.greedy over the PyTorch decoder)."""
+        answers = []
+        for request in requests:
+            hiddens, mask = request["hiddens"], request["mask"]
+            ids = greedy(self._decoder, np.asarray(hiddens, dtype=np.float32), np.asarray(mask), **self._ids)
+            answers.append({"sequences": self._strings([[row] for row in ids])})
+        return answers
+
+    def samplings(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """search.generate for each request alone, with its own options (SAMPLING_DEFAULTS for
+        those it leaves out) and its own seeded generator: a seeded request gets the same samples
+        whatever it is batched with, as from a repository's N_samplings."""
+        answers = []
+        for request in requests:
+            sequences = _column(request, "sequences")
+            options = self._options(request, len(sequences))
+            rng = np.random.default_rng(options.pop("seed"))
+            method = options.pop("sampling_method")
+            hiddens, mask = encode_hiddens(self.loaded, sequences)
+            ids = generate(self._decoder, hiddens, mask, method=method, rng=rng, **self._ids, **options)
+            answers.append({"generated": self._strings(ids)})
+        return answers
+
+    def _options(self, request: Mapping[str, np.ndarray], rows: int) -> dict[str, Any]:
+        """The request's sampling options (one value per request), checked against their ranges
+        and the limits before any work."""
+        options: dict[str, Any] = {**SAMPLING_DEFAULTS, "seed": None}
+        for name in OPTION_DTYPES:
+            if name in request and request[name] is not None:
+                options[name] = _one_value(name, np.asarray(request[name]), rows)
+        check_sampling_arguments(options["sampling_method"], options["num_samples"], options["beam_size"],
+                                 options["scaled_radius"], options["top_k"], options["top_p"], options["temperature"],
+                                 limits={name: getattr(self.limits, name) for name in LIMITS},
+                                 label=lambda name: f"input '{name}'")
+        if options["seed"] is not None and options["seed"] < 0:
+            raise RequestError(f"input 'seed' must be between 0 and {2**63 - 1}, got {options['seed']}")
+        return options
+
+    def _strings(self, ids: list[list[list[int]]]) -> np.ndarray:
+        """Token ids [batch][outputs] -> BYTES [batch, outputs]."""
+        decode = self.loaded.tokenizer.decode
+        return np.array([[decode(sample).encode("utf-8") for sample in row] for row in ids], dtype=np.object_)
+
+    # --------------------------------------------------------------------------- bindings
+    def bindings(self, name: str) -> list[Binding]:
+        """The public models of this checkpoint under the name prefix `name`."""
+        size = self.loaded.hidden_size
+        sequences = ("sequences", bytes, (1,), False)
+        models = {
+            "embeddings": Binding(f"{name}_embeddings", self.embeddings, [sequences],
+                                  [("embeddings", np.float32, (size,))]),
+            "hiddens": Binding(f"{name}_hiddens", self.hiddens, [sequences],
+                               [("hiddens", np.float32, (-1, size)), ("mask", np.bool_, (-1,))]),
+            "decodes": Binding(f"{name}_decodes", self.decodes,
+                               [("hiddens", np.float32, (-1, size), False), ("mask", np.bool_, (-1,), False)],
+                               [("sequences", bytes, (1,))]),
+            "samplings": Binding(f"{name}_samplings", self.samplings,
+                                 [sequences] + [(option, dtype, (1,), True) for option, dtype in OPTION_DTYPES.items()],
+                                 [("generated", bytes, (-1,))]),
+        }
+        return [models[task] for task in self.tasks]
+
+
+def _column(request: Mapping[str, np.ndarray], name: str) -> list[bytes]:
+    """A BYTES input [batch, 1] as a list of bytes (the tokenizers decode UTF-8 and name bad rows)."""
+    return [item if isinstance(item, bytes) else str(item).encode("utf-8") for item in
+            np.asarray(request[name]).reshape(-1).tolist()]
+
+
+def _one_value(name: str, values: np.ndarray, rows: int) -> Any:
+    """The value of optional input `name` ([batch, 1], the same on every row) as a Python value."""
+    if values.shape != (rows, 1):
+        raise RequestError(f"input '{name}' must have shape [batch, 1] = [{rows}, 1], got {list(values.shape)}")
+    items = values.reshape(-1).tolist()
+    if any(item != items[0] for item in items[1:]):
+        raise RequestError(f"input '{name}' must have one value for the whole request, got {items}")
+    value = items[0]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"input '{name}' is not valid UTF-8") from None
+    return value
+
+
+# ------------------------------------------------------------------------------------ server
+@dataclass(frozen=True)
+class Ports:
+    host: str = "127.0.0.1"
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+
+def serve(models: DevModels, name: str, ports: Ports = Ports(), *, max_batch_size: int = MAX_BATCH_SIZE,
+          on_ready: Callable[[list[str]], None] | None = None, stop: threading.Event | None = None) -> None:
+    """Serve `models` under the prefix `name` with PyTriton until SIGINT/SIGTERM (or `stop` is
+    set); `on_ready(model names)` is called once every model answers."""
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
+
+    from bionemo_export.runtime.discovery import _python_stub_env
+
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    # PyTriton starts its tritonserver from this process: give its Python stubs this interpreter's
+    # environment and libpython (PLATFORM.md), as the project's own server runner does.
+    for key, value in _python_stub_env().items():
+        os.environ[key] = value + (os.pathsep + os.environ[key] if os.environ.get(key) else "")
+    config = TritonConfig(http_address=ports.host, http_port=ports.http, grpc_address=ports.host,
+                          grpc_port=ports.grpc, metrics_port=ports.metrics)
+    stop = stop or threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        # Our own handlers whatever we inherited: a script's `dev-server &` starts us with SIGINT ignored.
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with Triton(config=config, security_config=TritonSecurityConfig(restricted_endpoints=[])) as triton:
+            batching = ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher())
+            bindings = models.bindings(name)
+            for binding in bindings:
+                triton.bind(model_name=binding.name, infer_func=binding.infer, config=batching,
+                            inputs=[Tensor(name=n, dtype=d, shape=s, optional=o) for n, d, s, o in binding.inputs],
+                            outputs=[Tensor(name=n, dtype=d, shape=s) for n, d, s in binding.outputs])
+            triton.run()
+            if on_ready is not None:
+                on_ready([binding.name for binding in bindings])
+            stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
