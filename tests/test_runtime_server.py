@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +94,69 @@ def test_a_model_that_fails_to_load_gives_a_readable_error(tmp_path, triton_inst
     assert "broken" in message
     assert "deliberately broken model" in message
     assert not server.is_running()
+
+
+SLOW_INITIALIZE = """\
+import time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(30)  # still loading when the start gives up
+"""
+
+
+class _ObservedServer(TritonServer):
+    """Notes this server's shared-memory regions at the moment stop() is called."""
+
+    def stop(self, grace: float | None = None) -> int | None:
+        self.regions_at_stop = self.shared_memory_regions()
+        return super().stop(grace)
+
+
+def test_a_start_that_gives_up_leaves_no_shared_memory_behind(tmp_path, triton_install):
+    """Finding: a start cut short (not ready in time, or Ctrl-C while the models load) left the
+    Python backend's regions in /dev/shm. Only this server's regions are removed: their prefix is
+    unique to it."""
+    repo = tiny_repository(tmp_path / "models")
+    (repo / "reverse" / "1" / "model.py").write_text(SLOW_INITIALIZE)
+    server = _ObservedServer(repo, install=triton_install, log_file=tmp_path / "server.log")
+    assert f"--backend-config=python,shm-region-prefix-name={server.shm_prefix}" in server.command()
+    with pytest.raises(TritonStartError, match="not ready after"):
+        server.start(timeout=10)
+    assert len(server.regions_at_stop) >= 2  # one per instance: affine loaded, reverse initializing
+    assert server.shared_memory_regions() == []
+    assert not any(region.exists() for region in server.regions_at_stop)
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path, triton_install):
+    """Finding: a killed parent (even with SIGKILL) left its tritonserver running. The server gets
+    a parent-death signal (SIGTERM), shuts down in order and takes its stubs with it."""
+    repo = tiny_repository(tmp_path / "models")
+    script = (
+        "import sys, time\n"
+        "from bionemo_export.runtime import TritonServer\n"
+        f"server = TritonServer({str(repo)!r}, log_file={str(tmp_path / 'server.log')!r}).start(timeout=120)\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        server_pid = int(parent.stdout.readline())
+        members = _group_members(server_pid)
+        assert len(members) >= 3  # the server and a stub per model
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _group_members(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _group_members(server_pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in _group_members(server_pid) if "server_pid" in locals() else ():
+            os.kill(pid, signal.SIGKILL)  # only when the test fails: the server this test started
+    assert left == [], f"still running after their parent was killed: {left}"
 
 
 def test_a_missing_repository_is_named(tmp_path):

@@ -1,9 +1,11 @@
-"""Serve a model repository with a real tritonserver in the foreground (Ctrl-C or SIGTERM stops it)."""
+"""Serve a model repository with a real tritonserver in the foreground (Ctrl-C or SIGTERM stops it);
+public models that stop answering are reloaded."""
 
 from __future__ import annotations
 
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -17,14 +19,23 @@ from bionemo_export.runtime import (
     TritonStartError,
     find_tritonserver,
 )
+from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
+from bionemo_export.runtime.supervisor import ControlClient, Supervisor, public_models
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Stop(Exception):
-    """Raised from the SIGTERM handler so that the server is stopped on the way out."""
+    """Raised from the SIGINT/SIGTERM handler so that the server is stopped on the way out."""
 
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop()
+
+
+def _log(line: str) -> None:
+    """One timestamped line, unwrapped (log collectors and tests read it line by line)."""
+    typer.echo(f"{datetime.now().isoformat(sep=' ', timespec='seconds')} {line}")
 
 
 def serve(
@@ -39,8 +50,16 @@ def serve(
     log_file: Optional[Path] = typer.Option(None, help="Write the server log here (default: a temp file)."),
     response_cache_mb: int = typer.Option(0, help="Size of Triton's local response cache in MiB (0: off)."),
     timeout: float = typer.Option(300.0, help="Seconds to wait for every model to load."),
+    health_interval: float = typer.Option(10.0, help="Seconds between health probes of every public model "
+                                          "(one tiny real request each); a model that fails is reloaded. 0: off."),
+    health_timeout: float = typer.Option(30.0, help="Seconds a health probe may take before it counts as failed."),
 ) -> None:
     console = Console()
+    try:
+        check_model_repository(model_repository)
+    except NotAModelRepositoryError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2)
     try:
         install = find_tritonserver(tritonserver)
     except TritonNotFoundError as err:
@@ -56,7 +75,11 @@ def serve(
         log_file=log_file,
         response_cache_bytes=response_cache_mb * 1024 * 1024 or None,
     )
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # Our own handlers whatever we inherited: a script's `serve &` starts us with SIGINT ignored,
+    # and Python then leaves Ctrl-C ignored too.
+    previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
+    supervisor: Supervisor | None = None
+    code = None
     try:
         console.print(f"Starting {install.binary} ({install.source}); log: {server.log_file}")
         try:
@@ -65,19 +88,40 @@ def serve(
             console.print(f"[red]{err}[/red]", highlight=False)
             raise typer.Exit(1)
         _print_status(console, server)
+        if health_interval > 0:
+            supervisor = _start_supervisor(server, model_repository, health_interval, health_timeout, timeout)
         console.print("Serving. Press Ctrl-C to stop.")
         while server.is_running():
             time.sleep(0.5)
         console.print(f"[red]tritonserver exited unexpectedly.[/red]\n{server.log_tail()}", highlight=False)
         raise typer.Exit(1)
-    except (KeyboardInterrupt, _Stop):
+    except _Stop:
         console.print("Stopping tritonserver ...")
     finally:
-        # A second SIGTERM during shutdown must not interrupt the shutdown itself.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # A second signal during shutdown must not interrupt the shutdown itself.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if supervisor is not None:
+            supervisor.stop()
         code = server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     console.print(f"tritonserver stopped (exit code {code}).")
+
+
+def _start_supervisor(server: TritonServer, repository: Path, interval: float, timeout: float,
+                      load_timeout: float) -> Supervisor | None:
+    """Probe the public models every `interval` seconds and reload the ones that stop answering."""
+    # gRPC: the supervisor runs in a thread, where tritonclient's HTTP client (gevent) is not at home.
+    url = f"grpc://{server.endpoints.grpc_url}"
+    with ControlClient(url, timeout_s=timeout) as client:
+        models = public_models(client, repository)
+    if not models:
+        _log("health: no public models (names ending in _embeddings, _hiddens, _decodes, _samplings) to probe")
+        return None
+    _log(f"health: probing {', '.join(models)} every {interval:g} s")
+    return Supervisor(url, models, interval=interval, timeout=timeout, load_timeout=load_timeout,
+                      server_pid=server.pid, log=_log).start()
 
 
 def _print_status(console: Console, server: TritonServer) -> None:

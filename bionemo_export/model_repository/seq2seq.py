@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.models.base import TensorSpec
+from bionemo_export.runtime.supervisor import BLS_MODELS
 from bionemo_export.templates import render
 
 from .encoder import ENCODER_TASKS, graph_model, plan_encoder_repository, tokenizer_files
@@ -124,6 +125,7 @@ def plan_seq2seq_repository(
             backend="python",
             instance_count=options.role("decodes").instances,
             dynamic_batching=options.role("decodes").batching,
+            parameters={BLS_MODELS: ",".join((context["cross_kv_model"], context["step_model"]))},
             files={"model.py": render("decodes_model.py.j2", model_name=f"{name}_decodes", **context), **files},
             description="public: decodes (greedy decode loop, BLS)",
         ))
@@ -138,6 +140,8 @@ def plan_seq2seq_repository(
             backend="python",
             instance_count=options.role("samplings").instances,
             dynamic_batching=options.role("samplings").batching,
+            parameters={BLS_MODELS: ",".join((context["encoder_model"], context["cross_kv_model"],
+                                              context["step_model"]))},
             files={"model.py": render("samplings_model.py.j2", model_name=f"{name}_samplings",
                                       parameters=SAMPLING_PARAMETERS, **context), **files},
             description="public: samplings (perturb + decode loop, BLS)",

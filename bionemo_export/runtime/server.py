@@ -4,16 +4,24 @@
 stubs it spawns). It binds to loopback unless told otherwise, takes free ports when none are
 given, logs to a file, and waits for readiness; when the server dies or never becomes ready the
 error quotes the last lines of its log, which is where Triton says why.
+
+What the server leaves behind is cleaned up with it: on Linux the server gets a parent-death
+signal, so it stops even when the process that started it is killed with SIGKILL, and the
+Python backend's shared-memory regions carry a prefix unique to this server, so `stop()` can
+remove the ones a failed start leaks from /dev/shm without touching any other server's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -21,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Callable
 
 from .discovery import TritonInstall, find_tritonserver
 
@@ -33,8 +42,100 @@ _LOG_ERROR = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ [^\]]+\]|error:)\s*(?P<messag
 _HARMLESS_ERRORS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver")
 
 
+# Where the Python backend creates its shared-memory regions (shm_open names), one per model
+# instance, named <shm-region-prefix-name><uuid>.
+SHARED_MEMORY_DIR = Path("/dev/shm")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+SIG_DFL = 0  # signal.h
+
+
 class TritonStartError(RuntimeError):
     """The server exited or did not become ready; the message carries its log's last lines."""
+
+
+class NotAModelRepositoryError(ValueError):
+    """The folder holds no model Triton could serve; the message says what to pass instead."""
+
+
+def _is_repository(folder: Path) -> bool:
+    """A model folder (a subfolder with config.pbtxt) is present, or bionemo-export built it."""
+    from bionemo_export.model_repository.manifest import MANIFEST_NAME  # not at import: protobuf
+
+    try:
+        if any((child / "config.pbtxt").is_file() for child in folder.iterdir() if child.is_dir()):
+            return True
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and (manifest.get("tool") or {}).get("name") == "bionemo-export"
+
+
+def check_model_repository(folder: str | os.PathLike[str]) -> Path:
+    """Return `folder` when it is a model repository; otherwise raise NotAModelRepositoryError with
+    one line that says what is wrong and what to do (naming a subfolder that is one, if any).
+
+    A repository is a folder with at least one subfolder holding a config.pbtxt, or a folder with
+    the manifest.json of a bionemo-export build. Triton itself starts on any folder and serves
+    nothing, which looks like success until the first request.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise NotAModelRepositoryError(f"{folder} is not a folder: pass the model repository folder.")
+    if _is_repository(folder):
+        return folder
+    inside = sorted(child for child in folder.iterdir() if child.is_dir() and _is_repository(child))
+    hint = (f"did you mean {inside[0]}?" if inside else
+            "build one with `bionemo-export build repo ... --out DIR` and serve DIR.")
+    raise NotAModelRepositoryError(
+        f"{folder} is not a model repository (no subfolder has a config.pbtxt): pass the folder that "
+        f"holds the model folders; {hint}"
+    )
+
+
+def _die_with_parent(signum: int) -> Callable[[], None] | None:
+    """A `preexec_fn` that makes the child receive `signum` when its parent dies (Linux), so a
+    server never outlives the process that started it, even one killed with SIGKILL.
+
+    The signal is tied to the *thread* that forks: start servers from a thread that lives as long
+    as the server should (the main thread in every caller here).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # looked up before fork: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # A launcher that ignored these signals (a script's `cmd &`) must not leave the server
+        # deaf to them: ignored dispositions survive exec, handled ones do not.
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+            libc.signal(int(stop_signal), ctypes.c_void_p(SIG_DFL))
+        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+        # The parent may have died between fork and prctl; then nobody would send the signal.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signum)
+
+    return preexec
+
+
+def python_backend_stubs(server_pid: int, model: str | None = None) -> list[int]:
+    """The live Python-backend stub processes of a tritonserver (of `model` only, if given): its
+    children running triton_python_backend_stub, whose first argument is <model>/<version>/model.py."""
+    stubs = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Fields after the parenthesised command: state ppid ...
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(ppid) != server_pid or state == "Z" or len(argv) < 2:
+            continue
+        if argv[0].endswith(b"triton_python_backend_stub") and (
+                model is None or Path(argv[1].decode(errors="replace")).parent.parent.name == model):
+            stubs.append(int(entry.name))
+    return stubs
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
@@ -103,6 +204,8 @@ class TritonServer:
         response_cache_bytes: int | None = None,
         exit_timeout: int = 10,
         extra_args: tuple[str, ...] = (),
+        explicit_model_control: bool = True,
+        die_with_parent: bool = True,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
@@ -125,6 +228,13 @@ class TritonServer:
         # connections before exiting; its default (30 s) makes every shutdown slow.
         self.exit_timeout = exit_timeout
         self.extra_args = tuple(extra_args)
+        # Explicit model control with every model loaded at start: the same models as Triton's
+        # default mode, plus the repository API (load/unload) that runtime/supervisor.py reloads
+        # a broken model through.
+        self.explicit_model_control = explicit_model_control
+        self.die_with_parent = die_with_parent
+        # Unique to this server, so that its leaked regions can be told from other servers'.
+        self.shm_prefix = f"bionemo_export_{os.getpid()}_{secrets.token_hex(4)}_"
         self._process: subprocess.Popen[bytes] | None = None
 
     # -- command line -------------------------------------------------------------------------
@@ -146,7 +256,10 @@ class TritonServer:
             f"--exit-timeout-secs={self.exit_timeout}",
             # No GPU here and none needed; keeps Triton from reserving pinned host memory.
             "--pinned-memory-pool-byte-size=0",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
+        if self.explicit_model_control:
+            cmd += ["--model-control-mode=explicit", "--load-model=*"]
         if self.response_cache_bytes:
             if self.install.cache_directory is not None:
                 cmd.append(f"--cache-directory={self.install.cache_directory}")
@@ -179,6 +292,9 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 env=self.install.process_env(),
                 start_new_session=True,
+                # SIGTERM, not SIGKILL: Triton then shuts down in order and takes its stubs and
+                # their shared memory with it.
+                preexec_fn=_die_with_parent(signal.SIGTERM) if self.die_with_parent else None,
             )
         finally:
             log.close()
@@ -236,7 +352,25 @@ class TritonServer:
         except (ProcessLookupError, PermissionError):
             pass
         code = process.wait()
+        self.remove_shared_memory()
         return code
+
+    def shared_memory_regions(self) -> list[Path]:
+        """This server's Python-backend regions in /dev/shm (a clean shutdown leaves none; a
+        failed start or a killed server leaves one per model instance that got that far)."""
+        return sorted(SHARED_MEMORY_DIR.glob(f"{self.shm_prefix}*"))
+
+    def remove_shared_memory(self) -> list[Path]:
+        """Unlink this server's leftover shared-memory regions; only call it once the server is
+        gone. Returns what was removed."""
+        removed = []
+        for region in self.shared_memory_regions():
+            try:
+                region.unlink()
+                removed.append(region)
+            except FileNotFoundError:
+                pass
+        return removed
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -14,6 +14,8 @@ periodically beside `serve` and does the reloads.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +24,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from bionemo_export.client.triton import InferenceError, TritonClient, strings_to_tensor
+from bionemo_export.client.triton import InferenceError, ServerUnreachableError, TritonClient, strings_to_tensor
+
+from .server import python_backend_stubs
 
 # Public models are named <name>_<task> (DESIGN.md, the served API); everything else is internal.
 PUBLIC_SUFFIXES = ("_embeddings", "_hiddens", "_decodes", "_samplings")
@@ -33,6 +37,14 @@ BLS_MODELS = "bls_models"
 HEALTH_PROBE = "health_probe"
 # Valid in every alphabet served here: cysteine for protein models, methane for SMILES models.
 PROBE_SEQUENCE = "C"
+# How a request to a model instance whose stub process died fails: never transient (the Python
+# backend does not restart stubs), so no second probe is needed to confirm it.
+DEAD_STUB = "is not healthy"
+# Unloading a model whose stub died never finishes (Triton 2.51 sends the dead stub a finalize
+# message and waits for its answer), and the model's other stubs then stay for good, each holding
+# a copy of the model. The model is no longer READY at once, though, and a load beside the stuck
+# unload works: so wait this long at most, end the stubs left behind, and load.
+UNLOAD_WAIT_S = 5.0
 
 Log = Callable[[str], None]
 
@@ -42,27 +54,20 @@ def is_public(model: str) -> bool:
 
 
 class ControlClient(TritonClient):
-    """A TritonClient that also reads the server's view of its models (configuration, metadata,
-    readiness, the repository index) and loads and unloads them; over HTTP or gRPC alike, answers
-    as JSON-like dicts. Loading and unloading needs a server in explicit model-control mode."""
+    """A TritonClient that also reads the server's view of its models (metadata, readiness, the
+    repository index) and loads and unloads them; over HTTP or gRPC alike, answers as JSON-like
+    dicts. Loading and unloading needs a server in explicit model-control mode."""
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call a tritonclient method that answers JSON over HTTP and protobuf over gRPC; answer JSON."""
-        from tritonclient.utils import InferenceServerException
-
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call a tritonclient method that answers JSON over HTTP and protobuf over gRPC; answer
+        JSON. Errors are raised as InferenceError or ServerUnreachableError, as for `infer`."""
+        kwargs: dict[str, Any] = {}
         if self.url.protocol == "grpc":
             kwargs["client_timeout"] = self.timeout_s
             if method.startswith("get_"):
                 kwargs["as_json"] = True
-        try:
-            return getattr(self._client, method)(*args, **kwargs)
-        except InferenceServerException as err:
-            raise InferenceError(f"{args[0] if args else self.url.address}: {err.message()}") from err
-
-    def model_config(self, model: str) -> dict:
-        """The configuration Triton serves the model with (config.pbtxt's fields, snake_case)."""
-        config = self._call("get_model_config", model)
-        return config.get("config", config)  # gRPC wraps it in {"config": ...}
+        return self._guarded(args[0] if args else str(self.url),
+                             lambda: getattr(self._client, method)(*args, **kwargs))
 
     def model_metadata(self, model: str) -> dict:
         """Inputs and outputs with datatype and shape (the batch axis included, as -1)."""
@@ -126,7 +131,7 @@ def probe_inputs(config: dict, metadata: dict) -> dict[str, np.ndarray]:
 
 
 def _one_line(err: BaseException) -> str:
-    text = str(err) if isinstance(err, InferenceError) else f"{type(err).__name__}: {err}"
+    text = str(err) if isinstance(err, (InferenceError, ServerUnreachableError)) else f"{type(err).__name__}: {err}"
     return " ".join(text.split())[:400]
 
 
@@ -198,14 +203,17 @@ class Supervisor:
     """
 
     def __init__(self, url: str, models: Iterable[str] | None = None, *, interval: float = 10.0,
-                 timeout: float = 30.0, load_timeout: float = 300.0, log: Log = print) -> None:
+                 timeout: float = 30.0, load_timeout: float = 300.0, server_pid: int | None = None,
+                 log: Log = print) -> None:
         self.url = url
+        self.server_pid = server_pid
+        """The server's process id when it runs on this host: then the stubs a stuck unload leaves
+        behind are ended."""
         self._models = list(models) if models else None
         self.interval = interval
         self.timeout = timeout
         self.load_timeout = load_timeout
         self.log = log
-        self._configs: dict[str, dict] = {}
         self._retry_at: dict[str, float] = {}
         self._failures: dict[str, int] = {}
         self._stop = threading.Event()
@@ -233,13 +241,12 @@ class Supervisor:
         return self._models if self._models is not None else public_models(self.probe_client)
 
     def config_of(self, model: str) -> dict | None:
-        """The model's configuration, remembered: an unloaded model's cannot be asked for."""
-        if model not in self._configs:
-            try:
-                self._configs[model] = self.probe_client.model_config(model)
-            except Exception:  # unloaded or unknown: no dependencies known
-                return None
-        return self._configs[model]
+        """The model's configuration (the client remembers it: an unloaded model's cannot be
+        asked for); None when the server does not know the model."""
+        try:
+            return self.probe_client.model_config(model)
+        except Exception:  # unloaded or unknown: no dependencies known
+            return None
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -250,9 +257,11 @@ class Supervisor:
         for model in models:  # remember every configuration while the models are loaded
             dependencies(model, self.config_of)
         results = [probe_model(self.probe_client, model) for model in models]
-        # A single slow or unlucky answer is not a broken model: ask once more before acting.
-        failed = [again for again in (probe_model(self.probe_client, r.model) for r in results if not r.ok)
-                  if not again.ok]
+        # A single slow or unlucky answer is not a broken model: ask once more before acting,
+        # unless the error says that a stub died.
+        failed = [r for r in results if not r.ok and DEAD_STUB in r.error]
+        failed += [again for again in (probe_model(self.probe_client, r.model) for r in results
+                                       if not r.ok and DEAD_STUB not in r.error) if not again.ok]
         now = time.monotonic()
         due = [r for r in failed if self._retry_at.get(r.model, 0.0) <= now]
         if due:
@@ -272,7 +281,8 @@ class Supervisor:
         for model in reversed(order):  # callers first: nothing calls a model that is gone
             try:
                 client.unload_model(model)
-                self._wait_unloaded(model)
+                if not self._wait_unloaded(model):
+                    self._end_stuck_stubs(model)
             except Exception as err:
                 self.log(f"health: unloading {model} failed: {_one_line(err)}")
         for model in order:
@@ -293,16 +303,31 @@ class Supervisor:
             self.log(f"health: {result.model} still does not answer ({result.error}); next reload in {pause:.0f} s")
         return results
 
-    def _wait_unloaded(self, model: str) -> None:
-        """Wait until the index no longer shows `model` READY or UNLOADING (Triton's unload
-        returns before the instances are gone; a load meanwhile would find the old ones)."""
-        deadline = time.monotonic() + self.load_timeout
-        while time.monotonic() < deadline:
+    def _end_stuck_stubs(self, model: str) -> None:
+        """The unload of `model` is stuck on a dead stub: end the stubs it leaves behind (before
+        the load starts new ones)."""
+        stubs = python_backend_stubs(self.server_pid, model) if self.server_pid else []
+        for pid in stubs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ended = f"; ended the stubs it left (pid {', '.join(map(str, stubs))})" if stubs else ""
+        self.log(f"health: {model} is still unloading after {UNLOAD_WAIT_S:g} s (a dead stub never "
+                 f"answers){ended}; loading it again beside")
+
+    def _wait_unloaded(self, model: str) -> bool:
+        """Wait (at most UNLOAD_WAIT_S) until the index shows `model` neither READY nor UNLOADING:
+        Triton's unload returns before the old instances are gone, and loading meanwhile holds two
+        copies of the model. Returns whether it got there."""
+        deadline = time.monotonic() + UNLOAD_WAIT_S
+        while True:
             states = {m["name"]: m.get("state", "") for m in self.control_client.repository_index()}
             if states.get(model) not in ("READY", "UNLOADING"):
-                return
+                return True
+            if time.monotonic() > deadline:
+                return False
             time.sleep(0.1)
-        raise TimeoutError(f"still not unloaded after {self.load_timeout:.0f} s")
 
     # -- in the background ---------------------------------------------------------------------
 

@@ -1,0 +1,414 @@
+"""`serve` keeps its models answering and cleans up after itself; `health` tells whether they answer.
+
+Against real tritonservers: one tiny random ESM-2 repository built once for the module, served by
+the real `bionemo-export serve` process (its supervisor probing every 2 s) and, where a server
+without a supervisor is needed, by `TritonServer`; the signal tests serve the hand-made tiny
+repository, which loads in a second. Processes are found through /proc, and the tests kill only
+processes they started (the serve process, and the servers and stubs it started).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from bionemo_export.client import EncoderClient, InferenceError
+from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.runtime import TritonServer, free_ports
+from bionemo_export.runtime.server import SHARED_MEMORY_DIR
+from bionemo_export.runtime.supervisor import dependencies, probe_inputs, reload_order
+from tests.helpers.tiny_repository import tiny_repository
+
+CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
+NAME = "sup"
+SEQUENCES = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG"]
+HEAL_SECONDS = 60
+
+
+# -- processes, through /proc -------------------------------------------------------------------
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the live children of `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper that never comes counts as gone)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _tritonserver_of(serve_pid: int) -> int:
+    servers = [pid for pid, cmdline in _children(serve_pid) if "tritonserver " in cmdline + " "]
+    assert len(servers) == 1, _children(serve_pid)
+    return servers[0]
+
+
+def _stubs(server_pid: int, model: str = "") -> list[int]:
+    """The server's Python-backend stubs (of `model`: the stub's command line names the model file
+    and the instance, <model>_<group>_<index>)."""
+    return [pid for pid, cmdline in _children(server_pid)
+            if "triton_python_backend_stub" in cmdline and (not model or f"/{model}/1/model.py" in cmdline)]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _shm_prefix(server_pid: int) -> str:
+    cmdline = (Path("/proc") / str(server_pid) / "cmdline").read_bytes().decode().split("\0")
+    option = next(arg for arg in cmdline if "shm-region-prefix-name=" in arg)
+    return option.split("shm-region-prefix-name=", 1)[1]
+
+
+# -- serve as a real process --------------------------------------------------------------------
+
+@dataclass
+class Serve:
+    process: subprocess.Popen
+    output: Path
+    http: int
+    grpc: int
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_for(self, marker: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in self.text():
+            assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"serve never printed {marker!r}:\n{self.text()}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL for serve and (by the parent-death signal) its server."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _serve(repo: Path, work: Path, *args: str, preexec_fn=None) -> Serve:
+    http, grpc, metrics = free_ports(3)
+    output = work / f"serve-{http}.out"
+    with open(output, "w") as out:
+        process = subprocess.Popen(
+            [*CLI, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
+             "--metrics-port", str(metrics), "--log-file", str(work / f"tritonserver-{http}.log"), *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            env={**os.environ, "COLUMNS": "200"}, preexec_fn=preexec_fn,
+        )
+    served = Serve(process, output, http, grpc)
+    try:
+        served.wait_for("Serving.")
+    except BaseException:
+        served.stop()
+        raise
+    return served
+
+
+def _health(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "health", *args], capture_output=True, text=True, timeout=120)
+
+
+def _ready(http: int, model: str) -> bool:
+    """Whether the model's ready endpoint answers 200."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+# -- fixtures -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def esm2_repo(tmp_path_factory) -> Path:
+    """A tiny random ESM-2 repository with the default serving options (2 encoder instances)."""
+    from bionemo_export.build import BuildRequest, build_repository
+    from bionemo_export.models import get_family
+
+    work = tmp_path_factory.mktemp("esm2")
+    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=3)
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
+                                  backend="python", serving=ServingOptions(max_batch_size=4)))
+    return work / "repo"
+
+
+@pytest.fixture(scope="module")
+def served(esm2_repo, tmp_path_factory):
+    """`bionemo-export serve` on the ESM-2 repository, probing every 2 s."""
+    serve = _serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "2", "--health-timeout", "20")
+    yield serve
+    serve.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory) -> Path:
+    return tiny_repository(tmp_path_factory.mktemp("tiny") / "models")
+
+
+# -- self-healing -------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_a_killed_encoder_stub_is_reloaded_and_answers_again(served):
+    """Finding: a dead stub fails every request while every ready endpoint says 200. The supervisor
+    reloads it: answers are right again within a minute, the same tritonserver still runs, and the
+    model's ready endpoint said not ready while it was being reloaded."""
+    client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
+    before = client.seqs_to_embedding(SEQUENCES)
+    server = _tritonserver_of(served.process.pid)
+    stubs = _stubs(server, f"{NAME}_encoder")
+    assert len(stubs) == 2  # two encoder instances by default: kill both, the model then cannot answer
+    for stub in stubs:
+        os.kill(stub, signal.SIGKILL)
+    assert not _wait_gone(stubs, 10)
+
+    killed = time.monotonic()
+    failures, not_ready, after = 0, 0, None
+    while time.monotonic() - killed < HEAL_SECONDS:
+        if not _ready(served.http, f"{NAME}_embeddings"):
+            not_ready += 1
+        try:
+            after = client.seqs_to_embedding(SEQUENCES)
+            if failures:
+                break
+        except InferenceError:
+            failures += 1
+        time.sleep(0.05)
+    healed = time.monotonic() - killed
+    client.close()
+    served.wait_for(f"health: {NAME}_embeddings answers again", timeout=30)  # logged after its own probe
+    log = served.text()
+    assert failures > 0, "the dead stubs never failed a request: the test killed nothing"
+    assert after is not None and healed < HEAL_SECONDS, f"not answering {HEAL_SECONDS} s after the kill:\n{log}"
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+    assert not_ready > 0, "the ready endpoint said 200 throughout"
+    assert _tritonserver_of(served.process.pid) == server  # no restart
+    assert len(_stubs(server, f"{NAME}_encoder")) == 2
+    assert f"health: {NAME}_embeddings does not answer" in log
+    assert f"health: reloaded {NAME}_encoder" in log and f"health: {NAME}_embeddings answers again" in log
+    print(f"answers again {healed:.1f} s after the kill; {failures} requests failed, {not_ready} times not ready")
+
+
+@pytest.mark.e2e
+def test_one_of_two_dead_encoder_stubs_is_found_and_none_is_left_behind(served):
+    """With one of two instances dead, half the requests fail: a probe that lands there reloads
+    the model. Triton never finishes unloading a model with a dead stub, and would keep its other
+    stub for good; the supervisor ends it, so exactly two encoder stubs run afterwards."""
+    client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
+    before = client.seqs_to_embedding(SEQUENCES)
+    server = _tritonserver_of(served.process.pid)
+    stubs = _stubs(server, f"{NAME}_encoder")
+    earlier = len(served.text())
+    os.kill(stubs[0], signal.SIGKILL)
+    assert not _wait_gone(stubs[:1], 10)
+    deadline = time.monotonic() + HEAL_SECONDS
+    while f"health: {NAME}_embeddings answers again" not in served.text()[earlier:]:
+        assert time.monotonic() < deadline, f"not healed {HEAL_SECONDS} s after the kill:\n{served.text()}"
+        time.sleep(0.2)
+    assert f"ended the stubs it left (pid {stubs[1]})" in served.text()[earlier:]
+    answers = [client.seqs_to_embedding(SEQUENCES) for _ in range(6)]  # both instances answer
+    client.close()
+    for after in answers:
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+    live = _stubs(server, f"{NAME}_encoder")
+    assert len(live) == 2 and stubs[1] not in live, (stubs, live)
+
+
+# -- the health command -------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_health_exits_0_when_every_public_model_answers(served):
+    for url in (f"http://127.0.0.1:{served.http}", f"grpc://127.0.0.1:{served.grpc}"):
+        result = _health(url)
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = result.stdout.splitlines()
+        assert [line.split()[:2] for line in lines] == [["ok", f"{NAME}_embeddings"], ["ok", f"{NAME}_hiddens"]]
+
+
+@pytest.mark.e2e
+def test_health_exits_1_when_a_model_cannot_answer(esm2_repo, tmp_path, triton_install):
+    # A server without a supervisor: the dead stubs stay dead, and Triton still says ready.
+    with TritonServer(esm2_repo, install=triton_install, log_file=tmp_path / "server.log") as server:
+        url = f"http://{server.endpoints.http_url}"
+        assert _health(url, "--model", f"{NAME}_hiddens").returncode == 0
+        stubs = _stubs(server.pid, f"{NAME}_encoder")
+        for stub in stubs:
+            os.kill(stub, signal.SIGKILL)
+        assert not _wait_gone(stubs, 10)
+        assert _ready(server.endpoints.http_port, f"{NAME}_embeddings")  # the finding: Triton says ready
+
+        result = _health(url)
+        assert result.returncode == 1, result.stdout
+        lines = result.stdout.splitlines()
+        assert [line.split()[:2] for line in lines] == [["FAIL", f"{NAME}_embeddings"], ["FAIL", f"{NAME}_hiddens"]]
+        assert "is not healthy" in lines[0]
+
+        one = _health(f"grpc://{server.endpoints.grpc_url}", "--model", f"{NAME}_hiddens", "--timeout", "5")
+        assert one.returncode == 1 and len(one.stdout.splitlines()) == 1 and f"{NAME}_hiddens" in one.stdout
+
+
+def test_health_exits_1_when_no_server_answers():
+    (port,) = free_ports(1)
+    result = _health(f"http://127.0.0.1:{port}", "--timeout", "2")
+    assert result.returncode == 1
+    assert result.stdout.startswith("FAIL") and len(result.stdout.splitlines()) == 1
+
+
+# -- refusing what is not a repository ----------------------------------------------------------
+
+@pytest.mark.parametrize("content", ["nothing", "a folder without config.pbtxt"])
+def test_serve_refuses_a_folder_that_is_not_a_model_repository(tmp_path, content):
+    """Finding: Triton starts on an empty folder and serves nothing, forever; on a folder of other
+    folders it fails with a message about models. Both are refused with one line, before starting."""
+    if content != "nothing":
+        (tmp_path / "notes").mkdir()
+        (tmp_path / "notes" / "readme.txt").write_text("no models here")
+    result = subprocess.run([*CLI, "serve", str(tmp_path), "--http-port", "0", "--grpc-port", "0",
+                             "--metrics-port", "0"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"{tmp_path} is not a model repository" in lines[0] and "config.pbtxt" in lines[0]
+    assert "bionemo-export build repo" in lines[0]
+
+
+def test_serve_names_the_repository_inside_the_folder_given(tmp_path):
+    repo = tiny_repository(tmp_path / "models")
+    result = subprocess.run([*CLI, "serve", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1 and f"did you mean {repo}?" in result.stderr
+
+
+# -- signals and what is left behind ------------------------------------------------------------
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what `serve &` in a non-interactive script does
+
+
+@pytest.mark.e2e
+def test_serve_started_with_sigint_ignored_still_stops_on_sigint(tiny_repo, tmp_path):
+    serve = _serve(tiny_repo, tmp_path, preexec_fn=_ignore_sigint)
+    try:
+        server = _tritonserver_of(serve.process.pid)
+        stubs = _stubs(server)
+        assert len(stubs) == 2
+        serve.process.send_signal(signal.SIGINT)
+        code = serve.process.wait(60)
+    finally:
+        serve.stop()
+    assert code == 0, serve.text()
+    assert "tritonserver stopped (exit code 0)" in serve.text()
+    assert not _wait_gone([server, *stubs], 10)
+
+
+@pytest.mark.e2e
+def test_kill_9_of_serve_takes_its_tritonserver_and_stubs_along(tiny_repo, tmp_path):
+    serve = _serve(tiny_repo, tmp_path)
+    server, stubs = _tritonserver_of(serve.process.pid), []
+    try:
+        stubs = _stubs(server)
+        prefix = _shm_prefix(server)
+        assert len(stubs) == 2 and list(SHARED_MEMORY_DIR.glob(f"{prefix}*"))
+        serve.process.kill()
+        serve.process.wait()
+        left = _wait_gone([server, *stubs], 30)
+    finally:
+        serve.stop()
+        for pid in (server, *stubs):  # only if the test fails: the processes this serve started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after serve was killed: {left}"
+    # tritonserver got SIGTERM, not SIGKILL: it shut down in order and removed its shared memory.
+    assert not list(SHARED_MEMORY_DIR.glob(f"{prefix}*"))
+
+
+# -- what to reload, and the probe requests (no server) -----------------------------------------
+
+def _configs(plan) -> dict[str, dict]:
+    """Each model's configuration as Triton's API serves it (protobuf JSON, snake_case)."""
+    from google.protobuf.json_format import MessageToDict
+
+    return {m.name: MessageToDict(m.to_config(), preserving_proto_field_name=True) for m in plan.models}
+
+
+def _seq2seq_configs(tmp_path: Path, **options) -> dict[str, dict]:
+    from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
+    from bionemo_export.models.base import seq2seq_graph_specs
+    from bionemo_export.tokenizers.character import CharacterTokenizer
+
+    tokenizer = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "C", "O"], residues="CO", pad_token="<pad>",
+                                   bos_token="<cls>", eos_token="<eos>", unk_token=None, max_length=16)
+    shapes = SimpleNamespace(num_layers=1, num_heads=2, head_dim=4, vocab_size=5, begin_id=0, end_id=2,
+                             max_decode_length=8)
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"not really onnx")
+    plan = plan_seq2seq_repository(
+        "mmb", family="megamolbart", hidden_size=8, tokenizer=tokenizer, seq2seq=shapes,
+        graph_specs=seq2seq_graph_specs(shapes, 8), onnx_files={g: {"model.onnx": onnx} for g in
+                                                                ("encoder", "cross_kv", "decoder_step")},
+        options=ServingOptions(backend="python", **options),
+    )
+    return _configs(plan)
+
+
+@pytest.mark.parametrize("layout", ["fused", "ensemble"])
+def test_reload_order_covers_ensemble_steps_and_bls_callees(tmp_path, layout):
+    configs = _seq2seq_configs(tmp_path, layout=layout)
+    publics = ["mmb_embeddings", "mmb_hiddens", "mmb_decodes", "mmb_samplings"]
+    encoder_steps = ["mmb_encoder"] if layout == "fused" else ["mmb_tokenizer", "mmb_encoder"]
+    assert dependencies("mmb_hiddens", configs.get) == encoder_steps
+    assert dependencies("mmb_decodes", configs.get) == ["mmb_cross_kv", "mmb_decoder_step"]
+    assert dependencies("mmb_samplings", configs.get) == ["mmb_encoder", "mmb_cross_kv", "mmb_decoder_step"]
+    # A dead encoder: everything that calls it goes down and comes back with it, callees first.
+    assert reload_order(["mmb_embeddings"], publics, configs.get) == [
+        *encoder_steps, "mmb_embeddings", "mmb_hiddens", "mmb_samplings"]
+    # A dead decoder step: the encoder models are left alone.
+    assert reload_order(["mmb_decodes"], publics, configs.get) == [
+        "mmb_cross_kv", "mmb_decoder_step", "mmb_decodes", "mmb_samplings"]
+
+
+def test_probe_requests_are_tiny_and_valid():
+    sequences = {"inputs": [{"name": "sequences", "datatype": "BYTES", "shape": [-1, 1]}]}
+    assert probe_inputs({}, sequences)["sequences"].tolist() == [[b"C"]]
+    exact = {"parameters": {"health_probe": {"string_value": "MKV"}}}
+    assert probe_inputs(exact, sequences)["sequences"].tolist() == [[b"MKV"]]
+    sampling = {"inputs": [*sequences["inputs"], {"name": "num_samples", "datatype": "INT32", "shape": [-1, 1]}]}
+    probe = probe_inputs({}, sampling)
+    assert probe["num_samples"].tolist() == [[1]] and probe["num_samples"].dtype == np.int32
+    decodes = {"inputs": [{"name": "hiddens", "datatype": "FP32", "shape": [-1, -1, 8]},
+                          {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]}]}
+    probe = probe_inputs({}, decodes)
+    assert probe["hiddens"].shape == (1, 1, 8) and not probe["hiddens"].any() and probe["mask"].tolist() == [[True]]
