@@ -21,13 +21,12 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import (
     EncoderClient, InferenceError, RepositoryClient, ServerUnreachableError, TritonClient, infer_rows)
-from bionemo_export.client.files import read_hiddens, read_records
+from bionemo_export.client.files import read_hiddens, read_records, write_outputs
+from bionemo_export.client.repository import sampling_inputs
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
 from bionemo_export.runtime.server import free_ports
-
-pytestmark = pytest.mark.e2e
 
 NAME = "tiny"
 MAX_BATCH = 32
@@ -64,6 +63,7 @@ def _one_by_one(server, sequences: list[str]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------- BioNeMo's clients
+@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_pytriton_model_client_infer_batch(server, protocol):
     """BioNeMo's client_encode: PyTriton's ModelClient with the strings as np.char.encode makes them."""
@@ -94,6 +94,7 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+@pytest.mark.e2e
 def test_raw_kserve_v2_json_request_with_bytes_data(server):
     """What curl sends: the KServe v2 JSON protocol, strings as BYTES data, no client library."""
     sequences = _sequences(3, seed=2)
@@ -119,6 +120,7 @@ def _stats(server, model: str) -> int:
     return int(stats["inference_stats"]["success"].get("count", 0))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_python_client_splits_by_the_servers_max_batch_size_and_keeps_order(server, protocol):
     sequences = _sequences(75, seed=3, high=90)
@@ -141,6 +143,7 @@ def test_python_client_splits_by_the_servers_max_batch_size_and_keeps_order(serv
     np.testing.assert_allclose(embeddings, _one_by_one(server, sequences), atol=1e-5)
 
 
+@pytest.mark.e2e
 def test_python_client_errors_carry_the_servers_message(server):
     sequences = _sequences(70, seed=4)
     sequences[40] = "MKTAYJAK"
@@ -164,6 +167,7 @@ def test_python_client_errors_carry_the_servers_message(server):
             client.seqs_to_embedding(["MKT"])
 
 
+@pytest.mark.e2e
 def test_grpc_answers_over_four_mib(server):
     """Hidden states of 32 long sequences (4.9 MB in one response) over gRPC: gRPC's default
     receive limit is 4 MiB; the client raises it."""
@@ -173,6 +177,7 @@ def test_grpc_answers_over_four_mib(server):
     assert hiddens.nbytes > 4 * 2**20 and hiddens.shape == (MAX_BATCH, 602, 64) and mask.sum() == 600 * MAX_BATCH
 
 
+@pytest.mark.e2e
 def test_infer_rows_isolates_refused_rows(server):
     sequences = _sequences(40, seed=6)
     bad = {3: "MKJ", 17: "", 35: "MK1"}
@@ -205,6 +210,7 @@ def _fasta(path, records: list[tuple[str, str]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.e2e
 def test_encode_a_fasta_of_1000_records_in_one_command(server, tmp_path):
     sequences = _sequences(1000, seed=7, low=3, high=80)
     records = [(f"prot{i:04d}", s) for i, s in enumerate(sequences)]
@@ -243,6 +249,7 @@ def test_encode_a_fasta_of_1000_records_in_one_command(server, tmp_path):
     assert not (tmp_path / "stopped.npz").exists()
 
 
+@pytest.mark.e2e
 def test_encode_writes_bionemos_json_shape(server, tmp_path):
     sequences = _sequences(3, seed=8)
     out = tmp_path / "hiddens.json"
@@ -276,3 +283,57 @@ def test_encode_writes_bionemos_json_shape(server, tmp_path):
     over = runner.invoke(app, ["client", "encode", "--model", f"{NAME}_embeddings", "-s", "MKT", "--batch-size",
                                "64", "--triton-url", _urls(server)["grpc"]], env=WIDE)
     assert over.exit_code == 1 and f"over {NAME}_embeddings's max_batch_size 32" in over.output
+
+
+# ------------------------------------------------------------------ files (no server needed)
+def test_fasta_records_keep_ids_lines_and_empty_records(tmp_path):
+    path = tmp_path / "in.fasta"
+    path.write_text("\n# a comment\n>sp|P1|ONE first protein\nMKTAY\nIAK \n;old-style comment\n>empty\n"
+                    ">two\r\nMSL KRK\r\n")
+    assert [(r.id, r.sequence, r.line) for r in read_records(path)] == [
+        ("sp|P1|ONE", "MKTAYIAK", 3), ("empty", "", 7), ("two", "MSLKRK", 8)]
+    (tmp_path / "latin1.txt").write_bytes(b"CCO\n\xe9\n")
+    with pytest.raises(ValueError, match="latin1.txt: not a UTF-8 text file"):
+        read_records(tmp_path / "latin1.txt")
+
+
+def test_smiles_lines_take_an_optional_name(tmp_path):
+    path = tmp_path / "in.smi"
+    path.write_text("CCO ethanol\n\n# skipped\nc1ccccc1\n")
+    assert [(r.id, r.sequence) for r in read_records(path)] == [("ethanol", "CCO"), ("line4", "c1ccccc1")]
+
+
+def test_hiddens_files_are_checked_and_npz_needs_no_pickle(tmp_path):
+    hiddens = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    mask = np.array([[True, True, False], [True, True, True]])
+    write_outputs(tmp_path / "h.json", {"hiddens": hiddens, "mask": mask})
+    got, got_mask, ids = read_hiddens(tmp_path / "h.json")
+    np.testing.assert_array_equal(got, hiddens)
+    np.testing.assert_array_equal(got_mask, mask)
+    assert ids is None
+    write_outputs(tmp_path / "h.npz", {"hiddens": hiddens, "strings": np.array([[b"a"], [b"\xc3\xa9"]], object)},
+                  ids=["x", "y"])
+    with np.load(tmp_path / "h.npz", allow_pickle=False) as saved:
+        assert saved["strings"].tolist() == [["a"], ["\u00e9"]] and saved["ids"].tolist() == ["x", "y"]
+    got, got_mask, ids = read_hiddens(tmp_path / "h.npz")
+    assert got_mask is None and ids == ["x", "y"]
+    (tmp_path / "other.json").write_text(json.dumps({"embeddings": [[1.0]]}))
+    with pytest.raises(ValueError, match="has no 'hiddens' .*--in-name"):
+        read_hiddens(tmp_path / "other.json")
+    (tmp_path / "ragged.json").write_text(json.dumps({"hiddens": [[[1.0]], [[1.0], [2.0]]]}))
+    with pytest.raises(ValueError, match="not a rectangular array"):
+        read_hiddens(tmp_path / "ragged.json")
+    (tmp_path / "mismatch.json").write_text(json.dumps({"hiddens": hiddens.tolist(), "mask": [[True]]}))
+    with pytest.raises(ValueError, match="'mask' shape \\[1, 1\\] does not match"):
+        read_hiddens(tmp_path / "mismatch.json")
+
+
+def test_sampling_inputs_give_request_i_seed_plus_i():
+    extra = sampling_inputs(sampling_method="topkp-perturbate", seed=10, top_k=3, top_p=None)
+    first, third = extra(np.arange(2), 0), extra(np.arange(1), 2)
+    assert sorted(first) == ["sampling_method", "seed", "top_k"]
+    assert first["seed"].tolist() == [[10], [10]] and third["seed"].tolist() == [[12]]
+    assert first["seed"].dtype == np.int64 and first["top_k"].dtype == np.int32
+    assert first["sampling_method"].tolist() == [[b"topkp-perturbate"]] * 2
+    with pytest.raises(TypeError, match="unknown sampling options"):
+        sampling_inputs(beams=2)

@@ -30,7 +30,7 @@ def read_records(path: Path) -> list[Record]:
     """The records of a FASTA file (the file's first data line starts with '>'), else one per
     non-blank line: `SEQUENCE [ID]`, the id defaulting to `line<N>`; lines starting with '#'
     are comments. FASTA ids are the header's first word; sequence lines are joined without spaces.
-    ValueError names the file for text before the first FASTA header or bytes that are not UTF-8."""
+    ValueError names the file if it is not UTF-8 text."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -39,7 +39,7 @@ def read_records(path: Path) -> list[Record]:
     data = [(number, line.strip()) for number, line in enumerate(lines, 1)
             if line.strip() and not line.lstrip().startswith("#")]
     if data and data[0][1].startswith(">"):
-        return _fasta(path, lines)
+        return _fasta(lines)
     records = []
     for number, line in data:
         fields = line.split()
@@ -47,7 +47,8 @@ def read_records(path: Path) -> list[Record]:
     return records
 
 
-def _fasta(path: Path, lines: list[str]) -> list[Record]:
+def _fasta(lines: list[str]) -> list[Record]:
+    """FASTA records of `lines`, whose first line that is not blank or a comment is a header."""
     records: list[Record] = []
     header: tuple[str, int] | None = None
     parts: list[str] = []
@@ -58,9 +59,7 @@ def _fasta(path: Path, lines: list[str]) -> list[Record]:
                 records.append(Record(header[0], "".join(parts), header[1]))
             words = line[1:].split()
             header, parts = (words[0] if words else f"line{number}", number), []
-        elif line and not line.startswith(";"):  # ';' starts a comment line in old FASTA files
-            if header is None:
-                raise ValueError(f"{path} line {number}: sequence data before the first '>' header")
+        elif line and header is not None and not line.startswith((";", "#")):  # ';': old FASTA comments
             parts.append("".join(line.split()))
     if header is not None:
         records.append(Record(header[0], "".join(parts), header[1]))
