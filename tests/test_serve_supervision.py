@@ -27,7 +27,7 @@ from bionemo_export.client import EncoderClient, InferenceError
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
-from bionemo_export.runtime.supervisor import dependencies, probe_inputs, reload_order
+from bionemo_export.runtime.supervisor import ProbeResult, dependencies, probe_inputs, reload_order, suspects
 from tests.helpers.tiny_repository import tiny_repository
 
 CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
@@ -385,18 +385,29 @@ def _seq2seq_configs(tmp_path: Path, **options) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("layout", ["fused", "ensemble"])
-def test_reload_order_covers_ensemble_steps_and_bls_callees(tmp_path, layout):
+def test_dependencies_cover_ensemble_steps_and_bls_callees(tmp_path, layout):
     configs = _seq2seq_configs(tmp_path, layout=layout)
-    publics = ["mmb_embeddings", "mmb_hiddens", "mmb_decodes", "mmb_samplings"]
     encoder_steps = ["mmb_encoder"] if layout == "fused" else ["mmb_tokenizer", "mmb_encoder"]
     assert dependencies("mmb_hiddens", configs.get) == encoder_steps
     assert dependencies("mmb_decodes", configs.get) == ["mmb_cross_kv", "mmb_decoder_step"]
     assert dependencies("mmb_samplings", configs.get) == ["mmb_encoder", "mmb_cross_kv", "mmb_decoder_step"]
+
+
+def test_what_is_reloaded_for_a_dead_stub_and_for_another_failure(tmp_path):
+    configs = _seq2seq_configs(tmp_path)
+    publics = ["mmb_embeddings", "mmb_hiddens", "mmb_decodes", "mmb_samplings"]
+    # A dead decoder-step stub, named by the error: it and its callers, not the healthy encoder.
+    dead = ProbeResult("mmb_samplings", False, 1.0, "mmb_samplings: Stub process 'mmb_decoder_step_0_1' is not healthy.")
+    assert suspects(dead, configs.get) == ["mmb_decoder_step"]
+    assert reload_order(["mmb_decoder_step"], ["mmb_samplings"], publics, configs.get) == [
+        "mmb_decoder_step", "mmb_samplings", "mmb_decodes"]
     # A dead encoder: everything that calls it goes down and comes back with it, callees first.
-    assert reload_order(["mmb_embeddings"], publics, configs.get) == [
-        *encoder_steps, "mmb_embeddings", "mmb_hiddens", "mmb_samplings"]
-    # A dead decoder step: the encoder models are left alone.
-    assert reload_order(["mmb_decodes"], publics, configs.get) == [
+    assert reload_order(["mmb_encoder"], ["mmb_embeddings"], publics, configs.get) == [
+        "mmb_encoder", "mmb_embeddings", "mmb_hiddens", "mmb_samplings"]
+    # A timeout names no model: the failed model and everything it calls.
+    slow = ProbeResult("mmb_decodes", False, 30.0, "ServerUnreachableError: timed out")
+    assert suspects(slow, configs.get) == ["mmb_decodes", "mmb_cross_kv", "mmb_decoder_step"]
+    assert reload_order(suspects(slow, configs.get), ["mmb_decodes"], publics, configs.get) == [
         "mmb_cross_kv", "mmb_decoder_step", "mmb_decodes", "mmb_samplings"]
 
 

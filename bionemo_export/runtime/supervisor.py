@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -37,9 +38,10 @@ BLS_MODELS = "bls_models"
 HEALTH_PROBE = "health_probe"
 # Valid in every alphabet served here: cysteine for protein models, methane for SMILES models.
 PROBE_SEQUENCE = "C"
-# How a request to a model instance whose stub process died fails: never transient (the Python
-# backend does not restart stubs), so no second probe is needed to confirm it.
-DEAD_STUB = "is not healthy"
+# How a request to a model instance whose stub process died fails, naming the instance
+# (<model>_<group>_<index>): never transient (the Python backend does not restart stubs), so no
+# second probe is needed to confirm it, and the model to reload is known.
+DEAD_STUB = re.compile(r"Stub process '(?P<instance>[^']+)' is not healthy")
 # Unloading a model whose stub died never finishes (Triton 2.51 sends the dead stub a finalize
 # message and waits for its answer), and the model's other stubs then stay for good, each holding
 # a copy of the model. The model is no longer READY at once, though, and a load beside the stuck
@@ -178,28 +180,42 @@ def dependencies(model: str, config_of: Callable[[str], dict | None]) -> list[st
     return order
 
 
-def reload_order(failed: Iterable[str], publics: Iterable[str], config_of: Callable[[str], dict | None]) -> list[str]:
-    """The models to reload for failed public models, callees first: their dependencies, then the
-    failed models, then every other public model that depends on one of those dependencies (it
-    cannot answer while they are unloaded, so it is unloaded too and its ready endpoint says so)."""
-    failed = list(dict.fromkeys(failed))
-    internal: list[str] = []
-    for model in failed:
-        internal += [d for d in dependencies(model, config_of) if d not in internal]
-    callers = [p for p in publics if p not in failed and set(dependencies(p, config_of)) & set(internal)]
-    return internal + [m for m in failed + callers if m not in internal]
+def suspects(result: ProbeResult, config_of: Callable[[str], dict | None]) -> list[str]:
+    """The models that may have made a probe fail: the one whose stub died, when the error names
+    it; otherwise the probed model and every model it calls."""
+    match = DEAD_STUB.search(result.error)
+    if match:
+        model = re.sub(r"_\d+_\d+$", "", match.group("instance"))
+        if config_of(model) is not None:
+            return [model]
+    return [result.model, *dependencies(result.model, config_of)]
+
+
+def reload_order(broken: Iterable[str], failed: Iterable[str], publics: Iterable[str],
+                 config_of: Callable[[str], dict | None]) -> list[str]:
+    """The models to reload, callees first: the `broken` ones, the `failed` public models, and
+    every public model that calls a broken one, directly or not (it cannot answer while they are
+    unloaded, so it is unloaded too and its ready endpoint says so)."""
+    broken, failed, publics = list(broken), list(failed), list(publics)
+    chosen = {*broken, *failed, *(p for p in publics if set(broken) & set(dependencies(p, config_of)))}
+    order: list[str] = []
+    for model in (*broken, *failed, *publics):
+        if model in chosen:
+            order += [m for m in (*dependencies(model, config_of), model) if m in chosen and m not in order]
+    return order
 
 
 class Supervisor:
     """Keeps the public models of one running server answering.
 
-    Every `interval` seconds it probes each public model (`probe_model`, bounded by `timeout`); a
-    model that fails its probe and a second one right after is reloaded with `reload_order()`'s
-    models: all unloaded
-    (callers first, each until the server reports it unloaded, so that its ready endpoint says not
-    ready), then loaded again (callees first), then probed again. Each step is one line to `log`.
-    A model that still fails is retried after a doubling pause (capped at 5 minutes) instead of
-    every round. `start()` runs it in a daemon thread; `check()` runs one round.
+    Every `interval` seconds it probes each public model (`probe_model`, bounded by `timeout`). A
+    model fails when its probe fails and so does a second one right after, or at once when the
+    error says a stub died. Then the models to blame (`suspects`: the one whose stub died, else
+    the failed model and all it calls) and the public models that call them are reloaded
+    (`reload_order`): all unloaded, callers first, so that their ready endpoints say not ready;
+    loaded again, callees first; and probed again. Each step is one line to `log`. A model that
+    still fails is retried after a doubling pause (capped at 5 minutes), not every round.
+    `start()` runs it in a daemon thread; `check()` runs one round.
     """
 
     def __init__(self, url: str, models: Iterable[str] | None = None, *, interval: float = 10.0,
@@ -259,24 +275,26 @@ class Supervisor:
         results = [probe_model(self.probe_client, model) for model in models]
         # A single slow or unlucky answer is not a broken model: ask once more before acting,
         # unless the error says that a stub died.
-        failed = [r for r in results if not r.ok and DEAD_STUB in r.error]
+        failed = [r for r in results if not r.ok and DEAD_STUB.search(r.error)]
         failed += [again for again in (probe_model(self.probe_client, r.model) for r in results
-                                       if not r.ok and DEAD_STUB not in r.error) if not again.ok]
+                                       if not r.ok and not DEAD_STUB.search(r.error)) if not again.ok]
         now = time.monotonic()
         due = [r for r in failed if self._retry_at.get(r.model, 0.0) <= now]
         if due:
             for result in due:
                 self.log(f"health: {result.model} does not answer ({result.error})")
-            self.reload([r.model for r in due], models)
+            broken = list(dict.fromkeys(m for r in due for m in suspects(r, self.config_of)))
+            self.reload(broken, [r.model for r in due], models)
         for result in results:
             if result.ok:
                 self._failures.pop(result.model, None)
                 self._retry_at.pop(result.model, None)
         return results
 
-    def reload(self, failed: list[str], publics: list[str]) -> list[ProbeResult]:
-        """Unload and load `failed` with the models they depend on; probe them again."""
-        order = reload_order(failed, publics, self.config_of)
+    def reload(self, broken: list[str], failed: list[str], publics: list[str]) -> list[ProbeResult]:
+        """Unload and load the `broken` models, the `failed` public ones and the public models that
+        call a broken one (`reload_order`); probe the public ones again."""
+        order = reload_order(broken, failed, publics, self.config_of)
         client = self.control_client
         for model in reversed(order):  # callers first: nothing calls a model that is gone
             try:
