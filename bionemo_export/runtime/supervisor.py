@@ -1,5 +1,5 @@
 """Keep a served repository answering: probe its public models with a tiny real request and reload
-the ones that fail, with the internal models they depend on, through Triton's repository API.
+the ones that fail, with the models to blame, through Triton's repository API.
 
 Why a probe and not Triton's health endpoints: when a Python-backend stub process dies (killed,
 out of memory), Triton 2.51 (Python backend r24.10) neither restarts it nor says so; every request
@@ -267,8 +267,8 @@ class Supervisor:
     # -- one round -----------------------------------------------------------------------------
 
     def check(self) -> list[ProbeResult]:
-        """Probe every public model once; reload the ones that fail twice (a second probe right
-        after the first). Returns the first probes' results."""
+        """Probe every public model once; reload what the failures blame (see the class). Returns
+        the first probes' results."""
         models = self.models()
         for model in models:  # remember every configuration while the models are loaded
             dependencies(model, self.config_of)
