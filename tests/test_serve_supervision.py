@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,117 +26,16 @@ from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
 from bionemo_export.runtime.supervisor import ProbeResult, dependencies, probe_inputs, reload_order, suspects
+from tests.helpers import serve_process as sp
 from tests.helpers.tiny_repository import tiny_repository
 
-CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 NAME = "sup"
 SEQUENCES = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG"]
 HEAL_SECONDS = 60
 
 
-# -- processes, through /proc -------------------------------------------------------------------
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the live children of `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append((int(entry.name), cmdline))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper that never comes counts as gone)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _tritonserver_of(serve_pid: int) -> int:
-    servers = [pid for pid, cmdline in _children(serve_pid) if "tritonserver " in cmdline + " "]
-    assert len(servers) == 1, _children(serve_pid)
-    return servers[0]
-
-
-def _stubs(server_pid: int, model: str = "") -> list[int]:
-    """The server's Python-backend stubs (of `model`: the stub's command line names the model file
-    and the instance, <model>_<group>_<index>)."""
-    return [pid for pid, cmdline in _children(server_pid)
-            if "triton_python_backend_stub" in cmdline and (not model or f"/{model}/1/model.py" in cmdline)]
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.2)
-    return [pid for pid in pids if _alive(pid)]
-
-
-def _shm_prefix(server_pid: int) -> str:
-    cmdline = (Path("/proc") / str(server_pid) / "cmdline").read_bytes().decode().split("\0")
-    option = next(arg for arg in cmdline if "shm-region-prefix-name=" in arg)
-    return option.split("shm-region-prefix-name=", 1)[1]
-
-
-# -- serve as a real process --------------------------------------------------------------------
-
-@dataclass
-class Serve:
-    process: subprocess.Popen
-    output: Path
-    http: int
-    grpc: int
-
-    def text(self) -> str:
-        return self.output.read_text(errors="replace")
-
-    def wait_for(self, marker: str, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while marker not in self.text():
-            assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"serve never printed {marker!r}:\n{self.text()}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL for serve and (by the parent-death signal) its server."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def _serve(repo: Path, work: Path, *args: str, preexec_fn=None) -> Serve:
-    http, grpc, metrics = free_ports(3)
-    output = work / f"serve-{http}.out"
-    with open(output, "w") as out:
-        process = subprocess.Popen(
-            [*CLI, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
-             "--metrics-port", str(metrics), "--log-file", str(work / f"tritonserver-{http}.log"), *args],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, "COLUMNS": "200"}, preexec_fn=preexec_fn,
-        )
-    served = Serve(process, output, http, grpc)
-    try:
-        served.wait_for("Serving.")
-    except BaseException:
-        served.stop()
-        raise
-    return served
-
-
 def _health(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, "health", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([*sp.CLI, "health", *args], capture_output=True, text=True, timeout=120)
 
 
 def _ready(http: int, model: str) -> bool:
@@ -168,7 +65,7 @@ def esm2_repo(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(esm2_repo, tmp_path_factory):
     """`bionemo-export serve` on the ESM-2 repository, probing every 2 s."""
-    serve = _serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "2", "--health-timeout", "20")
+    serve = sp.serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "2", "--health-timeout", "20")
     yield serve
     serve.stop()
 
@@ -187,12 +84,12 @@ def test_a_killed_encoder_stub_is_reloaded_and_answers_again(served):
     model's ready endpoint said not ready while it was being reloaded."""
     client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
     before = client.seqs_to_embedding(SEQUENCES)
-    server = _tritonserver_of(served.process.pid)
-    stubs = _stubs(server, f"{NAME}_encoder")
+    server = sp.tritonserver_of(served.process.pid)
+    stubs = sp.stubs(server, f"{NAME}_encoder")
     assert len(stubs) == 2  # two encoder instances by default: kill both, the model then cannot answer
     for stub in stubs:
         os.kill(stub, signal.SIGKILL)
-    assert not _wait_gone(stubs, 10)
+    assert not sp.wait_gone(stubs, 10)
 
     killed = time.monotonic()
     failures, not_ready, after = 0, 0, None
@@ -214,8 +111,8 @@ def test_a_killed_encoder_stub_is_reloaded_and_answers_again(served):
     assert after is not None and healed < HEAL_SECONDS, f"not answering {HEAL_SECONDS} s after the kill:\n{log}"
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
     assert not_ready > 0, "the ready endpoint said 200 throughout"
-    assert _tritonserver_of(served.process.pid) == server  # no restart
-    assert len(_stubs(server, f"{NAME}_encoder")) == 2
+    assert sp.tritonserver_of(served.process.pid) == server  # no restart
+    assert len(sp.stubs(server, f"{NAME}_encoder")) == 2
     assert f"health: {NAME}_embeddings does not answer" in log
     assert f"health: reloaded {NAME}_encoder" in log and f"health: {NAME}_embeddings answers again" in log
     print(f"answers again {healed:.1f} s after the kill; {failures} requests failed, {not_ready} times not ready")
@@ -228,11 +125,11 @@ def test_one_of_two_dead_encoder_stubs_is_found_and_none_is_left_behind(served):
     stub for good; the supervisor ends it, so exactly two encoder stubs run afterwards."""
     client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
     before = client.seqs_to_embedding(SEQUENCES)
-    server = _tritonserver_of(served.process.pid)
-    stubs = _stubs(server, f"{NAME}_encoder")
+    server = sp.tritonserver_of(served.process.pid)
+    stubs = sp.stubs(server, f"{NAME}_encoder")
     earlier = len(served.text())
     os.kill(stubs[0], signal.SIGKILL)
-    assert not _wait_gone(stubs[:1], 10)
+    assert not sp.wait_gone(stubs[:1], 10)
     deadline = time.monotonic() + HEAL_SECONDS
     while f"health: {NAME}_embeddings answers again" not in served.text()[earlier:]:
         assert time.monotonic() < deadline, f"not healed {HEAL_SECONDS} s after the kill:\n{served.text()}"
@@ -242,7 +139,7 @@ def test_one_of_two_dead_encoder_stubs_is_found_and_none_is_left_behind(served):
     client.close()
     for after in answers:
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
-    live = _stubs(server, f"{NAME}_encoder")
+    live = sp.stubs(server, f"{NAME}_encoder")
     assert len(live) == 2 and stubs[1] not in live, (stubs, live)
 
 
@@ -263,10 +160,10 @@ def test_health_exits_1_when_a_model_cannot_answer(esm2_repo, tmp_path, triton_i
     with TritonServer(esm2_repo, install=triton_install, log_file=tmp_path / "server.log") as server:
         url = f"http://{server.endpoints.http_url}"
         assert _health(url, "--model", f"{NAME}_hiddens").returncode == 0
-        stubs = _stubs(server.pid, f"{NAME}_encoder")
+        stubs = sp.stubs(server.pid, f"{NAME}_encoder")
         for stub in stubs:
             os.kill(stub, signal.SIGKILL)
-        assert not _wait_gone(stubs, 10)
+        assert not sp.wait_gone(stubs, 10)
         assert _ready(server.endpoints.http_port, f"{NAME}_embeddings")  # the finding: Triton says ready
 
         result = _health(url)
@@ -295,7 +192,7 @@ def test_serve_refuses_a_folder_that_is_not_a_model_repository(tmp_path, content
     if content != "nothing":
         (tmp_path / "notes").mkdir()
         (tmp_path / "notes" / "readme.txt").write_text("no models here")
-    result = subprocess.run([*CLI, "serve", str(tmp_path), "--http-port", "0", "--grpc-port", "0",
+    result = subprocess.run([*sp.CLI, "serve", str(tmp_path), "--http-port", "0", "--grpc-port", "0",
                              "--metrics-port", "0"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stdout == ""
@@ -307,7 +204,7 @@ def test_serve_refuses_a_folder_that_is_not_a_model_repository(tmp_path, content
 
 def test_serve_names_the_repository_inside_the_folder_given(tmp_path):
     repo = tiny_repository(tmp_path / "models")
-    result = subprocess.run([*CLI, "serve", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([*sp.CLI, "serve", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1 and f"did you mean {repo}?" in result.stderr
 
@@ -320,10 +217,10 @@ def _ignore_sigint() -> None:
 
 @pytest.mark.e2e
 def test_serve_started_with_sigint_ignored_still_stops_on_sigint(tiny_repo, tmp_path):
-    serve = _serve(tiny_repo, tmp_path, preexec_fn=_ignore_sigint)
+    serve = sp.serve(tiny_repo, tmp_path, preexec_fn=_ignore_sigint)
     try:
-        server = _tritonserver_of(serve.process.pid)
-        stubs = _stubs(server)
+        server = sp.tritonserver_of(serve.process.pid)
+        stubs = sp.stubs(server)
         assert len(stubs) == 2
         serve.process.send_signal(signal.SIGINT)
         code = serve.process.wait(60)
@@ -331,24 +228,24 @@ def test_serve_started_with_sigint_ignored_still_stops_on_sigint(tiny_repo, tmp_
         serve.stop()
     assert code == 0, serve.text()
     assert "tritonserver stopped (exit code 0)" in serve.text()
-    assert not _wait_gone([server, *stubs], 10)
+    assert not sp.wait_gone([server, *stubs], 10)
 
 
 @pytest.mark.e2e
 def test_kill_9_of_serve_takes_its_tritonserver_and_stubs_along(tiny_repo, tmp_path):
-    serve = _serve(tiny_repo, tmp_path)
-    server, stubs = _tritonserver_of(serve.process.pid), []
+    serve = sp.serve(tiny_repo, tmp_path)
+    server, stubs = sp.tritonserver_of(serve.process.pid), []
     try:
-        stubs = _stubs(server)
-        prefix = _shm_prefix(server)
+        stubs = sp.stubs(server)
+        prefix = sp.shm_prefix(server)
         assert len(stubs) == 2 and list(SHARED_MEMORY_DIR.glob(f"{prefix}*"))
         serve.process.kill()
         serve.process.wait()
-        left = _wait_gone([server, *stubs], 30)
+        left = sp.wait_gone([server, *stubs], 30)
     finally:
         serve.stop()
         for pid in (server, *stubs):  # only if the test fails: the processes this serve started
-            if _alive(pid):
+            if sp.alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not left, f"still running after serve was killed: {left}"
     # tritonserver got SIGTERM, not SIGKILL: it shut down in order and removed its shared memory.

@@ -1,0 +1,119 @@
+"""A real `bionemo-export serve` process for tests, and the processes it starts, found through /proc.
+
+Tests kill only processes they started: the serve process, and the server and stubs it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bionemo_export.runtime import free_ports
+
+CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
+
+
+# -- processes, through /proc -------------------------------------------------------------------
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the live children of `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper that never comes counts as gone)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def tritonserver_of(serve_pid: int) -> int:
+    servers = [pid for pid, cmdline in children(serve_pid) if "tritonserver " in cmdline + " "]
+    assert len(servers) == 1, children(serve_pid)
+    return servers[0]
+
+
+def stubs(server_pid: int, model: str = "") -> list[int]:
+    """The server's Python-backend stubs (of `model`: the stub's command line names the model file
+    and the instance, <model>_<group>_<index>)."""
+    return [pid for pid, cmdline in children(server_pid)
+            if "triton_python_backend_stub" in cmdline and (not model or f"/{model}/1/model.py" in cmdline)]
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.2)
+    return [pid for pid in pids if alive(pid)]
+
+
+def shm_prefix(server_pid: int) -> str:
+    cmdline = (Path("/proc") / str(server_pid) / "cmdline").read_bytes().decode().split("\0")
+    option = next(arg for arg in cmdline if "shm-region-prefix-name=" in arg)
+    return option.split("shm-region-prefix-name=", 1)[1]
+
+
+# -- serve as a real process --------------------------------------------------------------------
+
+@dataclass
+class Serve:
+    process: subprocess.Popen
+    output: Path
+    http: int
+    grpc: int
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def wait_for(self, marker: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while marker not in self.text():
+            assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"serve never printed {marker!r}:\n{self.text()}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL for serve and (by the parent-death signal) its server."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def serve(repo: Path, work: Path, *args: str, preexec_fn=None) -> Serve:
+    http, grpc, metrics = free_ports(3)
+    output = work / f"serve-{http}.out"
+    with open(output, "w") as out:
+        process = subprocess.Popen(
+            [*CLI, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
+             "--metrics-port", str(metrics), "--log-file", str(work / f"tritonserver-{http}.log"), *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+            env={**os.environ, "COLUMNS": "200"}, preexec_fn=preexec_fn,
+        )
+    served = Serve(process, output, http, grpc)
+    try:
+        served.wait_for("Serving.")
+    except BaseException:
+        served.stop()
+        raise
+    return served
