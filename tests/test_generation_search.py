@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 
 from bionemo_export.generation import (
-    MAX_NUM_SAMPLES,
     GenerationError,
+    TooLargeError,
     beam_search,
+    check_sampling_arguments,
     generate,
     greedy,
     perturb,
     sample_top_k_top_p,
     validate_hiddens,
 )
+from bionemo_export.generation.search import check_decode_tokens, split_by_tokens
 
 BEGIN, END = 0, 1
 
@@ -345,7 +347,6 @@ def test_generate_is_reproducible_for_a_seed(method):
 @pytest.mark.parametrize("options, names", [
     (dict(method="nucleus"), "'nucleus'; valid: greedy-perturbate, topkp-perturbate"),
     (dict(num_samples=0), "num_samples"),
-    (dict(num_samples=MAX_NUM_SAMPLES + 1), "num_samples"),
     (dict(num_samples=2.0), "num_samples"),
     (dict(num_samples=True), "num_samples"),
     (dict(beam_size=0), "beam_size"),
@@ -367,6 +368,81 @@ def test_generate_rejects_bad_arguments(options, names):
     assert names in str(error.value)
 
 
+LIMITS = {"max_num_samples": 32, "max_beam_size": 16, "max_samples_x_beams": 64}
+
+
+@pytest.mark.parametrize("method, num_samples, beam_size, message", [
+    ("greedy-perturbate", 33, 5, "num_samples must be between 1 and 32 (the server's max_num_samples), got 33"),
+    ("greedy-perturbate", 1, 17, "beam_size must be between 1 and 16 (the server's max_beam_size), got 17"),
+    ("beam-search-perturbate", 8, 16, "8 x 16 = 128 hypotheses per sequence with beam-search-perturbate; the "
+                                      "server's max_samples_x_beams is 64"),
+    ("beam-search-perturbate-sample", 5, 13, "max_samples_x_beams is 64"),
+])
+def test_limits_bound_one_requests_work_and_name_the_limit(method, num_samples, beam_size, message):
+    arguments = dict(scaled_radius=1.0, top_k=0, top_p=0.9, temperature=1.0)
+    with pytest.raises(GenerationError) as error:
+        check_sampling_arguments(method, num_samples, beam_size, limits=LIMITS, **arguments)
+    assert message in str(error.value)
+    # At the limits, and without limits (the library's own use), the same arguments are fine.
+    check_sampling_arguments(method, num_samples, beam_size, **arguments)
+    check_sampling_arguments("beam-search-perturbate", 4, 16, limits=LIMITS, **arguments)
+    check_sampling_arguments("beam-search-single-sample", 32, 16, limits=LIMITS, **arguments)
+    check_sampling_arguments("greedy-perturbate", 32, 16, limits=LIMITS, **arguments)
+
+
+def test_decode_tokens_bound_requests_and_the_batches_they_join():
+    check_decode_tokens(64, 512, 32768, "request")
+    with pytest.raises(GenerationError, match=r"^request = 32896 tokens of hidden states to decode; the server's "
+                                              r"max_decode_tokens is 32768$"):
+        check_decode_tokens(64, 514, 32768, "request")
+    # Consecutive requests join while rows x longest length fits; one over the limit stands alone.
+    assert split_by_tokens([(4, 10), (4, 20), (2, 5), (10, 30), (1, 100)], 200) == [[0, 1, 2], [3], [4]]
+    assert split_by_tokens([(50, 10), (1, 1)], 100) == [[0], [1]]
+    assert split_by_tokens([], 100) == []
+
+
+def test_messages_name_the_argument_as_the_caller_labels_it():
+    with pytest.raises(GenerationError, match=r"^input 'top_p' row 0 must be finite, got nan$"):
+        check_sampling_arguments("greedy-perturbate", 1, 5, 1.0, 0, float("nan"), 1.0,
+                                 label=lambda name: f"input '{name}' row 0")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+@pytest.mark.parametrize("method", ["greedy-perturbate", "topkp-perturbate", "beam-search-perturbate",
+                                    "beam-search-single-sample"])
+def test_overflowing_rows_are_an_error_naming_them_not_garbage(method):
+    hiddens, mask = inputs(batch=4)
+    hiddens[2] = 1e38  # finite, but the decoder's arithmetic overflows
+    with pytest.raises(TooLargeError) as error:
+        generate(ToyDecoder(), hiddens, mask, method=method, num_samples=2, scaled_radius=0.0,
+                 rng=np.random.default_rng(0), max_length=4, beam_size=2, **KW)
+    copies = 1 if method == "beam-search-single-sample" else 2
+    assert error.value.rows == [2 + 4 * copy for copy in range(copies)]  # sample-major batch rows
+    assert "the decoder's output is not finite" in str(error.value) and "row(s) [2" in str(error.value)
+
+
+def test_perturbation_that_overflows_or_exceeds_the_magnitude_names_the_rows():
+    hiddens, mask = inputs(batch=3)
+    hiddens[1] = 3.4e38  # float32's largest is 3.40282e38: any positive noise overflows
+    mask[1] = True
+    with pytest.raises(TooLargeError, match=r"^perturbed hiddens in batch row\(s\) \[1\]: not finite"):
+        perturb(hiddens, mask, np.random.default_rng(0), 2e37)
+    hiddens[1] = 0.0
+    assert np.isfinite(perturb(hiddens, mask, np.random.default_rng(0), 2e37)).all()
+    with pytest.raises(TooLargeError, match=r"row\(s\) \[0, 1, 2\]: values up to .*; the largest magnitude a "
+                                            r"decode accepts is 100 \(max_hidden_magnitude\)"):
+        perturb(hiddens, mask, np.random.default_rng(0), 1e3, max_magnitude=100)
+    assert perturb(hiddens, mask, np.random.default_rng(0), 1.0, max_magnitude=100).shape == hiddens.shape
+
+
+def test_hiddens_over_the_magnitude_limit_are_refused():
+    hiddens, mask = inputs(batch=3)
+    validate_hiddens(hiddens, mask, max_magnitude=100)
+    hiddens[2, 0, 0] = 1e38
+    with pytest.raises(TooLargeError, match=r"^hiddens in batch row\(s\) \[2\]: values up to 1e\+38"):
+        validate_hiddens(hiddens, mask, max_magnitude=100)
+
+
 def bad_hiddens():
     hiddens, mask = inputs(batch=3)
     nan, inf, no_position = hiddens.copy(), hiddens.copy(), mask.copy()
@@ -379,8 +455,8 @@ def bad_hiddens():
         (hiddens.astype(np.int64), mask, "hiddens must be floating point"),
         (hiddens[:0], mask[:0], "non-empty"),
         (hiddens, no_position, "row(s) [1]"),
-        (nan, mask, "NaN or Inf"),
-        (inf, mask, "NaN or Inf"),
+        (nan, mask, "NaN or Inf values in batch row(s) [0]"),
+        (inf, mask, "NaN or Inf values in batch row(s) [2]"),
     ]
 
 

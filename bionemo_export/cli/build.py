@@ -37,8 +37,8 @@ def repo(
     max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sequence, specials included "
                                              "(default: the model's own limit)."),
     truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
-    tokenizer_instances: int = typer.Option(1, help="Instances of the Python models around the graphs "
-                                            "(tokenizer, decodes, samplings)."),
+    tokenizer_instances: int = typer.Option(1, help="Instances of the tokenizer model (ensemble layout)."),
+    decode_instances: int = typer.Option(2, help="Instances of each decode-loop model (decodes, samplings)."),
     encoder_instances: int = typer.Option(2, help="Instances of each graph model (encoder, cross_kv, decoder_step)."),
     intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per graph-model instance (0: auto, the "
                                          "serving host's cores divided among the instances, at load time)."),
@@ -53,13 +53,22 @@ def repo(
     warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
     max_decode_length: Optional[int] = typer.Option(None, help="Decoding families: most tokens one decode "
                                                     "produces (default: the model's limit)."),
+    max_num_samples: Optional[int] = typer.Option(None, help="Samplings: most num_samples per request "
+                                                  "(default: GenerationLimits in model_repository/options.py)."),
+    max_beam_size: Optional[int] = typer.Option(None, help="Samplings: most beam_size per request (default: "
+                                                "GenerationLimits)."),
+    max_samples_x_beams: Optional[int] = typer.Option(None, help="Samplings: most hypotheses decoded per sequence, "
+                                                      "num_samples x beam_size (default: GenerationLimits)."),
+    max_decode_tokens: Optional[int] = typer.Option(None, help="Decodes/samplings: most tokens of hidden states one "
+                                                    "decode attends to, rows x hypotheses x length (default: "
+                                                    "GenerationLimits)."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
 ) -> None:
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
     from bionemo_export.build import BuildError, BuildInterrupted, BuildRequest, build_repository
     from bionemo_export.errors import reason
     from bionemo_export.exporters import ExportVerificationError
-    from bionemo_export.model_repository.options import ServingOptions
+    from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
 
     console = Console()
     try:
@@ -67,7 +76,11 @@ def repo(
             max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
             encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
-            layout=layout, length_bucket=length_bucket, token_budget=token_budget,
+            layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,
+            limits=GenerationLimits(**{name: value for name, value in (
+                ("max_num_samples", max_num_samples), ("max_beam_size", max_beam_size),
+                ("max_samples_x_beams", max_samples_x_beams), ("max_decode_tokens", max_decode_tokens))
+                if value is not None}),
         )
         request = BuildRequest(
             family=model, checkpoint=checkpoint, name=name, out=out,

@@ -1,11 +1,13 @@
 """Autoregressive decoding and sampling (numpy only), shared by served models and the reference."""
 
 from bionemo_export.generation.search import (
-    MAX_NUM_SAMPLES,
+    LIMITS,
     SAMPLING_METHODS,
     GenerationError,
     StepDecoder,
+    TooLargeError,
     beam_search,
+    check_sampling_arguments,
     generate,
     greedy,
     perturb,
@@ -14,11 +16,13 @@ from bionemo_export.generation.search import (
 )
 
 __all__ = [
-    "MAX_NUM_SAMPLES",
+    "LIMITS",
     "SAMPLING_METHODS",
     "GenerationError",
     "StepDecoder",
+    "TooLargeError",
     "beam_search",
+    "check_sampling_arguments",
     "generate",
     "greedy",
     "perturb",

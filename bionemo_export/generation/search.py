@@ -19,7 +19,7 @@ Conventions (every result is a deterministic function of the inputs and the nump
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -30,8 +30,6 @@ SAMPLING_METHODS: tuple[str, ...] = (
     "beam-search-single-sample",
     "beam-search-perturbate-sample",
 )
-MAX_NUM_SAMPLES = 64
-"""Most samples one request may ask for (each one is a full decode of every row)."""
 SAMPLING_DEFAULTS = {
     "num_samples": 1,
     "scaled_radius": 1.0,
@@ -46,6 +44,17 @@ SAMPLING_DEFAULTS = {
 
 class GenerationError(ValueError):
     """A bad argument to a decoding function; the message names the argument and the problem."""
+
+
+class TooLargeError(GenerationError):
+    """Some batch rows cannot be decoded: their hidden states (perturbed ones included) are over
+    the magnitude limit or not finite, or the decoder's float32 arithmetic overflowed on them (its
+    output is not finite). Raised instead of decoding garbage, which comes back as empty or random
+    strings. `rows` are the caller's batch rows; `reason` says what was too large."""
+
+    def __init__(self, rows: list[int], what: str, reason: str) -> None:
+        self.rows, self.reason = rows, reason
+        super().__init__(f"{what} in batch row(s) {rows}: {reason}")
 
 
 class StepDecoder(Protocol):
@@ -86,10 +95,75 @@ def _check_real(name: str, value: Any, *, above: float | None = None, at_least: 
         raise GenerationError(f"{name} must be <= {at_most}, got {value}")
 
 
-def _check_sampling(top_k: int, top_p: float, temperature: float) -> None:
-    _check_int("top_k", top_k, 0)
-    _check_real("top_p", top_p, above=0.0, at_most=1.0)
-    _check_real("temperature", temperature, above=0.0)
+def _check_sampling(top_k: int, top_p: float, temperature: float, label: Callable[[str], str] = str) -> None:
+    _check_int(label("top_k"), top_k, 0)
+    _check_real(label("top_p"), top_p, above=0.0, at_most=1.0)
+    _check_real(label("temperature"), temperature, above=0.0)
+
+
+LIMITS = ("max_num_samples", "max_beam_size", "max_samples_x_beams", "max_decode_tokens")
+"""The bounds a served model puts on one request's work (its config's `parameters`; their
+defaults live in bionemo_export/model_repository/options.py)."""
+
+
+def check_decode_tokens(rows: int, length: int, limit: int, what: str) -> None:
+    """GenerationError unless a decode of `rows` rows attending to `length` tokens each stays
+    within `limit` tokens (max_decode_tokens): the decoder's key/value caches grow with it."""
+    if rows * length > limit:
+        raise GenerationError(f"{what} = {rows * length} tokens of hidden states to decode; the server's "
+                              f"max_decode_tokens is {limit}")
+
+
+def split_by_tokens(sizes: list[tuple[int, int]], limit: int) -> list[list[int]]:
+    """Indices of `sizes` ((rows, length) per request, in order) in consecutive groups that each
+    decode within `limit` tokens: rows of a group are padded to its longest length. A request
+    over the limit alone gets a group of its own (callers refuse those first)."""
+    groups: list[list[int]] = []
+    rows = length = 0
+    for index, (request_rows, request_length) in enumerate(sizes):
+        if groups and (rows + request_rows) * max(length, request_length) <= limit:
+            groups[-1].append(index)
+            rows, length = rows + request_rows, max(length, request_length)
+        else:
+            groups.append([index])
+            rows, length = request_rows, request_length
+    return groups
+
+
+def hypotheses_per_sequence(method: str, num_samples: int, beam_size: int) -> int:
+    """Sequences decoded side by side for each input sequence: the work a request asks for."""
+    if method == "beam-search-single-sample":
+        return num_samples  # one perturbation, num_samples beams
+    if method in ("beam-search-perturbate", "beam-search-perturbate-sample"):
+        return num_samples * beam_size
+    return num_samples
+
+
+def check_sampling_arguments(method: str, num_samples: int, beam_size: int, scaled_radius: float, top_k: int,
+                             top_p: float, temperature: float, *, limits: Mapping[str, int] | None = None,
+                             label: Callable[[str], str] = str) -> None:
+    """GenerationError unless every argument of `generate` is valid, whichever method uses it.
+
+    `limits` (LIMITS -> int) bound num_samples, beam_size and the hypotheses decoded per sequence
+    (num_samples x beam_size for the beam-search-perturbate methods); the message names the limit.
+    `label(name)` is how a message names an argument (a served model names its input and row)."""
+    if method not in SAMPLING_METHODS:
+        raise GenerationError(f"{label('sampling_method')}: unknown sampling method {method!r}; "
+                              f"valid: {', '.join(SAMPLING_METHODS)}")
+    limits = limits or {}
+    for name, value, limit in (("num_samples", num_samples, "max_num_samples"),
+                               ("beam_size", beam_size, "max_beam_size")):
+        _check_int(label(name), value, 1)
+        if limit in limits and value > limits[limit]:
+            raise GenerationError(f"{label(name)} must be between 1 and {limits[limit]} (the server's "
+                                  f"{limit}), got {value}")
+    work = hypotheses_per_sequence(method, num_samples, beam_size)
+    if "max_samples_x_beams" in limits and work > limits["max_samples_x_beams"]:
+        raise GenerationError(
+            f"inputs num_samples x beam_size = {num_samples} x {beam_size} = {work} hypotheses per sequence with "
+            f"{method}; the server's max_samples_x_beams is {limits['max_samples_x_beams']}")
+    _check_real(label("scaled_radius"), scaled_radius, at_least=0.0)
+    _check_sampling(top_k, top_p, temperature, label)
 
 
 def _check_shapes(hiddens: np.ndarray, mask: np.ndarray) -> None:
@@ -105,9 +179,10 @@ def _check_shapes(hiddens: np.ndarray, mask: np.ndarray) -> None:
                               f"{hiddens.shape[:2]}")
 
 
-def validate_hiddens(hiddens: np.ndarray, mask: np.ndarray) -> None:
-    """Raise GenerationError unless hiddens [B,S,H] (float, finite) and mask [B,S] (bool, at least
-    one True per row) describe a non-empty batch the decoder can attend to."""
+def validate_hiddens(hiddens: np.ndarray, mask: np.ndarray, max_magnitude: float | None = None) -> None:
+    """Raise GenerationError unless hiddens [B,S,H] (float, finite, and no value's magnitude over
+    `max_magnitude` when given) and mask [B,S] (bool, at least one True per row) describe a
+    non-empty batch the decoder can attend to."""
     _check_shapes(hiddens, mask)
     if hiddens.shape[0] == 0 or hiddens.shape[1] == 0:
         raise GenerationError(f"hiddens must have a non-empty batch and length, got {hiddens.shape}")
@@ -115,14 +190,40 @@ def validate_hiddens(hiddens: np.ndarray, mask: np.ndarray) -> None:
     if empty.size:
         raise GenerationError(f"mask has no True position in batch row(s) {empty.tolist()}")
     # Padded positions are checked too: NaN times a zero attention weight is still NaN.
-    if not np.isfinite(hiddens).all():
-        raise GenerationError("hiddens contain NaN or Inf values")
+    bad = np.flatnonzero(~np.isfinite(hiddens).all(axis=(1, 2)))
+    if bad.size:
+        raise GenerationError(f"hiddens contain NaN or Inf values in batch row(s) {bad.tolist()}")
+    _check_magnitude(hiddens, max_magnitude, "hiddens")
+
+
+def _check_magnitude(hiddens: np.ndarray, max_magnitude: float | None, what: str) -> None:
+    """TooLargeError for the rows of finite `hiddens` with a value over `max_magnitude` (if any):
+    encoder outputs come from a layer norm (tens at most); values far beyond make the decoder
+    compute garbage or overflow."""
+    if max_magnitude is None:
+        return
+    peak = np.abs(hiddens).max(axis=(1, 2))
+    bad = peak > max_magnitude
+    if bad.any():
+        raise TooLargeError(np.flatnonzero(bad).tolist(), what,
+                            f"values up to {float(peak.max()):.3g}; the largest magnitude a decode accepts is "
+                            f"{max_magnitude:g} (max_hidden_magnitude)")
+
+
+def _check_logits(logits: np.ndarray, rows: np.ndarray) -> None:
+    """Logits are usable unless NaN, +Inf or all -Inf in a row (a -Inf alone is a banned token):
+    what an overflow inside the decoder gives. `rows[i]` is batch entry i's original row."""
+    bad = np.isnan(logits).any(axis=1) | np.isposinf(logits).any(axis=1) | np.isneginf(logits).all(axis=1)
+    if bad.any():
+        raise TooLargeError(sorted(set(rows[bad].tolist())), "hiddens",
+                            "the decoder's output is not finite (NaN or Inf): the hidden states are too large")
 
 
 # ------------------------------------------------------------------------------ primitives
 def perturb(hiddens: np.ndarray, mask: np.ndarray, rng: np.random.Generator,
-            scaled_radius: float) -> np.ndarray:
-    """hiddens + scaled_radius * N(0, 1) noise where mask is True, as float32.
+            scaled_radius: float, max_magnitude: float | None = None) -> np.ndarray:
+    """hiddens + scaled_radius * N(0, 1) noise where mask is True, as float32; TooLargeError for
+    rows that overflow float32 or exceed `max_magnitude`.
 
     The noise is one `rng.standard_normal(hiddens.shape, dtype=np.float32)` draw; a radius of 0
     draws nothing and returns an unchanged copy."""
@@ -132,7 +233,13 @@ def perturb(hiddens: np.ndarray, mask: np.ndarray, rng: np.random.Generator,
     if scaled_radius == 0:
         return hiddens.copy()
     noise = rng.standard_normal(hiddens.shape, dtype=np.float32)
-    return np.where(mask[..., None], hiddens + np.float32(scaled_radius) * noise, hiddens)
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the rows
+        perturbed = np.where(mask[..., None], hiddens + np.float32(scaled_radius) * noise, hiddens)
+    overflow = np.flatnonzero(~np.isfinite(perturbed).all(axis=(1, 2)))
+    if overflow.size:
+        raise TooLargeError(overflow.tolist(), "perturbed hiddens", "not finite (float32 overflow)")
+    _check_magnitude(perturbed, max_magnitude, "perturbed hiddens")
+    return perturbed
 
 
 def _logsumexp(logits: np.ndarray) -> np.ndarray:
@@ -161,6 +268,7 @@ def _autoregress(decoder: StepDecoder, hiddens: np.ndarray, mask: np.ndarray,
     cache = decoder.start(np.asarray(hiddens, dtype=np.float32), mask)
     for produced in range(1, max_length + 1):
         logits, cache = decoder.step(cache, tokens)
+        _check_logits(logits, rows)
         tokens = np.asarray(pick(logits), dtype=np.int64)
         going = tokens != end_id
         for row, token in zip(rows[going].tolist(), tokens[going].tolist()):
@@ -285,6 +393,7 @@ def beam_search(decoder: StepDecoder, hiddens: np.ndarray, mask: np.ndarray, *, 
     for step in range(1, max_length + 1):
         rows, slots = np.nonzero(alive)  # decoder batch order: row-major over alive slots
         logits, cache = decoder.step(cache, tokens)
+        _check_logits(logits, rows)
         # Only a hypothesis' `beams` best tokens can enter the beam: rank those, not the vocabulary.
         width = min(beams, logits.shape[1])
         top = _top(logits, width)
@@ -340,7 +449,8 @@ def beam_search(decoder: StepDecoder, hiddens: np.ndarray, mask: np.ndarray, *, 
 def generate(decoder: StepDecoder, hiddens: np.ndarray, mask: np.ndarray, *, method: str,
              num_samples: int, scaled_radius: float, rng: np.random.Generator, begin_id: int,
              end_id: int, max_length: int, top_k: int = 0, top_p: float = 0.9,
-             temperature: float = 1.0, beam_size: int = 5) -> list[list[list[int]]]:
+             temperature: float = 1.0, beam_size: int = 5,
+             max_magnitude: float | None = None) -> list[list[list[int]]]:
     """Token ids per batch row, per output, for one of SAMPLING_METHODS (n = num_samples):
 
     - greedy-perturbate: n perturbations, greedy decoding of each -> n outputs;
@@ -356,19 +466,15 @@ def generate(decoder: StepDecoder, hiddens: np.ndarray, mask: np.ndarray, *, met
     The perturbations decode as one batch of n * B rows, sample-major (sample s of row b is
     batch entry s * B + b), perturbed by one `perturb` call: the noise of sample 0 of every row
     is drawn first, then sample 1, and so on; sampling then draws as sample_top_k_top_p does.
-    Every argument is checked, whichever method uses it."""
-    if method not in SAMPLING_METHODS:
-        raise GenerationError(f"unknown sampling method {method!r}; valid: {', '.join(SAMPLING_METHODS)}")
-    _check_int("num_samples", num_samples, 1, MAX_NUM_SAMPLES)
-    _check_int("beam_size", beam_size, 1)
-    _check_real("scaled_radius", scaled_radius, at_least=0.0)
-    _check_sampling(top_k, top_p, temperature)
+    Every argument is checked, whichever method uses it; perturbed rows over `max_magnitude` (or
+    whose decoder output overflows) raise TooLargeError naming their batch entries."""
+    check_sampling_arguments(method, num_samples, beam_size, scaled_radius, top_k, top_p, temperature)
     _check_decode(hiddens, mask, max_length)
 
     batch = hiddens.shape[0]
     copies = 1 if method == "beam-search-single-sample" else num_samples
     tiled_mask = np.tile(mask, (copies, 1))
-    perturbed = perturb(np.tile(hiddens, (copies, 1, 1)), tiled_mask, rng, scaled_radius)
+    perturbed = perturb(np.tile(hiddens, (copies, 1, 1)), tiled_mask, rng, scaled_radius, max_magnitude)
     ids = dict(begin_id=begin_id, end_id=end_id, max_length=max_length)
     if method == "greedy-perturbate":
         outputs = [[seq] for seq in greedy(decoder, perturbed, tiled_mask, **ids)]

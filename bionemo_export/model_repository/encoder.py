@@ -104,11 +104,15 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
 
 
 def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: list[Tensor],
-                onnx_files: dict[str, Path], *, role: RoleOptions, backend: str, what: str) -> ModelPlan:
+                onnx_files: dict[str, Path], *, role: RoleOptions, backend: str, what: str,
+                axes: dict[str, tuple[str | int, ...]], axis_limits: dict[str, int] | None = None,
+                token_inputs: dict[str, int] | None = None) -> ModelPlan:
     """A model that runs one exported ONNX graph whose batch is not its first axis (key/value
     caches laid out [layers, batch, ...]): max_batch_size 0 and full shapes in dims; its callers
     batch. Triton's onnxruntime_onnx platform with `--backend native`, ONNX Runtime inside a
-    Python-backend model with `--backend python`."""
+    Python-backend model with `--backend python`, which checks a direct caller's inputs: `axes`
+    (each input's axes, dynamic ones named) must agree by name and stay within `axis_limits`;
+    `token_inputs` (input -> vocabulary size) hold ids in [0, size)."""
     plan = ModelPlan(name=model_name, inputs=inputs, outputs=outputs, max_batch_size=0,
                      instance_count=role.instances, files=dict(onnx_files))
     if backend == "native":
@@ -116,13 +120,15 @@ def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: lis
     else:
         plan.backend = "python"
         parameters = role.graph_parameters()
-        plan.parameters.update({key: parameters[key] for key in ("intra_op_threads", "allow_spinning")})
+        plan.parameters.update({key: parameters[key] for key in ("intra_op_threads", "allow_spinning",
+                                                                 "memory_arena")})
         plan.files.update(serving_files("host"))
         plan.files["model.py"] = render(
             "onnx_model.py.j2",
             model_name=plan.name, family=family, what=what, tool_version=__version__,
             io_lines=_io_lines(inputs, outputs, batched=False),
             input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
+            axes=axes, axis_limits=axis_limits or {}, token_inputs=token_inputs or {},
         )
         plan.description = f"{what} (ONNX Runtime in the Python backend)"
     return plan
@@ -172,7 +178,8 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
         model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
         io_lines=_io_lines(inputs, outputs), output_names=[t.name for t in outputs],
         tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
-        tokenizer_sources=", ".join(files), public_prefix=name,
+        tokenizer_sources=", ".join(files), public_prefix=name, vocab_size=tokenizer.vocab_size,
+        max_length=tokenizer.max_length,
     )
     plan.description = ("tokenizer + encoder" if fused else "encoder") + " (ONNX Runtime in the Python backend)"
     return plan

@@ -10,7 +10,7 @@ threads, dynamic batching, length buckets, token budget, response cache) is deci
 | `encoder` | `N_encoder`: the exported encoder graph (and, in the fused layout, the tokenizer) | instances, threads, dynamic batching, length buckets, token budget |
 | `embeddings`, `hiddens` | `N_embeddings`, `N_hiddens`: the public entry points (ensembles) | response cache |
 | `cross_kv`, `decoder_step` | the decoding graphs, called by BLS (not batched by Triton) | instances, threads |
-| `decodes`, `samplings` | the decode loops (Python, BLS) | instances, dynamic batching |
+| `decodes`, `samplings` | the decode loops (Python, BLS) | instances, dynamic batching; `limits` (samplings) |
 
 Defaults and why (measured on 2-core CPU hosts; see the README's performance section):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
@@ -33,6 +33,14 @@ Defaults and why (measured on 2-core CPU hosts; see the README's performance sec
 - Dynamic batching without a queue delay: while an instance runs (tens of milliseconds on a CPU),
   the next requests queue and are handed over together, so batches form under load with no delay
   added at low load.
+- Two instances of each decode-loop model (decodes, samplings), and limits on one request's work
+  (`GenerationLimits`: num_samples <= 32, beam_size <= 16, num_samples x beam_size <= 64, at most
+  32768 tokens of hidden states per decode; the decode length is the build's max_decode_length):
+  a long sampling request holds one instance while the other answers the rest, and a client's
+  deadline or cancellation ends its decode loop between steps.
+- ONNX Runtime's CPU memory arena off, and malloc_trim after large requests: a stub's heap goes
+  back to its size before a large request (measured: a tiny MegaMolBART encoder instance kept
+  ~170 MiB after one 32 x 510-token request with the arena, ~2 MiB without it).
 - Length buckets of 16 tokens and a token budget of 8192 tokens per graph call (see
   bionemo_export/serving/batching.py): rows of every request the batcher hands over are sorted by
   length and padded to a multiple of 16 tokens, so requests of different lengths run together with
@@ -69,6 +77,9 @@ class RoleOptions:
     """Most tokens (rows x padded length) in one graph call; 0: no limit."""
     allow_spinning: bool = False
     """Let ONNX Runtime's idle threads spin (lower latency on a host with nothing else to run)."""
+    memory_arena: bool = False
+    """ONNX Runtime's CPU memory arena: it keeps the peak of the largest request for good; without
+    it (the default) memory goes back to the system after each run."""
     response_cache: bool = False
 
     def __post_init__(self) -> None:
@@ -84,9 +95,45 @@ class RoleOptions:
         return {
             "intra_op_threads": str(self.threads) if self.threads else AUTO_THREADS,
             "allow_spinning": "true" if self.allow_spinning else "false",
+            "memory_arena": "true" if self.memory_arena else "false",
             "length_bucket": str(self.length_bucket),
             "token_budget": str(self.token_budget),
         }
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """The most work one decoding request may ask for: written into the `parameters` of the
+    samplings (and decodes) configs and enforced there before any work, with INVALID_ARGUMENT
+    naming the limit. Without them one in-limit request (64 samples x 64 beams) decoded for a
+    minute, held an instance the whole time and left the server gigabytes larger."""
+
+    max_num_samples: int = 32
+    """Most `num_samples` per request."""
+    max_beam_size: int = 16
+    """Most `beam_size` per request."""
+    max_samples_x_beams: int = 64
+    """Most hypotheses decoded side by side per input sequence (num_samples x beam_size for the
+    beam-search-perturbate methods, num_samples otherwise)."""
+    max_decode_tokens: int = 32768
+    """Most tokens of hidden states one decode attends to: rows (sequences x hypotheses) x source
+    length, per request and per batch of requests decoded together. It bounds the decoder's
+    key/value caches, which cross Triton's shared memory at every step (BLS calls), and the
+    Python backend's shared-memory pools keep their high-water mark for good. 32768 tokens: e.g.
+    32 sequences of 512 tokens x 2 samples, or 64 hypotheses of one 512-token sequence."""
+    max_hidden_magnitude: float = 1e4
+    """Largest |value| of the hidden states a decode accepts (decodes' input, samplings' perturbed
+    states). Encoder outputs come from a layer norm (tens at most); far larger ones make the
+    decoder compute garbage (1e38 decoded to empty strings) or overflow."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value >= 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+    def parameters(self, *names: str) -> dict[str, str]:
+        """Config `parameters`: the limits `names` (all of them when none is named)."""
+        return {name: str(value) for name, value in vars(self).items() if not names or name in names}
 
 
 @dataclass(frozen=True)
@@ -101,9 +148,14 @@ class ServingOptions:
     """python: ONNX Runtime inside a Python-backend model; native: Triton's onnxruntime_onnx."""
     max_batch_size: int = 32
     tokenizer_instances: int = 1
-    """Instances of the Python models around the graph: tokenizer, decodes, samplings."""
+    """Instances of the tokenizer model (ensemble layout)."""
     encoder_instances: int = 2
     """Instances of each graph-running model (encoder, cross_kv, decoder_step)."""
+    decode_instances: int = 2
+    """Instances of each decode-loop model (decodes, samplings): while one decodes a long request,
+    the other answers the rest."""
+    limits: GenerationLimits = GenerationLimits()
+    """Bounds on one decoding request's work (samplings)."""
     max_queue_delay_microseconds: int = 0
     response_cache: bool = False
     truncate: bool = False
@@ -130,7 +182,7 @@ class ServingOptions:
             raise ValueError("the fused layout runs the graph in a Python-backend model: use --backend python")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        for name in ("tokenizer_instances", "encoder_instances"):
+        for name in ("tokenizer_instances", "encoder_instances", "decode_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget"):
@@ -165,7 +217,8 @@ class ServingOptions:
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
         if name in ("embeddings", "hiddens"):
             return RoleOptions(response_cache=self.response_cache)
-        # tokenizer, decodes, samplings: Python models batched by Triton.
+        if name in ("decodes", "samplings"):
+            return RoleOptions(instances=self.decode_instances, batching=self.dynamic_batching())
         return RoleOptions(instances=self.tokenizer_instances, batching=self.dynamic_batching())
 
     def with_role(self, name: str, **changes) -> "ServingOptions":
