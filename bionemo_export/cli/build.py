@@ -45,7 +45,7 @@ def repo(
     queue_delay_us: int = typer.Option(0, help="Dynamic batcher's maximum queue delay in microseconds."),
     layout: str = typer.Option("auto", help="fused (the encoder model tokenizes; python backend), ensemble "
                                "(tokenizer model -> encoder model), or auto (fused with python, ensemble with native)."),
-    length_bucket: int = typer.Option(16, help="Encoder rows are padded to a multiple of this many tokens."),
+    length_bucket: int = typer.Option(16, help="Encoder rows are padded to a multiple of this many tokens (1: each to its own length; 0: all to the longest, plain dynamic batching)."),
     token_budget: int = typer.Option(8192, help="Most tokens (rows x padded length) in one encoder graph call "
                                      "(0: no limit)."),
     response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "

@@ -72,7 +72,8 @@ class RoleOptions:
     batching: DynamicBatching | None = None
     """Triton's dynamic batcher; None: not batched by Triton."""
     length_bucket: int = 0
-    """Rows are padded to a multiple of this many tokens (0 or 1: to their own length)."""
+    """Rows are padded to a multiple of this many tokens (1: to their own length; 0: all to the
+    longest row, plain dynamic batching)."""
     token_budget: int = 0
     """Most tokens (rows x padded length) in one graph call; 0: no limit."""
     allow_spinning: bool = False
@@ -167,7 +168,8 @@ class ServingOptions:
     """fused: the encoder model tokenizes (python backend); ensemble: tokenizer model -> encoder
     model; auto: fused with the python backend, ensemble with native."""
     length_bucket: int = 16
-    """Encoder rows are padded to a multiple of this many tokens (1: to their own length)."""
+    """Encoder rows are padded to a multiple of this many tokens (1: to their own length; 0: all to
+    the longest row of the batch, plain dynamic batching)."""
     token_budget: int = 8192
     """Most tokens (rows x padded length) in one encoder graph call (0: no limit)."""
     roles: Mapping[str, RoleOptions] = field(default_factory=dict)
