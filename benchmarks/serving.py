@@ -16,7 +16,8 @@ through `bionemo_export.bench`, on the same seeded inputs):
   repository built with plain dynamic batching (requests padded only to their own batch).
 - `decodes`: a MegaMolBART-sized model (hidden 512, 6 + 6 layers, 8 heads, random weights, so every
   decode runs to --max-decode tokens): served `N_decodes` against in-process cached decoding
-  (ONNX Runtime, the same cross_kv / decoder_step graphs) on the same hidden states.
+  (ONNX Runtime, the same cross_kv / decoder_step graphs, the same search code) on hidden states of
+  the same lengths, at batch 1 and 8.
 
 Results go to benchmarks/results/serving.md (+ .json, and each part's bench report with CSVs and a
 PNG under benchmarks/results/serving/).
@@ -231,8 +232,9 @@ def part_decodes(work: Path, args) -> dict:
     write_report(results, args.out / "decodes", command=" ".join(sys.argv))
     # In process: the repository's own graphs, the same search code, same hidden-state lengths.
     data = generate_inputs([TensorSpec("hiddens", "FP32", (-1, 512)), TensorSpec("mask", "BOOL", (-1,))], spec)
-    sessions = {name: ort.InferenceSession(str(repo / f"mmb_{name}" / "1" / "model.onnx"),
-                                           providers=["CPUExecutionProvider"]) for name in ("cross_kv", "decoder_step")}
+    graphs = repo / "mmb_decodes" / "1"  # the fused layout: the decode loop's own copies of the graphs
+    sessions = {name: ort.InferenceSession(str(graphs / name / "model.onnx"), providers=["CPUExecutionProvider"])
+                for name in ("cross_kv", "decoder_step")}
     decoder = OnnxRuntimeDecoder(sessions)
     rng = np.random.default_rng(0)
     lengths = data.lengths

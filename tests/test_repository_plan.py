@@ -155,3 +155,60 @@ def test_a_consistent_ensemble_validates():
 def test_inconsistent_ensembles_are_refused_with_the_reason(kwargs, message):
     with pytest.raises(PlanError, match=message):
         _two_step(**kwargs).validate()
+
+
+@pytest.fixture(scope="module")
+def megamolbart(tmp_path_factory):
+    """A tiny random MegaMolBART: its tokenizer, decoding modules and graph specs (nothing exported)."""
+    from bionemo_export.models import get_family
+    from bionemo_export.models.base import seq2seq_graph_specs
+
+    family = get_family("megamolbart")
+    loaded = family.load(family.save_random_checkpoint(tmp_path_factory.mktemp("mmb") / "ckpt", seed=0))
+    return loaded, seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
+
+
+def _seq2seq_plan(tmp_path: Path, megamolbart, **options) -> RepositoryPlan:
+    from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
+
+    loaded, specs = megamolbart
+    files = {}
+    for graph in ("encoder", "cross_kv", "decoder_step"):
+        (tmp_path / graph).mkdir(exist_ok=True)
+        (tmp_path / graph / "model.onnx").write_bytes(b"not really onnx")
+        files[graph] = {"model.onnx": tmp_path / graph / "model.onnx"}
+    return plan_seq2seq_repository("mmb", family="megamolbart", hidden_size=loaded.hidden_size,
+                                   tokenizer=loaded.tokenizer, seq2seq=loaded.seq2seq, graph_specs=specs,
+                                   onnx_files=files, options=ServingOptions(**options))
+
+
+def test_fused_decode_loops_run_the_decoder_graphs_themselves(tmp_path, megamolbart):
+    """Fused (python backend default): no N_cross_kv / N_decoder_step models; each decode loop has
+    both graphs beside its model.py, ONNX Runtime settings in its parameters, no BLS callee but the
+    encoder; decodes' inputs are ragged so requests of different lengths batch together."""
+    plan = _seq2seq_plan(tmp_path, megamolbart)
+    models = {model.name: model for model in plan.models}
+    assert "mmb_cross_kv" not in models and "mmb_decoder_step" not in models
+    for name in ("mmb_decodes", "mmb_samplings"):
+        model = models[name]
+        assert {"cross_kv/model.onnx", "decoder_step/model.onnx", "host.py"} <= set(model.files)
+        assert model.parameters["intra_op_threads"] == "auto" and model.parameters["memory_arena"] == "false"
+        code = model.files["model.py"]
+        compile(code, f"{name}/model.py", "exec")
+        assert "LocalDecoder(args, here)" in code and "BlsDecoder" not in code
+    assert models["mmb_decodes"].parameters["bls_models"] == ""
+    assert models["mmb_samplings"].parameters["bls_models"] == "mmb_encoder"
+    assert all(tensor.ragged for tensor in models["mmb_decodes"].inputs)
+    plan.write(tmp_path / "repo")
+    assert (tmp_path / "repo" / "mmb_decodes" / "1" / "decoder_step" / "model.onnx").is_file()
+
+
+def test_ensemble_layout_calls_the_decoder_graph_models_through_bls(tmp_path, megamolbart):
+    plan = _seq2seq_plan(tmp_path, megamolbart, layout="ensemble")
+    models = {model.name: model for model in plan.models}
+    assert {"mmb_cross_kv", "mmb_decoder_step", "mmb_tokenizer"} <= set(models)
+    for name in ("mmb_decodes", "mmb_samplings"):
+        code = models[name].files["model.py"]
+        compile(code, f"{name}/model.py", "exec")
+        assert "BlsDecoder()" in code and "LocalDecoder" not in code and "cross_kv/model.onnx" not in models[name].files
+    assert models["mmb_decodes"].parameters["bls_models"] == "mmb_cross_kv,mmb_decoder_step"
