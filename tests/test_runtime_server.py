@@ -194,3 +194,16 @@ def test_perf_analyzer_measures_the_served_model(tiny_server, tmp_path):
     assert len(rows) == 3  # header + concurrency 1 and 2
     throughput = [float(r.split(",")[1]) for r in rows[1:]]
     assert all(t > 0 for t in throughput)
+
+
+def test_a_repository_whose_path_has_spaces_is_served(tmp_path, triton_install):
+    """Found by a benchmark: the Python backend splits its stubs' command line on spaces, so a model
+    folder with a space in its path crashed tritonserver ("stol"). The server is given a link."""
+    repo = tiny_repository(tmp_path / "my models" / "repo one")
+    with TritonServer(repo, install=triton_install, log_file=tmp_path / "tritonserver.log") as server:
+        assert " " not in str(server.served_path) and server.served_path.resolve() == repo.resolve()
+        client = httpclient.InferenceServerClient(server.endpoints.http_url)
+        x = np.array([[1.0, 2.0, 3.0]], dtype=np.float32)
+        inp = httpclient.InferInput("x", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("y"), 2 * x + 1)

@@ -181,6 +181,18 @@ class Endpoints:
         return f"http://{self._client_host}:{self.metrics_port}/metrics"
 
 
+def _path_without_whitespace(path: Path) -> Path:
+    """`path`, or a symbolic link to it from a fresh temporary folder whose path has no whitespace."""
+    if not any(character.isspace() for character in str(path)):
+        return path
+    folder = Path(tempfile.mkdtemp(prefix="bionemo-export-repository-"))
+    if any(character.isspace() for character in str(folder)):  # a TMPDIR with spaces: nothing to gain
+        return path
+    link = folder / "models"
+    link.symlink_to(path, target_is_directory=True)
+    return link
+
+
 class TritonServer:
     """A tritonserver process serving one model repository.
 
@@ -236,6 +248,10 @@ class TritonServer:
         # Unique to this server, so that its leaked regions can be told from other servers'.
         self.shm_prefix = f"bionemo_export_{os.getpid()}_{secrets.token_hex(4)}_"
         self._process: subprocess.Popen[bytes] | None = None
+        self.served_path = _path_without_whitespace(self.model_repository)
+        """The path tritonserver is given: the repository, or a link to it when its path has
+        whitespace (the Python backend starts its stubs with a command line split on spaces, and a
+        model folder with a space in its path crashes the server: "std::invalid_argument: stol")."""
 
     # -- command line -------------------------------------------------------------------------
 
@@ -244,7 +260,7 @@ class TritonServer:
         ep = self.endpoints
         cmd = [
             str(self.install.binary),
-            f"--model-repository={self.model_repository}",
+            f"--model-repository={self.served_path}",
             f"--backend-directory={self.install.backend_directory}",
             f"--http-address={ep.host}",
             f"--http-port={ep.http_port}",
