@@ -286,12 +286,14 @@ def test_dependencies_cover_ensemble_steps_and_bls_callees(tmp_path, layout):
     configs = _seq2seq_configs(tmp_path, layout=layout)
     encoder_steps = ["mmb_encoder"] if layout == "fused" else ["mmb_tokenizer", "mmb_encoder"]
     assert dependencies("mmb_hiddens", configs.get) == encoder_steps
-    assert dependencies("mmb_decodes", configs.get) == ["mmb_cross_kv", "mmb_decoder_step"]
-    assert dependencies("mmb_samplings", configs.get) == ["mmb_encoder", "mmb_cross_kv", "mmb_decoder_step"]
+    # Fused: the decode loops run the decoder graphs themselves; ensemble: through BLS to their models.
+    graphs = [] if layout == "fused" else ["mmb_cross_kv", "mmb_decoder_step"]
+    assert dependencies("mmb_decodes", configs.get) == graphs
+    assert dependencies("mmb_samplings", configs.get) == ["mmb_encoder", *graphs]
 
 
 def test_what_is_reloaded_for_a_dead_stub_and_for_another_failure(tmp_path):
-    configs = _seq2seq_configs(tmp_path)
+    configs = _seq2seq_configs(tmp_path, layout="ensemble")  # the layout with decoder graph models
     publics = ["mmb_embeddings", "mmb_hiddens", "mmb_decodes", "mmb_samplings"]
     # A dead decoder-step stub, named by the error: it and its callers, not the healthy encoder.
     dead = ProbeResult("mmb_samplings", False, 1.0, "mmb_samplings: Stub process 'mmb_decoder_step_0_1' is not healthy.")

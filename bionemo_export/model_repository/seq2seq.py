@@ -173,7 +173,10 @@ def plan_seq2seq_repository(
             backend="python",
             instance_count=options.role("decodes").instances,
             dynamic_batching=options.role("decodes").batching,
-            parameters={BLS_MODELS: ",".join(graph_callees), **_graph_settings(options, "decodes"),
+            # No empty parameter when it calls nothing: gRPC's JSON drops an empty string_value, and
+            # PyTriton's ModelClient then fails to parse the config.
+            parameters={**({BLS_MODELS: ",".join(graph_callees)} if graph_callees else {}),
+                        **_graph_settings(options, "decodes"),
                         **decode_length, **options.limits.parameters("max_hidden_magnitude", "max_decode_tokens")},
             files={"model.py": render("decodes_model.py.j2", model_name=f"{name}_decodes", **context), **files},
             description="public: decodes (greedy decode loop" + (", decoder graphs in-process)" if options.fused
