@@ -105,7 +105,7 @@ def test_each_role_owns_its_settings():
     assert options.role("samplings").instances == 3 and options.role("samplings").batching is not None
     assert options.role("encoder").graph_parameters()["intra_op_threads"] == "4"
     defaults = ServingOptions().role("encoder")
-    assert defaults.instances == 2 and defaults.graph_parameters()["intra_op_threads"] == "auto"
+    assert defaults.instances == 1 and defaults.graph_parameters()["intra_op_threads"] == "auto"
     assert defaults.graph_parameters()["allow_spinning"] == "false"
     tuned = options.with_role("decodes", instances=5)
     assert tuned.role("decodes").instances == 5 and tuned.role("samplings").instances == 3

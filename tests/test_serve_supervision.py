@@ -51,14 +51,14 @@ def _ready(http: int, model: str) -> bool:
 
 @pytest.fixture(scope="module")
 def esm2_repo(tmp_path_factory) -> Path:
-    """A tiny random ESM-2 repository with the default serving options (2 encoder instances)."""
+    """A tiny random ESM-2 repository with two encoder instances (one dead stub of two is a case)."""
     from bionemo_export.build import BuildRequest, build_repository
     from bionemo_export.models import get_family
 
     work = tmp_path_factory.mktemp("esm2")
     checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=3)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=4)))
+                                  backend="python", serving=ServingOptions(max_batch_size=4, encoder_instances=2)))
     return work / "repo"
 
 
@@ -86,7 +86,7 @@ def test_a_killed_encoder_stub_is_reloaded_and_answers_again(served):
     before = client.seqs_to_embedding(SEQUENCES)
     server = sp.tritonserver_of(served.process.pid)
     stubs = sp.stubs(server, f"{NAME}_encoder")
-    assert len(stubs) == 2  # two encoder instances by default: kill both, the model then cannot answer
+    assert len(stubs) == 2  # two encoder instances (this repository's setting): kill both, the model then cannot answer
     for stub in stubs:
         os.kill(stub, signal.SIGKILL)
     assert not sp.wait_gone(stubs, 10)

@@ -39,7 +39,7 @@ def repo(
     truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
     tokenizer_instances: int = typer.Option(1, help="Instances of the tokenizer model (ensemble layout)."),
     decode_instances: int = typer.Option(2, help="Instances of each decode-loop model (decodes, samplings)."),
-    encoder_instances: int = typer.Option(2, help="Instances of each graph model (encoder, cross_kv, decoder_step)."),
+    encoder_instances: int = typer.Option(1, help="Instances of each graph model (encoder, cross_kv, decoder_step)."),
     intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per graph-model instance (0: auto, the "
                                          "serving host's cores divided among the instances, at load time)."),
     queue_delay_us: int = typer.Option(0, help="Dynamic batcher's maximum queue delay in microseconds."),

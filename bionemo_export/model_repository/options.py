@@ -25,11 +25,15 @@ Defaults and why (measured on 2-core CPU hosts; see the README's performance sec
   take the cores from Triton, the other instances and clients on the same host. Each graph model
   sizes its pool that way: they seldom run at the same time (a decode loop calls cross_kv, then
   decoder_step, in turn); give a role `threads` to split the cores between models instead.
-- Two instances of each graph model: at low load one runs a request on every core; under load the
-  two overlap one's Python work (tokenizing, copies) with the other's graph. Measured side by side
-  on 2 cores (AntiBERTy, perf_analyzer on the same host): 2 instances x 2 threads without spinning
-  served 1.2-1.5x the sequences/s of 1 instance x 2 threads at concurrency 8 and 32 and matched its
-  latency at concurrency 1; spinning threads lost a third of the throughput.
+- One instance of each graph model, its ONNX Runtime pool on every core: the dynamic batcher
+  then hands it every request that queued while it ran, so batches are real (5.1 at concurrency 8,
+  11.8 at 32). Measured side by side on 2 cores (benchmarks/results/encoder_instances.md, real
+  AntiBERTy, perf_analyzer on the same host): 1 x 2 threads served 36.4 seq/s at concurrency 8 and
+  32 against 34.9 / 32.9 for 2 instances x 2 threads (which split the batches, 2.3 at c8, and
+  oversubscribe the cores), with the same latency at concurrency 1 (30.2 ms); 2 x 1 thread
+  served 37.1-37.3 under load but doubled the latency at concurrency 1 (54 ms). An earlier
+  measurement favouring 2 x 2 was taken on a loaded machine. Spinning threads lost a third of the
+  throughput; the memory arena gained nothing (34.0 seq/s).
 - Dynamic batching without a queue delay: while an instance runs (tens of milliseconds on a CPU),
   the next requests queue and are handed over together, so batches form under load with no delay
   added at low load.
@@ -150,8 +154,8 @@ class ServingOptions:
     max_batch_size: int = 32
     tokenizer_instances: int = 1
     """Instances of the tokenizer model (ensemble layout)."""
-    encoder_instances: int = 2
-    """Instances of each graph-running model (encoder, cross_kv, decoder_step)."""
+    encoder_instances: int = 1
+    """Instances of each graph-running model (encoder; cross_kv and decoder_step in the ensemble layout)."""
     decode_instances: int = 2
     """Instances of each decode-loop model (decodes, samplings): while one decodes a long request,
     the other answers the rest."""
