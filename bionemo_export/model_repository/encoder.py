@@ -119,9 +119,7 @@ def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: lis
         _native(plan, role, what)
     else:
         plan.backend = "python"
-        parameters = role.graph_parameters()
-        plan.parameters.update({key: parameters[key] for key in ("intra_op_threads", "allow_spinning",
-                                                                 "memory_arena")})
+        plan.parameters.update(role.session_parameters())
         plan.files.update(serving_files("host"))
         plan.files["model.py"] = render(
             "onnx_model.py.j2",

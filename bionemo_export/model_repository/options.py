@@ -95,15 +95,19 @@ class RoleOptions:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more")
 
-    def graph_parameters(self) -> dict[str, str]:
-        """Config `parameters` that the generated model.py of a graph-running model reads."""
+    def session_parameters(self) -> dict[str, str]:
+        """Config `parameters` that templates/_onnx_session.py.j2 reads to open an ONNX Runtime session."""
         return {
             "intra_op_threads": str(self.threads) if self.threads else AUTO_THREADS,
             "allow_spinning": "true" if self.allow_spinning else "false",
             "memory_arena": "true" if self.memory_arena else "false",
-            "length_bucket": str(self.length_bucket),
-            "token_budget": str(self.token_budget),
         }
+
+    def graph_parameters(self) -> dict[str, str]:
+        """Config `parameters` that the generated model.py of the encoder reads: the session's, and
+        how it batches rows of different lengths."""
+        return {**self.session_parameters(), "length_bucket": str(self.length_bucket),
+                "token_budget": str(self.token_budget)}
 
 
 @dataclass(frozen=True)

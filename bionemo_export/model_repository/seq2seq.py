@@ -110,8 +110,7 @@ def _graph_settings(options: ServingOptions, role: str) -> dict[str, str]:
     """ONNX Runtime settings of a decode loop that runs the decoder graphs itself (fused layout)."""
     if not options.fused:
         return {}
-    parameters = options.role(role).graph_parameters()
-    return {key: parameters[key] for key in ("intra_op_threads", "allow_spinning", "memory_arena")}
+    return options.role(role).session_parameters()
 
 
 def plan_seq2seq_repository(
