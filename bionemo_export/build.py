@@ -28,6 +28,8 @@ from typing import Callable, Iterator
 
 from bionemo_export import __version__
 from bionemo_export.errors import reason
+from bionemo_export.model_repository.backends import BACKENDS
+from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.manifest import checkpoint_digest, package_versions, write_manifest
@@ -95,6 +97,8 @@ class BuildResult:
 def resolve_backend(backend: str, tritonserver: str | None = None) -> str:
     """`auto` -> `native` when the target tritonserver has the onnxruntime backend, else `python`."""
     if backend != "auto":
+        if backend not in BACKENDS:
+            raise BuildError(f"--backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}")
         return backend
     from bionemo_export.runtime import TritonNotFoundError, find_tritonserver
 
@@ -227,10 +231,13 @@ def _log_tail(workspace: Path | None, lines: int = 20) -> str:
 
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
-                progress: Progress) -> dict[str, ExportedGraph]:
+                progress: Progress, cpu_optimized: bool = True) -> dict[str, ExportedGraph]:
+    """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
+    every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
+    they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse)."""
     family, exporter = loaded.family, request.exporter
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
-    sizes = dict(optimize=request.optimize, num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size)
+    sizes = dict(optimize=request.optimize and cpu_optimized, num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size)
     # Reduced precision applies to the encoder; decoder graphs stay fp32 (greedy decodes are exact).
     graphs = {"encoder": _export_graph("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
                                        export_dir, exporter, family, progress, precision=request.precision,
@@ -263,7 +270,13 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     if request.family is not None:
         _check_tasks(get_family(request.family), request.tasks)
     backend = resolve_backend(request.backend, request.tritonserver)
-    serving = dataclasses.replace(request.serving, backend=backend)
+    try:
+        serving = dataclasses.replace(request.serving, backend=backend)
+    except ValueError as err:  # a device or layout the backend cannot serve
+        raise BuildError(str(err)) from err
+    if request.precision == "int8" and not serving.serving_backend.stores_cpu_optimized_graphs:
+        raise BuildError(f"--precision int8 is ONNX Runtime's CPU quantization; on --device gpu use fp16 "
+                         f"(--backend tensorrt builds fp16 engines by default)")
 
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     try:
@@ -288,7 +301,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             export_dir = temporary / "onnx"
             export_dir.mkdir()
             try:
-                graphs = _export_all(loaded, tasks, export_dir, request, progress)
+                graphs = _export_all(loaded, tasks, export_dir, request, progress,
+                                     cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs)
             except PrecisionError as err:
                 raise BuildError(str(err)) from err
             progress(f"writing the repository ({backend} backend)")
@@ -305,6 +319,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                            **loaded.description},
             "precision": request.precision,
             "backend": backend,
+            "device": serving.serving_backend.device,
             "exporter": request.exporter,
             "export": {name: graph.record for name, graph in graphs.items()},
             "serving": dataclasses.asdict(serving),
@@ -316,6 +331,9 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             "versions": package_versions(),
         }
         write_manifest(staging, manifest)
+        findings = check_repository(staging)
+        if findings:  # a planner bug: what a server would refuse at load time, or fail on later
+            raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))
         _move_into_place(staging, request.out, request.force, retired=folder / "replaced")
     finally:
         _discard_build_folder(folder, request.out, progress)
@@ -340,7 +358,8 @@ def _accuracy(precision: str, encoder: ExportedGraph) -> dict:
 def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
           graphs: dict[str, ExportedGraph]):
     common = dict(family=loaded.family.name, hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
-                  tasks=tasks, options=serving)
+                  tasks=tasks, options=serving, graph_optimization_level=graphs["encoder"].record["optimization"][
+                      "serving_graph_optimization_level"])
     if loaded.seq2seq is None:
         return plan_encoder_repository(request.name, onnx_files=graphs["encoder"].files, **common)
     return plan_seq2seq_repository(

@@ -103,10 +103,10 @@ def test_each_role_owns_its_settings():
     assert options.role("encoder").token_budget == 8192 and options.role("encoder").length_bucket == 16
     assert options.role("decoder_step").batching is None and options.role("cross_kv").instances == 2
     assert options.role("samplings").instances == 3 and options.role("samplings").batching is not None
-    assert options.role("encoder").graph_parameters()["intra_op_threads"] == "4"
+    assert options.role("encoder").session_parameters()["intra_op_threads"] == "4"
     defaults = ServingOptions().role("encoder")
-    assert defaults.instances == 1 and defaults.graph_parameters()["intra_op_threads"] == "auto"
-    assert defaults.graph_parameters()["allow_spinning"] == "false"
+    assert defaults.instances == 1 and defaults.session_parameters()["intra_op_threads"] == "auto"
+    assert defaults.session_parameters()["allow_spinning"] == "false"
     tuned = options.with_role("decodes", instances=5)
     assert tuned.role("decodes").instances == 5 and tuned.role("samplings").instances == 3
     assert ServingOptions(roles={"encoder": RoleOptions(instances=4)}).role("encoder").instances == 4

@@ -29,6 +29,8 @@ from .inputs import InputData, InputSpec, TensorSpec, generate_inputs
 DEFAULT_CONCURRENCIES = (1, 8, 32)
 DEFAULT_WINDOW_S = 5.0  # perf_analyzer --measurement-interval; >= 5 s on small shared hosts
 UNSTABLE = "Failed to obtain stable measurement"
+TOO_SLOW = "No valid requests recorded within time interval"
+"""perf_analyzer's message when no request finished inside a measurement window."""
 
 
 class BenchError(RuntimeError):
@@ -377,9 +379,10 @@ def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: f
     before = read_statistics(live.client)
     code, output = _perf_analyzer(pa, args, log, timeout)
     stable = True
-    if code != 0 and UNSTABLE in output:
-        # No stable window: measure a fixed number of requests instead (about three windows' worth at
-        # the rate the server just sustained) and say so in the report.
+    if code != 0 and (UNSTABLE in output or TOO_SLOW in output):
+        # No stable window, or requests slower than the window: measure a fixed number of requests
+        # instead (about three windows' worth at the rate the server just sustained) and say so in
+        # the report.
         stable = False
         done = statistics_delta(before, read_statistics(live.client))
         served = next((m.requests for m in done if m.name == target.model), 0)

@@ -26,7 +26,12 @@ def repo(
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves)."),
     backend: str = typer.Option("auto", help="python (ONNX Runtime in the Python backend), native (Triton's "
-                                "onnxruntime_onnx), or auto (native when the found tritonserver can load it)."),
+                                "onnxruntime_onnx), tensorrt (Triton's tensorrt_plan; then run `bionemo-export "
+                                "engines build` where TensorRT is installed), or auto (native when the found "
+                                "tritonserver can load it, else python)."),
+    device: Optional[str] = typer.Option(None, help="cpu or gpu: where the models that run graphs are placed "
+                                         "(instance kind; the python backend then uses ONNX Runtime's CUDA provider). "
+                                         "Default: gpu for tensorrt, cpu otherwise."),
     exporter: str = typer.Option("torch", help="ONNX exporter: torch (torch.onnx) or navigator (Triton Model Navigator)."),
     precision: str = typer.Option("fp32", help="Encoder graph precision: fp32; int8 (dynamic quantization, for CPU "
                                   "hosts; its accuracy cost against fp32 is measured and written in manifest.json); "
@@ -73,7 +78,7 @@ def repo(
     console = Console()
     try:
         serving = ServingOptions(
-            max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
+            device=device, max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
             encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
             layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,

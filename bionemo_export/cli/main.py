@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 from bionemo_export import __version__
 from bionemo_export.errors import reason, user_facing
 
-from . import bench, build, client, deploy, dev_server, doctor, health, serve, verify
+from . import bench, build, client, deploy, dev_server, doctor, engines, health, serve, verify
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
 # command's output that the user can do nothing about.
@@ -75,6 +75,7 @@ def _root(
 
 
 app.add_typer(build.app, name="build")
+app.add_typer(engines.app, name="engines")
 app.command("serve", help=serve.__doc__)(serve.serve)
 app.command("health", help=health.__doc__)(health.health)
 app.command("verify", help=verify.__doc__)(verify.verify)

@@ -8,12 +8,16 @@ For `--name N`, with `--backend python` (the "fused" layout, the default there):
     N_embeddings  ensemble  sequences -> embeddings       (one step: N_encoder)
     N_hiddens     ensemble  sequences -> hiddens, mask    (one step: N_encoder)
 
-With `--backend native`, or `layout="ensemble"` (ServingOptions), a tokenizer model feeds the graph:
+With `--backend native` or `tensorrt`, or `layout="ensemble"` (ServingOptions), a tokenizer model
+feeds the graph:
 
     N_tokenizer   python    sequences BYTES [1] -> input_ids, attention_mask INT64 [-1], mask BOOL [-1]
-    N_encoder     onnx      input_ids, attention_mask, residue_mask -> hiddens FP32 [-1, H], embeddings FP32 [H]
-                            (platform onnxruntime_onnx with --backend native; a Python-backend model
-                            running ONNX Runtime, whose token inputs allow ragged batches, with --backend python)
+                            (native/tensorrt: padded to a multiple of the length bucket, so that
+                            requests of close lengths have equal shapes and Triton batches them)
+    N_encoder     graph     input_ids, attention_mask, residue_mask -> hiddens FP32 [-1, H], embeddings FP32 [H]
+                            (run by the backend, backends.py: onnxruntime_onnx, tensorrt_plan, or a
+                            Python-backend model running ONNX Runtime, whose token inputs allow
+                            ragged batches)
     N_embeddings  ensemble  sequences -> embeddings       (tokenizer -> encoder)
     N_hiddens     ensemble  sequences -> hiddens, mask    (tokenizer -> encoder; mask from the tokenizer)
 
@@ -26,12 +30,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tritonclient.grpc import model_config_pb2 as mc
-
 from bionemo_export import __version__
 from bionemo_export.templates import render
 
-from .options import BACKENDS, RoleOptions, ServingOptions
+from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
+
+from .backends import BACKENDS, GraphModel, ShapeRange
+from .options import RoleOptions, ServingOptions
 from .plan import EnsembleStep, ModelPlan, RepositoryPlan, Tensor
 
 __all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_repository"]
@@ -97,100 +102,92 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
         max_batch_size=options.max_batch_size,
         backend="python",
         **_instances(options.role("tokenizer")),
-        parameters={"truncate": "true" if options.truncate else "false"},
+        # A Python encoder joins ragged rows itself; Triton's own runtimes batch equal shapes only.
+        parameters={"truncate": "true" if options.truncate else "false",
+                    "length_bucket": "0" if options.serving_backend.runs_python
+                    else str(options.role("encoder").length_bucket)},
         files={"model.py": code, **files, "tokenizer.json": _tokenizer_json(tokenizer)},
         description="tokenizer (Python backend)",
     )
 
 
 def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: list[Tensor],
-                onnx_files: dict[str, Path], *, role: RoleOptions, backend: str, what: str,
-                axes: dict[str, tuple[str | int, ...]], axis_limits: dict[str, int] | None = None,
-                token_inputs: dict[str, int] | None = None) -> ModelPlan:
+                onnx_files: dict[str, Path], *, role: RoleOptions, options: ServingOptions, what: str,
+                shapes: ShapeRange, token_inputs: dict[str, int] | None = None) -> ModelPlan:
     """A model that runs one exported ONNX graph whose batch is not its first axis (key/value
     caches laid out [layers, batch, ...]): max_batch_size 0 and full shapes in dims; its callers
-    batch. Triton's onnxruntime_onnx platform with `--backend native`, ONNX Runtime inside a
-    Python-backend model with `--backend python`, which checks a direct caller's inputs: `axes`
-    (each input's axes, dynamic ones named) must agree by name and stay within `axis_limits`;
-    `token_inputs` (input -> vocabulary size) hold ids in [0, size)."""
-    plan = ModelPlan(name=model_name, inputs=inputs, outputs=outputs, max_batch_size=0,
-                     instance_count=role.instances, files=dict(onnx_files))
-    if backend == "native":
-        _native(plan, role, what)
-    else:
-        plan.backend = "python"
-        plan.parameters.update(role.session_parameters())
-        plan.files.update(serving_files("host"))
-        plan.files["model.py"] = render(
+    batch. The backend decides what runs it; in the Python backend, model.py checks a direct
+    caller's inputs: named axes agree and stay within `shapes`' largest sizes; `token_inputs`
+    (input -> vocabulary size) hold ids in [0, size)."""
+    plan = ModelPlan(name=model_name, inputs=inputs, outputs=outputs, max_batch_size=0)
+
+    def python_model() -> str:
+        return render(
             "onnx_model.py.j2",
-            model_name=plan.name, family=family, what=what, tool_version=__version__,
+            model_name=model_name, family=family, what=what, tool_version=__version__,
             io_lines=_io_lines(inputs, outputs, batched=False),
             input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-            axes=axes, axis_limits=axis_limits or {}, token_inputs=token_inputs or {},
+            axes=shapes.axes, axis_limits={axis: high for axis, (_, high) in shapes.sizes.items() if axis != "batch"},
+            token_inputs=token_inputs or {},
         )
-        plan.description = f"{what} (ONNX Runtime in the Python backend)"
-    return plan
 
-
-def _native(plan: ModelPlan, role: RoleOptions, what: str) -> None:
-    plan.platform = "onnxruntime_onnx"
-    plan.default_model_filename = "model.onnx"
-    if role.threads:
-        plan.parameters["intra_op_thread_count"] = str(role.threads)
-    plan.description = f"{what} (onnxruntime_onnx)"
+    return options.serving_backend.plan_graph(GraphModel(
+        plan, role, what, dict(onnx_files), shapes, python_model, python_files=serving_files("host")))
 
 
 GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
 
 
+def encoder_shapes(tokenizer, options: ServingOptions) -> ShapeRange:
+    """The shapes the tokenizer can send the encoder graph: up to max_batch_size rows of up to the
+    tokenizer's limit (specials included); TensorRT profiles split the length at bucket multiples."""
+    return ShapeRange(axes={name: ("batch", "length") for name, _ in GRAPH_INPUTS},
+                      sizes={"batch": (1, options.max_batch_size), "length": (1, tokenizer.max_length)},
+                      split_axis="length", bucket=options.length_bucket or 16,
+                      opt={"batch": options.max_batch_size})  # a loaded server's batches are full
+
+
 def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_files: dict[str, Path],
-                   options: ServingOptions) -> ModelPlan:
+                   options: ServingOptions, graph_optimization_level: str) -> ModelPlan:
     """N_encoder: the encoder graph; in the fused layout it takes the sequences and tokenizes."""
     role = options.role("encoder")
     fused = options.fused
+    backend = options.serving_backend
     if fused:
         inputs = [Tensor("sequences", "BYTES", (1,))]
     else:  # Python: requests of different lengths may be batched together (the model joins them).
-        inputs = [Tensor(n, dtype, (-1,), ragged=options.backend == "python") for n, dtype in GRAPH_INPUTS]
+        inputs = [Tensor(n, dtype, (-1,), ragged=backend.runs_python) for n, dtype in GRAPH_INPUTS]
     outputs = [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("embeddings", "FP32", (hidden_size,))]
     if fused:
         outputs.append(Tensor("mask", "BOOL", (-1,)))
     plan = ModelPlan(name=f"{name}_encoder", inputs=inputs, outputs=outputs,
-                     max_batch_size=options.max_batch_size, **_instances(role), files=dict(onnx_files))
-    if options.backend == "native":
-        _native(plan, role, "encoder")
-        if options.warmup:
-            plan.warmup = [_zero_warmup(inputs)]
-        return plan
+                     max_batch_size=options.max_batch_size, dynamic_batching=role.batching)
     module, class_name, files = tokenizer_files(tokenizer)
-    plan.backend = "python"
-    plan.parameters.update(role.graph_parameters(), warmup="true" if options.warmup else "false")
+    parameters = {**role.batching_parameters(), "warmup": "true" if options.warmup else "false",
+                  "graph_optimization_level": graph_optimization_level}
+    python_files: dict[str, Path | str] = serving_files("batching", "host")
     if fused:
-        plan.parameters["truncate"] = "true" if options.truncate else "false"
-        plan.files.update(files, **{"tokenizer.json": _tokenizer_json(tokenizer)})
+        parameters["truncate"] = "true" if options.truncate else "false"
+        python_files.update(files, **{"tokenizer.json": _tokenizer_json(tokenizer)})
     else:
-        plan.parameters["pad_id"] = str(tokenizer.pad_id)
-    plan.files.update(serving_files("batching", "host"))
-    plan.files["model.py"] = render(
-        "encoder_model.py.j2",
-        model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
-        io_lines=_io_lines(inputs, outputs), output_names=[t.name for t in outputs],
-        tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
-        tokenizer_sources=", ".join(files), public_prefix=name, vocab_size=tokenizer.vocab_size,
-        max_length=tokenizer.max_length,
-    )
-    plan.description = ("tokenizer + encoder" if fused else "encoder") + " (ONNX Runtime in the Python backend)"
+        parameters["pad_id"] = str(tokenizer.pad_id)
+
+    def python_model() -> str:
+        return render(
+            "encoder_model.py.j2",
+            model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
+            io_lines=_io_lines(inputs, outputs), output_names=[t.name for t in outputs],
+            tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
+            tokenizer_sources=", ".join(files), public_prefix=name, vocab_size=tokenizer.vocab_size,
+            max_length=tokenizer.max_length,
+        )
+
+    backend.plan_graph(GraphModel(plan, role, "encoder", dict(onnx_files), encoder_shapes(tokenizer, options),
+                                  python_model, python_files=python_files, python_parameters=parameters,
+                                  warmup=options.warmup))
+    if backend.runs_python:
+        plan.description = ("tokenizer + " if fused else "") + plan.description
     return plan
-
-
-def _zero_warmup(inputs: list[Tensor], length: int = 16) -> mc.ModelWarmup:
-    """One all-zero request (token id 0 is a valid special token in every vocabulary here)."""
-    warmup = mc.ModelWarmup(name="zeros", batch_size=1)
-    for tensor in inputs:
-        warmup.inputs[tensor.name].data_type = tensor.data_type
-        warmup.inputs[tensor.name].dims.extend([length])
-        warmup.inputs[tensor.name].zero_data = True
-    return warmup
 
 
 def _ensemble(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
@@ -232,14 +229,17 @@ def plan_encoder_repository(
     onnx_files: dict[str, Path],
     tasks: tuple[str, ...] = ENCODER_TASKS,
     options: ServingOptions = ServingOptions(),
+    graph_optimization_level: str = UNOPTIMIZED_SERVING_LEVEL,
 ) -> RepositoryPlan:
     """Plan the repository for an encoder family; `onnx_files` maps version-folder names
-    (model.onnx, and its external data file if any) to the exported files."""
+    (model.onnx, and its external data file if any) to the exported files.
+    `graph_optimization_level`: the ONNX Runtime level the stored graph is opened at (a graph
+    stored optimized needs only the basic rewrites at load; see exporters/optimize.py)."""
     unknown = set(tasks) - set(ENCODER_TASKS)
     if unknown:
         raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
-    models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options))
+    models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
     if "embeddings" in tasks:
         models.append(_ensemble(name, "embeddings", [Tensor("embeddings", "FP32", (hidden_size,))], options,
                                 {"embeddings": "embeddings"}))

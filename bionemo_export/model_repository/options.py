@@ -15,8 +15,8 @@ threads, dynamic batching, length buckets, token budget, response cache) is deci
 Defaults and why (measured on 2-core CPU hosts; see the README's performance section):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
   ("fused": one Python model behind the public ensembles, no tokenizer hop); with
-  `--backend native` Triton's own ONNX Runtime runs the graph, so a Python tokenizer model feeds it
-  ("ensemble", today's two-step layout).
+  `--backend native` or `tensorrt` Triton's own runtime runs the graph, so a Python tokenizer
+  model feeds it ("ensemble", the two-step layout).
 - ONNX Runtime threads: 0 = "auto", resolved when the SERVER loads the model (the repository is
   usually served on another machine than the one that built it): from the cores the server process
   may use (CPU affinity, bounded by a cgroup quota) and the model's instance count, every core per
@@ -57,9 +57,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
+from .backends import BACKENDS, ServingBackend, get_backend
 from .plan import DynamicBatching
 
-BACKENDS = ("python", "native")
 LAYOUTS = ("auto", "fused", "ensemble")
 ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings")
 AUTO_THREADS = "auto"
@@ -103,11 +103,10 @@ class RoleOptions:
             "memory_arena": "true" if self.memory_arena else "false",
         }
 
-    def graph_parameters(self) -> dict[str, str]:
-        """Config `parameters` that the generated model.py of the encoder reads: the session's, and
-        how it batches rows of different lengths."""
-        return {**self.session_parameters(), "length_bucket": str(self.length_bucket),
-                "token_budget": str(self.token_budget)}
+    def batching_parameters(self) -> dict[str, str]:
+        """Config `parameters` that say how a model batches rows of different lengths (the
+        encoder's model.py; the tokenizer model's padding in the ensemble layout)."""
+        return {"length_bucket": str(self.length_bucket), "token_budget": str(self.token_budget)}
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,11 @@ class ServingOptions:
     instances=2, batching=...)}`)."""
 
     backend: str = "python"
-    """python: ONNX Runtime inside a Python-backend model; native: Triton's onnxruntime_onnx."""
+    """Where the graphs run (backends.py): python (ONNX Runtime inside a Python-backend model),
+    native (Triton's onnxruntime_onnx), tensorrt (Triton's tensorrt_plan)."""
+    device: str | None = None
+    """cpu or gpu: the instance kind of the models that run graphs (None: the backend's default,
+    gpu for tensorrt, cpu otherwise)."""
     max_batch_size: int = 32
     tokenizer_instances: int = 1
     """Instances of the tokenizer model (ensemble layout)."""
@@ -184,11 +187,10 @@ class ServingOptions:
     """Per-role overrides of what the fields above decide."""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        backend = self.serving_backend  # checks the backend's name and device
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.backend == "native" and self.layout == "fused":
+        if self.layout == "fused" and not backend.runs_python:
             raise ValueError("the fused layout runs the graph in a Python-backend model: use --backend python")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
@@ -203,9 +205,14 @@ class ServingOptions:
             raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
 
     @property
+    def serving_backend(self) -> ServingBackend:
+        """The backend object that plans the graph models (backends.py)."""
+        return get_backend(self.backend, self.device)
+
+    @property
     def fused(self) -> bool:
         """True when the encoder model tokenizes itself (no separate tokenizer model)."""
-        return self.layout == "fused" or (self.layout == "auto" and self.backend == "python")
+        return self.layout == "fused" or (self.layout == "auto" and self.serving_backend.runs_python)
 
     def preferred_batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({s for s in (8, 16, 32, 64) if s < self.max_batch_size} | {self.max_batch_size}))

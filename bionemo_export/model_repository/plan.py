@@ -66,6 +66,10 @@ class ModelPlan:
     backend: str | None = None  # "python"
     platform: str | None = None  # "onnxruntime_onnx", "tensorrt_plan", "ensemble"
     instance_count: int = 1
+    instance_kind: int = mc.ModelInstanceGroup.KIND_CPU
+    profiles: tuple[str, ...] = ()
+    """TensorRT: the optimization profiles the instances may use (Triton picks one that fits
+    each batch; without the list it uses profile 0 only)."""
     dynamic_batching: DynamicBatching | None = None
     parameters: dict[str, str] = field(default_factory=dict)
     response_cache: bool = False
@@ -109,8 +113,8 @@ class ModelPlan:
                     input_map=step.input_map, output_map=step.output_map,
                 ))
         else:
-            config.instance_group.append(
-                mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=self.instance_count))
+            config.instance_group.append(mc.ModelInstanceGroup(kind=self.instance_kind, count=self.instance_count,
+                                                               profile=list(self.profiles)))
         if self.dynamic_batching is not None:
             config.dynamic_batching.preferred_batch_size.extend(self.dynamic_batching.preferred_batch_sizes)
             config.dynamic_batching.max_queue_delay_microseconds = self.dynamic_batching.max_queue_delay_microseconds
@@ -120,6 +124,35 @@ class ModelPlan:
             config.response_cache.enable = True
         config.model_warmup.extend(self.warmup)
         return config
+
+
+    @classmethod
+    def from_config(cls, config: mc.ModelConfig) -> "ModelPlan":
+        """The plan of a written config (files aside): what the consistency checks read back."""
+        def tensors(entries) -> list[Tensor]:
+            return [Tensor(t.name, mc.DataType.Name(t.data_type).removeprefix("TYPE_").replace("STRING", "BYTES"),
+                           tuple(t.dims), optional=getattr(t, "optional", False),
+                           ragged=getattr(t, "allow_ragged_batch", False)) for t in entries]
+
+        group = config.instance_group[0] if config.instance_group else None
+        batching = None
+        if config.HasField("dynamic_batching"):
+            batching = DynamicBatching(tuple(config.dynamic_batching.preferred_batch_size),
+                                       config.dynamic_batching.max_queue_delay_microseconds)
+        return cls(
+            name=config.name, inputs=tensors(config.input), outputs=tensors(config.output),
+            max_batch_size=config.max_batch_size, backend=config.backend or None,
+            platform=config.platform or None,
+            instance_count=group.count if group else 1,
+            instance_kind=group.kind if group else mc.ModelInstanceGroup.KIND_CPU,
+            profiles=tuple(group.profile) if group else (),
+            dynamic_batching=batching,
+            parameters={key: value.string_value for key, value in config.parameters.items()},
+            response_cache=config.response_cache.enable,
+            default_model_filename=config.default_model_filename or None,
+            steps=[EnsembleStep(step.model_name, dict(step.input_map), dict(step.output_map))
+                   for step in config.ensemble_scheduling.step],
+        )
 
 
 def _dims_compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

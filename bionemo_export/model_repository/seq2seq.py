@@ -18,8 +18,10 @@ encoder's layout:
   and decoder_step/model.onnx beside its model.py, run with ONNX Runtime in that process. A step
   is one session run; through BLS it was a round trip that copied the growing key/value cache
   through the Python backend's shared memory (which keeps its high-water mark) twice per step.
-- ensemble (and --backend native): models N_cross_kv and N_decoder_step (Triton's ONNX Runtime,
-  or a Python-backend model with --backend python), which the decode loops call through BLS.
+- ensemble (and --backend native or tensorrt): models N_cross_kv and N_decoder_step (run by the
+  backend, backends.py), which the decode loops call through BLS. Their shapes (rows up to
+  max_batch_size x max_samples_x_beams, bounded by max_decode_tokens; sources up to the
+  tokenizer's limit; caches up to the decode length) are what TensorRT's profiles cover.
 
 The decode loops' limits are config `parameters`: max_decode_length (the build's
 --max-decode-length, at most the model's), max_hidden_magnitude and max_decode_tokens (both), and
@@ -35,12 +37,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tritonclient.grpc import model_config_pb2 as mc
+
 from bionemo_export import __version__
 from bionemo_export.models.base import TensorSpec
 from bionemo_export.runtime.supervisor import BLS_MODELS
 from bionemo_export.templates import render
 
 from .encoder import ENCODER_TASKS, graph_model, plan_encoder_repository, serving_files, tokenizer_files
+from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
+
+from .backends import ShapeRange
 from .options import ServingOptions
 from .plan import ModelPlan, RepositoryPlan, Tensor
 
@@ -94,16 +101,24 @@ def _template_context(name: str, tokenizer, seq2seq, options: ServingOptions) ->
     }
 
 
-def _graph_checks(graph: str, specs: tuple[TensorSpec, ...], tokenizer, seq2seq) -> dict:
-    """What a graph model checks in a direct caller's inputs: named axes agree; the decoder's
-    positions (past_length) and the source length stay within the model's limits; token ids
-    inside the vocabulary."""
-    checks = {"axes": {spec.name: spec.axes for spec in specs},
-              "axis_limits": {"src_length": tokenizer.max_length}}
-    if graph == "decoder_step":
-        checks["axis_limits"]["past_length"] = seq2seq.max_decode_length
-        checks["token_inputs"] = {"tokens": seq2seq.vocab_size}
-    return checks
+def decoder_shapes(specs: tuple[TensorSpec, ...], tokenizer, options: ServingOptions,
+                   max_decode_length: int) -> ShapeRange:
+    """The shapes the decode loops can send a decoder graph: rows (sequences x hypotheses) up to
+    a joined batch's most, bounded by the tokens of hidden states one decode may hold; sources up
+    to the tokenizer's limit; a self-attention cache from empty (the first step) to the decode
+    length. TensorRT tunes for a full batch of one hypothesis each, of typical SMILES lengths."""
+    limits = options.limits
+    rows = min(options.max_batch_size * limits.max_samples_x_beams, limits.max_decode_tokens)
+    return ShapeRange(axes={spec.name: spec.axes for spec in specs},
+                      sizes={"batch": (1, rows), "src_length": (1, tokenizer.max_length),
+                             "past_length": (0, max_decode_length)},
+                      opt={"batch": options.max_batch_size, "src_length": 64, "past_length": 64})
+
+
+def _loop_kind(options: ServingOptions) -> int:
+    """A decode loop that runs the decoder graphs itself (fused) goes where the graphs go; one
+    that calls them through BLS only runs Python and numpy (CPU)."""
+    return options.serving_backend.instance_kind if options.fused else mc.ModelInstanceGroup.KIND_CPU
 
 
 def _graph_settings(options: ServingOptions, role: str) -> dict[str, str]:
@@ -125,6 +140,7 @@ def plan_seq2seq_repository(
     tasks: tuple[str, ...] = SEQ2SEQ_TASKS,
     options: ServingOptions = ServingOptions(),
     max_decode_length: int | None = None,
+    graph_optimization_level: str = UNOPTIMIZED_SERVING_LEVEL,
 ) -> RepositoryPlan:
     """Plan an encoder-decoder repository. `onnx_files[graph]` maps version-folder names to the
     exported files of each graph ("encoder", "cross_kv", "decoder_step")."""
@@ -138,7 +154,8 @@ def plan_seq2seq_repository(
         limit = max_decode_length
     encoder_tasks = tuple(t for t in tasks if t in ENCODER_TASKS)
     plan = plan_encoder_repository(name, family=family, hidden_size=hidden_size, tokenizer=tokenizer,
-                                   onnx_files=onnx_files["encoder"], tasks=encoder_tasks, options=options)
+                                   onnx_files=onnx_files["encoder"], tasks=encoder_tasks, options=options,
+                                   graph_optimization_level=graph_optimization_level)
     models = list(plan.models)
     decoding = [t for t in tasks if t in ("decodes", "samplings")]
     if decoding and not options.fused:
@@ -147,7 +164,8 @@ def plan_seq2seq_repository(
             models.append(graph_model(
                 f"{name}_{graph}", family, tensors_from_specs(inputs, batched=False),
                 tensors_from_specs(outputs, batched=False), onnx_files[graph], role=options.role(graph),
-                backend=options.backend, what=what, **_graph_checks(graph, inputs, tokenizer, seq2seq),
+                options=options, what=what, shapes=decoder_shapes(inputs, tokenizer, options, limit),
+                token_inputs={"tokens": seq2seq.vocab_size} if graph == "decoder_step" else None,
             ))
     context = _template_context(name, tokenizer, seq2seq, options)
     decode_length = {"max_decode_length": str(limit)}
@@ -171,6 +189,7 @@ def plan_seq2seq_repository(
             max_batch_size=options.max_batch_size,
             backend="python",
             instance_count=options.role("decodes").instances,
+            instance_kind=_loop_kind(options),
             dynamic_batching=options.role("decodes").batching,
             # No empty parameter when it calls nothing: gRPC's JSON drops an empty string_value, and
             # PyTriton's ModelClient then fails to parse the config.
@@ -191,6 +210,7 @@ def plan_seq2seq_repository(
             max_batch_size=options.max_batch_size,
             backend="python",
             instance_count=options.role("samplings").instances,
+            instance_kind=_loop_kind(options),
             dynamic_batching=options.role("samplings").batching,
             parameters={BLS_MODELS: ",".join((context["encoder_model"], *graph_callees)),
                         **_graph_settings(options, "samplings"), **decode_length, **options.limits.parameters()},

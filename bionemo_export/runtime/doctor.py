@@ -118,6 +118,7 @@ def run_checks(tritonserver: str | None = None, probe: bool = True) -> list[Chec
                              fix="pip install torch==2.13.0 (see scripts/setup.sh)"),
         check_python_package("transformers", "transformers", "transformers"),
         check_python_package("TensorRT", "tensorrt", "tensorrt", required=False,
-                             fix="optional: needs an NVIDIA GPU host (pip install tensorrt there)"),
+                             fix="optional: builds the engines of --backend tensorrt repositories "
+                                 "(`bionemo-export engines build`) on a GPU host, e.g. in NVIDIA's Triton container"),
         check_gpu(),
     ]
