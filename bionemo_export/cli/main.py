@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 from bionemo_export import __version__
 from bionemo_export.errors import reason, user_facing
 
-from . import bench, build, client, deploy, dev_server, doctor, engines, health, serve, verify
+from . import bench, build, client, deploy, dev_server, doctor, engines, health, repo, serve, verify
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
 # command's output that the user can do nothing about.
@@ -84,6 +84,7 @@ app.command("doctor", help=doctor.__doc__)(doctor.doctor)
 app.command("dev-server", help=dev_server.__doc__)(dev_server.dev_server)
 app.command("bench", help=bench.__doc__)(bench.bench)
 app.add_typer(deploy.app, name="deploy")
+app.add_typer(repo.app, name="repo")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ from bionemo_export.runtime import (
     TritonStartError,
     find_tritonserver,
 )
+from bionemo_export.runtime.object_storage import S3RepositoryError, is_s3_uri
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
 from bionemo_export.runtime.supervisor import ControlClient, Supervisor, public_models
 
@@ -39,8 +40,11 @@ def _log(line: str) -> None:
 
 
 def serve(
-    model_repository: Path = typer.Argument(..., help="The model repository folder to serve.",
-                                            exists=True, file_okay=False, resolve_path=True),
+    location: str = typer.Argument(..., metavar="MODEL_REPOSITORY",
+                                   help="The model repository: a local folder, or an s3:// location that "
+                                   "tritonserver reads itself (s3://bucket/path on AWS, s3://host:port/bucket/path "
+                                   "on another S3-compatible store; credentials from AWS_ACCESS_KEY_ID, "
+                                   "AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION)."),
     http_port: int = typer.Option(8000, help="HTTP port (0 picks a free one)."),
     grpc_port: int = typer.Option(8001, help="gRPC port (0 picks a free one)."),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port (0 picks a free one)."),
@@ -55,9 +59,11 @@ def serve(
     health_timeout: float = typer.Option(30.0, help="Seconds a health probe may take before it counts as failed."),
 ) -> None:
     console = Console()
+    # Typer's Path would turn s3://bucket into s3:/bucket, hence a string here.
+    model_repository = location if is_s3_uri(location) else Path(location).resolve()
     try:
         check_model_repository(model_repository)
-    except NotAModelRepositoryError as err:
+    except (NotAModelRepositoryError, S3RepositoryError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2)
     try:
@@ -89,7 +95,9 @@ def serve(
             raise typer.Exit(1)
         _print_status(console, server)
         if health_interval > 0:
-            supervisor = _start_supervisor(server, model_repository, health_interval, health_timeout, timeout)
+            # The manifest of an s3:// repository is not read; the server's index names the public models.
+            local = model_repository if isinstance(model_repository, Path) else None
+            supervisor = _start_supervisor(server, local, health_interval, health_timeout, timeout)
         console.print("Serving. Press Ctrl-C to stop.")
         while server.is_running():
             time.sleep(0.5)
@@ -109,7 +117,7 @@ def serve(
     console.print(f"tritonserver stopped (exit code {code}).")
 
 
-def _start_supervisor(server: TritonServer, repository: Path, interval: float, timeout: float,
+def _start_supervisor(server: TritonServer, repository: Path | None, interval: float, timeout: float,
                       load_timeout: float) -> Supervisor | None:
     """Probe the public models every `interval` seconds and reload the ones that stop answering."""
     # gRPC: the supervisor runs in a thread, where tritonclient's HTTP client (gevent) is not at home.

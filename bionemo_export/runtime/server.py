@@ -32,6 +32,7 @@ from types import TracebackType
 from typing import Callable
 
 from .discovery import TritonInstall, find_tritonserver
+from .object_storage import check_s3_repository, is_s3_uri
 
 LOOPBACK = "127.0.0.1"
 
@@ -70,15 +71,22 @@ def _is_repository(folder: Path) -> bool:
     return isinstance(manifest, dict) and (manifest.get("tool") or {}).get("name") == "bionemo-export"
 
 
-def check_model_repository(folder: str | os.PathLike[str]) -> Path:
+def check_model_repository(folder: str | os.PathLike[str]) -> Path | str:
     """Return `folder` when it is a model repository; otherwise raise NotAModelRepositoryError with
     one line that says what is wrong and what to do (naming a subfolder that is one, if any).
 
     A repository is a folder with at least one subfolder holding a config.pbtxt, or a folder with
     the manifest.json of a bionemo-export build. Triton itself starts on any folder and serves
-    nothing, which looks like success until the first request.
+    nothing, which looks like success until the first request. An s3:// location is checked the
+    same way through boto3 when it is installed (S3RepositoryError) and returned as given.
     """
+    if is_s3_uri(folder):
+        check_s3_repository(str(folder))
+        return str(folder)
     folder = Path(folder)
+    if not folder.exists():
+        raise NotAModelRepositoryError(f"{folder} does not exist: pass the model repository folder "
+                                       "or an s3:// location.")
     if not folder.is_dir():
         raise NotAModelRepositoryError(f"{folder} is not a folder: pass the model repository folder.")
     if _is_repository(folder):
@@ -219,8 +227,10 @@ class TritonServer:
         explicit_model_control: bool = True,
         die_with_parent: bool = True,
     ) -> None:
-        self.model_repository = Path(model_repository).resolve()
-        if not self.model_repository.is_dir():
+        # An s3:// location goes to tritonserver as given: Triton downloads each model itself.
+        self.model_repository: Path | str = (
+            str(model_repository) if is_s3_uri(model_repository) else Path(model_repository).resolve())
+        if isinstance(self.model_repository, Path) and not self.model_repository.is_dir():
             raise FileNotFoundError(f"model repository not found: {self.model_repository}")
         self.install = install or find_tritonserver()
         free = iter(free_ports(3, host))
@@ -248,10 +258,12 @@ class TritonServer:
         # Unique to this server, so that its leaked regions can be told from other servers'.
         self.shm_prefix = f"bionemo_export_{os.getpid()}_{secrets.token_hex(4)}_"
         self._process: subprocess.Popen[bytes] | None = None
-        self.served_path = _path_without_whitespace(self.model_repository)
-        """The path tritonserver is given: the repository, or a link to it when its path has
-        whitespace (the Python backend starts its stubs with a command line split on spaces, and a
-        model folder with a space in its path crashes the server: "std::invalid_argument: stol")."""
+        self.served_path: Path | str = (self.model_repository if isinstance(self.model_repository, str)
+                                        else _path_without_whitespace(self.model_repository))
+        """The location tritonserver is given: the s3:// location, the folder, or a link to the
+        folder when its path has whitespace (the Python backend starts its stubs with a command line
+        split on spaces, and a model folder with a space in its path crashes the server:
+        "std::invalid_argument: stol")."""
 
     # -- command line -------------------------------------------------------------------------
 
