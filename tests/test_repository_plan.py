@@ -98,7 +98,8 @@ def test_batching_and_cache_options_reach_the_configs(tmp_path):
 
 
 def test_each_role_owns_its_settings():
-    options = ServingOptions(tokenizer_instances=3, decode_instances=3, encoder_instances=2, intra_op_threads=4)
+    options = ServingOptions(tokenizer_instances=3, decode_instances=3, sampling_instances=3, encoder_instances=2,
+                             intra_op_threads=4)
     assert options.role("encoder").instances == 2 and options.role("encoder").threads == 4
     assert options.role("encoder").token_budget == 8192 and options.role("encoder").length_bucket == 16
     assert options.role("decoder_step").batching is None and options.role("cross_kv").instances == 2

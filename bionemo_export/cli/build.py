@@ -43,7 +43,10 @@ def repo(
                                              "(default: the model's own limit)."),
     truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
     tokenizer_instances: int = typer.Option(1, help="Instances of the tokenizer model (ensemble layout)."),
-    decode_instances: int = typer.Option(2, help="Instances of each decode-loop model (decodes, samplings)."),
+    decode_instances: int = typer.Option(1, help="Instances of N_decodes (one joins every queued request into "
+                                         "one batch)."),
+    sampling_instances: int = typer.Option(2, help="Instances of N_samplings (a second answers while one runs a "
+                                           "long request)."),
     encoder_instances: int = typer.Option(1, help="Instances of each graph model (encoder, cross_kv, decoder_step)."),
     intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per graph-model instance (0: auto, the "
                                          "serving host's cores divided among the instances, at load time)."),
@@ -82,6 +85,7 @@ def repo(
             encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
             layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,
+            sampling_instances=sampling_instances,
             limits=GenerationLimits(**{name: value for name, value in (
                 ("max_num_samples", max_num_samples), ("max_beam_size", max_beam_size),
                 ("max_samples_x_beams", max_samples_x_beams), ("max_decode_tokens", max_decode_tokens))

@@ -37,7 +37,9 @@ Defaults and why (measured on 2-core CPU hosts; see the README's performance sec
 - Dynamic batching without a queue delay: while an instance runs (tens of milliseconds on a CPU),
   the next requests queue and are handed over together, so batches form under load with no delay
   added at low load.
-- Two instances of each decode-loop model (decodes, samplings), and limits on one request's work
+- One instance of N_decodes (joined batches: 0.81x of in-process batch-8 decoding at
+  concurrency 8, 0.63x with two instances, which split the queue), two of N_samplings, and
+  limits on one request's work
   (`GenerationLimits`: num_samples <= 32, beam_size <= 16, num_samples x beam_size <= 64, at most
   32768 tokens of hidden states per decode; the decode length is the build's max_decode_length):
   a long sampling request holds one instance while the other answers the rest, and a client's
@@ -163,9 +165,14 @@ class ServingOptions:
     """Instances of the tokenizer model (ensemble layout)."""
     encoder_instances: int = 1
     """Instances of each graph-running model (encoder; cross_kv and decoder_step in the ensemble layout)."""
-    decode_instances: int = 2
-    """Instances of each decode-loop model (decodes, samplings): while one decodes a long request,
-    the other answers the rest."""
+    decode_instances: int = 1
+    """Instances of N_decodes: one, so that the dynamic batcher hands it every queued request and
+    they decode as one batch (two instances split them: 0.63x of in-process batch-8 decoding at
+    concurrency 8 against 0.81x with one, benchmarks/results/serving.md). A decode's work is
+    bounded (max_decode_tokens) and ends between steps when its client gives up."""
+    sampling_instances: int = 2
+    """Instances of N_samplings: while one runs a long request (many samples or beams), the other
+    answers the rest."""
     limits: GenerationLimits = GenerationLimits()
     """Bounds on one decoding request's work (samplings)."""
     max_queue_delay_microseconds: int = 0
@@ -194,7 +201,7 @@ class ServingOptions:
             raise ValueError("the fused layout runs the graph in a Python-backend model: use --backend python")
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
-        for name in ("tokenizer_instances", "encoder_instances", "decode_instances"):
+        for name in ("tokenizer_instances", "encoder_instances", "decode_instances", "sampling_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget"):
@@ -234,8 +241,10 @@ class ServingOptions:
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
         if name in ("embeddings", "hiddens"):
             return RoleOptions(response_cache=self.response_cache)
-        if name in ("decodes", "samplings"):
+        if name == "decodes":
             return RoleOptions(instances=self.decode_instances, batching=self.dynamic_batching())
+        if name == "samplings":
+            return RoleOptions(instances=self.sampling_instances, batching=self.dynamic_batching())
         return RoleOptions(instances=self.tokenizer_instances, batching=self.dynamic_batching())
 
     def with_role(self, name: str, **changes) -> "ServingOptions":
