@@ -63,6 +63,11 @@ pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" "triton-m
 log "installing rxnfp $(grep -o 'rxnfp==[0-9.]*' "$ROOT/requirements/constraints.txt") without its dependencies (for its weights)"
 pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" rxnfp
 
+# The KServe SDK's API types validate the InferenceService `deploy k8s` writes (tests); its own
+# requirements would replace protobuf with 6.x and add a web-server stack nothing here uses.
+log "installing the KServe SDK $(grep -o 'kserve==[0-9.]*' "$ROOT/requirements/constraints.txt") without its dependencies (tests)"
+pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" kserve
+
 log "installing bionemo-export (editable)"
 pip_quiet install -q --no-deps --no-build-isolation -e "$ROOT"
 

@@ -264,3 +264,17 @@ def test_a_folder_that_is_not_a_repository_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     _refused([str(tmp_path / "empty"), "--storage-uri", "s3://b/p"], f"{tmp_path / 'empty'} is not a model repository")
     _refused([str(tmp_path / "missing"), "--storage-uri", "s3://b/p"], f"{tmp_path / 'missing'} is not a folder")
+
+
+def test_a_repository_built_for_gpus_needs_gpu_pods(repository, tmp_path):
+    """manifest.json's device (gpu for --backend tensorrt or --device gpu) decides; tests/test_backends.py
+    checks that such builds record it."""
+    gpu_repository = Path(shutil.copytree(repository, tmp_path / "repo"))
+    manifest = json.loads((gpu_repository / "manifest.json").read_text())
+    (gpu_repository / "manifest.json").write_text(json.dumps({**manifest, "backend": "native", "device": "gpu"}))
+    result = runner.invoke(app, ["deploy", "k8s", str(gpu_repository), "--image", IMAGE, "--out", str(tmp_path / "k"),
+                                 "--storage-uri", "s3://models/esm2nv"], env=WIDE)
+    assert result.exit_code == 1
+    assert "--gpus 0: " in result.output and "places its graph models on GPUs" in result.output
+    documents = _deploy(gpu_repository, tmp_path / "k8s", "--storage-uri", "s3://models/esm2nv", "--gpus", "1")
+    assert _container(_one(documents, "Deployment"))["resources"]["limits"]["nvidia.com/gpu"] == "1"

@@ -93,6 +93,8 @@ class RepositoryFacts:
     public_models: tuple[str, ...]
     backend: str | None
     size_bytes: int
+    device: str = "cpu"
+    """Where its graph models run (manifest.json's `device`): a gpu repository needs GPU pods."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,7 @@ def read_repository(path: Path) -> RepositoryFacts:
     public = listed or tuple(model for model in models if is_public(model))
     size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
     return RepositoryFacts(path, str(manifest.get("name") or path.name), models, public,
-                           manifest.get("backend"), size)
+                           manifest.get("backend"), size, str(manifest.get("device") or "cpu"))
 
 
 def default_name(repository: RepositoryFacts) -> str:
@@ -452,6 +454,10 @@ def write_manifests(repository: RepositoryFacts, settings: DeploySettings, out: 
                     target: str = "all") -> list[Path]:
     """Write the manifests of `target` (all, kserve, plain) into `out`; the files written."""
     check_settings(settings, target)
+    if repository.device == "gpu" and settings.gpus < 1:
+        raise DeployError(f"--gpus {settings.gpus}: {repository.path} places its graph models on GPUs (built with "
+                          f"--backend {repository.backend} --device gpu); pass --gpus 1 or more, or rebuild it "
+                          "with --device cpu")
     files: dict[str, str] = {}
     if target in ("all", "kserve"):
         files[KSERVE_FILE] = render([inference_service(repository, settings)],
