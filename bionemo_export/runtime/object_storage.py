@@ -5,7 +5,7 @@ S3-compatible store, over HTTP; `s3://https://host:port/bucket/path` for HTTPS),
 from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION (or AWS_PROFILE), and downloads
 each model folder before loading it. Nothing here downloads a repository: this module reads such a
 location the way Triton does, so that `serve` can refuse a wrong one with one line before a server
-starts, and uploads a local repository (what `aws s3 sync` does) for users without the AWS CLI.
+starts, and uploads a local repository with what Triton needs and `aws s3 sync` leaves out.
 
 boto3 is optional: without it a location is handed to tritonserver unchecked.
 """
@@ -56,11 +56,6 @@ class S3Location:
     def child(self, relative: str) -> str:
         """The s3:// location of a folder inside this one, written the way this one is."""
         return f"{self.uri.rstrip('/')}/{relative.strip('/')}"
-
-    def aws_cli(self) -> str:
-        """The same location in the AWS CLI's terms (`s3://bucket/prefix [--endpoint-url URL]`)."""
-        target = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-        return f"{target} --endpoint-url {self.endpoint_url}" if self.endpoint_url else target
 
 
 def is_s3_uri(location: object) -> bool:
@@ -114,8 +109,8 @@ def _relative_keys(client: Any, location: S3Location) -> Iterator[str]:
 
 
 def list_repository(uri: str) -> list[str]:
-    """The files of an s3:// repository, relative to it and sorted; S3RepositoryError (naming the
-    location) when it cannot be read. Needs boto3."""
+    """The objects of an s3:// repository (files, and `folder/` markers), relative to it and
+    sorted; S3RepositoryError (naming the location) when it cannot be read. Needs boto3."""
     location = parse_s3_uri(uri)
     try:
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -171,8 +166,8 @@ def check_s3_repository(uri: str) -> bool:
     files = list_repository(uri)
     if not files:
         raise S3RepositoryError(
-            f"{uri} does not exist (no objects under it): upload the repository first, e.g. "
-            f"`bionemo-export repo push REPO {uri}` or `aws s3 sync REPO {location.aws_cli()}`.")
+            f"{uri} does not exist (no objects under it): upload the repository first with "
+            f"`bionemo-export repo push REPO {uri}`.")
     if _holds_models(files):
         _check_versions(location, files)
         return True
