@@ -11,6 +11,7 @@ starts.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import boto3
@@ -26,7 +27,7 @@ from bionemo_export.client import EncoderClient
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer, free_ports
-from bionemo_export.runtime.object_storage import S3RepositoryError, list_repository, parse_s3_uri
+from bionemo_export.runtime.object_storage import S3RepositoryError, check_s3_repository, list_repository, parse_s3_uri
 from tests.helpers import serve_process as sp
 
 NAME = "s3esm"
@@ -139,19 +140,42 @@ def _empty_folders(folder: Path) -> list[str]:
 
 def test_the_pushed_repository_is_complete(pushed, esm2, object_store):
     """Every file Triton needs is in the store, byte for byte (configs, model.py, ONNX graphs,
-    tokenizer files, the manifest), and each empty folder (the ensembles' version folders) has its
-    marker object, without which Triton finds no version of the ensemble."""
+    tokenizer files, the manifest). A build leaves no empty folder: each ensemble's version folder
+    holds a README.md, since object storage keeps no empty folders and Triton would find no version
+    of the ensemble."""
     folder = esm2[0]
-    files, empty = _files(folder), _empty_folders(folder)
-    assert {f"{NAME}_embeddings/1", f"{NAME}_hiddens/1"} <= set(empty)
-    assert list_repository(pushed) == sorted(files + [name + "/" for name in empty])
+    files = _files(folder)
+    assert _empty_folders(folder) == []
+    assert {f"{NAME}_embeddings/1/README.md", f"{NAME}_hiddens/1/README.md"} <= set(files)
+    assert list_repository(pushed) == files
     assert {"manifest.json", f"{NAME}_encoder/config.pbtxt", f"{NAME}_embeddings/config.pbtxt"} <= set(files)
     client = boto3.client("s3", endpoint_url=object_store)
     for relative in files:
         stored = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{relative}")["Body"].read()
         assert stored == (folder / relative).read_bytes(), relative
+
+
+def _older_repository(esm2, tmp_path) -> Path:
+    """A copy of the repository as builds before the ensemble README.md wrote it: empty version folders."""
+    older = Path(shutil.copytree(esm2[0], tmp_path / "older"))
+    for note in older.glob("*/1/README.md"):
+        note.unlink()
+    return older
+
+
+def test_push_marks_the_empty_folders_of_an_older_repository(esm2, object_store, tmp_path):
+    """Each empty folder gets a marker object, which Triton reads as the folder."""
+    older = _older_repository(esm2, tmp_path)
+    uri = _location(object_store, "teams/older")
+    result = runner.invoke(app, ["repo", "push", str(older), uri], env=WIDE)
+    assert result.exit_code == 0, result.output
+    empty = _empty_folders(older)
+    assert {f"{NAME}_embeddings/1", f"{NAME}_hiddens/1"} <= set(empty)
+    assert list_repository(uri) == sorted(_files(older) + [name + "/" for name in empty])
+    client = boto3.client("s3", endpoint_url=object_store)
     for name in empty:
-        assert client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{name}/")["Body"].read() == b""
+        assert client.get_object(Bucket=BUCKET, Key=f"teams/older/{name}/")["Body"].read() == b""
+    assert check_s3_repository(uri)
 
 
 @pytest.mark.e2e
@@ -227,13 +251,22 @@ def test_an_unreachable_store_is_named(object_store):
     assert f"{uri}: cannot read the object store" in _serve_error(uri)
 
 
-def test_a_copy_without_the_empty_version_folders_is_refused(esm2, object_store):
-    """What `aws s3 sync` uploads: the files only. The ensembles then have no version folder and
-    Triton would refuse them; serve says which models and how to upload instead."""
-    uri = _location(object_store, "teams/synced")
+def _upload_files_only(folder: Path, object_store: str, path: str) -> str:
+    """What `aws s3 sync` uploads: the files only, no empty folders."""
     client = boto3.client("s3", endpoint_url=object_store)
-    for relative in _files(esm2[0]):
-        client.upload_file(str(esm2[0] / relative), BUCKET, f"teams/synced/{relative}")
+    for relative in _files(folder):
+        client.upload_file(str(folder / relative), BUCKET, f"{path}/{relative}")
+    return _location(object_store, path)
+
+
+def test_a_files_only_copy_of_a_build_is_a_complete_repository(esm2, object_store):
+    assert check_s3_repository(_upload_files_only(esm2[0], object_store, "teams/synced"))
+
+
+def test_a_files_only_copy_of_an_older_repository_is_refused(esm2, object_store, tmp_path):
+    """The ensembles of an older repository then have no version folder and Triton would refuse
+    them; serve says which models and how to upload instead."""
+    uri = _upload_files_only(_older_repository(esm2, tmp_path), object_store, "teams/synced-older")
     output = _serve_error(uri)
     assert f"{uri}: {NAME}_embeddings, {NAME}_hiddens have no version folder" in output
     assert f"bionemo-export repo push REPO {uri} --replace" in output

@@ -190,6 +190,14 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     return plan
 
 
+ENSEMBLE_VERSION_NOTE = """# {name}, version 1
+
+An ensemble (see ../config.pbtxt) has no model file. This note keeps its version folder when the
+repository is copied to object storage, where empty folders do not exist and Triton would refuse
+the model for want of a version.
+"""
+
+
 def _ensemble(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
               encoder_outputs: dict[str, str]) -> ModelPlan:
     encoder = f"{name}_encoder"
@@ -216,6 +224,9 @@ def _ensemble(name: str, task: str, outputs: list[Tensor], options: ServingOptio
         platform="ensemble",
         response_cache=options.role(task).response_cache,
         steps=steps,
+        # An ensemble has no model file, and an empty folder does not exist in object storage
+        # (`aws s3 sync` and KServe's storage initializer drop it; Triton then refuses the model).
+        files={"README.md": ENSEMBLE_VERSION_NOTE.format(name=f"{name}_{task}")},
         description=f"public: {task}",
     )
 

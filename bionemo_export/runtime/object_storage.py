@@ -181,7 +181,8 @@ def check_s3_repository(uri: str) -> bool:
 def repository_objects(folder: str | os.PathLike[str]) -> list[str]:
     """The objects a local repository folder becomes, relative and sorted: its files, and a marker
     (`name/`, no content) for each empty folder. Object storage has no folders; Triton reads such
-    a marker as one, and an ensemble's version folder is empty."""
+    a marker as one. Builds write a README.md into each ensemble's version folder, which was empty in
+    repositories built before that (and in hand-made ones)."""
     folder = Path(folder)
     objects = []
     for path in folder.rglob("*"):
