@@ -45,7 +45,7 @@ import torch
 from bionemo_export.bench import InputSpec, Target, run_benchmarks, write_report
 from bionemo_export.bench.inputs import TensorSpec, generate_inputs
 from bionemo_export.build import BuildRequest, build_repository
-from bionemo_export.model_repository.manifest import package_versions, read_manifest
+from bionemo_export.model_repository.manifest import Manifest, package_versions
 from bionemo_export.model_repository.pbtxt import read_config, write_config
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
@@ -170,7 +170,7 @@ def part_antiberty(work: Path, args) -> dict:
     latency = statistics.mean([before["p50_batch1_ms"], after["p50_batch1_ms"]])
     int8_cosine = None
     if "int8" in repos:  # the build's own measurement against PyTorch fp32, from its manifest
-        int8_cosine = read_manifest(repos["int8"])["accuracy"]["outputs"]["embeddings"]["min_cosine"]
+        int8_cosine = Manifest.read(repos["int8"]).accuracy["outputs"]["embeddings"]["min_cosine"]
     return {"in_process": {"before": before, "after": after, "best_throughput": anchor, "p50_batch1_ms": latency},
             "served": [r.to_dict() for r in results], "int8_min_cosine": int8_cosine}
 

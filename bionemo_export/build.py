@@ -32,7 +32,7 @@ from bionemo_export.model_repository.backends import BACKENDS
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.model_repository.manifest import checkpoint_digest, package_versions, write_manifest
+from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
@@ -90,7 +90,7 @@ class BuildRequest:
 @dataclass(frozen=True)
 class BuildResult:
     repository: Path
-    manifest: dict
+    manifest: Manifest
     models: list[str]
 
 
@@ -308,29 +308,28 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             progress(f"writing the repository ({backend} backend)")
             plan = _plan(request, loaded, tasks, serving, graphs)
             plan.write(staging)
-        manifest = {
-            "tool": {"name": "bionemo-export", "version": __version__},
-            "name": request.name,
-            "family": family.name,
-            "tasks": list(tasks),
-            "public_models": [f"{request.name}_{task}" for task in tasks],
-            "models": {m.name: m.description for m in plan.models},
-            "checkpoint": {"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
-                           **loaded.description},
-            "precision": request.precision,
-            "backend": backend,
-            "device": serving.serving_backend.device,
-            "exporter": request.exporter,
-            "export": {name: graph.record for name, graph in graphs.items()},
-            "serving": dataclasses.asdict(serving),
-            "max_length": loaded.tokenizer.max_length,
-            "max_decode_length": request.max_decode_length or (loaded.seq2seq.max_decode_length
-                                                               if loaded.seq2seq else None),
-            "verification": {"passed": True, "graphs": {name: graph.verification for name, graph in graphs.items()}},
-            "accuracy": _accuracy(request.precision, graphs["encoder"]),
-            "versions": package_versions(),
-        }
-        write_manifest(staging, manifest)
+        manifest = Manifest(
+            tool={"name": "bionemo-export", "version": __version__},
+            name=request.name,
+            family=family.name,
+            tasks=list(tasks),
+            public_models=[f"{request.name}_{task}" for task in tasks],
+            models={m.name: m.description for m in plan.models},
+            checkpoint={"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
+                        **loaded.description},
+            precision=request.precision,
+            backend=backend,
+            device=serving.serving_backend.device,
+            exporter=request.exporter,
+            export={name: graph.record for name, graph in graphs.items()},
+            serving=dataclasses.asdict(serving),
+            max_length=loaded.tokenizer.max_length,
+            max_decode_length=request.max_decode_length or (loaded.seq2seq.max_decode_length
+                                                            if loaded.seq2seq else None),
+            verification={"passed": True, "graphs": {name: graph.verification for name, graph in graphs.items()}},
+            accuracy=_accuracy(request.precision, graphs["encoder"]),
+            versions=package_versions(),
+        ).write(staging)
         findings = check_repository(staging)
         if findings:  # a planner bug: what a server would refuse at load time, or fail on later
             raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))

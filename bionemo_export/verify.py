@@ -22,7 +22,7 @@ import numpy as np
 
 from bionemo_export.client import EncoderClient, Seq2SeqClient
 from bionemo_export.errors import reason
-from bionemo_export.model_repository.manifest import read_manifest
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.numerics import cosine_rows, degenerate_rows
 
 
@@ -182,10 +182,10 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
     from bionemo_export.models import get_family
     from bionemo_export.runtime import TritonServer, find_tritonserver
 
-    manifest = _built_manifest(repository)
-    family = get_family(manifest["family"])
+    manifest = Manifest.read(repository)
+    family = get_family(manifest.family)
     try:
-        loaded = family.load(checkpoint, max_length=manifest.get("max_length"))
+        loaded = family.load(checkpoint, max_length=manifest.max_length)
     except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
         raise ValueError(f"cannot load {checkpoint} as {family.name}: {reason(err)}") from err
     samples = loaded.family.sample_sequences()  # fits the checkpoint (bert: protein or SMILES)
@@ -194,40 +194,25 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
         if url is None:
             server = stack.enter_context(TritonServer(repository, install=find_tritonserver(tritonserver)))
             url = f"grpc://{server.endpoints.grpc_url}"
-        client = stack.enter_context(Seq2SeqClient(manifest["name"], url))
-        precision = manifest.get("precision", "fp32")
+        client = stack.enter_context(Seq2SeqClient(manifest.name, url))
         tolerances, notes = precision_checks(manifest, family)
-        checks = verify_served(client, loaded, manifest["tasks"], batches, family.atol, family.min_cosine,
+        checks = verify_served(client, loaded, manifest.tasks, batches, family.atol, family.min_cosine,
                                tolerances=tolerances, notes=notes)
-        return checks + verify_decoding(client, loaded, manifest["tasks"], samples,
-                                        max_decode_length=manifest.get("max_decode_length"), precision=precision)
+        return checks + verify_decoding(client, loaded, manifest.tasks, samples,
+                                        max_decode_length=manifest.max_decode_length, precision=manifest.precision)
 
 
-def _built_manifest(repository: Path) -> dict:
-    """The repository's manifest.json, checked to hold what verify reads (ValueError naming the file)."""
-    path = repository / "manifest.json"
-    try:
-        manifest = read_manifest(repository)
-    except ValueError as err:  # json.JSONDecodeError
-        raise ValueError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(manifest, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    if missing := [key for key in ("family", "name", "tasks") if key not in manifest]:
-        raise ValueError(f"{path} has no {', '.join(missing)}: not written by `bionemo-export build repo`")
-    return manifest
-
-
-def precision_checks(manifest: dict, family) -> tuple[dict, dict[str, str]]:
+def precision_checks(manifest: Manifest, family) -> tuple[dict, dict[str, str]]:
     """(task -> Tolerance, task -> note) for the repository's precision: the family's tolerance for
     fp32; for int8/fp16 the precision's minimum cosine, and a note with the accuracy cost the build
     measured (manifest.json's `accuracy`)."""
     from bionemo_export.exporters.verification import precision_tolerances
 
-    precision = manifest.get("precision", "fp32")
+    precision = manifest.precision
     tolerances = precision_tolerances(precision, ["embeddings", "hiddens"], family.atol, family.min_cosine)
     if precision == "fp32":
         return tolerances, {}
-    measured = manifest.get("accuracy", {}).get("outputs", {})
+    measured = manifest.accuracy.get("outputs", {})
     notes = {}
     for task, tolerance in tolerances.items():
         built = measured.get(task)

@@ -41,7 +41,7 @@ def main() -> int:
         BuildRequest(family="bert", checkpoint=checkpoint, name="antiberty", out=repository, force=True),
         progress=lambda message: console.log(message),
     )
-    worst = max(output["max_abs_error"] for report in result.manifest["verification"]["graphs"].values()
+    worst = max(output["max_abs_error"] for report in result.manifest.verification["graphs"].values()
                 for output in report["outputs"])
     console.print(f"built {', '.join(result.models)} in {time.perf_counter() - started:.1f} s "
                   f"(ONNX vs PyTorch: max abs error {worst:.1e})")

@@ -25,6 +25,7 @@ from bionemo_export.cli.main import app
 from bionemo_export.model_repository.backends import BACKENDS, ENGINE_FILE, ShapeRange, get_backend
 from bionemo_export.model_repository.consistency import check_repository, graph_io
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt, write_config
 from bionemo_export.models import get_family, load_checkpoint
 
@@ -208,7 +209,7 @@ def test_graphs_with_external_data_keep_it_beside_them_and_are_checked_without_r
     out = tmp_path / "repo"
     out.mkdir()
     plan.write(out)
-    (out / "manifest.json").write_text(json.dumps({"max_length": tokenizer.max_length}))
+    Manifest(name="m", family="esm2", tasks=["embeddings", "hiddens"], max_length=tokenizer.max_length).write(out)
     version = out / "m_encoder" / "1"
     assert sorted(p.name for p in version.iterdir()) == [ENGINE_FILE, "model.onnx", "model.onnx.data"]
     assert graph_io(version / "model.onnx")[0][0].dims == ("batch", "length")

@@ -19,7 +19,7 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient, InferenceError, TritonClient, strings_to_tensor
 from bionemo_export.model_repository.encoder import ServingOptions
-from bionemo_export.model_repository.manifest import read_manifest
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime import TritonServer
@@ -148,9 +148,9 @@ def test_too_long_non_utf8_and_oversized_batches_are_refused(served):
 def test_verify_against_the_running_server_passes(served):
     _, _, server, name, checkpoint = served
     repository = server.model_repository
-    manifest = read_manifest(repository)
-    assert manifest["family"] in ("esm2", "bert") and manifest["name"] == name
-    assert manifest["verification"]["passed"]
+    manifest = Manifest.read(repository)
+    assert manifest.family in ("esm2", "bert") and manifest.name == name
+    assert manifest.verification["passed"]
     checks = verify_repository(repository, checkpoint, url=f"grpc://{server.endpoints.grpc_url}")
     assert checks and all(check.passed for check in checks)
     assert {check.model for check in checks} == {f"{name}_embeddings", f"{name}_hiddens"}

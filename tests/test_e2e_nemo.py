@@ -16,7 +16,7 @@ from bionemo_export.cli.main import app
 from bionemo_export.client import Seq2SeqClient
 from bionemo_export.generation.reference import reference_decode
 from bionemo_export.model_repository.encoder import ServingOptions
-from bionemo_export.model_repository.manifest import read_manifest
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family, load_checkpoint
 from bionemo_export.models.megamolbart import load_model
 from bionemo_export.numerics import cosine_rows
@@ -54,9 +54,9 @@ def esm2nv(tmp_path_factory, triton_install):
 
 def test_esm2nv_archive_served_equals_transformers(esm2nv):
     source, server, repo = esm2nv
-    manifest = read_manifest(repo)
-    assert manifest["family"] == "esm2"
-    assert manifest["checkpoint"]["checkpoint_form"].startswith(".nemo archive")
+    manifest = Manifest.read(repo)
+    assert manifest.family == "esm2"
+    assert manifest.checkpoint["checkpoint_form"].startswith(".nemo archive")
     model = transformers.EsmModel.from_pretrained(source, add_pooling_layer=False).eval()
     batch = transformers.EsmTokenizer(vocab_file=str(source / "vocab.txt"))(PROTEINS, padding=True,
                                                                              return_tensors="pt")

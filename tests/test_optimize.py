@@ -23,6 +23,7 @@ from bionemo_export.exporters.optimize import (
 )
 from bionemo_export.exporters.signature import dynamic_axes
 from bionemo_export.exporters.verification import PRECISION_MIN_COSINE, precision_tolerances
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family
 from bionemo_export.verify import precision_checks
 
@@ -127,7 +128,7 @@ def test_build_stores_the_optimized_graph_and_records_the_optimizations(tmp_path
     assert verification["optimized"] and verification["passed"]
     assert verification["unoptimized"]["outputs"][0]["name"] == "hiddens"
     assert manifest["accuracy"]["outputs"]["embeddings"]["min_cosine"] > 0.9999
-    assert result.manifest == {k: v for k, v in manifest.items() if k != "created"}
+    assert result.manifest == Manifest.read(tmp_path / "repo") and result.manifest.to_dict() == manifest
 
 
 def _no_fusion_verifies(monkeypatch):
@@ -287,10 +288,10 @@ def test_a_precision_nothing_meets_fails_the_build_and_leaves_nothing(tmp_path, 
 
 def test_verify_holds_a_repository_to_its_precisions_tolerance():
     family = get_family("bert")
-    fp32, notes = precision_checks({"precision": "fp32"}, family)
+    fp32, notes = precision_checks(Manifest(name="m", family="bert", tasks=["embeddings"]), family)
     assert fp32["embeddings"].atol == family.atol and notes == {}
-    manifest = {"precision": "int8", "accuracy": {"outputs": {"embeddings": {"min_cosine": 0.99951,
-                                                                             "max_abs_error": 0.08}}}}
+    manifest = Manifest(name="m", family="bert", tasks=["embeddings"], precision="int8",
+                        accuracy={"outputs": {"embeddings": {"min_cosine": 0.99951, "max_abs_error": 0.08}}})
     int8, notes = precision_checks(manifest, family)
     assert int8["embeddings"].min_cosine == 0.999 and int8["embeddings"].atol == float("inf")
     assert "int8 vs fp32 PyTorch" in notes["embeddings"] and "0.999510" in notes["embeddings"]

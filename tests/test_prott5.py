@@ -22,7 +22,7 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient, InferenceError, TritonClient, strings_to_tensor
 from bionemo_export.model_repository.encoder import ServingOptions
-from bionemo_export.model_repository.manifest import read_manifest
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.megamolbart import MegaMolBart, MegaMolBartConfig
 from bionemo_export.models.prott5 import PROTT5_PIECES, nemo_vocabulary, sentencepiece_model
@@ -338,8 +338,8 @@ def test_cli_builds_a_nemo_without_model(nemo, tmp_path):
     result = CliRunner().invoke(app, ["build", "repo", "--checkpoint", str(nemo[1]["gzip"]), "--name", "prott5nv",
                                       "--out", str(out), "--backend", "python", "--no-warmup"])
     assert result.exit_code == 0, result.output
-    manifest = read_manifest(out)
-    assert manifest["family"] == "prott5" and manifest["verification"]["passed"]
+    manifest = Manifest.read(out)
+    assert manifest.family == "prott5" and manifest.verification["passed"]
 
 
 # ------------------------------------------------------------------------ served end to end

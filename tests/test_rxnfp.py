@@ -182,7 +182,7 @@ def served(tmp_path_factory, triton_install, rxnfp):
 @e2e
 def test_repository_records_the_smiles_tokenizer(served, rxnfp):
     server, result = served
-    assert result.manifest["family"] == "bert" and result.manifest["verification"]["passed"]
+    assert result.manifest.family == "bert" and result.manifest.verification["passed"]
     written = json.loads((server.model_repository / f"{NAME}_encoder" / "1" / "tokenizer.json").read_text())
     assert written == rxnfp.tokenizer.to_dict() and written["pattern"] == REACTION_SMILES_PATTERN
 

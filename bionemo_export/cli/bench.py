@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 from typing import Optional
@@ -48,9 +47,12 @@ class _RichProgress(ProgressHook):
 
 
 def _default_model(repository: Path) -> str | None:
+    """The model to bench when none is named: the repository's embeddings model, else its first."""
+    from bionemo_export.model_repository.manifest import Manifest  # not at import: protobuf
+
     try:
-        public = json.loads((repository / "manifest.json").read_text()).get("public_models", [])
-    except (OSError, ValueError):
+        public = Manifest.read(repository).public_models
+    except (OSError, ValueError):  # no manifest, or not one
         return None
     return next((m for m in public if m.endswith("_embeddings")), public[0] if public else None)
 

@@ -109,17 +109,17 @@ def repo(
         console.print(f"[red]{err}[/red]", highlight=False)
         raise typer.Exit(128 + err.signum)  # the shell's status for "ended by this signal"
     manifest = result.manifest
-    table = Table(title=f"ONNX vs PyTorch fp32 ({manifest['exporter']} exporter, {manifest['precision']})")
+    table = Table(title=f"ONNX vs PyTorch fp32 ({manifest.exporter} exporter, {manifest.precision})")
     for column in ("graph", "output", "max abs error", "min cosine", "tolerance", "ok"):
         table.add_column(column)
-    for graph, report in manifest["verification"]["graphs"].items():
+    for graph, report in manifest.verification["graphs"].items():
         for figures in report["outputs"]:
             tolerance = (f"cosine >= {figures['tolerance']['min_cosine']:g}" if "tolerance" in figures
                          else f"{report['atol']:.0e}")
             table.add_row(graph, figures["name"], f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
                           tolerance, "yes" if figures["passed"] else "NO")
     console.print(table)
-    console.print(f"Repository {result.repository} ({manifest['backend']} backend): {', '.join(result.models)}")
+    console.print(f"Repository {result.repository} ({manifest.backend} backend): {', '.join(result.models)}")
     console.print(f"Serve it with: bionemo-export serve {result.repository}")
 
 

@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from bionemo_export.model_repository.manifest import MANIFEST_NAME, read_manifest
+from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest, ManifestError
 from bionemo_export.runtime.server import check_model_repository
 from bionemo_export.runtime.supervisor import is_public
 
@@ -163,20 +163,25 @@ def read_repository(path: Path) -> RepositoryFacts:
         raise DeployError(f"{path} has no model folder (a subfolder with config.pbtxt): pass a repository "
                           "built by `bionemo-export build repo`")
     try:
-        manifest = read_manifest(path) if (path / MANIFEST_NAME).is_file() else {}
-    except ValueError as err:  # json's, raised outside this package: name the file
-        raise DeployError(f"{path / MANIFEST_NAME} is not valid JSON ({err}); rebuild the repository") from None
-    if not isinstance(manifest, dict):
-        raise DeployError(f"{path / MANIFEST_NAME} is not a bionemo-export manifest (not a JSON object)")
-    listed = tuple(manifest.get("public_models") or ())
-    missing = [model for model in (*manifest.get("models", {}), *listed) if model not in models]
+        manifest = Manifest.read(path) if (path / MANIFEST_NAME).is_file() else None
+    except ManifestError as err:
+        raise DeployError(f"{err}; rebuild the repository") from None
+    if manifest is None:  # a repository not built by bionemo-export: its folders say it all
+        public = tuple(model for model in models if is_public(model))
+        return RepositoryFacts(path, path.name, models, public, None, _size(path))
+    listed = tuple(manifest.public_models)
+    missing = [model for model in (*manifest.models, *listed) if model not in models]
     if missing:
         raise DeployError(f"{path}: {MANIFEST_NAME} names models that have no folder with a config.pbtxt: "
                           f"{', '.join(missing)}; rebuild the repository")
     public = listed or tuple(model for model in models if is_public(model))
-    size = sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
-    return RepositoryFacts(path, str(manifest.get("name") or path.name), models, public,
-                           manifest.get("backend"), size, str(manifest.get("device") or "cpu"))
+    return RepositoryFacts(path, manifest.name or path.name, models, public, manifest.backend, _size(path),
+                           manifest.device)
+
+
+def _size(path: Path) -> int:
+    """Bytes of every file under `path`: what a pod's storage must hold."""
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
 def default_name(repository: RepositoryFacts) -> str:

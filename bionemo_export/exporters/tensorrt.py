@@ -25,14 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from bionemo_export.model_repository.backends import ENGINE_FILE, engine_json
 from bionemo_export.model_repository.consistency import check_repository
-from bionemo_export.model_repository.manifest import read_manifest, write_manifest
+from bionemo_export.model_repository.manifest import Manifest
 
 TIMING_CACHE = "engines.timing_cache"
 WORKSPACE_BYTES = 4 << 30
@@ -163,9 +163,9 @@ def _build_engine(trt, onnx_path: Path, profiles: list[dict], precision: str, ca
 
 
 def _record(repository: Path, version: str, gpu: str, recipes: dict[str, Path]) -> None:
-    manifest = read_manifest(repository)
-    manifest["engines"] = {
+    """Add the engines built (TensorRT version, GPU, each model's build record) to manifest.json."""
+    engines = {
         "tensorrt": version, "gpu": gpu,
         "models": {model: json.loads((folder / ENGINE_FILE).read_text())["built"] for model, folder in recipes.items()},
     }
-    write_manifest(repository, manifest)
+    replace(Manifest.read(repository), engines=engines).write(repository)

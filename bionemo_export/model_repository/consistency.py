@@ -32,7 +32,7 @@ import onnx
 from google.protobuf import text_format
 
 from .backends import ENGINE_FILE
-from .manifest import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, Manifest
 from .pbtxt import read_config
 from .plan import ModelPlan, PlanError, RepositoryPlan
 
@@ -73,8 +73,7 @@ def graph_io(path: Path) -> tuple[list[GraphIO], list[GraphIO]]:
 def caller_sizes(root: Path, configs: dict[str, ModelPlan]) -> dict[str, dict[str, tuple[int, int]]]:
     """Per graph model: each named axis's (smallest, largest) size that the repository's other
     models (or a client within the config's limits) can send."""
-    manifest = json.loads((root / MANIFEST_NAME).read_text()) if (root / MANIFEST_NAME).is_file() else {}
-    max_length = int(manifest.get("max_length") or 0)
+    max_length = (Manifest.read(root).max_length or 0) if (root / MANIFEST_NAME).is_file() else 0
     loops = [plan for plan in configs.values() if "max_decode_length" in plan.parameters]
     decode_length = max((int(p.parameters["max_decode_length"]) for p in loops), default=0)
     rows = 0

@@ -1,7 +1,8 @@
 """`manifest.json`: what a repository was built from and how, at the repository root.
 
 `verify`, `bench` and people read it to learn the family, the public models and the figures the
-export was checked against, without guessing from folder names.
+export was checked against, without guessing from folder names. `Manifest` is the one place that
+reads and writes it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import hashlib
 import importlib.metadata
 import json
 import platform
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -45,15 +47,91 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
-    stamped = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), **manifest}
-    path = root / MANIFEST_NAME
-    path.write_text(json.dumps(stamped, indent=2, sort_keys=False) + "\n")
-    return path
+class ManifestError(ValueError):
+    """manifest.json cannot be read as a bionemo-export manifest; the message names the file."""
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
-    path = root / MANIFEST_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{root} has no {MANIFEST_NAME}: was it built by `bionemo-export build repo`?")
-    return json.loads(path.read_text())
+REQUIRED = ("family", "name", "tasks")
+"""What every reader needs (and what a hand-written manifest must hold at least)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """manifest.json as one typed record: `build` writes it, every reader reads it through `read`.
+
+    Fields are the file's top-level keys, in the file's order (keyword-only, so that the required
+    ones can follow `created`). Keys that older builds did not write have defaults (device "cpu":
+    GPU serving came later), so repositories built before still read.
+    """
+
+    created: str | None = None
+    """When it was first written (UTC, ISO 8601); `write` stamps it once and keeps it after."""
+    tool: dict[str, Any] = field(default_factory=dict)
+    """{"name": "bionemo-export", "version": ...}: which tool (and version) built the repository."""
+    name: str
+    """The --name: models are `<name>_<task>`."""
+    family: str
+    tasks: list[str]
+    public_models: list[str] = field(default_factory=list)
+    models: dict[str, Any] = field(default_factory=dict)
+    """Every model folder -> its description."""
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+    """path, digest and the family's facts about the checkpoint."""
+    precision: str = "fp32"
+    backend: str | None = None
+    device: str = "cpu"
+    exporter: str = "torch"
+    export: dict[str, Any] = field(default_factory=dict)
+    serving: dict[str, Any] = field(default_factory=dict)
+    max_length: int | None = None
+    max_decode_length: int | None = None
+    verification: dict[str, Any] = field(default_factory=dict)
+    accuracy: dict[str, Any] = field(default_factory=dict)
+    """What the stored precision costs against fp32 PyTorch (int8/fp16 builds)."""
+    versions: dict[str, str | None] = field(default_factory=dict)
+    engines: dict[str, Any] | None = None
+    """TensorRT engines built on a GPU host (exporters/tensorrt.py); None: none built."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Keys this version does not know (a newer build's), kept so that rewriting loses nothing."""
+
+    @property
+    def built_by_bionemo_export(self) -> bool:
+        """The file names bionemo-export as its tool (hand-written manifests do not)."""
+        return self.tool.get("name") == "bionemo-export"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of manifest.json (`created` first; no `engines` key when none were built)."""
+        known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        return {**{key: value for key, value in known.items() if not (value is None and key in ("created", "engines"))},
+                **self.extra}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: Path | str = MANIFEST_NAME) -> Manifest:
+        """The manifest a JSON object holds; ManifestError naming `source` when it is not one."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"{source} is not a JSON object")
+        if missing := [key for key in REQUIRED if key not in data]:
+            raise ManifestError(f"{source} has no {', '.join(missing)}: not written by `bionemo-export build repo`")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    @classmethod
+    def read(cls, root: Path) -> Manifest:
+        """The manifest.json of repository `root`: FileNotFoundError when it has none, ManifestError
+        naming the file when it is not valid JSON or not a bionemo-export manifest."""
+        path = root / MANIFEST_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{root} has no {MANIFEST_NAME}: was it built by `bionemo-export build repo`?")
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise ManifestError(f"{path} is not valid JSON ({err})") from None
+        return cls.from_dict(data, path)
+
+    def write(self, root: Path) -> Manifest:
+        """Write `root`/manifest.json; the manifest as written (`created` stamped if it was not)."""
+        stamped = self if self.created else replace(
+            self, created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+        (root / MANIFEST_NAME).write_text(json.dumps(stamped.to_dict(), indent=2) + "\n")
+        return stamped

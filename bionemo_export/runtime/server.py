@@ -60,15 +60,14 @@ class NotAModelRepositoryError(ValueError):
 
 def _is_repository(folder: Path) -> bool:
     """A model folder (a subfolder with config.pbtxt) is present, or bionemo-export built it."""
-    from bionemo_export.model_repository.manifest import MANIFEST_NAME  # not at import: protobuf
+    from bionemo_export.model_repository.manifest import Manifest  # not at import: protobuf
 
     try:
         if any((child / "config.pbtxt").is_file() for child in folder.iterdir() if child.is_dir()):
             return True
-        manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
+        return Manifest.read(folder).built_by_bionemo_export
+    except (OSError, ValueError):  # no manifest, or not one
         return False
-    return isinstance(manifest, dict) and (manifest.get("tool") or {}).get("name") == "bionemo-export"
 
 
 def check_model_repository(folder: str | os.PathLike[str]) -> Path | str:

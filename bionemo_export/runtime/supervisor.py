@@ -13,7 +13,6 @@ periodically beside `serve` and does the reloads.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -151,11 +150,11 @@ def public_models(client: ControlClient, repository: Path | None = None) -> list
     """The public models: the `public_models` of the repository's manifest.json when there is one,
     else every model of the server's index named like a public one."""
     if repository is not None:
-        from bionemo_export.model_repository.manifest import MANIFEST_NAME
+        from bionemo_export.model_repository.manifest import Manifest
 
         try:
-            listed = json.loads((repository / MANIFEST_NAME).read_text()).get("public_models")
-        except (OSError, ValueError, AttributeError):
+            listed = Manifest.read(repository).public_models
+        except (OSError, ValueError):  # no manifest, or not one: ask the server
             listed = None
         if listed:
             return list(listed)
