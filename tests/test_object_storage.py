@@ -26,7 +26,9 @@ from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
-from bionemo_export.runtime import TritonServer, free_ports
+from bionemo_export.runtime import TritonServer, find_tritonserver, free_ports
+from bionemo_export.runtime.discovery import TritonInstall
+from bionemo_export.runtime.doctor import object_stores
 from bionemo_export.runtime.object_storage import S3RepositoryError, check_s3_repository, list_repository, parse_s3_uri
 from tests.helpers import serve_process as sp
 
@@ -300,3 +302,16 @@ def test_push_refuses_to_mix_repositories_and_replace_removes_stale_models(objec
 def test_push_refuses_a_folder_that_is_not_a_repository(object_store, tmp_path):
     result = runner.invoke(app, ["repo", "push", str(tmp_path), _location(object_store, "teams/empty")], env=WIDE)
     assert result.exit_code == 2 and "is not a model repository" in result.output
+
+
+def test_doctor_reads_object_storage_support_from_the_servers_library(tmp_path):
+    """The embedded tritonserver's library has Triton's S3 file system; a library without it does not."""
+    assert "s3://" in object_stores(find_tritonserver())
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libtritonserver.so").write_bytes(b"\x7fELF no file systems here")
+    bare = TritonInstall(binary=tmp_path / "bin" / "tritonserver", backend_directory=tmp_path / "backends",
+                         source="explicit")
+    assert object_stores(bare) == []
+    (tmp_path / "lib" / "libtritonserver.so").unlink()
+    assert object_stores(bare) is None

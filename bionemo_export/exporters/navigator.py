@@ -55,6 +55,12 @@ def navigator_available() -> bool:
     return isinstance(_import_result(), ModuleType)
 
 
+def navigator_problem() -> str | None:
+    """Why Model Navigator cannot be used here (its import failed), or None when it can."""
+    result = _import_result()
+    return None if isinstance(result, ModuleType) else result
+
+
 def navigator_version() -> str:
     """The installed Model Navigator version (raises NavigatorUnavailableError if none)."""
     return str(_navigator().__version__)

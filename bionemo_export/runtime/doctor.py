@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import mmap
+import os
 import shutil
 import subprocess
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from .discovery import TritonNotFoundError, find_tritonserver
@@ -57,6 +60,49 @@ def check_tritonserver(explicit: str | None = None, probe: bool = True) -> Check
         f"{version or 'unknown version'} ({install.source}) {install.binary}\nbackends: {backends}",
         "" if "python" in install.backends else "the python backend is missing from " + str(install.backend_directory),
     )
+
+
+# Triton's file-system classes in libtritonserver: a build without the feature lacks the class.
+OBJECT_STORES = {"s3://": b"S3FileSystem", "gs://": b"GCSFileSystem", "as://": b"ASFileSystem"}
+
+
+def object_stores(install) -> list[str] | None:
+    """The repository locations besides local folders that this tritonserver reads itself (read
+    from its library's symbols), or None when its libtritonserver cannot be found."""
+    folders = [install.binary.parent.parent / "lib",
+               *(Path(d) for d in install.env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d)]
+    library = next((lib for folder in folders if folder.is_dir()
+                    for lib in sorted(folder.glob("libtritonserver*.so"))), None)
+    if library is None:
+        return None
+    with open(library, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return [scheme for scheme, symbol in OBJECT_STORES.items() if data.find(symbol) != -1]
+
+
+def check_object_storage(explicit: str | None = None) -> Check:
+    try:
+        stores = object_stores(find_tritonserver(explicit))
+    except TritonNotFoundError:
+        stores = None
+    if not stores:
+        return Check("object storage", False, "no s3:// support found in this tritonserver" if stores == [] else
+                     "libtritonserver not found: cannot tell", "serve s3:// repositories with NVIDIA's container: "
+                     "tritonserver --model-repository=s3://bucket/path", required=False)
+    return Check("object storage", True, f"{', '.join(stores)} repositories, read by tritonserver itself "
+                 "(bionemo-export serve s3://...; credentials from AWS_* variables)", required=False)
+
+
+def check_navigator() -> Check:
+    """Model Navigator, imported the way the exporter imports it: its import refuses a process
+    whose multiprocessing start method is already "fork", which the exporter sets to "spawn"
+    around it (a plain import here failed after any earlier fork in the same process)."""
+    from bionemo_export.exporters.navigator import navigator_problem
+
+    problem = navigator_problem()
+    if problem is not None:
+        return Check("Model Navigator", False, f"not importable: {problem}",
+                     "pip install --no-deps triton-model-navigator==0.14.0 (see scripts/setup.sh)")
+    return Check("Model Navigator", True, _package_version("triton-model-navigator") or "unknown version")
 
 
 def check_perf_analyzer() -> Check:
@@ -108,10 +154,10 @@ def run_checks(tritonserver: str | None = None, probe: bool = True) -> list[Chec
     """All checks, in the order the table shows them."""
     return [
         check_tritonserver(tritonserver, probe=probe),
+        check_object_storage(tritonserver),
         check_perf_analyzer(),
         check_python_package("tritonclient", "tritonclient.grpc", "tritonclient"),
-        check_python_package("Model Navigator", "model_navigator", "triton-model-navigator",
-                             fix="pip install --no-deps triton-model-navigator==0.14.0 (see scripts/setup.sh)"),
+        check_navigator(),
         check_python_package("onnx", "onnx", "onnx"),
         check_python_package("onnxruntime", "onnxruntime", "onnxruntime", detail=_ort_providers),
         check_python_package("torch", "torch", "torch", detail=_torch_devices,
