@@ -275,8 +275,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     except ValueError as err:  # a device or layout the backend cannot serve
         raise BuildError(str(err)) from err
     if request.precision == "int8" and not serving.serving_backend.stores_cpu_optimized_graphs:
-        raise BuildError(f"--precision int8 is ONNX Runtime's CPU quantization; on --device gpu use fp16 "
-                         f"(--backend tensorrt builds fp16 engines by default)")
+        raise BuildError("--precision int8 is ONNX Runtime's CPU quantization; on --device gpu use fp16 "
+                         "(--backend tensorrt builds fp16 engines by default)")
 
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     try:

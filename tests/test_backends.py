@@ -26,7 +26,7 @@ from bionemo_export.model_repository.backends import BACKENDS, ENGINE_FILE, Shap
 from bionemo_export.model_repository.consistency import check_repository, graph_io
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
 from bionemo_export.model_repository.manifest import Manifest
-from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt, write_config
+from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, write_config
 from bionemo_export.models import get_family, load_checkpoint
 
 runner = CliRunner()

@@ -54,8 +54,7 @@ class EngineResult:
 
 def engine_recipes(repository: Path) -> dict[str, Path]:
     """Model name -> its version folder, for every model with an engine.json."""
-    return {folder.parent.name: folder for folder in sorted(repository.glob(f"*/1/{ENGINE_FILE}"))
-            for folder in [folder.parent]}
+    return {recipe.parent.parent.name: recipe.parent for recipe in sorted(repository.glob(f"*/1/{ENGINE_FILE}"))}
 
 
 def _digest(path: Path) -> str:

@@ -59,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
-from .backends import BACKENDS, ServingBackend, get_backend
+from .backends import ServingBackend, get_backend
 from .plan import DynamicBatching
 
 LAYOUTS = ("auto", "fused", "ensemble")
