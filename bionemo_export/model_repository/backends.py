@@ -180,49 +180,62 @@ class PythonBackend(ServingBackend):
         return plan
 
 
-class OnnxRuntimeBackend(ServingBackend):
-    name = "native"
-    help = "Triton's onnxruntime_onnx platform (NVIDIA's Triton containers)"
-    triton_backend = "onnxruntime"
+class TritonRuntimeBackend(ServingBackend):
+    """A backend whose graph models run on one of Triton's own platforms: the config names the
+    platform and the model file, the version folder holds the exported graph, and a warmup request
+    runs at load. Subclasses add their platform's settings in `configure`."""
+
+    platform: ClassVar[str]
+    model_file: ClassVar[str]
 
     def plan_graph(self, graph: GraphModel) -> ModelPlan:
         plan = graph.plan
         self._place(plan, graph.role)
-        plan.platform = "onnxruntime_onnx"
-        plan.default_model_filename = "model.onnx"
+        plan.platform = self.platform
+        plan.default_model_filename = self.model_file
         plan.files.update(graph.onnx_files)
-        if graph.role.threads:
-            plan.parameters["intra_op_thread_count"] = str(graph.role.threads)
         if graph.warmup:
             plan.warmup = [zero_warmup(plan, graph.shapes)]
-        plan.description = f"{graph.what} (onnxruntime_onnx, {self.device.upper()})"
+        plan.description = f"{graph.what} ({self.platform}, {self.configure(plan, graph)})"
         return plan
 
+    @abstractmethod
+    def configure(self, plan: ModelPlan, graph: GraphModel) -> str:
+        """Add the platform's own settings and files to `plan`; the description's detail."""
 
-class TensorRTBackend(ServingBackend):
+
+class OnnxRuntimeBackend(TritonRuntimeBackend):
+    name = "native"
+    help = "Triton's onnxruntime_onnx platform (NVIDIA's Triton containers)"
+    triton_backend = "onnxruntime"
+    platform = "onnxruntime_onnx"
+    model_file = "model.onnx"
+
+    def configure(self, plan: ModelPlan, graph: GraphModel) -> str:
+        if graph.role.threads:
+            plan.parameters["intra_op_thread_count"] = str(graph.role.threads)
+        return self.device.upper()
+
+
+class TensorRTBackend(TritonRuntimeBackend):
     name = "tensorrt"
     help = ("Triton's tensorrt_plan platform; `bionemo-export engines build REPO` makes the engines where "
             "TensorRT is installed")
     devices = ("gpu",)
     default_device = "gpu"
     triton_backend = "tensorrt"
+    platform = "tensorrt_plan"
+    model_file = PLAN_FILE
     precision = "fp16"
     """The engines' precision (`engines build --precision` overrides it)."""
 
-    def plan_graph(self, graph: GraphModel) -> ModelPlan:
-        plan = graph.plan
-        self._place(plan, graph.role)
-        plan.platform = "tensorrt_plan"
-        plan.default_model_filename = PLAN_FILE
-        plan.files.update(graph.onnx_files)  # the engine's source, parsed by `engines build`
+    def configure(self, plan: ModelPlan, graph: GraphModel) -> str:
+        # model.onnx stays beside the plan: it is the engine's source, parsed by `engines build`.
         profiles = graph.shapes.profiles()
         plan.profiles = tuple(str(index) for index in range(len(profiles)))
         plan.files[ENGINE_FILE] = engine_json({"onnx": "model.onnx", "plan": PLAN_FILE, "precision": self.precision,
                                                "profiles": profiles, "built": None})
-        if graph.warmup:
-            plan.warmup = [zero_warmup(plan, graph.shapes)]
-        plan.description = f"{graph.what} (tensorrt_plan, {len(profiles)} optimization profiles)"
-        return plan
+        return f"{len(profiles)} optimization profiles"
 
 
 BACKENDS: dict[str, type[ServingBackend]] = {cls.name: cls for cls in (PythonBackend, OnnxRuntimeBackend,
