@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import boto3
@@ -24,6 +25,7 @@ from typer.testing import CliRunner
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer, find_tritonserver, free_ports
@@ -158,10 +160,12 @@ def test_the_pushed_repository_is_complete(pushed, esm2, object_store):
 
 
 def _older_repository(esm2, tmp_path) -> Path:
-    """A copy of the repository as builds before the ensemble README.md wrote it: empty version folders."""
+    """A copy of the repository as builds before the ensemble README.md wrote it: empty version
+    folders, and (older still) no file digests in manifest.json."""
     older = Path(shutil.copytree(esm2[0], tmp_path / "older"))
     for note in older.glob("*/1/README.md"):
         note.unlink()
+    replace(Manifest.read(older), files={}).write(older)
     return older
 
 
@@ -211,7 +215,7 @@ def test_answers_from_object_storage_match_pytorch(served, esm2, protocol):
 @pytest.mark.e2e
 def test_the_supervisor_probes_the_models_of_an_s3_repository(served):
     """serve's supervisor finds the public models through the server (the manifest is not local)."""
-    served.wait_for(f"health: probing {NAME}_embeddings, {NAME}_hiddens every 2 s", timeout=30)
+    served.wait_for(f"health: watching {NAME}_embeddings, {NAME}_hiddens", timeout=30)
 
 
 # -- wrong locations: one line, before any server starts ----------------------------------------

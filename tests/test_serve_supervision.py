@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,13 +26,15 @@ from bionemo_export.client import EncoderClient, InferenceError
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
-from bionemo_export.runtime.supervisor import ProbeResult, dependencies, probe_inputs, reload_order, suspects
+from bionemo_export.runtime.stubs import process_threads, server_stubs
+from bionemo_export.runtime.supervisor import TURNED_AWAY, dependencies, probe_inputs
 from tests.helpers import serve_process as sp
 from tests.helpers.tiny_repository import tiny_repository
 
 NAME = "sup"
 SEQUENCES = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG"]
 HEAL_SECONDS = 60
+OVERLOAD_SECONDS = 15
 
 
 def _health(*args: str) -> subprocess.CompletedProcess:
@@ -64,8 +67,9 @@ def esm2_repo(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(esm2_repo, tmp_path_factory):
-    """`bionemo-export serve` on the ESM-2 repository, probing every 2 s."""
-    serve = sp.serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "2", "--health-timeout", "20")
+    """`bionemo-export serve` on the ESM-2 repository, judging every second with a 1 s probe timeout
+    (far shorter than a busy queue: the overload test relies on it)."""
+    serve = sp.serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "1", "--health-timeout", "1")
     yield serve
     serve.stop()
 
@@ -77,70 +81,100 @@ def tiny_repo(tmp_path_factory) -> Path:
 
 # -- self-healing -------------------------------------------------------------------------------
 
+def _server_state(server: int, prefix: str) -> tuple[int, int, int]:
+    """(zombie stubs, shared-memory regions, threads) of a tritonserver."""
+    return (sum(stub.zombie for stub in server_stubs(server)), len(list(SHARED_MEMORY_DIR.glob(f"{prefix}*"))),
+            process_threads(server))
+
+
 @pytest.mark.e2e
-def test_a_killed_encoder_stub_is_reloaded_and_answers_again(served):
+def test_a_killed_encoder_stub_is_reloaded_alone_and_leaves_nothing_behind(served):
     """Finding: a dead stub fails every request while every ready endpoint says 200. The supervisor
-    reloads it: answers are right again within a minute, the same tritonserver still runs, and the
-    model's ready endpoint said not ready while it was being reloaded."""
+    sees the stub gone (no request needed) and reloads the encoder alone, beside its dead instances:
+    the public ensembles stay ready throughout, answers are right again within seconds, the same
+    tritonserver runs, and the dead stubs are reaped with their shared memory and threads."""
     client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
     before = client.seqs_to_embedding(SEQUENCES)
     server = sp.tritonserver_of(served.process.pid)
+    prefix = sp.shm_prefix(server)
+    baseline = _server_state(server, prefix)
     stubs = sp.stubs(server, f"{NAME}_encoder")
-    assert len(stubs) == 2  # two encoder instances (this repository's setting): kill both, the model then cannot answer
+    assert len(stubs) == 2 and baseline[0] == 0
+    earlier = len(served.text())
     for stub in stubs:
         os.kill(stub, signal.SIGKILL)
-    assert not sp.wait_gone(stubs, 10)
-
     killed = time.monotonic()
-    failures, not_ready, after = 0, 0, None
-    while time.monotonic() - killed < HEAL_SECONDS:
-        if not _ready(served.http, f"{NAME}_embeddings"):
-            not_ready += 1
-        try:
-            after = client.seqs_to_embedding(SEQUENCES)
-            if failures:
-                break
-        except InferenceError:
-            failures += 1
+    not_ready = 0
+    while f"health: {NAME}_embeddings answers again" not in served.text()[earlier:]:
+        not_ready += not _ready(served.http, f"{NAME}_embeddings")
+        assert time.monotonic() - killed < HEAL_SECONDS, f"not healed:\n{served.text()}"
         time.sleep(0.05)
     healed = time.monotonic() - killed
+    log = served.text()[earlier:]
+    assert f"health: {NAME}_encoder: instance {NAME}_encoder_0_0, {NAME}_encoder_0_1 died" in log
+    assert f"health: reloaded {NAME}_encoder" in log
+    assert f"reloaded {NAME}_embeddings" not in log and f"reloaded {NAME}_hiddens" not in log  # callers untouched
+    assert not_ready == 0, "a public model said not ready while its encoder was reloaded"
+    after = client.seqs_to_embedding(SEQUENCES)
     client.close()
-    served.wait_for(f"health: {NAME}_embeddings answers again", timeout=30)  # logged after its own probe
-    log = served.text()
-    assert failures > 0, "the dead stubs never failed a request: the test killed nothing"
-    assert after is not None and healed < HEAL_SECONDS, f"not answering {HEAL_SECONDS} s after the kill:\n{log}"
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
-    assert not_ready > 0, "the ready endpoint said 200 throughout"
     assert sp.tritonserver_of(served.process.pid) == server  # no restart
-    assert len(sp.stubs(server, f"{NAME}_encoder")) == 2
-    assert f"health: {NAME}_embeddings does not answer" in log
-    assert f"health: reloaded {NAME}_encoder" in log and f"health: {NAME}_embeddings answers again" in log
-    print(f"answers again {healed:.1f} s after the kill; {failures} requests failed, {not_ready} times not ready")
+    live = sp.stubs(server, f"{NAME}_encoder")
+    assert len(live) == 2 and not set(live) & set(stubs)
+    deadline = time.monotonic() + 10
+    while _server_state(server, prefix)[:2] != baseline[:2] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    zombies, regions, threads = _server_state(server, prefix)
+    assert (zombies, regions) == baseline[:2], f"left behind: {zombies} zombies, {regions} regions (was {baseline})"
+    assert threads <= baseline[2] + 5, f"threads {baseline[2]} -> {threads}"
+    print(f"answered again {healed:.1f} s after the kill; threads {baseline[2]} -> {threads}")
 
 
 @pytest.mark.e2e
-def test_one_of_two_dead_encoder_stubs_is_found_and_none_is_left_behind(served):
-    """With one of two instances dead, half the requests fail: a probe that lands there reloads
-    the model. Triton never finishes unloading a model with a dead stub, and would keep its other
-    stub for good; the supervisor ends it, so exactly two encoder stubs run afterwards."""
-    client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
-    before = client.seqs_to_embedding(SEQUENCES)
+def test_a_busy_model_is_never_reloaded_and_overload_is_answered(served):
+    """Finding: the probe waited behind real work, timed out on a healthy busy model, and the
+    supervisor killed its stubs, failing every queued request. Here the health timeout (1 s) is far
+    shorter than the queue under 40 clients sending full batches of long sequences: no model is
+    reloaded, no stub is replaced, and every request is answered right or turned away by admission
+    control (UNAVAILABLE), never failed for another reason."""
     server = sp.tritonserver_of(served.process.pid)
-    stubs = sp.stubs(server, f"{NAME}_encoder")
+    stubs = sorted(sp.stubs(server))
     earlier = len(served.text())
-    os.kill(stubs[0], signal.SIGKILL)
-    assert not sp.wait_gone(stubs[:1], 10)
-    deadline = time.monotonic() + HEAL_SECONDS
-    while f"health: {NAME}_embeddings answers again" not in served.text()[earlier:]:
-        assert time.monotonic() < deadline, f"not healed {HEAL_SECONDS} s after the kill:\n{served.text()}"
-        time.sleep(0.2)
-    assert f"ended the stubs it left (pid {stubs[1]})" in served.text()[earlier:]
-    answers = [client.seqs_to_embedding(SEQUENCES) for _ in range(6)]  # both instances answer
-    client.close()
-    for after in answers:
-        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
-    live = sp.stubs(server, f"{NAME}_encoder")
-    assert len(live) == 2 and stubs[1] not in live, (stubs, live)
+    batch = ["MKTAYIAKQRQISFVKSHFSRQ" * 46] * 4  # max_batch_size rows of 1012 residues
+    expected = EncoderClient(NAME, f"grpc://127.0.0.1:{served.grpc}").seqs_to_embedding(batch[:1])[0]
+    outcomes: list[str] = []
+    latencies: list[float] = []
+
+    def client_loop(index: int) -> None:
+        url = f"grpc://127.0.0.1:{served.grpc}" if index % 2 else f"http://127.0.0.1:{served.http}"
+        client = EncoderClient(NAME, url)
+        deadline = time.monotonic() + OVERLOAD_SECONDS
+        try:
+            while time.monotonic() < deadline:
+                sent = time.monotonic()
+                try:
+                    got = client.seqs_to_embedding(batch)
+                    latencies.append(time.monotonic() - sent)
+                    outcomes.append("ok" if np.allclose(got, expected, atol=1e-4) else "wrong")
+                except Exception as err:  # noqa: BLE001 - sorted below
+                    text = str(err)
+                    outcomes.append("busy" if any(m in text for m in TURNED_AWAY) else f"error: {text[:200]}")
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(OVERLOAD_SECONDS + 120)
+    log = served.text()[earlier:]
+    others = [o for o in outcomes if o not in ("ok", "busy")]
+    assert outcomes.count("ok") > 0 and not others, (others[:5], log)
+    assert "health: reloaded" not in log and "does not answer" not in log, log
+    assert sorted(sp.stubs(server)) == stubs
+    # The condition of the finding held: requests waited longer than a probe may (1 s).
+    assert max(latencies) > 1.0, f"the load never queued a request past the health timeout: {max(latencies):.2f} s"
+    print(f"slowest answer {max(latencies):.1f} s; {len(outcomes)} requests: {outcomes.count('ok')} right, {outcomes.count('busy')} turned away")
 
 
 # -- the health command -------------------------------------------------------------------------
@@ -290,24 +324,6 @@ def test_dependencies_cover_ensemble_steps_and_bls_callees(tmp_path, layout):
     graphs = [] if layout == "fused" else ["mmb_cross_kv", "mmb_decoder_step"]
     assert dependencies("mmb_decodes", configs.get) == graphs
     assert dependencies("mmb_samplings", configs.get) == ["mmb_encoder", *graphs]
-
-
-def test_what_is_reloaded_for_a_dead_stub_and_for_another_failure(tmp_path):
-    configs = _seq2seq_configs(tmp_path, layout="ensemble")  # the layout with decoder graph models
-    publics = ["mmb_embeddings", "mmb_hiddens", "mmb_decodes", "mmb_samplings"]
-    # A dead decoder-step stub, named by the error: it and its callers, not the healthy encoder.
-    dead = ProbeResult("mmb_samplings", False, 1.0, "mmb_samplings: Stub process 'mmb_decoder_step_0_1' is not healthy.")
-    assert suspects(dead, configs.get) == ["mmb_decoder_step"]
-    assert reload_order(["mmb_decoder_step"], ["mmb_samplings"], publics, configs.get) == [
-        "mmb_decoder_step", "mmb_samplings", "mmb_decodes"]
-    # A dead encoder: everything that calls it goes down and comes back with it, callees first.
-    assert reload_order(["mmb_encoder"], ["mmb_embeddings"], publics, configs.get) == [
-        "mmb_encoder", "mmb_embeddings", "mmb_hiddens", "mmb_samplings"]
-    # A timeout names no model: the failed model and everything it calls.
-    slow = ProbeResult("mmb_decodes", False, 30.0, "ServerUnreachableError: timed out")
-    assert suspects(slow, configs.get) == ["mmb_decodes", "mmb_cross_kv", "mmb_decoder_step"]
-    assert reload_order(suspects(slow, configs.get), ["mmb_decodes"], publics, configs.get) == [
-        "mmb_cross_kv", "mmb_decoder_step", "mmb_decodes", "mmb_samplings"]
 
 
 def test_probe_requests_are_tiny_and_valid():

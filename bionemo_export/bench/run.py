@@ -166,7 +166,7 @@ def open_target(target: Target, *, tritonserver: str | None = None, log_dir: Pat
             log_file = (log_dir / f"tritonserver_{target.label}.log") if log_dir else None
             server = TritonServer(target.repository, install=find_tritonserver(tritonserver), log_file=log_file)
             server.start(timeout=start_timeout)
-            stack.callback(server.stop)
+            stack.callback(server.close)
             address = server.endpoints.grpc_url if target.protocol == "grpc" else server.endpoints.http_url
         else:
             address = target.url or ""

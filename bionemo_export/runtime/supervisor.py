@@ -1,24 +1,44 @@
-"""Keep a served repository answering: probe its public models with a tiny real request and reload
-the ones that fail, with the models to blame, through Triton's repository API.
+"""Keep a served repository answering without ever taking down a model that is merely busy.
 
-Why a probe and not Triton's health endpoints: when a Python-backend stub process dies (killed,
-out of memory), Triton 2.51 (Python backend r24.10) neither restarts it nor says so; every request
-to the model fails ("Stub process ... is not healthy") while `/v2/health/ready`, `/v2/health/live`
-and the model's own ready endpoint keep answering 200. Only a real request tells. Unloading the
-model and loading it again starts a fresh stub; while it is unloaded its ready endpoint says so.
+Why not Triton's health endpoints: when a Python-backend stub process dies (killed, out of
+memory), Triton 2.51 (Python backend r24.10) neither restarts it nor says so; every request to the
+model fails ("Stub process ... is not healthy") while `/v2/health/ready` and the model's ready
+endpoint keep answering 200. Why not a probe request alone: a probe waits in the same queue as
+real work, so under load it times out on a healthy model; reloading it then failed every queued
+request (an earlier version of this module did exactly that).
 
-`probe_model()` is the probe (the `health` command runs it once per model); `Supervisor` runs it
-periodically beside `serve` and does the reloads.
+So liveness comes from what does not queue, and a probe is sent only to an idle model:
+- the stub processes (runtime/stubs.py): an instance whose stub is gone is dead, at once;
+- Triton's own counters: pending requests (the metrics endpoint) and completed executions (the
+  statistics API), plus the stubs' CPU time: a model with work pending that completes executions
+  or burns CPU is busy, never dead; one that does neither for `stall_timeout` seconds is hung;
+- a probe (one tiny real request) only when the model and everything it calls have nothing
+  pending; a probe that times out while other work progressed, or that admission control turned
+  away, says busy, not dead.
+
+A dead model is reloaded alone, through Triton's load API with its own configuration (a new
+`supervisor_generation` parameter makes Triton build fresh instances): Triton loads the new
+instances beside the old, swaps them in, and reloads the ensembles that call the model without a
+moment unloaded; callers are never unloaded. Measured on Triton 2.51: a reload before any request
+reached the dead stub ends the old instances cleanly (stub reaped, shared memory and threads
+released); once a request has failed on a dead stub, Triton keeps the old instances for good
+(a zombie, its shared-memory region, ~35 threads each). The supervisor counts what is kept that way
+and asks `serve` to restart tritonserver, at an idle moment, when it passes `leak_limit` instances,
+so memory stays flat over any number of heals. It also reloads an idle model whose stubs'
+shared-memory regions grew past `stub_memory_limit` (one oversized request grows them for good).
+
+`probe_model()` is the probe (the `health` command runs it once per model); `Supervisor` runs the
+checks beside `serve`.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
-import signal
 import threading
 import time
-from dataclasses import dataclass
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -26,7 +46,7 @@ import numpy as np
 
 from bionemo_export.client.triton import InferenceError, ServerUnreachableError, TritonClient, strings_to_tensor
 
-from .server import python_backend_stubs
+from .stubs import Stub, server_stubs
 
 # Public models are named <name>_<task> (DESIGN.md, the served API); everything else is internal.
 PUBLIC_SUFFIXES = ("_embeddings", "_hiddens", "_decodes", "_samplings")
@@ -41,11 +61,13 @@ PROBE_SEQUENCE = "C"
 # (<model>_<group>_<index>): never transient (the Python backend does not restart stubs), so no
 # second probe is needed to confirm it, and the model to reload is known.
 DEAD_STUB = re.compile(r"Stub process '(?P<instance>[^']+)' is not healthy")
-# Unloading a model whose stub died never finishes (Triton 2.51 sends the dead stub a finalize
-# message and waits for its answer), and the model's other stubs then stay for good, each holding
-# a copy of the model. The model is no longer READY at once, though, and a load beside the stuck
-# unload works: so wait this long at most, end the stubs left behind, and load.
-UNLOAD_WAIT_S = 5.0
+# How Triton turns work away under admission control (the queue policy of a batched model): the
+# model is busy, not dead.
+TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired", "Max queue size")
+# The config parameter whose new value makes Triton's load API build fresh instances of a model
+# whose files did not change (a load of an unchanged model is otherwise a no-op).
+GENERATION = "supervisor_generation"
+PENDING_METRIC = re.compile(r'^nv_inference_pending_request_count\{model="(?P<model>[^"]+)",[^}]*\}\s+(?P<value>\S+)$')
 
 Log = Callable[[str], None]
 
@@ -85,9 +107,26 @@ class ControlClient(TritonClient):
         index = self._call("get_model_repository_index")
         return index.get("models", []) if isinstance(index, dict) else index
 
-    def load_model(self, model: str) -> None:
-        """Load a model (after an unload: with fresh instances); returns once it is loaded."""
-        self._call("load_model", model)
+    def load_model(self, model: str, config: dict | None = None) -> None:
+        """Load a model; with `config` (Triton's JSON of ModelConfig), load it with that
+        configuration instead of config.pbtxt's. Returns once it is loaded."""
+        if config is None:
+            self._call("load_model", model)
+        else:
+            self._guarded(model, lambda: self._client.load_model(
+                model, config=json.dumps(config),
+                **({"client_timeout": self.timeout_s} if self.url.protocol == "grpc" else {})))
+
+    def completed_executions(self) -> dict[str, int]:
+        """Every loaded model's completed requests so far (successes and failures), from Triton's
+        statistics API, which answers without waiting behind inference work."""
+        stats = self._call("get_inference_statistics")
+        counts: dict[str, int] = {}
+        for entry in stats.get("model_stats", ()) if isinstance(stats, dict) else ():
+            inference = entry.get("inference_stats") or {}
+            done = sum(int((inference.get(kind) or {}).get("count", 0)) for kind in ("success", "fail"))
+            counts[entry["name"]] = counts.get(entry["name"], 0) + done
+        return counts
 
     def unload_model(self, model: str) -> None:
         self._call("unload_model", model)
@@ -102,10 +141,22 @@ class ProbeResult:
     seconds: float
     error: str = ""
 
+    @property
+    def turned_away(self) -> bool:
+        """Admission control refused the probe: the model is alive and saturated."""
+        return not self.ok and any(marker in self.error for marker in TURNED_AWAY)
+
+    @property
+    def dead_instance(self) -> str | None:
+        """The instance (<model>_<group>_<index>) whose stub the error says died, if it says so."""
+        match = DEAD_STUB.search(self.error)
+        return match.group("instance") if match else None
+
     def line(self) -> str:
-        """One line for people and logs: `ok    esm2_embeddings  0.012 s` or `FAIL  ...  error`."""
-        return f"{'ok' if self.ok else 'FAIL':<5} {self.model}  {self.seconds:.3f} s" + (
-            f"  {self.error}" if self.error else "")
+        """One line for people and logs: `ok    esm2_embeddings  0.012 s`, `busy  ...` (turned away
+        by admission control) or `FAIL  ...  error`."""
+        word = "ok" if self.ok else "busy" if self.turned_away else "FAIL"
+        return f"{word:<5} {self.model}  {self.seconds:.3f} s" + (f"  {self.error}" if self.error else "")
 
 
 def _parameter(config: dict, key: str) -> str | None:
@@ -179,58 +230,90 @@ def dependencies(model: str, config_of: Callable[[str], dict | None]) -> list[st
     return order
 
 
-def suspects(result: ProbeResult, config_of: Callable[[str], dict | None]) -> list[str]:
-    """The models that may have made a probe fail: the one whose stub died, when the error names
-    it; otherwise the probed model and every model it calls."""
-    match = DEAD_STUB.search(result.error)
-    if match:
-        model = re.sub(r"_\d+_\d+$", "", match.group("instance"))
-        if config_of(model) is not None:
-            return [model]
-    return [result.model, *dependencies(result.model, config_of)]
+
+def instance_model(instance: str) -> str:
+    """The model an instance name (<model>_<group>_<index>) belongs to."""
+    return re.sub(r"_\d+_\d+$", "", instance)
 
 
-def reload_order(broken: Iterable[str], failed: Iterable[str], publics: Iterable[str],
-                 config_of: Callable[[str], dict | None]) -> list[str]:
-    """The models to reload, callees first: the `broken` ones, the `failed` public models, and
-    every public model that calls a broken one, directly or not (it cannot answer while they are
-    unloaded, so it is unloaded too and its ready endpoint says so)."""
-    broken, failed, publics = list(broken), list(failed), list(publics)
-    chosen = {*broken, *failed, *(p for p in publics if set(broken) & set(dependencies(p, config_of)))}
-    order: list[str] = []
-    for model in (*broken, *failed, *publics):
-        if model in chosen:
-            order += [m for m in (*dependencies(model, config_of), model) if m in chosen and m not in order]
-    return order
+def pending_requests(metrics_url: str, timeout: float = 5.0) -> dict[str, int]:
+    """Requests each model holds that are not finished (`nv_inference_pending_request_count`, from
+    Triton's metrics endpoint, which answers without waiting behind inference work)."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
+        text = response.read().decode(errors="replace")
+    pending: dict[str, int] = {}
+    for line in text.splitlines():
+        match = PENDING_METRIC.match(line)
+        if match:
+            pending[match.group("model")] = pending.get(match.group("model"), 0) + int(float(match.group("value")))
+    return pending
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One look at a server that waits behind no request: pending and completed requests per model,
+    and its stub processes (none where the server runs on another host)."""
+
+    pending: dict[str, int]
+    completed: dict[str, int]
+    stubs: list[Stub] = field(default_factory=list)
+
+    def cpu_ticks(self, model: str) -> int:
+        return sum(stub.cpu_ticks for stub in self.stubs if stub.model == model)
+
+    def live_instances(self, model: str) -> set[str]:
+        return {stub.instance for stub in self.stubs if stub.model == model and not stub.zombie}
+
+    @property
+    def zombies(self) -> int:
+        """Dead stubs nobody reaped: old instances Triton keeps for good (see the module docstring)."""
+        return sum(stub.zombie for stub in self.stubs)
+
+    def progressed_since(self, earlier: Observation, models: Iterable[str]) -> bool:
+        """Whether any of `models` finished a request or used CPU between `earlier` and this."""
+        return any(self.completed.get(m, 0) != earlier.completed.get(m, 0)
+                   or self.cpu_ticks(m) != earlier.cpu_ticks(m) for m in models)
 
 
 class Supervisor:
-    """Keeps the public models of one running server answering.
+    """Keeps the public models of one running server answering (see the module docstring).
 
-    Every `interval` seconds it probes each public model (`probe_model`, bounded by `timeout`). A
-    model fails when its probe fails and so does a second one right after, or at once when the
-    error says a stub died. Then the models to blame (`suspects`: the one whose stub died, else
-    the failed model and all it calls) and the public models that call them are reloaded
-    (`reload_order`): all unloaded, callers first, so that their ready endpoints say not ready;
-    loaded again, callees first; and probed again. Each step is one line to `log`. A model that
-    still fails is retried after a doubling pause (capped at 5 minutes), not every round.
-    `start()` runs it in a daemon thread; `check()` runs one round.
+    Every `watch_interval` seconds it looks at the stub processes and reloads a model whose
+    instance died; every `interval` seconds it also judges each public model with what it calls:
+    busy (requests pending and progressing: left alone), hung (pending, no progress for
+    `stall_timeout` s: reloaded), idle (probed; a failing probe is asked again, and only a model
+    that fails twice with no progress anywhere in its group is reloaded). Each step is one line to
+    `log`. A model that still fails after a reload is retried after a doubling pause (at most 5
+    minutes). `recycle_reason` is set when the server should be restarted (old instances kept past
+    `leak_limit`); `serve` does that. `start()` runs it in a daemon thread; `check()` runs a round.
     """
 
-    def __init__(self, url: str, models: Iterable[str] | None = None, *, interval: float = 10.0,
-                 timeout: float = 30.0, load_timeout: float = 300.0, server_pid: int | None = None,
-                 log: Log = print) -> None:
+    def __init__(self, url: str, models: Iterable[str] | None = None, *, metrics_url: str | None = None,
+                 interval: float = 10.0, timeout: float = 30.0, load_timeout: float = 300.0,
+                 stall_timeout: float = 300.0, watch_interval: float = 1.0, server_pid: int | None = None,
+                 leak_limit: int = 8, stub_memory_limit: int = 1 << 30, log: Log = print) -> None:
         self.url = url
+        self.metrics_url = metrics_url
         self.server_pid = server_pid
-        """The server's process id when it runs on this host: then the stubs a stuck unload leaves
-        behind are ended."""
-        self._models = list(models) if models else None
+        """The server's process id when it runs on this host: then its stubs are watched."""
+        self.watched: list[str] | None = list(models) if models else None
+        """The public models to judge; None: those the server lists."""
         self.interval = interval
         self.timeout = timeout
         self.load_timeout = load_timeout
+        self.stall_timeout = stall_timeout
+        self.watch_interval = min(watch_interval, interval) if interval > 0 else watch_interval
+        self.leak_limit = leak_limit
+        self.stub_memory_limit = stub_memory_limit
         self.log = log
+        self.recycle_reason: str | None = None
+        """Why tritonserver should be restarted (set once; `serve` restarts it and a new Supervisor)."""
+        self._instances: dict[str, set[str]] = {}
+        self._last_progress: dict[str, float] = {}
+        self._previous: Observation | None = None
         self._retry_at: dict[str, float] = {}
         self._failures: dict[str, int] = {}
+        self._generation = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Created by the thread that uses them (the HTTP client is not shared across threads).
@@ -252,99 +335,193 @@ class Supervisor:
         return self._control_client
 
     def models(self) -> list[str]:
-        """The public models to probe: those given, else those the server's index lists."""
-        return self._models if self._models is not None else public_models(self.probe_client)
+        """The public models to judge: those given, else those the server's index lists."""
+        return self.watched if self.watched is not None else public_models(self.probe_client)
 
     def config_of(self, model: str) -> dict | None:
-        """The model's configuration (the client remembers it: an unloaded model's cannot be
-        asked for); None when the server does not know the model."""
+        """The model's configuration (remembered by the client); None when the server does not
+        know the model."""
         try:
             return self.probe_client.model_config(model)
         except Exception:  # unloaded or unknown: no dependencies known
             return None
 
-    # -- one round -----------------------------------------------------------------------------
+    def observe(self) -> Observation:
+        """Pending and completed requests and the stubs, read without queueing behind work."""
+        pending = pending_requests(self.metrics_url) if self.metrics_url else {}
+        stubs = server_stubs(self.server_pid) if self.server_pid else []
+        return Observation(pending, self.probe_client.completed_executions(), stubs)
+
+    def _group(self, public: str) -> list[str]:
+        """A public model and every model it calls."""
+        return [public, *dependencies(public, self.config_of)]
+
+    def _reloadable(self, models: Iterable[str]) -> list[str]:
+        """The models of `models` that run instances: ensembles have none (Triton reloads them
+        with their steps)."""
+        return [m for m in models if (self.config_of(m) or {}).get("platform") != "ensemble"]
+
+    # -- the checks ----------------------------------------------------------------------------
+
+    def expected_instances(self, model: str) -> set[str]:
+        """The instances a Python-backend model runs, by Triton's names (<group name>_<index>, the
+        group named <model>_<group> unless the config names it), from the configuration Triton
+        serves; empty for models without stubs (ensembles, Triton's own runtimes)."""
+        config = self.config_of(model) or {}
+        if config.get("backend") != "python":
+            return set()
+        return {f"{group.get('name') or f'{model}_{g}'}_{i}"
+                for g, group in enumerate(config.get("instance_group") or []) for i in range(int(group.get("count", 1)))}
+
+    def watch(self) -> Observation:
+        """The quick check: reload every model one of whose instances lost its stub process; ask
+        for a restart when old instances pile up. Returns what it saw."""
+        seen = self.observe()
+        if not self.server_pid:
+            return seen
+        dead: dict[str, set[str]] = {}
+        watched = {m for public in self.models() for m in self._group(public)}
+        for model in {stub.model for stub in seen.stubs if not stub.zombie} | set(self._instances) | watched:
+            live = seen.live_instances(model)
+            gone = (self._instances.get(model, set()) | self.expected_instances(model)) - live
+            if gone:
+                dead[model] = gone
+            self._instances.setdefault(model, set()).update(live)
+        if dead:
+            for model, gone in sorted(dead.items()):
+                self.log(f"health: {model}: instance {', '.join(sorted(gone))} died (its stub process is gone); "
+                         f"reloading {model} alone")
+            self.reload(sorted(dead))
+            seen = self.observe()
+            self._confirm(sorted(dead), seen)
+        self._check_memory(seen)
+        self._check_leaks(seen)
+        return seen
 
     def check(self) -> list[ProbeResult]:
-        """Probe every public model once; reload what the failures blame (see the class). Returns
-        the first probes' results."""
+        """One full round: `watch`, then judge every public model (see the class). Returns the
+        probes sent (idle models only)."""
         models = self.models()
         for model in models:  # remember every configuration while the models are loaded
             dependencies(model, self.config_of)
-        results = [probe_model(self.probe_client, model) for model in models]
-        # A single slow or unlucky answer is not a broken model: ask once more before acting,
-        # unless the error says that a stub died.
-        failed = [r for r in results if not r.ok and DEAD_STUB.search(r.error)]
-        failed += [again for again in (probe_model(self.probe_client, r.model) for r in results
-                                       if not r.ok and not DEAD_STUB.search(r.error)) if not again.ok]
+        seen = self.watch()
+        previous, self._previous = self._previous, seen
         now = time.monotonic()
-        due = [r for r in failed if self._retry_at.get(r.model, 0.0) <= now]
-        if due:
-            for result in due:
-                self.log(f"health: {result.model} does not answer ({result.error})")
-            broken = list(dict.fromkeys(m for r in due for m in suspects(r, self.config_of)))
-            self.reload(broken, [r.model for r in due], models)
-        for result in results:
-            if result.ok:
-                self._failures.pop(result.model, None)
-                self._retry_at.pop(result.model, None)
+        results: list[ProbeResult] = []
+        for public in models:
+            group = self._group(public)
+            if any(seen.pending.get(m, 0) for m in group):
+                if previous is None or seen.progressed_since(previous, group):
+                    self._last_progress[public] = now
+                    continue
+                stalled = now - self._last_progress.setdefault(public, now)
+                if stalled > self.stall_timeout and self._due(public, now):
+                    self.log(f"health: {public} has held pending requests for {stalled:.0f} s without finishing "
+                             f"one or using CPU: hung; reloading {', '.join(self._reloadable(group))}")
+                    self._reload_and_confirm(public, self._reloadable(group))
+                continue
+            self._last_progress[public] = now
+            result, blamed = self._judge_idle(public, group)
+            results.append(result)
+            if blamed and self._due(public, now):
+                self.log(f"health: {public} does not answer ({result.error}); reloading {', '.join(blamed)}")
+                self._reload_and_confirm(public, blamed)
+            elif result.ok:
+                self._failures.pop(public, None)
+                self._retry_at.pop(public, None)
         return results
 
-    def reload(self, broken: list[str], failed: list[str], publics: list[str]) -> list[ProbeResult]:
-        """Unload and load the `broken` models, the `failed` public ones and the public models that
-        call a broken one (`reload_order`); probe the public ones again."""
-        order = reload_order(broken, failed, publics, self.config_of)
-        client = self.control_client
-        for model in reversed(order):  # callers first: nothing calls a model that is gone
-            try:
-                client.unload_model(model)
-                if not self._wait_unloaded(model):
-                    self._end_stuck_stubs(model)
-            except Exception as err:
-                self.log(f"health: unloading {model} failed: {_one_line(err)}")
+    def _judge_idle(self, public: str, group: list[str]) -> tuple[ProbeResult, list[str]]:
+        """Probe an idle public model; the models to reload ([] when it answered, was turned away
+        by admission control, or other work progressed meanwhile: busy, not dead)."""
+        for attempt in (1, 2):
+            before = self.observe()
+            result = probe_model(self.probe_client, public)
+            if result.ok or result.turned_away:
+                return result, []
+            if result.dead_instance:
+                return result, [instance_model(result.dead_instance)]
+            if self.observe().progressed_since(before, group):
+                self.log(f"health: {public}'s probe failed ({result.error}) while its models were working: busy, "
+                         "not reloaded")
+                return result, []
+        return result, self._reloadable(group)
+
+    def _confirm(self, reloaded: list[str], seen: Observation) -> None:
+        """Probe the idle public models that call a reloaded model (or are one) and say whether
+        they answer again; busy ones are left to their work."""
+        for public in self.models():
+            group = self._group(public)
+            if set(reloaded) & set(group) and not any(seen.pending.get(m, 0) for m in group):
+                result = probe_model(self.probe_client, public)
+                state = "answers again" if result.ok or result.turned_away else f"still does not answer ({result.error})"
+                self.log(f"health: {public} {state} ({result.seconds:.2f} s)")
+
+    def _due(self, public: str, now: float) -> bool:
+        return self._retry_at.get(public, 0.0) <= now
+
+    def _reload_and_confirm(self, public: str, models: list[str]) -> None:
+        self.reload(models)
+        result = probe_model(self.probe_client, public)
+        if result.ok or result.turned_away:
+            self.log(f"health: {public} answers again ({result.seconds:.2f} s)")
+            self._failures.pop(public, None)
+            self._retry_at.pop(public, None)
+            return
+        count = self._failures[public] = self._failures.get(public, 0) + 1
+        pause = min(max(self.interval, 1.0) * 2 ** count, 300.0)
+        self._retry_at[public] = time.monotonic() + pause
+        self.log(f"health: {public} still does not answer ({result.error}); next reload in {pause:.0f} s")
+
+    def reload(self, models: list[str]) -> None:
+        """Build fresh instances of `models`, callees first, each loaded beside its old instances
+        and swapped in by Triton (nothing that calls them is unloaded)."""
+        order: list[str] = []
+        for model in models:
+            order += [m for m in (*dependencies(model, self.config_of), model) if m in models and m not in order]
         for model in order:
+            config = self.config_of(model)
+            if config is None:
+                self.log(f"health: {model} is not known to the server; not reloaded")
+                continue
+            self._generation += 1
+            config = {**config, "parameters": {**(config.get("parameters") or {}),
+                                               GENERATION: {"string_value": str(self._generation)}}}
             start = time.monotonic()
             try:
-                client.load_model(model)
+                self.control_client.load_model(model, config)
                 self.log(f"health: reloaded {model} ({time.monotonic() - start:.1f} s)")
             except Exception as err:
                 self.log(f"health: loading {model} failed: {_one_line(err)}")
-        results = [probe_model(self.probe_client, model) for model in order if model in publics]
-        for result in results:
-            if result.ok:
-                self.log(f"health: {result.model} answers again ({result.seconds:.2f} s)")
-                continue
-            count = self._failures[result.model] = self._failures.get(result.model, 0) + 1
-            pause = min(self.interval * 2 ** count, 300.0)
-            self._retry_at[result.model] = time.monotonic() + pause
-            self.log(f"health: {result.model} still does not answer ({result.error}); next reload in {pause:.0f} s")
-        return results
+            self._instances.pop(model, None)  # learnt again from the new stubs
 
-    def _end_stuck_stubs(self, model: str) -> None:
-        """The unload of `model` is stuck on a dead stub: end the stubs it leaves behind (before
-        the load starts new ones)."""
-        stubs = python_backend_stubs(self.server_pid, model) if self.server_pid else []
-        for pid in stubs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        ended = f"; ended the stubs it left (pid {', '.join(map(str, stubs))})" if stubs else ""
-        self.log(f"health: {model} is still unloading after {UNLOAD_WAIT_S:g} s (a dead stub never "
-                 f"answers){ended}; loading it again beside")
+    def _check_memory(self, seen: Observation) -> None:
+        """Reload an idle model whose stubs' shared memory grew past `stub_memory_limit`: the
+        Python backend never shrinks a region, so one oversized request would keep it for good."""
+        if not self.stub_memory_limit:
+            return
+        grown: dict[str, int] = {}
+        for stub in seen.stubs:
+            if not stub.zombie and not seen.pending.get(stub.model, 0):
+                size = stub.region_bytes()
+                if size > self.stub_memory_limit:
+                    grown[stub.model] = max(size, grown.get(stub.model, 0))
+        for model, size in sorted(grown.items()):
+            self.log(f"health: {model}'s shared memory grew to {size >> 20} MiB (over {self.stub_memory_limit >> 20} "
+                     "MiB, from a large request); reloading it while idle to give it back")
+        if grown:
+            self.reload(sorted(grown))
 
-    def _wait_unloaded(self, model: str) -> bool:
-        """Wait (at most UNLOAD_WAIT_S) until the index shows `model` neither READY nor UNLOADING:
-        Triton's unload returns before the old instances are gone, and loading meanwhile holds two
-        copies of the model. Returns whether it got there."""
-        deadline = time.monotonic() + UNLOAD_WAIT_S
-        while True:
-            states = {m["name"]: m.get("state", "") for m in self.control_client.repository_index()}
-            if states.get(model) not in ("READY", "UNLOADING"):
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
+    def _check_leaks(self, seen: Observation) -> None:
+        """Ask for a server restart once the old instances Triton keeps reach `leak_limit`: when
+        the server is idle, or at twice the limit whatever it is doing."""
+        if self.recycle_reason or not self.leak_limit or seen.zombies < self.leak_limit:
+            return
+        idle = not any(seen.pending.values())
+        if idle or seen.zombies >= 2 * self.leak_limit:
+            self.recycle_reason = (f"{seen.zombies} dead model instances are kept by tritonserver (requests failed on "
+                                   "them before they were reloaded); restarting it gives their memory back")
+            self.log(f"health: {self.recycle_reason}")
 
     # -- in the background ---------------------------------------------------------------------
 
@@ -361,10 +538,15 @@ class Supervisor:
             self._thread.join(wait)
 
     def _run(self) -> None:
+        next_check = time.monotonic() + self.interval
         try:
-            while not self._stop.wait(self.interval):
+            while not self._stop.wait(self.watch_interval) and not self.recycle_reason:
                 try:
-                    self.check()
+                    if time.monotonic() >= next_check:
+                        self.check()
+                        next_check = time.monotonic() + self.interval
+                    else:
+                        self.watch()
                 except Exception as err:  # the server may be busy or restarting; never stop watching
                     self.log(f"health: check failed: {_one_line(err)}")
         finally:
