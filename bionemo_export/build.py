@@ -31,6 +31,7 @@ from bionemo_export.errors import reason
 from bionemo_export.model_repository.backends import BACKENDS
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.encoder import plan_encoder_repository
+from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
@@ -329,6 +330,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             verification={"passed": True, "graphs": {name: graph.verification for name, graph in graphs.items()}},
             accuracy=_accuracy(request.precision, graphs["encoder"]),
             versions=package_versions(),
+            # Last, once every other file is written: serve and verify compare the files with these.
+            files=record_files(staging),
         ).write(staging)
         findings = check_repository(staging)
         if findings:  # a planner bug: what a server would refuse at load time, or fail on later

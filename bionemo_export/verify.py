@@ -22,6 +22,7 @@ import numpy as np
 
 from bionemo_export.client import EncoderClient, Seq2SeqClient
 from bionemo_export.errors import reason
+from bionemo_export.model_repository.integrity import require_intact
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.numerics import cosine_rows, degenerate_rows
 
@@ -177,11 +178,16 @@ def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: in
 
 
 def verify_repository(repository: Path, checkpoint: Path, url: str | None = None,
-                      tritonserver: str | None = None) -> list[TaskCheck]:
-    """Serve `repository` (unless `url` names a running server) and check it against `checkpoint`."""
+                      tritonserver: str | None = None, check_files: bool = True) -> list[TaskCheck]:
+    """Serve `repository` (unless `url` names a running server) and check it against `checkpoint`.
+
+    First (unless not `check_files`: the caller checked them) its files are compared with the
+    digests manifest.json records: integrity.IntegrityError naming any that changed."""
     from bionemo_export.models import get_family
     from bionemo_export.runtime import TritonServer, find_tritonserver
 
+    if check_files:
+        require_intact(repository)
     manifest = Manifest.read(repository)
     family = get_family(manifest.family)
     try:

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from bionemo_export.cli import NO_CHECK_HELP, check_files
 from bionemo_export.runtime import (
     TritonNotFoundError,
     TritonServer,
@@ -57,6 +58,7 @@ def serve(
     health_interval: float = typer.Option(10.0, help="Seconds between health probes of every public model "
                                           "(one tiny real request each); a model that fails is reloaded. 0: off."),
     health_timeout: float = typer.Option(30.0, help="Seconds a health probe may take before it counts as failed."),
+    no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
 ) -> None:
     console = Console()
     # Typer's Path would turn s3://bucket into s3:/bucket, hence a string here.
@@ -66,6 +68,7 @@ def serve(
     except (NotAModelRepositoryError, S3RepositoryError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2)
+    check_files(model_repository, skip=no_check)
     try:
         install = find_tritonserver(tritonserver)
     except TritonNotFoundError as err:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import debugging
+from . import NO_CHECK_HELP, check_files, debugging
 
 
 def verify(
@@ -21,13 +21,15 @@ def verify(
     url: Optional[str] = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
                                       "default: start the repository on the embedded tritonserver."),
     tritonserver: Optional[str] = typer.Option(None, help="tritonserver binary to start (default: search)."),
+    no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
 ) -> None:
     from bionemo_export.errors import reason
     from bionemo_export.verify import verify_repository
 
     console = Console()
+    check_files(repository, skip=no_check)  # before the (slow) checkpoint load
     try:
-        checks = verify_repository(repository, checkpoint, url=url, tritonserver=tritonserver)
+        checks = verify_repository(repository, checkpoint, url=url, tritonserver=tritonserver, check_files=False)
     except (OSError, ValueError, RuntimeError) as err:  # OSError: unreadable files, an unreachable --url
         if debugging(ctx):
             raise

@@ -17,7 +17,8 @@ built on (a machine like) the serving host, typically inside NVIDIA's Triton con
 - skips an engine whose recorded build (`built` in engine.json: the ONNX file's digest, the
   precision, the profiles, TensorRT's version and the GPU) matches this host: restarting a server
   or re-running the step never rebuilds; `force` rebuilds;
-- records TensorRT's version, the GPU and each engine in manifest.json (`engines`).
+- records TensorRT's version, the GPU and each engine in manifest.json (`engines`), and the
+  digests of the plans and engine.json files beside the build's (`files`), which serve checks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Callable
 
 from bionemo_export.model_repository.backends import ENGINE_FILE, engine_json
 from bionemo_export.model_repository.consistency import check_repository
+from bionemo_export.model_repository.integrity import update_records
 from bionemo_export.model_repository.manifest import Manifest
 
 TIMING_CACHE = "engines.timing_cache"
@@ -162,9 +164,26 @@ def _build_engine(trt, onnx_path: Path, profiles: list[dict], precision: str, ca
 
 
 def _record(repository: Path, version: str, gpu: str, recipes: dict[str, Path]) -> None:
-    """Add the engines built (TensorRT version, GPU, each model's build record) to manifest.json."""
-    engines = {
-        "tensorrt": version, "gpu": gpu,
-        "models": {model: json.loads((folder / ENGINE_FILE).read_text())["built"] for model, folder in recipes.items()},
-    }
-    replace(Manifest.read(repository), engines=engines).write(repository)
+    """Write what `recorded_engines` adds to manifest.json."""
+    recorded_engines(Manifest.read(repository), repository, version, gpu, recipes).write(repository)
+
+
+def recorded_engines(manifest: Manifest, repository: Path, version: str, gpu: str,
+                     recipes: dict[str, Path]) -> Manifest:
+    """`manifest` with the engines built (TensorRT version, GPU, each model's build record) and
+    the digests of the files Triton now loads: each model.plan and the engine.json that records
+    it, built or found up to date (a plan built before digests were recorded is recorded too).
+    The other files' digests are kept as the build recorded them (integrity.update_records), so a
+    model.onnx changed before this step is still reported when the repository is served.
+
+    The timing cache (TIMING_CACHE, at the root) is not recorded: it is generated state, TensorRT's
+    memory of timed tactics, which the next `engines build` rewrites and no server reads; a stale
+    one only costs re-timing. The check ignores files outside the model folders."""
+    built, written = {}, []
+    for model, folder in recipes.items():
+        recipe = json.loads((folder / ENGINE_FILE).read_text())
+        built[model] = recipe["built"]
+        relative = folder.relative_to(repository).as_posix()
+        written += [f"{relative}/{recipe['plan']}", f"{relative}/{ENGINE_FILE}"]
+    engines = {"tensorrt": version, "gpu": gpu, "models": built}
+    return replace(manifest, engines=engines, files=update_records(manifest.files, repository, written))

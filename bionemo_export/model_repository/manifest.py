@@ -91,6 +91,10 @@ class Manifest:
     versions: dict[str, str | None] = field(default_factory=dict)
     engines: dict[str, Any] | None = None
     """TensorRT engines built on a GPU host (exporters/tensorrt.py); None: none built."""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Every file the build wrote, manifest.json aside: relative POSIX path -> {"sha256": hex digest,
+    "bytes": size}; serve and verify check them (integrity.py). Empty: none recorded (a repository
+    built before digests were, or written by hand), and then no `files` key in the file."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Keys this version does not know (a newer build's), kept so that rewriting loses nothing."""
 
@@ -100,9 +104,11 @@ class Manifest:
         return self.tool.get("name") == "bionemo-export"
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object of manifest.json (`created` first; no `engines` key when none were built)."""
+        """The JSON object of manifest.json (`created` first; no `engines` key when none were built,
+        no `files` key when no digests were recorded)."""
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        return {**{key: value for key, value in known.items() if not (value is None and key in ("created", "engines"))},
+        return {**{key: value for key, value in known.items()
+                   if not (value is None and key in ("created", "engines")) and not (key == "files" and not value)},
                 **self.extra}
 
     @classmethod

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,33 @@ _INVALID = -1
 
 class TokenizationError(ValueError):
     """An input sequence the tokenizer cannot encode; the message names the sequence and why."""
+
+
+T = TypeVar("T")
+
+
+def read_tokenizer_file(path: str | Path, from_dict: Callable[[Mapping[str, Any]], T]) -> T:
+    """What `from_dict` makes of the JSON object saved in file `path` (a model folder's
+    tokenizer.json). Any problem with the content (not UTF-8, not JSON, not an object, a setting
+    missing, unknown or invalid) is a ValueError naming the file: a served model that fails to
+    load then says in the server log which file is broken, where a bare JSONDecodeError would not.
+    A missing or unreadable file raises the OSError, which names it already."""
+    try:
+        settings = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        problem = str(err)
+    else:
+        if not isinstance(settings, dict):
+            problem = f"a JSON {type(settings).__name__}, not an object"
+        else:
+            try:
+                return from_dict(settings)
+            except KeyError as err:
+                problem = f"no {err} setting"
+            except (ValueError, TypeError) as err:  # a setting of the wrong type or value, an unknown one
+                problem = str(err)
+    raise ValueError(f"{path} is not a valid tokenizer file ({problem}): rebuild the model repository it "
+                     "belongs to, or restore the file the build wrote")
 
 
 @dataclass(frozen=True)
@@ -133,7 +160,8 @@ class CharacterTokenizer:
 
     @classmethod
     def from_json(cls, path: str | Path) -> CharacterTokenizer:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        """The tokenizer saved in `path` (see `read_tokenizer_file`: errors name the file)."""
+        return read_tokenizer_file(path, cls.from_dict)
 
     def encode(self, sequences: Sequence[str | bytes], *, truncate: bool = False) -> Encoded:
         """Tokenize a batch. Sequences over `max_residues` are an error unless `truncate`."""

@@ -158,14 +158,15 @@ def _tokenizer_json_pieces(data: bytes, name: str) -> list[str]:
     try:
         spec = json.loads(data.decode("utf-8"))
         vocab = spec["model"]["vocab"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{name} is not a Hugging Face tokenizer.json with a model vocabulary ({err})") from None
-    if isinstance(vocab, dict):  # WordPiece/BPE: {token: id}
-        by_id = {int(i): token for token, i in vocab.items()}
-    else:  # Unigram: [[piece, score], ...] in id order
-        by_id = {i: entry[0] for i, entry in enumerate(vocab)}
-    for added in spec.get("added_tokens", []):
-        by_id[int(added["id"])] = added["content"]
+        if isinstance(vocab, dict):  # WordPiece/BPE: {token: id}
+            by_id = {int(i): token for token, i in vocab.items()}
+        else:  # Unigram: [[piece, score], ...] in id order
+            by_id = {i: entry[0] for i, entry in enumerate(vocab)}
+        for added in spec.get("added_tokens", []):
+            by_id[int(added["id"])] = added["content"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:  # ValueError: JSON, UTF-8, ids
+        raise ValueError(f"{name} is not a Hugging Face tokenizer.json with a model vocabulary "
+                         f"({type(err).__name__}: {err})") from None
     if sorted(by_id) != list(range(len(by_id))):
         raise ValueError(f"{name}: token ids are not contiguous from 0")
     return [by_id[i] for i in range(len(by_id))]

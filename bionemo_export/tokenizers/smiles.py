@@ -24,9 +24,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 try:  # inside the bionemo_export package
-    from .character import Encoded, TokenizationError, _utf8, assemble
+    from .character import Encoded, TokenizationError, _utf8, assemble, read_tokenizer_file
 except ImportError:  # copied beside character.py into a Triton model folder
-    from character import Encoded, TokenizationError, _utf8, assemble
+    from character import Encoded, TokenizationError, _utf8, assemble, read_tokenizer_file
 
 SPECIAL_TOKENS = ("<PAD>", "?", "^", "&", "<MASK>", "<SEP>")
 """MegaMolBART's special tokens, at ids 0..5: pad, unknown, begin, end, mask, separator."""
@@ -200,7 +200,8 @@ class SmilesTokenizer:
 
     @classmethod
     def from_json(cls, path: str | Path) -> SmilesTokenizer:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        """The tokenizer saved in `path` (character.read_tokenizer_file: errors name the file)."""
+        return read_tokenizer_file(path, cls.from_dict)
 
     def encode(self, sequences: Sequence[str | bytes], *, truncate: bool = False) -> Encoded:
         """Tokenize a batch: bos + tokens + eos, padded with the pad token to the longest. SMILES
