@@ -26,7 +26,7 @@ from bionemo_export.client import EncoderClient, InferenceError
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
-from bionemo_export.runtime.stubs import process_threads, server_stubs
+from bionemo_export.runtime.stubs import process_rss_bytes, process_threads, server_stubs
 from bionemo_export.runtime.supervisor import TURNED_AWAY, dependencies, probe_inputs
 from tests.helpers import serve_process as sp
 from tests.helpers.tiny_repository import tiny_repository
@@ -68,8 +68,10 @@ def esm2_repo(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(esm2_repo, tmp_path_factory):
     """`bionemo-export serve` on the ESM-2 repository, judging every second with a 1 s probe timeout
-    (far shorter than a busy queue: the overload test relies on it)."""
-    serve = sp.serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "1", "--health-timeout", "1")
+    (far shorter than a busy queue: the overload test relies on it), restarting tritonserver once it
+    keeps 2 dead instances and reloading an instance whose shared memory passes 32 MiB."""
+    serve = sp.serve(esm2_repo, tmp_path_factory.mktemp("serve"), "--health-interval", "1", "--health-timeout", "1",
+                     "--max-kept-instances", "2", "--stub-memory-mb", "32")
     yield serve
     serve.stop()
 
@@ -175,6 +177,80 @@ def test_a_busy_model_is_never_reloaded_and_overload_is_answered(served):
     # The condition of the finding held: requests waited longer than a probe may (1 s).
     assert max(latencies) > 1.0, f"the load never queued a request past the health timeout: {max(latencies):.2f} s"
     print(f"slowest answer {max(latencies):.1f} s; {len(outcomes)} requests: {outcomes.count('ok')} right, {outcomes.count('busy')} turned away")
+
+
+@pytest.mark.e2e
+def test_refused_oversized_requests_leave_memory_flat(served):
+    """Findings: each refused 50 MB string grew tritonserver for good (36 -> 362 MB after 8), and the
+    stub's shared memory kept the size of the largest request. Now the server stays within 100 MiB
+    of where it started, and the supervisor gives the stubs' memory back once they are idle."""
+    import tritonclient.grpc as grpcclient
+
+    server = sp.tritonserver_of(served.process.pid)
+    earlier = len(served.text())
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
+    big = np.array([[b"M" * 50_000_000]], dtype=np.object_)
+    sizes = []
+    for _ in range(6):
+        tensor = grpcclient.InferInput("sequences", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(big)
+        with pytest.raises(Exception, match="residues"):
+            client.infer(f"{NAME}_embeddings", [tensor])
+        sizes.append(process_rss_bytes(server) >> 20)
+    client.close()
+    assert sizes[-1] <= sizes[0] + 100, f"tritonserver grew: {sizes} MiB"
+    served.wait_for(f"health: {NAME}_encoder's shared memory grew", timeout=30, since=earlier)
+    deadline = time.monotonic() + 30
+    while max(stub.region_bytes() for stub in server_stubs(server) if not stub.zombie) > 32 << 20:
+        assert time.monotonic() < deadline, [s.region_bytes() for s in server_stubs(server)]
+        time.sleep(0.5)
+    assert "health: reloaded" in served.text()[earlier:]
+    assert EncoderClient(NAME, f"grpc://127.0.0.1:{served.grpc}").seqs_to_embedding(SEQUENCES).shape == (2, 32)
+    print(f"tritonserver after each refused 50 MB request: {sizes} MiB")
+
+
+@pytest.mark.e2e
+def test_instances_kept_after_failed_requests_are_given_back_by_one_restart(served):
+    """Once requests have failed on a dead stub, Triton 2.51 keeps the dead instances for good after
+    the reload (a zombie, its shared memory and threads each). At --max-kept-instances (2 here) serve
+    restarts tritonserver at an idle moment, on the same ports: nothing is kept any more, and the
+    answers are the same."""
+    client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
+    before = client.seqs_to_embedding(SEQUENCES)
+    server = sp.tritonserver_of(served.process.pid)
+    earlier = len(served.text())
+    stop = threading.Event()
+    failures = []
+
+    def load() -> None:
+        with EncoderClient(NAME, f"http://127.0.0.1:{served.http}") as loader:
+            while not stop.is_set():
+                try:
+                    loader.seqs_to_embedding(SEQUENCES)
+                except Exception as err:  # noqa: BLE001 - counted: requests on the dead stubs fail
+                    failures.append(str(err))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        for stub in sp.stubs(server, f"{NAME}_encoder"):
+            os.kill(stub, signal.SIGKILL)
+        served.wait_for(f"health: reloaded {NAME}_encoder", timeout=HEAL_SECONDS, since=earlier)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert failures, "no request reached the dead stubs: nothing was kept"
+    served.wait_for("serve: tritonserver is ready again", timeout=120, since=earlier)
+    log = served.text()[earlier:]
+    assert "dead model instances are kept by tritonserver" in log and "restarting tritonserver on the same ports" in log
+    restarted = sp.tritonserver_of(served.process.pid)
+    assert restarted != server
+    assert not any(stub.zombie for stub in server_stubs(restarted))
+    after = client.seqs_to_embedding(SEQUENCES)
+    client.close()
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
 
 
 # -- the health command -------------------------------------------------------------------------

@@ -1,10 +1,17 @@
-"""Serve a model repository with a real tritonserver in the foreground (Ctrl-C or SIGTERM stops it);
-public models that stop answering are reloaded."""
+"""Serve a model repository with a real tritonserver in the foreground (Ctrl-C or SIGTERM stops it).
+
+Two levels of healing: a model that stops answering is reloaded alone (runtime/supervisor.py), and
+a tritonserver that dies (Triton 2.51 aborts on some hostile HTTP bodies, and on a stub dying at the
+wrong moment) is started again on the same ports after a pause that doubles with each crash
+(`RestartPolicy`); too many crashes in a row end `serve` with exit code 1 and the server's last log
+lines. Meanwhile the ports are closed, so health checks say not ready."""
 
 from __future__ import annotations
 
 import signal
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -35,6 +42,28 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop()
 
 
+@dataclass
+class RestartPolicy:
+    """When a crashed tritonserver is started again: after `first_pause` seconds, doubling with each
+    crash up to `max_pause`, unless `max_crashes` crashes fell within the last `window` seconds
+    (then it is not a passing fault: give up)."""
+
+    max_crashes: int = 5
+    window: float = 600.0
+    first_pause: float = 1.0
+    max_pause: float = 30.0
+    crashes: deque = field(default_factory=deque)
+
+    def pause_after_crash(self, now: float) -> float | None:
+        """Record a crash at `now`; the seconds to wait before restarting, or None to give up."""
+        self.crashes.append(now)
+        while self.crashes and now - self.crashes[0] > self.window:
+            self.crashes.popleft()
+        if len(self.crashes) >= self.max_crashes:
+            return None
+        return min(self.first_pause * 2 ** (len(self.crashes) - 1), self.max_pause)
+
+
 def _log(line: str) -> None:
     """One timestamped line, unwrapped (log collectors and tests read it line by line)."""
     typer.echo(f"{datetime.now().isoformat(sep=' ', timespec='seconds')} {line}")
@@ -58,6 +87,17 @@ def serve(
     health_interval: float = typer.Option(10.0, help="Seconds between health probes of every public model "
                                           "(one tiny real request each); a model that fails is reloaded. 0: off."),
     health_timeout: float = typer.Option(30.0, help="Seconds a health probe may take before it counts as failed."),
+    stall_timeout: float = typer.Option(300.0, help="Seconds a model may hold pending requests without finishing "
+                                        "one or using CPU before it counts as hung and is reloaded (a model that "
+                                        "is merely busy is never reloaded)."),
+    max_kept_instances: int = typer.Option(8, help="Once a request has failed on a dead model instance, Triton "
+                                           "2.51 keeps that instance (its memory, shared memory and threads) "
+                                           "after the model is reloaded; at this many, tritonserver is restarted "
+                                           "at an idle moment to give them back. 0: never."),
+    stub_memory_mb: int = typer.Option(1024, help="A Python-backend instance whose shared memory grew past this "
+                                       "(a large request grows it for good) is reloaded when idle. 0: never."),
+    max_restarts: int = typer.Option(5, help="A tritonserver that dies is started again (same ports, doubling "
+                                     "pause); this many crashes within 10 minutes end serve with exit code 1."),
     no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
 ) -> None:
     console = Console()
@@ -88,6 +128,7 @@ def serve(
     # and Python then leaves Ctrl-C ignored too.
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
     supervisor: Supervisor | None = None
+    policy = RestartPolicy(max_crashes=max(1, max_restarts))
     code = None
     try:
         console.print(f"Starting {install.binary} ({install.source}); log: {server.log_file}")
@@ -97,15 +138,36 @@ def serve(
             console.print(f"[red]{err}[/red]", highlight=False)
             raise typer.Exit(1)
         _print_status(console, server)
-        if health_interval > 0:
-            # The manifest of an s3:// repository is not read; the server's index names the public models.
-            local = model_repository if isinstance(model_repository, Path) else None
-            supervisor = _start_supervisor(server, local, health_interval, health_timeout, timeout)
         console.print("Serving. Press Ctrl-C to stop.")
-        while server.is_running():
-            time.sleep(0.5)
-        console.print(f"[red]tritonserver exited unexpectedly.[/red]\n{server.log_tail()}", highlight=False)
-        raise typer.Exit(1)
+        while True:
+            supervisor = None
+            if health_interval > 0 and server.is_running():
+                # The manifest of an s3:// repository is not read; the server's index names the public models.
+                local = model_repository if isinstance(model_repository, Path) else None
+                supervisor = _start_supervisor(server, local, Supervisor(
+                    f"grpc://{server.endpoints.grpc_url}", metrics_url=server.endpoints.metrics_url,
+                    interval=health_interval, timeout=health_timeout, load_timeout=timeout,
+                    stall_timeout=stall_timeout, server_pid=server.pid, leak_limit=max_kept_instances,
+                    stub_memory_limit=stub_memory_mb << 20, log=_log))
+            while server.is_running() and not (supervisor and supervisor.recycle_reason):
+                time.sleep(0.5)
+            if supervisor is not None:
+                supervisor.stop()
+            if server.is_running():  # the supervisor asked for a fresh server
+                _log("serve: restarting tritonserver on the same ports")
+                server.stop()
+            else:
+                exit_code = server.stop()
+                pause = policy.pause_after_crash(time.monotonic())
+                if pause is None:
+                    console.print(f"[red]tritonserver died {len(policy.crashes)} times within "
+                                  f"{policy.window / 60:.0f} minutes (last exit code {exit_code}); giving up."
+                                  f"[/red]\n{server.log_tail()}", highlight=False)
+                    raise typer.Exit(1)
+                _log(f"serve: tritonserver exited unexpectedly (exit code {exit_code}); restarting it in "
+                     f"{pause:g} s on the same ports. Its last log lines:\n{server.log_tail(10)}")
+                time.sleep(pause)
+            _restart(server, timeout)
     except _Stop:
         console.print("Stopping tritonserver ...")
     finally:
@@ -115,24 +177,35 @@ def serve(
         if supervisor is not None:
             supervisor.stop()
         code = server.stop()
+        server.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     console.print(f"tritonserver stopped (exit code {code}).")
 
 
-def _start_supervisor(server: TritonServer, repository: Path | None, interval: float, timeout: float,
-                      load_timeout: float) -> Supervisor | None:
-    """Probe the public models every `interval` seconds and reload the ones that stop answering."""
-    # gRPC: the supervisor runs in a thread, where tritonclient's HTTP client (gevent) is not at home.
-    url = f"grpc://{server.endpoints.grpc_url}"
-    with ControlClient(url, timeout_s=timeout) as client:
+def _restart(server: TritonServer, timeout: float) -> None:
+    """Start `server` again; a start that fails counts as a crash of the loop above (it sees the
+    server not running and pauses before the next try)."""
+    start = time.monotonic()
+    try:
+        server.start(timeout=timeout)
+        _log(f"serve: tritonserver is ready again ({time.monotonic() - start:.1f} s)")
+    except TritonStartError as err:
+        _log(f"serve: starting tritonserver again failed: {' '.join(str(err).split())[:400]}")
+
+
+def _start_supervisor(server: TritonServer, repository: Path | None, supervisor: Supervisor) -> Supervisor | None:
+    """Start `supervisor` (gRPC: it runs in a thread, where tritonclient's HTTP client, gevent, is
+    not at home) on the public models of the repository's manifest, else the server's."""
+    with ControlClient(supervisor.url, timeout_s=supervisor.timeout) as client:
         models = public_models(client, repository)
     if not models:
         _log("health: no public models (names ending in _embeddings, _hiddens, _decodes, _samplings) to probe")
         return None
-    _log(f"health: probing {', '.join(models)} every {interval:g} s")
-    return Supervisor(url, models, interval=interval, timeout=timeout, load_timeout=load_timeout,
-                      server_pid=server.pid, log=_log).start()
+    supervisor.watched = models
+    _log(f"health: watching {', '.join(models)}: stubs every {supervisor.watch_interval:g} s, idle models probed "
+         f"every {supervisor.interval:g} s")
+    return supervisor.start()
 
 
 def _print_status(console: Console, server: TritonServer) -> None:

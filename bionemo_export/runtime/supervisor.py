@@ -67,6 +67,9 @@ TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired", "Max que
 # The config parameter whose new value makes Triton's load API build fresh instances of a model
 # whose files did not change (a load of an unchanged model is otherwise a no-op).
 GENERATION = "supervisor_generation"
+# A dead stub still unreaped this long after it was first seen is kept for good (a clean reload
+# reaps the old stubs within about 2 s on a tiny model).
+KEPT_AFTER_S = 15.0
 PENDING_METRIC = re.compile(r'^nv_inference_pending_request_count\{model="(?P<model>[^"]+)",[^}]*\}\s+(?P<value>\S+)$')
 
 Log = Callable[[str], None]
@@ -264,11 +267,6 @@ class Observation:
     def live_instances(self, model: str) -> set[str]:
         return {stub.instance for stub in self.stubs if stub.model == model and not stub.zombie}
 
-    @property
-    def zombies(self) -> int:
-        """Dead stubs nobody reaped: old instances Triton keeps for good (see the module docstring)."""
-        return sum(stub.zombie for stub in self.stubs)
-
     def progressed_since(self, earlier: Observation, models: Iterable[str]) -> bool:
         """Whether any of `models` finished a request or used CPU between `earlier` and this."""
         return any(self.completed.get(m, 0) != earlier.completed.get(m, 0)
@@ -314,6 +312,11 @@ class Supervisor:
         self._retry_at: dict[str, float] = {}
         self._failures: dict[str, int] = {}
         self._generation = 0
+        self._zombies_seen: dict[int, float] = {}
+        """Dead stubs by pid -> when first seen: a cleanly reloaded instance's stub is reaped within
+        seconds, a kept one never."""
+        self._retiring: set[int] = set()
+        """Stubs of instances this supervisor replaced: they may run for a few seconds more."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Created by the thread that uses them (the HTTP client is not shared across threads).
@@ -502,10 +505,11 @@ class Supervisor:
             return
         grown: dict[str, int] = {}
         for stub in seen.stubs:
-            if not stub.zombie and not seen.pending.get(stub.model, 0):
+            if not stub.zombie and stub.pid not in self._retiring and not seen.pending.get(stub.model, 0):
                 size = stub.region_bytes()
                 if size > self.stub_memory_limit:
                     grown[stub.model] = max(size, grown.get(stub.model, 0))
+        self._retiring.update(stub.pid for stub in seen.stubs if stub.model in grown)
         for model, size in sorted(grown.items()):
             self.log(f"health: {model}'s shared memory grew to {size >> 20} MiB (over {self.stub_memory_limit >> 20} "
                      "MiB, from a large request); reloading it while idle to give it back")
@@ -515,11 +519,15 @@ class Supervisor:
     def _check_leaks(self, seen: Observation) -> None:
         """Ask for a server restart once the old instances Triton keeps reach `leak_limit`: when
         the server is idle, or at twice the limit whatever it is doing."""
-        if self.recycle_reason or not self.leak_limit or seen.zombies < self.leak_limit:
+        now = time.monotonic()
+        zombies = {stub.pid for stub in seen.stubs if stub.zombie}
+        self._zombies_seen = {pid: self._zombies_seen.get(pid, now) for pid in zombies}
+        kept = sum(now - since >= KEPT_AFTER_S for since in self._zombies_seen.values())
+        if self.recycle_reason or not self.leak_limit or kept < self.leak_limit:
             return
         idle = not any(seen.pending.values())
-        if idle or seen.zombies >= 2 * self.leak_limit:
-            self.recycle_reason = (f"{seen.zombies} dead model instances are kept by tritonserver (requests failed on "
+        if idle or kept >= 2 * self.leak_limit:
+            self.recycle_reason = (f"{kept} dead model instances are kept by tritonserver (requests failed on "
                                    "them before they were reloaded); restarting it gives their memory back")
             self.log(f"health: {self.recycle_reason}")
 

@@ -82,9 +82,10 @@ class Serve:
     def text(self) -> str:
         return self.output.read_text(errors="replace")
 
-    def wait_for(self, marker: str, timeout: float = 180) -> None:
+    def wait_for(self, marker: str, timeout: float = 180, since: int = 0) -> None:
+        """Wait until the output (from character `since` on) holds `marker`."""
         deadline = time.monotonic() + timeout
-        while marker not in self.text():
+        while marker not in self.text()[since:]:
             assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
             assert time.monotonic() < deadline, f"serve never printed {marker!r}:\n{self.text()}"
             time.sleep(0.1)
