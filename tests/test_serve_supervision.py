@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,8 +27,9 @@ from bionemo_export.client import EncoderClient, InferenceError
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
-from bionemo_export.runtime.stubs import process_rss_bytes, process_threads, server_stubs
-from bionemo_export.runtime.supervisor import TURNED_AWAY, dependencies, probe_inputs
+from bionemo_export.runtime.stubs import Stub, process_rss_bytes, process_threads, server_stubs
+from bionemo_export.runtime.supervisor import (TURNED_AWAY, Observation, ProbeResult, Supervisor, dependencies,
+                                               instance_model, pending_requests, probe_inputs)
 from tests.helpers import serve_process as sp
 from tests.helpers.tiny_repository import tiny_repository
 
@@ -414,3 +416,76 @@ def test_probe_requests_are_tiny_and_valid():
                           {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]}]}
     probe = probe_inputs({}, decodes)
     assert probe["hiddens"].shape == (1, 1, 8) and not probe["hiddens"].any() and probe["mask"].tolist() == [[True]]
+
+
+# -- telling dead from busy, and when to restart (no server) -----------------------------------
+
+def test_probe_results_tell_turned_away_and_dead_instances():
+    busy = ProbeResult("m_embeddings", False, 0.01, "m_embeddings: in ensemble 'm_embeddings', Exceeds maximum queue size")
+    assert busy.turned_away and busy.dead_instance is None and busy.line().startswith("busy")
+    dead = ProbeResult("m_samplings", False, 0.2, "m_samplings: Stub process 'm_decoder_step_0_1' is not healthy.")
+    assert not dead.turned_away and dead.dead_instance == "m_decoder_step_0_1"
+    assert instance_model(dead.dead_instance) == "m_decoder_step" and dead.line().startswith("FAIL")
+    assert not ProbeResult("m", True, 0.01).turned_away
+
+
+def test_progress_is_a_finished_request_or_cpu_used_by_a_stub():
+    stub = Stub(pid=10, model="m_encoder", instance="m_encoder_0_0", region="", zombie=False, cpu_ticks=100)
+    before = Observation({"m_encoder": 3}, {"m_encoder": 7}, [stub])
+    assert not before.progressed_since(before, ["m_embeddings", "m_encoder"])
+    finished = Observation({"m_encoder": 3}, {"m_encoder": 8}, [stub])
+    assert finished.progressed_since(before, ["m_encoder"])
+    working = Observation({"m_encoder": 3}, {"m_encoder": 7}, [replace(stub, cpu_ticks=104)])
+    assert working.progressed_since(before, ["m_encoder"])
+    assert not working.progressed_since(before, ["m_decodes"])  # another model's progress says nothing
+
+
+def test_pending_requests_are_read_from_tritons_metrics(tmp_path):
+    import http.server
+
+    text = (b'# TYPE nv_inference_pending_request_count gauge\n'
+            b'nv_inference_pending_request_count{model="m_encoder",version="1"} 12\n'
+            b'nv_inference_pending_request_count{model="m_embeddings",version="1"} 0\n'
+            b'nv_inference_count{model="m_encoder",version="1"} 99\n')
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.handle_request)
+    thread.start()
+    try:
+        assert pending_requests(f"http://127.0.0.1:{server.server_port}/metrics") == {"m_encoder": 12, "m_embeddings": 0}
+    finally:
+        thread.join(10)
+        server.server_close()
+
+
+def test_expected_instances_follow_the_config_triton_serves():
+    supervisor = Supervisor("grpc://127.0.0.1:1")
+    configs = {
+        "m_encoder": {"backend": "python", "instance_group": [{"name": "m_encoder_0", "count": 2, "kind": "KIND_CPU"}]},
+        "m_samplings": {"backend": "python", "instance_group": [{"count": 1}, {"name": "extra", "count": 1}]},
+        "m_embeddings": {"platform": "ensemble"},
+        "m_graph": {"platform": "onnxruntime_onnx", "instance_group": [{"count": 1}]},
+    }
+    supervisor.config_of = configs.get  # type: ignore[method-assign]
+    assert supervisor.expected_instances("m_encoder") == {"m_encoder_0_0", "m_encoder_0_1"}
+    assert supervisor.expected_instances("m_samplings") == {"m_samplings_0_0", "extra_0"}
+    assert supervisor.expected_instances("m_embeddings") == set() == supervisor.expected_instances("m_graph")
+
+
+def test_restart_policy_doubles_its_pause_and_gives_up_on_repeated_crashes():
+    from bionemo_export.cli.serve import RestartPolicy
+
+    policy = RestartPolicy(max_crashes=4, window=600.0, first_pause=1.0, max_pause=3.0)
+    assert [policy.pause_after_crash(t) for t in (0.0, 10.0, 20.0)] == [1.0, 2.0, 3.0]
+    assert policy.pause_after_crash(30.0) is None  # the 4th crash within 10 minutes
+    spaced = RestartPolicy(max_crashes=2, window=600.0)
+    assert spaced.pause_after_crash(0.0) == 1.0 and spaced.pause_after_crash(700.0) == 1.0  # the first fell out

@@ -1,5 +1,6 @@
 """Check that a server's public models answer: one tiny real request each, one line per model;
-exit code 0 when every model answers, 1 otherwise (a Kubernetes liveness/readiness probe)."""
+exit code 0 when every model answers, 1 otherwise (a Kubernetes liveness/readiness probe). A model
+whose queue turned the probe away (admission control) is alive and saturated: `busy`, exit 0."""
 
 from __future__ import annotations
 
@@ -38,5 +39,5 @@ def health(
         for name in names:
             result = probe_model(client, name)
             typer.echo(result.line())
-            healthy = healthy and result.ok
+            healthy = healthy and (result.ok or result.turned_away)
     raise typer.Exit(0 if healthy else 1)
