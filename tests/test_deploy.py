@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -17,7 +19,7 @@ from typer.testing import CliRunner
 
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
-from bionemo_export.deploy.kubernetes import DEPLOYMENT_FILE, KSERVE_FILE, MOUNT_PATH, VOLUME_FILE
+from bionemo_export.deploy.kubernetes import DEPLOYMENT_FILE, KSERVE_FILE, MOUNT_PATH, VOLUME_FILE, read_repository
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.pbtxt import read_config
 from bionemo_export.models import get_family
@@ -114,7 +116,7 @@ def test_the_validators_reject_what_a_cluster_would_reject(repository, tmp_path)
     unnamed = copy.deepcopy(deployment)
     del _container(unnamed)["name"]
     misspelt = copy.deepcopy(deployment)
-    _container(misspelt)["readinessProbe"]["httpGet"]["paths"] = "/v2/health/ready"
+    _container(misspelt)["livenessProbe"]["httpGet"]["paths"] = "/v2/health/live"
     text_port = copy.deepcopy(deployment)
     _container(text_port)["ports"][0]["containerPort"] = "8000"
     for broken in (unnamed, misspelt, text_port):
@@ -173,7 +175,7 @@ def test_ports_probes_selectors_and_metrics_agree(repository, tmp_path):
         assert f"--{name}-port={port}" in container["args"]
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
         name: (port, name) for name, port in PORTS.items()}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert container["readinessProbe"]["exec"]["command"][:2] == ["python3", "-c"]  # saturation-aware
     assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model loading takes minutes
@@ -189,7 +191,8 @@ def test_ports_probes_selectors_and_metrics_agree(repository, tmp_path):
     predictor = isvc["spec"]["predictor"]
     assert (predictor["minReplicas"], predictor["maxReplicas"]) == (2, 4)
     assert predictor["model"]["modelFormat"] == {"name": "triton"}
-    assert predictor["model"]["readinessProbe"]["httpGet"]["port"] == predictor["model"]["ports"][0]["containerPort"]
+    port = predictor["model"]["ports"][0]["containerPort"]
+    assert f"http://127.0.0.1:{port}/v2/health/ready" in predictor["model"]["readinessProbe"]["exec"]["command"][2]
     assert isvc["metadata"]["annotations"]["prometheus.kserve.io/port"] == str(PORTS["metrics"])
 
 
@@ -278,3 +281,48 @@ def test_a_repository_built_for_gpus_needs_gpu_pods(repository, tmp_path):
     assert "--gpus 0: " in result.output and "places its graph models on GPUs" in result.output
     documents = _deploy(gpu_repository, tmp_path / "k8s", "--storage-uri", "s3://models/esm2nv", "--gpus", "1")
     assert _container(_one(documents, "Deployment"))["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def _saturation_check(documents, pending: dict[str, int]) -> subprocess.CompletedProcess:
+    """Run the Deployment's readiness command against a stand-in Triton whose ready endpoint
+    answers 200 and whose metrics report `pending` requests per model."""
+    import http.server
+    import threading
+
+    metrics = "".join(f'nv_inference_pending_request_count{{model="{m}",version="1"}} {n}\n'
+                      for m, n in pending.items()).encode()
+
+    class Triton(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(metrics if self.path == "/metrics" else b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Triton)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        script = _container(_one(documents, "Deployment"))["readinessProbe"]["exec"]["command"][2]
+        port = server.server_port
+        script = script.replace(f"127.0.0.1:{PORTS['http']}", f"127.0.0.1:{port}").replace(
+            f"127.0.0.1:{PORTS['metrics']}", f"127.0.0.1:{port}")
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_readiness_fails_while_a_models_queue_is_full(repository, tmp_path):
+    """Finding: readiness said ready however long the queues were, so a saturated pod kept getting
+    new work that its queue then refused. The probe reads Triton's pending requests and fails at a
+    model's max_queue_size (from its config), so the Service routes to other pods meanwhile."""
+    documents = _deploy(repository, tmp_path / "k8s", *VARIANTS["s3"])
+    encoder = next(model for model in read_repository(repository).models if model.endswith("_encoder"))
+    limit = read_repository(repository).queue_limits[encoder]
+    assert limit == ServingOptions.max_queue_size
+    assert _saturation_check(documents, {encoder: limit - 1}).returncode == 0
+    full = _saturation_check(documents, {encoder: limit})
+    assert full.returncode == 1 and f"saturated: {encoder}" in full.stderr

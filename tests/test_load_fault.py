@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family, load_checkpoint
-from bionemo_export.runtime.supervisor import TURNED_AWAY
+from bionemo_export.client.triton import TURNED_AWAY
 from tests.helpers import serve_process as sp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -213,3 +213,45 @@ def test_ensemble_layout_calls_the_decoder_graph_models_through_bls(tmp_path, me
         compile(code, f"{name}/model.py", "exec")
         assert "BlsDecoder()" in code and "LocalDecoder" not in code and "cross_kv/model.onnx" not in models[name].files
     assert models["mmb_decodes"].parameters["bls_models"] == "mmb_cross_kv,mmb_decoder_step"
+
+
+def test_every_batched_model_bounds_its_queue(tmp_path):
+    """Admission control: each model Triton batches (the encoder; the tokenizer in the ensemble
+    layout) refuses work past max_queue_size or queue_timeout_s with a REJECT policy clients may
+    shorten; the public ensembles have no queue of their own."""
+    for layout, batched in (("fused", ["esm2nv_encoder"]), ("ensemble", ["esm2nv_tokenizer", "esm2nv_encoder"])):
+        options = {"layout": layout, "backend": "python" if layout == "fused" else "native"}
+        (tmp_path / layout).mkdir()
+        plan = _plan(tmp_path / layout, **options)
+        for name in batched:
+            policy = plan.model(name).to_config().dynamic_batching.default_queue_policy
+            assert policy.max_queue_size == ServingOptions.max_queue_size == 64
+            assert policy.default_timeout_microseconds == 30_000_000
+            assert policy.timeout_action == mc.ModelQueuePolicy.REJECT and policy.allow_timeout_override
+        assert not plan.model("esm2nv_embeddings").to_config().HasField("dynamic_batching")
+    (tmp_path / "tight").mkdir()
+    (tmp_path / "off").mkdir()
+    tight = _plan(tmp_path / "tight", max_queue_size=3, queue_timeout_s=0.25).model("esm2nv_encoder").to_config()
+    assert tight.dynamic_batching.default_queue_policy.max_queue_size == 3
+    assert tight.dynamic_batching.default_queue_policy.default_timeout_microseconds == 250_000
+    unbounded = _plan(tmp_path / "off", max_queue_size=0, queue_timeout_s=0).model("esm2nv_encoder").to_config()
+    assert not unbounded.dynamic_batching.HasField("default_queue_policy")
+    written = ModelPlan.from_config(tight)
+    assert (written.dynamic_batching.max_queue_size, written.dynamic_batching.queue_timeout_microseconds) == (3, 250_000)
+
+
+@pytest.mark.parametrize("field", ["max_queue_size", "queue_timeout_s"])
+def test_queue_limits_are_checked_where_they_are_made(field):
+    with pytest.raises(ValueError, match=field):
+        ServingOptions(**{field: -1})
+
+
+def test_the_build_command_takes_the_queue_limits():
+    import typer.main
+
+    from bionemo_export.cli.build import repo
+
+    options = {param.name: param for param in typer.main.get_command_from_info(
+        typer.models.CommandInfo(callback=repo), pretty_exceptions_short=True, rich_markup_mode=None).params}
+    assert options["max_queue_size"].default == ServingOptions.max_queue_size
+    assert options["queue_timeout_s"].default == ServingOptions.queue_timeout_s

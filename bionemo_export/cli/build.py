@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from bionemo_export.model_repository.options import ServingOptions
+
 from . import debugging
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
@@ -51,6 +53,12 @@ def repo(
     intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per graph-model instance (0: auto, the "
                                          "serving host's cores divided among the instances, at load time)."),
     queue_delay_us: int = typer.Option(0, help="Dynamic batcher's maximum queue delay in microseconds."),
+    max_queue_size: int = typer.Option(ServingOptions.max_queue_size, help="Admission control: most requests "
+                                       "waiting for each batched model; more are answered at once with "
+                                       "UNAVAILABLE / HTTP 503 (0: no bound)."),
+    queue_timeout_s: float = typer.Option(ServingOptions.queue_timeout_s, help="Admission control: most seconds "
+                                          "a request waits in a queue before it is answered UNAVAILABLE / HTTP 503 "
+                                          "(0: no bound)."),
     layout: str = typer.Option("auto", help="fused (the encoder model tokenizes; python backend), ensemble "
                                "(tokenizer model -> encoder model), or auto (fused with python, ensemble with native)."),
     length_bucket: int = typer.Option(16, help="Encoder rows are padded to a multiple of this many tokens (1: each to its own length; 0: all to the longest, plain dynamic batching)."),
@@ -83,6 +91,7 @@ def repo(
         serving = ServingOptions(
             device=device, max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
             encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
+            max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
             layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,
             sampling_instances=sampling_instances,

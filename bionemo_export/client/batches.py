@@ -103,7 +103,7 @@ def infer_rows(client: TritonClient, model: str, count: int, make_inputs: MakeIn
         if isinstance(answer, InferenceError):
             if not isolate:
                 where = f" (rows {rows[0]}-{rows[-1]} of {count}, sent as one request)" if len(plan) > 1 else ""
-                raise InferenceError(f"{answer}{where}") from answer
+                raise type(answer)(f"{answer}{where}") from answer  # a ServerBusyError stays one
             good, bad = _one_by_one(client, model, rows, make_inputs, index, outputs, in_flight)
             if bad and stop_on_failure:
                 pieces += [(single, answer) for single, answer in good if single[0] < bad[0][0]]

@@ -31,6 +31,16 @@ class InferenceError(RuntimeError):
     """The server refused or failed a request; the message is the server's."""
 
 
+class ServerBusyError(InferenceError):
+    """The server turned the request away under admission control (its queue for the model was full,
+    or the request waited past the queue timeout): gRPC UNAVAILABLE, HTTP 503. Retry later, or with
+    fewer requests in flight."""
+
+
+TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired")
+"""How Triton words a rejection by a model's queue policy (its error code is UNAVAILABLE / 503)."""
+
+
 class ServerUnreachableError(ConnectionError):
     """No Triton server answers at the URL (refused, unresolvable, timed out); the message names the URL."""
 
@@ -150,6 +160,10 @@ class TritonClient:
 
         def translate(err: Exception) -> Exception:
             if isinstance(err, InferenceServerException):
+                if any(marker in str(err.message()) for marker in TURNED_AWAY):
+                    return _chained(ServerBusyError(
+                        f"{model}: the server is busy and turned the request away ({err.message()}); "
+                        "retry later or send fewer requests at once"), err)
                 if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
                     return _chained(ServerUnreachableError(
                         f"cannot reach a Triton server at {self.url}: {err.message()}"), err)

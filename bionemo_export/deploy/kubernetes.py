@@ -26,9 +26,10 @@ With `--strict-readiness=true`, /v2/health/ready answers 200 only when every mod
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -95,6 +96,8 @@ class RepositoryFacts:
     size_bytes: int
     device: str = "cpu"
     """Where its graph models run (manifest.json's `device`): a gpu repository needs GPU pods."""
+    queue_limits: dict[str, int] = field(default_factory=dict)
+    """Each batched model's max_queue_size (its config's default queue policy), where it has one."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,8 @@ def read_repository(path: Path) -> RepositoryFacts:
         raise DeployError(f"{err}; rebuild the repository") from None
     if manifest is None:  # a repository not built by bionemo-export: its folders say it all
         public = tuple(model for model in models if is_public(model))
-        return RepositoryFacts(path, path.name, models, public, None, _size(path))
+        return RepositoryFacts(path, path.name, models, public, None, _size(path),
+                               queue_limits=_queue_limits(path, models))
     listed = tuple(manifest.public_models)
     missing = [model for model in (*manifest.models, *listed) if model not in models]
     if missing:
@@ -176,7 +180,26 @@ def read_repository(path: Path) -> RepositoryFacts:
                           f"{', '.join(missing)}; rebuild the repository")
     public = listed or tuple(model for model in models if is_public(model))
     return RepositoryFacts(path, manifest.name or path.name, models, public, manifest.backend, _size(path),
-                           manifest.device)
+                           manifest.device, _queue_limits(path, models))
+
+
+def _queue_limits(path: Path, models: Iterable[str]) -> dict[str, int]:
+    """max_queue_size of every model whose config bounds its queue."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    limits = {}
+    for model in models:
+        config = path / model / "config.pbtxt"
+        try:
+            parsed = text_format.Parse(config.read_text(), mc.ModelConfig())
+        except (OSError, text_format.ParseError) as err:
+            raise DeployError(f"{config} is not a readable Triton model configuration ({err}); rebuild the "
+                              "repository") from None
+        size = parsed.dynamic_batching.default_queue_policy.max_queue_size
+        if size:
+            limits[model] = size
+    return limits
 
 
 def _size(path: Path) -> int:
@@ -256,6 +279,33 @@ def http_probe(path: str, port: int | str, period: int, failures: int) -> dict[s
             "timeoutSeconds": 5}
 
 
+# A readiness check run inside Triton's container (its python3): ready when Triton is, and not while
+# a model's queue is full, so that the Service stops sending a saturated pod new work (its clients
+# would be answered 503) while the autoscaler adds pods. {ready} and {metrics} are URLs, {limits}
+# maps models to their max_queue_size.
+SATURATION_CHECK = """\
+import json, re, sys, urllib.request
+limits = json.loads({limits!r})
+urllib.request.urlopen({ready!r}, timeout=4)
+for line in urllib.request.urlopen({metrics!r}, timeout=4).read().decode().splitlines():
+    m = re.match(r'nv_inference_pending_request_count\\{{model="([^"]+)".*\\}} (\\S+)$', line)
+    if m and m.group(1) in limits and float(m.group(2)) >= limits[m.group(1)]:
+        sys.exit("saturated: " + m.group(1))
+"""
+
+
+def readiness_probe(repository: RepositoryFacts, http_port: int, metrics_port: int) -> dict[str, Any]:
+    """Ready when Triton's /v2/health/ready answers and no model's queue is full (an exec probe;
+    an HTTP probe of /v2/health/ready alone when no model bounds its queue)."""
+    if not repository.queue_limits:
+        return http_probe("/v2/health/ready", http_port, period=5, failures=3)
+    script = SATURATION_CHECK.format(limits=json.dumps(repository.queue_limits, sort_keys=True),
+                                     ready=f"http://127.0.0.1:{http_port}/v2/health/ready",
+                                     metrics=f"http://127.0.0.1:{metrics_port}/metrics")
+    return {"exec": {"command": ["python3", "-c", script]}, "periodSeconds": 5, "failureThreshold": 2,
+            "successThreshold": 1, "timeoutSeconds": 5}
+
+
 # -- KServe ------------------------------------------------------------------------------------------
 
 def kserve_storage_uri(storage: StorageLocation) -> str:
@@ -280,7 +330,7 @@ def inference_service(repository: RepositoryFacts, settings: DeploySettings) -> 
         "args": triton_model_args(repository),
         # Knative routes one port: HTTP (KServe's v2 REST); gRPC users declare h2c 9000 instead.
         "ports": [{"name": "http1", "containerPort": KSERVE_HTTP_PORT, "protocol": "TCP"}],
-        "readinessProbe": http_probe("/v2/health/ready", KSERVE_HTTP_PORT, period=5, failures=3),
+        "readinessProbe": readiness_probe(repository, KSERVE_HTTP_PORT, TRITON_PORTS["metrics"]),
         "resources": resources(settings),
         "volumeMounts": [shm_mount()],
     }
@@ -327,7 +377,7 @@ def triton_container(repository: RepositoryFacts, settings: DeploySettings) -> d
                  # Below the pod's grace period, so in-flight requests finish before the SIGKILL.
                  "--exit-timeout-secs=30"],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in TRITON_PORTS.items()],
-        "readinessProbe": http_probe("/v2/health/ready", "http", period=5, failures=3),
+        "readinessProbe": readiness_probe(repository, TRITON_PORTS["http"], TRITON_PORTS["metrics"]),
         "livenessProbe": http_probe("/v2/health/live", "http", period=10, failures=3),
         # Triton opens its ports only once every model is loaded: allow 20 minutes for that
         # (downloading from object storage, loading large graphs) before liveness takes over.

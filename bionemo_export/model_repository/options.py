@@ -34,6 +34,11 @@ Defaults and why (measured on 2-core CPU hosts; see the README's performance sec
   served 37.1-37.3 under load but doubled the latency at concurrency 1 (54 ms). An earlier
   measurement favouring 2 x 2 was taken on a loaded machine. Spinning threads lost a third of the
   throughput; the memory arena gained nothing (34.0 seq/s).
+- Admission control on every batched model: at most `max_queue_size` (64) requests wait and none
+  waits longer than `queue_timeout_s` (30 s); Triton answers the rest at once with UNAVAILABLE
+  (HTTP 503), through the public ensembles too (measured on Triton 2.51: 26 of 30 simultaneous
+  requests to a queue of 2 refused within 0.03 s). Without it a one-molecule request waited 71 s
+  behind 20 abandoned sampling requests.
 - Dynamic batching without a queue delay: while an instance runs (tens of milliseconds on a CPU),
   the next requests queue and are handed over together, so batches form under load with no delay
   added at low load.
@@ -176,6 +181,15 @@ class ServingOptions:
     limits: GenerationLimits = GenerationLimits()
     """Bounds on one decoding request's work (samplings)."""
     max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 64
+    """Admission control: most requests waiting for each batched model (encoder, tokenizer, decode
+    loops); Triton answers the next one at once with UNAVAILABLE / HTTP 503 instead of letting the
+    queue and every client's latency grow without bound. 64 requests of up to max_batch_size rows
+    are far more than a CPU instance finishes within the queue timeout. 0: no bound."""
+    queue_timeout_s: float = 30.0
+    """Admission control: most seconds a request waits in a queue before Triton rejects it
+    (UNAVAILABLE / 503): abandoned requests (an HTTP client that hung up is not cancelled by
+    Triton 2.51) leave the queue by then. Clients may ask for less. 0: no bound."""
     response_cache: bool = False
     truncate: bool = False
     """Cut sequences over the maximum length instead of refusing them."""
@@ -204,7 +218,8 @@ class ServingOptions:
         for name in ("tokenizer_instances", "encoder_instances", "decode_instances", "sampling_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget"):
+        for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget",
+                     "max_queue_size", "queue_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more")
         unknown = set(self.roles) - set(ROLES)
@@ -225,7 +240,8 @@ class ServingOptions:
         return tuple(sorted({s for s in (8, 16, 32, 64) if s < self.max_batch_size} | {self.max_batch_size}))
 
     def dynamic_batching(self) -> DynamicBatching:
-        return DynamicBatching(self.preferred_batch_sizes(), self.max_queue_delay_microseconds)
+        return DynamicBatching(self.preferred_batch_sizes(), self.max_queue_delay_microseconds,
+                               self.max_queue_size, round(self.queue_timeout_s * 1e6))
 
     def role(self, name: str) -> RoleOptions:
         """The settings of the model playing role `name`."""

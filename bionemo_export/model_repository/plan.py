@@ -42,8 +42,40 @@ class Tensor:
 
 @dataclass(frozen=True)
 class DynamicBatching:
+    """Triton's dynamic batcher for one model, with its admission control: at most
+    `max_queue_size` requests wait (0: no bound) and none waits longer than
+    `queue_timeout_microseconds` (0: no bound); Triton answers the others at once with
+    UNAVAILABLE (HTTP 503), also through the ensembles that call the model."""
+
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 0
+    queue_timeout_microseconds: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue_delay_microseconds", "max_queue_size", "queue_timeout_microseconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+
+    def write(self, config: mc.ModelConfig) -> None:
+        """Fill `config.dynamic_batching`."""
+        batching = config.dynamic_batching
+        batching.preferred_batch_size.extend(self.preferred_batch_sizes)
+        batching.max_queue_delay_microseconds = self.max_queue_delay_microseconds
+        if self.max_queue_size or self.queue_timeout_microseconds:
+            policy = batching.default_queue_policy
+            policy.max_queue_size = self.max_queue_size
+            policy.default_timeout_microseconds = self.queue_timeout_microseconds
+            policy.timeout_action = mc.ModelQueuePolicy.REJECT
+            policy.allow_timeout_override = True  # a client may ask for less (its request's `timeout`)
+
+    @classmethod
+    def read(cls, config: mc.ModelConfig) -> "DynamicBatching":
+        """The batcher a written config holds."""
+        batching = config.dynamic_batching
+        policy = batching.default_queue_policy
+        return cls(tuple(batching.preferred_batch_size), batching.max_queue_delay_microseconds,
+                   policy.max_queue_size, policy.default_timeout_microseconds)
 
 
 @dataclass(frozen=True)
@@ -116,8 +148,7 @@ class ModelPlan:
             config.instance_group.append(mc.ModelInstanceGroup(kind=self.instance_kind, count=self.instance_count,
                                                                profile=list(self.profiles)))
         if self.dynamic_batching is not None:
-            config.dynamic_batching.preferred_batch_size.extend(self.dynamic_batching.preferred_batch_sizes)
-            config.dynamic_batching.max_queue_delay_microseconds = self.dynamic_batching.max_queue_delay_microseconds
+            self.dynamic_batching.write(config)
         for key, value in self.parameters.items():
             config.parameters[key].string_value = value
         if self.response_cache:
@@ -135,10 +166,7 @@ class ModelPlan:
                            ragged=getattr(t, "allow_ragged_batch", False)) for t in entries]
 
         group = config.instance_group[0] if config.instance_group else None
-        batching = None
-        if config.HasField("dynamic_batching"):
-            batching = DynamicBatching(tuple(config.dynamic_batching.preferred_batch_size),
-                                       config.dynamic_batching.max_queue_delay_microseconds)
+        batching = DynamicBatching.read(config) if config.HasField("dynamic_batching") else None
         return cls(
             name=config.name, inputs=tensors(config.input), outputs=tensors(config.output),
             max_batch_size=config.max_batch_size, backend=config.backend or None,

@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from bionemo_export.client.triton import InferenceError, ServerUnreachableError, TritonClient, strings_to_tensor
+from bionemo_export.client.triton import (TURNED_AWAY, InferenceError, ServerUnreachableError, TritonClient,
+                                         strings_to_tensor)
 
 from .stubs import Stub, server_stubs
 
@@ -61,9 +62,6 @@ PROBE_SEQUENCE = "C"
 # (<model>_<group>_<index>): never transient (the Python backend does not restart stubs), so no
 # second probe is needed to confirm it, and the model to reload is known.
 DEAD_STUB = re.compile(r"Stub process '(?P<instance>[^']+)' is not healthy")
-# How Triton turns work away under admission control (the queue policy of a batched model): the
-# model is busy, not dead.
-TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired", "Max queue size")
 # The config parameter whose new value makes Triton's load API build fresh instances of a model
 # whose files did not change (a load of an unchanged model is otherwise a no-op).
 GENERATION = "supervisor_generation"
@@ -146,7 +144,8 @@ class ProbeResult:
 
     @property
     def turned_away(self) -> bool:
-        """Admission control refused the probe: the model is alive and saturated."""
+        """Admission control refused the probe (client/triton.py's TURNED_AWAY): the model is alive
+        and saturated."""
         return not self.ok and any(marker in self.error for marker in TURNED_AWAY)
 
     @property
