@@ -8,6 +8,8 @@ Families turn that into their module (models/base.py: `ModelFamily.describe`).
 
 from __future__ import annotations
 
+import pickle
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
@@ -101,14 +103,59 @@ def read_checkpoint(path: Path) -> Checkpoint:
     raise CheckpointError(f"{path} {what}; this tool reads {forms}")
 
 
+_TORCH_ADVICE = ("weights only load failed", "weights_only", "please file an issue", "check the documentation")
+"""Lines of torch.load's weights_only messages that are advice, not the reason (the advice includes
+"re-run with weights_only=False", which is exactly what must not be done with a refused file)."""
+_PICKLED_NAME = (
+    re.compile(r"\bGLOBAL\s+([^\s`]+)"),  # the opcode: "Unsupported global: GLOBAL x", "unsupported GLOBAL x"
+    re.compile(r"\bunsupported global:?\s+([^\s`]+)", re.IGNORECASE),
+    re.compile(r"\bunrecognized function\s+(<[^>\n]*>|[^\s`]+)", re.IGNORECASE),
+    re.compile(r"\bbut got\s+(<[^>\n]*>|[^\s`]+)", re.IGNORECASE),
+)
+"""Where torch's weights_only unpickler names the global, function or class it would not load."""
+_MOST_SHOWN = 200
+"""Characters of a loader's reason or a pickled name shown (a hostile pickle's names can be megabytes)."""
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= _MOST_SHOWN else text[:_MOST_SHOWN] + "..."
+
+
+def _loader_reason(err: BaseException) -> str:
+    """The loader's own reason in one line: torch.load's messages are paragraphs about weights_only
+    with the cause in the middle; the advice lines are dropped."""
+    message = str(err).split("WeightsUnpickler error:", 1)[-1]
+    lines = (line.strip() for line in message.splitlines())
+    reason = next((line for line in lines if line and not any(a in line.lower() for a in _TORCH_ADVICE)), "")
+    return _shown(reason) or "no reason given"
+
+
 def unreadable_weights(source: str, err: BaseException) -> CheckpointError:
     """The error for weights their loader rejects (random bytes, a truncated download): it names
-    the file, says it is not a readable checkpoint, and keeps the loader's reason to one line
-    (torch.load's are paragraphs about weights_only with the cause at the end)."""
-    message = str(err).split("WeightsUnpickler error:", 1)[-1]
-    reason = next((line.strip() for line in message.splitlines() if line.strip()), "no reason given")
+    the file, says it is not a readable checkpoint, and keeps the loader's reason to one line."""
     return CheckpointError(f"cannot read weights {source}: not a readable checkpoint (corrupt, truncated or not "
-                           f"a weights file; {type(err).__name__}: {reason})")
+                           f"a weights file; {type(err).__name__}: {_loader_reason(err)})")
+
+
+def refused_weights(source: str, err: BaseException) -> CheckpointError:
+    """The error for weights that `torch.load(weights_only=True)` refused to unpickle (any
+    UnpicklingError): the file holds a pickled global, a call or an opcode that only a full
+    unpickler would run, so the checkpoint is refused, naming what it holds when torch says so.
+    One line, whatever torch's wording; torch's advice to load it with weights_only=False is left out."""
+    found = next((m for pattern in _PICKLED_NAME if (m := pattern.search(str(err)))), None)
+    if found:
+        return CheckpointError(f"cannot read weights {source}: it holds pickled code or objects other than tensors "
+                               f"({_shown(found.group(1).rstrip('.,;:'))}), which will not be run; refusing it")
+    return CheckpointError(f"cannot read weights {source}: it holds pickled code or objects that will not be run, "
+                           f"or is corrupt ({_loader_reason(err)}); refusing it")
+
+
+def weights_error(source: str, err: BaseException) -> CheckpointError:
+    """The error for a torch state dict (`torch.load(weights_only=True)`) or safetensors file that
+    failed to load: refused pickles (`refused_weights`) apart from unreadable files."""
+    if isinstance(err, pickle.UnpicklingError):
+        return refused_weights(source, err)
+    return unreadable_weights(source, err)
 
 
 def some(items: list[str], limit: int = 8) -> str:

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .base import (MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader,
-                   unreadable_weights)
+from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader, weights_error
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SAVED_FORM_TYPES = ("megamolbart",)
@@ -52,7 +51,7 @@ def read_weights(directory: Path) -> tuple[dict[str, Any], str]:
 
 def read_weight_file(path: Path) -> dict[str, Any]:
     """A safetensors or torch state dict; torch files are read with weights_only=True, so no
-    pickled code ever runs."""
+    pickled code ever runs (a file that holds some is refused: base.refused_weights)."""
     import torch
 
     try:
@@ -63,7 +62,7 @@ def read_weight_file(path: Path) -> dict[str, Any]:
         else:
             weights = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # every format has its own errors; name the file either way
-        raise unreadable_weights(str(path), err) from None
+        raise weights_error(str(path), err) from None
     return check_state_dict(weights, str(path))
 
 
