@@ -112,11 +112,13 @@ def process_threads(pid: int) -> int:
     return 0
 
 
-def process_rss_bytes(pid: int) -> int:
-    """Resident memory of `pid` in bytes (0 when it is gone)."""
+def process_rss_bytes(pid: int, part: str = "VmRSS") -> int:
+    """Resident memory of `pid` in bytes (0 when it is gone): all of it (VmRSS), or one part of it:
+    RssAnon (its own heap and stacks), RssShmem (shared memory it maps: tritonserver maps every
+    stub's region, so a large request counts there until the region is given back), RssFile."""
     try:
         for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{part}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -26,6 +26,9 @@ released); once a request has failed on a dead stub, Triton keeps the old instan
 and asks `serve` to restart tritonserver, at an idle moment, when it passes `leak_limit` instances,
 so memory stays flat over any number of heals. It also reloads an idle model whose stubs'
 shared-memory regions grew past `stub_memory_limit` (one oversized request grows them for good).
+A load is watched while it runs: when a stub of the new instances dies before the load returns, the
+Python backend waits for it for good (measured: a load still pending after 90 s), so that, or a
+load past `load_timeout`, asks for a tritonserver restart instead of waiting.
 
 `probe_model()` is the probe (the `health` command runs it once per model); `Supervisor` runs the
 checks beside `serve`.
@@ -68,6 +71,9 @@ GENERATION = "supervisor_generation"
 # A dead stub still unreaped this long after it was first seen is kept for good (a clean reload
 # reaps the old stubs within about 2 s on a tiny model).
 KEPT_AFTER_S = 15.0
+# How long a load may still take to return (with its error) after a stub of its new instances
+# exited: a model whose initialize() fails ends its stub and then answers the load with the error.
+LOST_STUB_GRACE_S = 5.0
 PENDING_METRIC = re.compile(r'^nv_inference_pending_request_count\{model="(?P<model>[^"]+)",[^}]*\}\s+(?P<value>\S+)$')
 
 Log = Callable[[str], None]
@@ -491,11 +497,64 @@ class Supervisor:
                                                GENERATION: {"string_value": str(self._generation)}}}
             start = time.monotonic()
             try:
-                self.control_client.load_model(model, config)
+                if not self._load(model, config):  # a restart was asked for, or serve is stopping
+                    if self.recycle_reason:
+                        self.log(f"health: {self.recycle_reason}")
+                    return
                 self.log(f"health: reloaded {model} ({time.monotonic() - start:.1f} s)")
             except Exception as err:
                 self.log(f"health: loading {model} failed: {_one_line(err)}")
             self._instances.pop(model, None)  # learnt again from the new stubs
+
+    def _load(self, model: str, config: dict) -> bool:
+        """Load `model` with `config` in a worker thread while watching the server's stubs. True once
+        the load returned (its error is raised); False, with `recycle_reason` set, when it never
+        will: a stub died while the load ran (a new instance's stub, seen alive and then gone, or
+        any stub turned zombie) and the load did not return within LOST_STUB_GRACE_S, or
+        `load_timeout` passed."""
+        def stubs() -> tuple[set[int], set[int]]:
+            """(live stubs of `model`, dead stubs of any model) by pid."""
+            found = server_stubs(self.server_pid) if self.server_pid else []
+            return ({stub.pid for stub in found if stub.model == model and not stub.zombie},
+                    {stub.pid for stub in found if stub.zombie})
+
+        before, dead_before = stubs()
+        outcome: list[BaseException | None] = []
+
+        def load() -> None:
+            try:  # the client's own deadline only ends the thread; the supervisor judges first
+                with ControlClient(self.url, timeout_s=self.load_timeout + 60) as client:
+                    client.load_model(model, config)
+                outcome.append(None)
+            except BaseException as err:  # handed to the supervisor's thread
+                outcome.append(err)
+
+        worker = threading.Thread(target=load, name=f"bionemo-export-load-{model}", daemon=True)
+        worker.start()
+        deadline = time.monotonic() + self.load_timeout
+        new: set[int] = set()
+        lost_at: float | None = None
+        while not self._stop.is_set():
+            worker.join(0.05)  # a new stub may live only moments: look often while a load runs
+            if not worker.is_alive():
+                if outcome and outcome[0] is not None:
+                    raise outcome[0]
+                return True
+            now = time.monotonic()
+            if lost_at is None:
+                live, dead = stubs()
+                if (new - live) or (dead - dead_before):
+                    lost_at = now
+                new |= live - before
+            if lost_at is not None and now - lost_at > LOST_STUB_GRACE_S:
+                self.recycle_reason = (f"a stub died while {model} loaded; Triton 2.51 never finishes such a "
+                                       "load, restarting tritonserver does")
+                return False
+            if now > deadline:
+                self.recycle_reason = (f"loading {model} did not finish within {self.load_timeout:g} s; "
+                                       "restarting tritonserver")
+                return False
+        return False
 
     def _check_memory(self, seen: Observation) -> None:
         """Reload an idle model whose stubs' shared memory grew past `stub_memory_limit`: the
