@@ -24,6 +24,7 @@ from bionemo_export.client import EncoderClient, Seq2SeqClient
 from bionemo_export.errors import reason
 from bionemo_export.model_repository.integrity import require_intact
 from bionemo_export.model_repository.manifest import Manifest
+from bionemo_export.tasks import TASKS
 from bionemo_export.numerics import cosine_rows, degenerate_rows
 
 
@@ -141,8 +142,10 @@ SAMPLING_CHECKS = (
 
 def _expected_outputs(method: str, parameters: dict) -> int:
     """Outputs per sequence: num_samples, times beam_size for beam-search-perturbate-sample."""
-    samples = parameters.get("num_samples", 1)
-    return samples * parameters.get("beam_size", 5) if method == "beam-search-perturbate-sample" else samples
+    sampling = TASKS["samplings"]
+    samples = parameters.get("num_samples", sampling.input("num_samples").default)
+    beams = parameters.get("beam_size", sampling.input("beam_size").default)
+    return samples * beams if method == "beam-search-perturbate-sample" else samples
 
 
 def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: int = 1234,

@@ -444,17 +444,24 @@ def test_dependencies_cover_ensemble_steps_and_bls_callees(tmp_path, layout):
 
 
 def test_probe_requests_are_tiny_and_valid():
-    sequences = {"inputs": [{"name": "sequences", "datatype": "BYTES", "shape": [-1, 1]}]}
+    """Built from the task table's required inputs (optional ones keep their defaults)."""
+    sequences = {"name": "x_embeddings", "inputs": [{"name": "sequences", "datatype": "BYTES", "shape": [-1, 1]}]}
     assert probe_inputs({}, sequences)["sequences"].tolist() == [[b"C"]]
     exact = {"parameters": {"health_probe": {"string_value": "MKV"}}}
     assert probe_inputs(exact, sequences)["sequences"].tolist() == [[b"MKV"]]
-    sampling = {"inputs": [*sequences["inputs"], {"name": "num_samples", "datatype": "INT32", "shape": [-1, 1]}]}
-    probe = probe_inputs({}, sampling)
-    assert probe["num_samples"].tolist() == [[1]] and probe["num_samples"].dtype == np.int32
-    decodes = {"inputs": [{"name": "hiddens", "datatype": "FP32", "shape": [-1, -1, 8]},
-                          {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]}]}
+    sampling = {"name": "x_samplings",
+                "inputs": [*sequences["inputs"], {"name": "num_samples", "datatype": "INT32", "shape": [-1, 1]}]}
+    assert list(probe_inputs({}, sampling)) == ["sequences"]
+    decodes = {"name": "x_decodes", "inputs": [{"name": "hiddens", "datatype": "FP32", "shape": [-1, -1, 8]},
+                                               {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]}]}
     probe = probe_inputs({}, decodes)
-    assert probe["hiddens"].shape == (1, 1, 8) and not probe["hiddens"].any() and probe["mask"].tolist() == [[True]]
+    assert probe["hiddens"].shape == (1, 1, 8) and probe["hiddens"].dtype == np.float32
+    assert not probe["hiddens"].any() and probe["mask"].tolist() == [[True]]
+    with pytest.raises(ValueError, match="x_encoder: not a public model"):
+        probe_inputs({}, {"name": "x_encoder", "inputs": sequences["inputs"]})
+    with pytest.raises(ValueError, match="no fixed size"):
+        probe_inputs({}, {"name": "x_decodes", "inputs": [{"name": "hiddens", "datatype": "FP32",
+                                                           "shape": [-1, -1, -1]}]})
 
 
 # -- telling dead from busy, and when to restart (no server) -----------------------------------

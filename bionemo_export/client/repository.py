@@ -19,14 +19,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from bionemo_export.tasks import TASKS, DType
+
 from .batches import DEFAULT_IN_FLIGHT, infer_rows
 from .triton import DEFAULT_URL, TritonClient
 
-_CONFIG_DTYPES = {"TYPE_FP32": np.float32, "TYPE_FP16": np.float16, "TYPE_BOOL": np.bool_, "TYPE_STRING": np.object_,
-                  "TYPE_INT32": np.int32, "TYPE_INT64": np.int64}
-
-SAMPLING_INPUTS = {"num_samples": np.int32, "scaled_radius": np.float32, "seed": np.int64, "top_k": np.int32,
-                   "top_p": np.float32, "temperature": np.float32, "beam_size": np.int32}
+SAMPLING_INPUTS = {t.name: t.dtype.numpy for t in TASKS["samplings"].optional_inputs if t.dtype is not DType.BYTES}
 """The optional numeric inputs of N_samplings and their dtypes (sampling_method is a string)."""
 
 
@@ -130,7 +128,7 @@ class RepositoryClient:
         empty = {}
         for name in outputs:
             dims = [max(int(d), 0) for d in declared[name].get("dims", [])]
-            empty[name] = np.zeros((0, *dims), dtype=_CONFIG_DTYPES.get(declared[name].get("data_type"), np.float32))
+            empty[name] = np.zeros((0, *dims), dtype=DType.of(declared[name].get("data_type", "FP32")).numpy)
         return empty
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 from bionemo_export import __version__
+from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
 from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
@@ -251,13 +252,9 @@ def plan_encoder_repository(
         raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
     models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
-    if "embeddings" in tasks:
-        models.append(_ensemble(name, "embeddings", [Tensor("embeddings", "FP32", (hidden_size,))], options,
-                                {"embeddings": "embeddings"}))
-    if "hiddens" in tasks:
-        models.append(_ensemble(name, "hiddens",
-                                [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("mask", "BOOL", (-1,))],
-                                options, {"hiddens": "hiddens", "mask": "mask"}))
+    for task in (TASKS[t] for t in ENCODER_TASKS if t in tasks):  # the public models, as tasks.py declares them
+        outputs = [Tensor(t.name, t.dtype.value, t.shape({"H": hidden_size})) for t in task.outputs]
+        models.append(_ensemble(name, task.name, outputs, options, {t.name: t.name for t in outputs}))
     plan = RepositoryPlan(models)
     plan.validate()
     return plan

@@ -42,6 +42,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from bionemo_export import __version__
 from bionemo_export.models.base import TensorSpec
 from bionemo_export.runtime.supervisor import BLS_MODELS
+from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
 from .encoder import ENCODER_TASKS, graph_model, plan_encoder_repository, serving_files, tokenizer_files
@@ -55,18 +56,9 @@ SEQ2SEQ_TASKS = (*ENCODER_TASKS, "decodes", "samplings")
 GENERATION_DIR = Path(__file__).resolve().parent.parent / "generation"
 GENERATION_FILES = ("search.py", "kv_decoder.py")
 
-# Optional N_samplings inputs: name -> (Triton dtype, what it is).
-SAMPLING_PARAMETERS = {
-    "num_samples": ("INT32", "outputs per sequence (default 1)"),
-    "scaled_radius": ("FP32", "noise scale added to the hidden states (default 1.0)"),
-    "sampling_method": ("BYTES", "greedy-perturbate (default), topkp-perturbate, beam-search-perturbate, "
-                                 "beam-search-single-sample, beam-search-perturbate-sample"),
-    "seed": ("INT64", "random seed: the same seed and inputs give the same output"),
-    "top_k": ("INT32", "topkp-perturbate: keep the k most likely tokens (0: off; default 0)"),
-    "top_p": ("FP32", "topkp-perturbate: nucleus probability mass (default 0.9)"),
-    "temperature": ("FP32", "topkp-perturbate: softmax temperature (default 1.0)"),
-    "beam_size": ("INT32", "beam-search-perturbate(-sample): beams per search (default 5)"),
-}
+# Optional N_samplings inputs: name -> (Triton dtype, what it is), from the task table.
+SAMPLING_PARAMETERS = {t.name: (t.dtype.value, t.doc + ("" if t.default is None else f" (default {t.default})"))
+                       for t in TASKS["samplings"].optional_inputs}
 
 
 def tensors_from_specs(specs: tuple[TensorSpec, ...], *, batched: bool) -> list[Tensor]:

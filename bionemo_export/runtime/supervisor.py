@@ -50,10 +50,12 @@ import numpy as np
 from bionemo_export.client.triton import (TURNED_AWAY, InferenceError, ServerUnreachableError, TritonClient,
                                          strings_to_tensor)
 
+from bionemo_export.tasks import DType, public_suffixes, task_of
+
 from .stubs import Stub, server_stubs
 
-# Public models are named <name>_<task> (DESIGN.md, the served API); everything else is internal.
-PUBLIC_SUFFIXES = ("_embeddings", "_hiddens", "_decodes", "_samplings")
+# Public models are named <name>_<task> (bionemo_export/tasks.py); everything else is internal.
+PUBLIC_SUFFIXES = public_suffixes()
 # Config parameter of a model that calls others through BLS: their names, comma-separated. Triton
 # knows an ensemble's steps but not these calls; the repository plan (seq2seq.py) writes it.
 BLS_MODELS = "bls_models"
@@ -173,20 +175,26 @@ def _parameter(config: dict, key: str) -> str | None:
 
 
 def probe_inputs(config: dict, metadata: dict) -> dict[str, np.ndarray]:
-    """The smallest valid request for a public model: one sequence (the config's `health_probe`
-    parameter, else "C"), with num_samples 1 where the model samples; for a decoder, one position
-    of zero hidden states [1, 1, H] with its mask True (H from the model's metadata)."""
-    inputs = {tensor["name"]: tensor for tensor in metadata.get("inputs", ())}
-    if "hiddens" in inputs:
-        hidden_size = inputs["hiddens"]["shape"][-1]
-        if hidden_size < 1:
-            raise ValueError(f"{metadata.get('name')}: the hiddens input has no fixed hidden size")
-        return {"hiddens": np.zeros((1, 1, hidden_size), dtype=np.float32), "mask": np.ones((1, 1), dtype=bool)}
-    if "sequences" not in inputs:
-        raise ValueError(f"{metadata.get('name')}: no `sequences` or `hiddens` input to probe with")
-    probe = {"sequences": strings_to_tensor([_parameter(config, HEALTH_PROBE) or PROBE_SEQUENCE])}
-    if "num_samples" in inputs:
-        probe["num_samples"] = np.ones((1, 1), dtype=np.int32)
+    """The smallest valid request for a public model, from its task's required inputs (tasks.py):
+    one sequence (the config's `health_probe` parameter, else "C"); for hidden states, one position
+    of zeros [1, 1, H] (H from the model's metadata) with its mask True. Optional inputs keep their
+    defaults."""
+    name = metadata.get("name", "")
+    task = task_of(name)
+    if task is None:
+        raise ValueError(f"{name}: not a public model (a name ending in {', '.join(PUBLIC_SUFFIXES)})")
+    served = {tensor["name"]: tensor for tensor in metadata.get("inputs", ())}
+    probe: dict[str, np.ndarray] = {}
+    for tensor in task.required_inputs:
+        if tensor.dtype is DType.BYTES:
+            probe[tensor.name] = strings_to_tensor([_parameter(config, HEALTH_PROBE) or PROBE_SEQUENCE])
+            continue
+        # Every other required input is per position ([-1] or [-1, H]): one position.
+        dims = list(served.get(tensor.name, {}).get("shape", [-1, *tensor.shape()]))[1:]
+        if any(d < 1 for d in dims[1:]):
+            raise ValueError(f"{name}: the {tensor.name} input has no fixed size after its length: {dims}")
+        value = np.ones if tensor.dtype is DType.BOOL else np.zeros
+        probe[tensor.name] = value((1, 1, *dims[1:]), dtype=tensor.dtype.numpy)
     return probe
 
 

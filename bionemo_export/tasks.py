@@ -1,0 +1,240 @@
+"""The served tasks, in one table: each public model's tensors, defaults and documentation.
+
+In the manner of optimum's task -> outputs table: a task is one `Task` entry in `TASKS`. For a
+repository built with `--name N`, task `t` is served as the public model `N_t`. Everything that
+needs to know a task's tensors reads them here: the planners (config.pbtxt), the dev server,
+`RepositoryClient`, `verify`, the supervisor's probes, `bench`'s input generation and the README's
+served-API table (`served_api_table()`; a test keeps the README in step).
+
+Dims exclude the batch axis (every public model is batched) and may name a size the repository
+fixes when it is built: `H` (hidden size), `A` (the residue alphabet of a masked-LM head), `C`
+(the classes or values of a fine-tuned head); -1 is a dynamic axis.
+
+Importable without torch or Triton: numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+import numpy as np
+
+
+class DType(str, Enum):
+    """A tensor's element type, by Triton's name; `.config`, `.numpy` and `.onnx` give the same
+    type in config.pbtxt, numpy and ONNX terms (one map for the whole project)."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    FP64 = "FP64"
+    INT8 = "INT8"
+    UINT8 = "UINT8"
+    INT32 = "INT32"
+    INT64 = "INT64"
+    BOOL = "BOOL"
+    BYTES = "BYTES"
+
+    @property
+    def config(self) -> str:
+        """The name in config.pbtxt (ModelConfig's DataType): TYPE_FP32, ..., TYPE_STRING for BYTES."""
+        return "TYPE_STRING" if self is DType.BYTES else f"TYPE_{self.value}"
+
+    @property
+    def numpy(self) -> type:
+        """The numpy type (BYTES: object, holding bytes); BF16 has none."""
+        if self not in _NUMPY:
+            raise ValueError(f"{self.value} has no numpy type")
+        return _NUMPY[self]
+
+    @property
+    def onnx(self) -> int:
+        """ONNX's TensorProto.DataType number (onnx is not imported for it)."""
+        return _ONNX[self]
+
+    @classmethod
+    def from_onnx(cls, number: int) -> "DType":
+        """The type of ONNX's TensorProto.DataType `number`."""
+        for dtype, value in _ONNX.items():
+            if value == number:
+                return dtype
+        raise ValueError(f"ONNX element type {number} has no Triton type here")
+
+    @classmethod
+    def of(cls, name: str) -> "DType":
+        """The type named as Triton (FP32), config.pbtxt (TYPE_FP32) or its metadata does; a
+        ValueError lists the known names."""
+        text = name.removeprefix("TYPE_")
+        text = "BYTES" if text == "STRING" else text
+        try:
+            return cls(text)
+        except ValueError:
+            raise ValueError(f"unknown tensor type {name!r}; known: {', '.join(t.value for t in cls)}") from None
+
+
+_NUMPY = {DType.FP32: np.float32, DType.FP16: np.float16, DType.FP64: np.float64, DType.INT8: np.int8,
+          DType.UINT8: np.uint8, DType.INT32: np.int32, DType.INT64: np.int64, DType.BOOL: np.bool_,
+          DType.BYTES: np.object_}
+# onnx.TensorProto's numbers (onnx/onnx.proto3), so that this module needs no onnx import.
+_ONNX = {DType.FP32: 1, DType.UINT8: 2, DType.INT8: 3, DType.INT32: 6, DType.INT64: 7, DType.BYTES: 8,
+         DType.BOOL: 9, DType.FP16: 10, DType.FP64: 11, DType.BF16: 16}
+
+Dim = int | str
+"""A size: a number, -1 (dynamic), or the letter of a size fixed at build time (H, A, C)."""
+SIZES_DOC = {"H": "the hidden size", "A": "the residue alphabet's size", "C": "the head's classes or values"}
+
+
+@dataclass(frozen=True)
+class TensorDef:
+    """One input or output of a public model (the batch axis excluded)."""
+
+    name: str
+    dtype: DType
+    dims: tuple[Dim, ...]
+    doc: str
+    default: Any = None
+    """For an optional input: what the model uses when it is left out (None: no single value, the
+    doc says what happens)."""
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        for dim in self.dims:
+            if isinstance(dim, str) and dim not in SIZES_DOC:
+                raise ValueError(f"{self.name}: unknown size {dim!r}; sizes are {', '.join(SIZES_DOC)}")
+            if isinstance(dim, int) and dim != -1 and dim < 1:
+                raise ValueError(f"{self.name}: a dimension is -1 or positive, got {dim}")
+
+    def shape(self, sizes: Mapping[str, int] | None = None) -> tuple[int, ...]:
+        """The dims with the named sizes filled in from `sizes` (-1 where a size is not given)."""
+        sizes = sizes or {}
+        return tuple(int(sizes.get(d, -1)) if isinstance(d, str) else d for d in self.dims)
+
+    def written(self) -> str:
+        """As the served-API table writes it: `sequences` BYTES [1]."""
+        return f"`{self.name}` {self.dtype.value} [{', '.join(str(d) for d in self.dims)}]"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A served task: the public model `<name>_<task>` and what it takes and answers."""
+
+    name: str
+    doc: str
+    """One line: what the task answers."""
+    inputs: tuple[TensorDef, ...]
+    outputs: tuple[TensorDef, ...]
+    role: str
+    """The repository role whose model serves it (model_repository/options.py ROLES)."""
+    graph_outputs: tuple[str, ...] = ()
+    """The encoder graph outputs it reads (hiddens, embeddings, log_probs, logits)."""
+    requires: str = "encoder"
+    """What the checkpoint must have: encoder, decoder (encoder-decoder families), lm_head
+    (a masked-LM head), classifier (a fine-tuned head)."""
+    notes: tuple[str, ...] = field(default=())
+    """Further lines of documentation (the README's list under the table)."""
+
+    def model(self, prefix: str) -> str:
+        """The public model's name in a repository built with `--name prefix`."""
+        return f"{prefix}_{self.name}"
+
+    @property
+    def required_inputs(self) -> tuple[TensorDef, ...]:
+        return tuple(t for t in self.inputs if not t.optional)
+
+    @property
+    def optional_inputs(self) -> tuple[TensorDef, ...]:
+        return tuple(t for t in self.inputs if t.optional)
+
+    def input(self, name: str) -> TensorDef:
+        return _named(self.inputs, name, f"{self.name} input")
+
+    def output(self, name: str) -> TensorDef:
+        return _named(self.outputs, name, f"{self.name} output")
+
+
+def _named(tensors: tuple[TensorDef, ...], name: str, what: str) -> TensorDef:
+    for tensor in tensors:
+        if tensor.name == name:
+            return tensor
+    raise KeyError(f"no {what} {name!r}; there are {', '.join(t.name for t in tensors)}")
+
+
+SEQUENCES = TensorDef("sequences", DType.BYTES, (1,), "one sequence per row, UTF-8")
+MASK = TensorDef("mask", DType.BOOL, (-1,), "True exactly on the sequence's residues/tokens")
+SAMPLING_METHODS = ("greedy-perturbate", "topkp-perturbate", "beam-search-perturbate", "beam-search-single-sample",
+                    "beam-search-perturbate-sample")
+SCORING_METHODS = ("wt-marginal", "masked-marginal", "pll")
+
+TASKS: dict[str, Task] = {task.name: task for task in (
+    Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",
+         (SEQUENCES,), (TensorDef("embeddings", DType.FP32, ("H",), "mean of `hiddens` over `mask`"),),
+         role="embeddings", graph_outputs=("embeddings",)),
+    Task("hiddens", "the encoder's last hidden states, one row per token",
+         (SEQUENCES,), (TensorDef("hiddens", DType.FP32, (-1, "H"), "every token's hidden state, 0 on padding"), MASK),
+         role="hiddens", graph_outputs=("hiddens",)),
+    Task("decodes", "greedy decoding of hidden states back into sequences",
+         (TensorDef("hiddens", DType.FP32, (-1, "H"), "hidden states, as N_hiddens answers them"),
+          TensorDef("mask", DType.BOOL, (-1,), "True on real tokens")),
+         (TensorDef("sequences", DType.BYTES, (1,), "the decoded sequence"),),
+         role="decodes", requires="decoder"),
+    Task("samplings", "new sequences sampled around each input, in its neighbourhood of the latent space",
+         (SEQUENCES,
+          TensorDef("num_samples", DType.INT32, (1,), "outputs per sequence", default=1, optional=True),
+          TensorDef("scaled_radius", DType.FP32, (1,), "noise scale added to the hidden states", default=1.0,
+                    optional=True),
+          TensorDef("sampling_method", DType.BYTES, (1,), ", ".join(SAMPLING_METHODS), default=SAMPLING_METHODS[0],
+                    optional=True),
+          TensorDef("seed", DType.INT64, (1,), "random seed: the same seed and inputs give the same output",
+                    optional=True),
+          TensorDef("top_k", DType.INT32, (1,), "topkp-perturbate: keep the k most likely tokens (0: off)", default=0,
+                    optional=True),
+          TensorDef("top_p", DType.FP32, (1,), "topkp-perturbate: nucleus probability mass", default=0.9,
+                    optional=True),
+          TensorDef("temperature", DType.FP32, (1,), "topkp-perturbate: softmax temperature", default=1.0,
+                    optional=True),
+          TensorDef("beam_size", DType.INT32, (1,), "beam-search-perturbate(-sample): beams per search", default=5,
+                    optional=True)),
+         (TensorDef("generated", DType.BYTES, (-1,), "num_samples sequences"),),
+         role="samplings", requires="decoder"),
+)}
+"""Every served task by name, in the order the docs list them."""
+
+
+def get_task(name: str) -> Task:
+    """The task `name`; a ValueError lists the known ones."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASKS)}") from None
+
+
+def public_suffixes() -> tuple[str, ...]:
+    """How public model names end: `_embeddings`, `_hiddens`, ... (internal models end otherwise)."""
+    return tuple(f"_{name}" for name in TASKS)
+
+
+def task_of(model: str) -> Task | None:
+    """The task a public model's name serves (None for internal models)."""
+    for name, task in TASKS.items():
+        if model.endswith(f"_{name}"):
+            return task
+    return None
+
+
+REQUIREMENTS = {"encoder": "every family", "decoder": "encoder-decoder families (MegaMolBART)",
+                "lm_head": "checkpoints with a masked-LM head", "classifier": "checkpoints with a fine-tuned head"}
+"""What `Task.requires` means, as the served-API table says it."""
+
+
+def served_api_table(prefix: str = "N") -> str:
+    """The served-API table, as the README writes it (Markdown)."""
+    lines = ["| model | inputs | outputs | served for |", "|---|---|---|---|"]
+    for task in TASKS.values():
+        inputs = ", ".join(t.written() for t in task.required_inputs)
+        if task.optional_inputs:
+            inputs += "; optional " + ", ".join(t.written() for t in task.optional_inputs)
+        outputs = ", ".join(t.written() for t in task.outputs)
+        lines.append(f"| `{task.model(prefix)}` | {inputs} | {outputs} | {REQUIREMENTS[task.requires]} |")
+    return "\n".join(lines) + "\n"
