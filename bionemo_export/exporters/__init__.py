@@ -9,8 +9,10 @@ verifying them against PyTorch.
                                  hidden_size=512, atol=family.atol, min_cosine=family.min_cosine,
                                  output_names=["hiddens", "embeddings"], mask_input="attention_mask",
                                  precision="int8")   # optimized (+ int8) graph, verified, or the plain one
+    head = export_lm_head(model, out)     # the masked-LM head as out/lm_head.onnx, verified
 """
 
+from bionemo_export.exporters.lm_head import LMHeadExport, NoLMHeadError, export_lm_head, lm_head_check_batches
 from bionemo_export.exporters.navigator import NavigatorExportError, NavigatorUnavailableError
 from bionemo_export.exporters.onnx_export import (
     ExportError,
@@ -42,8 +44,10 @@ __all__ = [
     "ExportError",
     "ExportResult",
     "ExportVerificationError",
+    "LMHeadExport",
     "NavigatorExportError",
     "NavigatorUnavailableError",
+    "NoLMHeadError",
     "OptimizationError",
     "OptimizationResult",
     "OutputCheck",
@@ -53,8 +57,10 @@ __all__ = [
     "VerificationReport",
     "VerifiedGraph",
     "available_exporters",
+    "export_lm_head",
     "export_onnx",
     "fuse_attention",
+    "lm_head_check_batches",
     "optimize_and_verify",
     "optimize_onnx",
     "precision_tolerances",

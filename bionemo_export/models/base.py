@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
 
+    from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
     from bionemo_export.tokenizers.protocol import Tokenizer
 
@@ -59,6 +60,11 @@ def encoder_outputs(hidden_size: int) -> tuple[TensorSpec, ...]:
         TensorSpec("hiddens", "FP32", ("batch", "length", hidden_size)),
         TensorSpec("embeddings", "FP32", ("batch", hidden_size)),
     )
+
+
+def lm_head_outputs(alphabet_size: int) -> tuple[TensorSpec, ...]:
+    """The masked-LM head graph's output (its input is the encoder's `hiddens`)."""
+    return (TensorSpec("log_probs", "FP32", ("batch", "length", alphabet_size)),)
 
 
 @dataclass
@@ -105,10 +111,27 @@ class LoadedModel:
     """Facts for manifest.json (architecture, layers, parameters, checkpoint form, ...)."""
     seq2seq: Seq2SeqModules | None = None
     """The decoder graphs, for families that decode (tasks decodes/samplings)."""
+    lm_head: "torch.nn.Module | None" = None
+    """The masked-LM head (models/lm_head.py), None when the checkpoint has none:
+    forward(hiddens FP32 [B, L, H], the encoder's output) -> log_probs FP32 [B, L, len(alphabet)],
+    a log_softmax over the alphabet's tokens only (special tokens excluded); eval mode, fp32."""
+    alphabet: tuple[str, ...] = ()
+    """What log_probs' last axis holds, in order: the residue characters (SMILES tokens for SMILES
+    models), one per distinct non-special token the tokenizer maps them to, aliases excluded."""
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
         return ENCODER_INPUTS
+
+    @property
+    def lm_head_inputs(self) -> tuple[TensorSpec, ...]:
+        """The head graph's input: the encoder's hiddens."""
+        return (TensorSpec("hiddens", "FP32", ("batch", "length", self.hidden_size)),)
+
+    @property
+    def lm_head_outputs(self) -> tuple[TensorSpec, ...]:
+        """The head graph's output: log-probabilities over the alphabet."""
+        return lm_head_outputs(len(self.alphabet))
 
     @property
     def outputs(self) -> tuple[TensorSpec, ...]:
@@ -127,6 +150,8 @@ class ModelDescription:
     """The weights under the names of the module `build` makes (every one of them, nothing else)."""
     facts: dict[str, Any] = field(default_factory=dict)
     """What the form adds to manifest.json's description (e.g. the NeMo target class)."""
+    lm_head: "HeadWeights | None" = None
+    """The checkpoint's masked-LM head, None when it has none (models/lm_head.py)."""
 
 
 class ModelFamily(ABC):

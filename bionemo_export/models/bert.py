@@ -5,7 +5,9 @@
 
 The vocabulary decides the tokenizer (see `is_smiles_vocab`): a SMILES vocabulary gets the regex
 SmilesTokenizer with rxnfp's reaction pattern, [CLS]/[SEP] around each sequence and [PAD]; any other
-the one-character-per-residue CharacterTokenizer.
+the one-character-per-residue CharacterTokenizer. Both accept the mask character (`_`) where the
+vocabulary has `[MASK]`. A checkpoint with BERT's masked-LM head (`cls.predictions`: AntiBERTy,
+rxnfp's bert_pretrained, BertForMaskedLM) gets it as `LoadedModel.lm_head`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 import transformers
 
 from bionemo_export.models.base import LoadedModel, ModelDescription, register
@@ -24,7 +27,9 @@ from bionemo_export.models.encoder import (
     save_random_model,
     token_limit,
 )
-from bionemo_export.tokenizers.character import CharacterTokenizer
+from bionemo_export.models.lm_head import HeadWeights, huggingface_activation
+from bionemo_export.models.readers import Checkpoint
+from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
 from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "bos": "[CLS]", "eos": "[SEP]"}
@@ -70,6 +75,9 @@ class BertFamily(HuggingFaceEncoderFamily):
     backbone_class = transformers.BertModel
     key_prefix = "bert."
     unused_prefixes = ("pooler.", "cls.", "classifier.")
+    head_prefix = "cls.predictions."
+    head_renames = {"transform.dense.weight": "dense.weight", "transform.dense.bias": "dense.bias",
+                    "transform.LayerNorm.weight": "layer_norm.weight", "transform.LayerNorm.bias": "layer_norm.bias"}
 
     def __init__(self, alphabet: str = "protein") -> None:
         """`alphabet` ("protein" or "smiles") decides what sample_sequences() returns; build()
@@ -85,6 +93,19 @@ class BertFamily(HuggingFaceEncoderFamily):
             loaded = dataclasses.replace(loaded, family=type(self)(alphabet))
         return loaded
 
+    def head_settings(self, weights: dict[str, torch.Tensor], names: dict[str, str], config: Any,
+                      checkpoint: Checkpoint) -> HeadWeights:
+        """BertLMPredictionHead: `config.hidden_act`, the config's epsilon, decoder tied to the word
+        embeddings unless `tie_word_embeddings` is false. Its `decoder.bias` is tied to
+        `cls.predictions.bias` (old files hold both): the latter is used, the former when alone."""
+        decoder_bias = weights.pop("decoder.bias", None)
+        decoder_bias_name = names.pop("decoder.bias", None)
+        if "bias" not in weights and decoder_bias is not None:
+            weights["bias"], names["bias"] = decoder_bias, decoder_bias_name
+        activation = huggingface_activation(config.hidden_act, str(checkpoint.path / "config.json"))
+        return HeadWeights(weights, names, activation=activation, layer_norm_eps=float(config.layer_norm_eps),
+                           tied=bool(getattr(config, "tie_word_embeddings", True)))
+
     def build_tokenizer(
         self, checkpoint: Path, config: Any, max_length: int | None
     ) -> CharacterTokenizer | SmilesTokenizer:
@@ -93,6 +114,8 @@ class BertFamily(HuggingFaceEncoderFamily):
         missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
         if missing:
             raise ValueError(f"{vocab_file} lacks the special tokens {missing}")
+        mask_token = find_mask_token(vocab)
+        mask = {"mask_token": mask_token, "mask_char": MASK_CHAR if mask_token else None}
         if is_smiles_vocab(vocab):
             # rxnfp's tokenization: its regex, ids in vocab.txt order, [CLS] + tokens + [SEP].
             # A token missing from the vocabulary is an error naming it, never [UNK].
@@ -106,6 +129,7 @@ class BertFamily(HuggingFaceEncoderFamily):
                 eos_token=SPECIAL_TOKENS["eos"],
                 begin_token=None,
                 end_token=None,
+                **mask,
             )
         residues = "".join(t for t in vocab if len(t) == 1 and t.isascii() and t.isalpha())
         if not residues:
@@ -123,6 +147,7 @@ class BertFamily(HuggingFaceEncoderFamily):
             unk_token=SPECIAL_TOKENS["unk"],
             max_length=token_limit(config.max_position_embeddings, max_length, "this BERT model"),
             aliases=aliases,
+            **mask,
         )
 
     def save_random_checkpoint(

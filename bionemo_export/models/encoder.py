@@ -7,6 +7,10 @@
   `HuggingFaceEncoderFamily` adds the Hugging Face directory form: a family supplies only its
   backbone class, key layout and tokenizer.
 - `save_random_model`: writing a small random checkpoint in the layout `load()` reads.
+
+A checkpoint that carries a masked-LM head (EsmForMaskedLM's `lm_head`, BERT's `cls.predictions`,
+a `.nemo`'s `lm_head`) gets it built as `LoadedModel.lm_head` (models/lm_head.py), loaded as
+strictly as the encoder; one without gets None.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from transformers.initialization import no_init_weights
 
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily
+from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head, split_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.base import some as _some
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
@@ -79,8 +84,11 @@ class EncoderFamily(ModelFamily):
         config, checkpoint = description.config, description.checkpoint
         backbone = self.make_backbone(config)
         load_strict(backbone, description.state_dict, checkpoint.weights_path, self.unused_prefixes)
+        lm_head = self.make_lm_head(description, backbone)
         layers, hidden, heads = architecture_sizes(config)
         return LoadedModel(
+            lm_head=lm_head,
+            alphabet=lm_head.alphabet if lm_head is not None else (),
             family=self,
             encoder=PooledEncoder(backbone).float().eval(),
             tokenizer=description.tokenizer,
@@ -99,6 +107,27 @@ class EncoderFamily(ModelFamily):
         )
 
 
+    def make_lm_head(self, description: ModelDescription, backbone: torch.nn.Module) -> MaskedLMHead | None:
+        """The described checkpoint's masked-LM head over the tokenizer's alphabet, its output
+        weights the backbone's word embeddings unless the head has its own; None without a head."""
+        head = description.lm_head
+        if head is None:
+            return None
+        tokenizer = description.tokenizer
+        return build_lm_head(head.weights, word_embeddings(backbone), alphabet=tokenizer.alphabet,
+                             alphabet_ids=tokenizer.alphabet_ids, layer_norm_eps=head.layer_norm_eps,
+                             activation=head.activation, tied=head.tied,
+                             source=description.checkpoint.weights_path, names=head.names)
+
+
+def word_embeddings(backbone: torch.nn.Module) -> torch.Tensor:
+    """The token embedding matrix [vocab, hidden] of a transformers backbone or the project's
+    transformer.Encoder (what tied masked-LM heads project onto)."""
+    if isinstance(backbone, TransformerEncoder):
+        return backbone.embedding.word_embeddings.weight.detach()
+    return backbone.get_input_embeddings().weight.detach()
+
+
 class HuggingFaceEncoderFamily(EncoderFamily):
     """An encoder family with a Hugging Face directory form: config.json + weights (+ vocab)."""
 
@@ -108,6 +137,11 @@ class HuggingFaceEncoderFamily(EncoderFamily):
     """The transformers config class (EsmConfig, BertConfig)."""
     key_prefix: ClassVar[str]
     """Prefix of the backbone's keys in *ForMaskedLM-style checkpoints (stripped when present)."""
+    head_prefix: ClassVar[str | None] = None
+    """Where the masked-LM head's keys start (after key_prefix is stripped); None: the family
+    reads no head from this form."""
+    head_renames: ClassVar[dict[str, str]] = {}
+    """The head's keys (after head_prefix) -> lm_head.HEAD_KEYS names, where they differ."""
 
     @abstractmethod
     def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> Tokenizer:
@@ -132,7 +166,27 @@ class HuggingFaceEncoderFamily(EncoderFamily):
                 f"{checkpoint.path}: the vocabulary has {tokenizer.vocab_size} tokens but config.json's "
                 f"vocab_size is {config.vocab_size}"
             )
-        return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(checkpoint.weights))
+        weights, head = self.huggingface_head(checkpoint, config)
+        return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(weights), lm_head=head)
+
+    def huggingface_head(self, checkpoint: Checkpoint, config: Any) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
+        """(the checkpoint's other weights, its masked-LM head or None): the keys under
+        head_prefix taken out before the unused heads are dropped."""
+        if self.head_prefix is None:
+            return dict(checkpoint.weights), None
+        normalized = {key: _modern_name(key.removeprefix(self.key_prefix)) for key in checkpoint.weights}
+        head_keys = {key for key, name in normalized.items() if name.startswith(self.head_prefix)}
+        rest = {key: tensor for key, tensor in checkpoint.weights.items() if key not in head_keys}
+        if not head_keys:
+            return rest, None
+        _, weights, names = split_head({normalized[key]: checkpoint.weights[key] for key in head_keys},
+                                       self.head_prefix, self.head_renames, checkpoint.weights_path)
+        return rest, self.head_settings(weights, names, config, checkpoint)
+
+    def head_settings(self, weights: dict[str, torch.Tensor], names: dict[str, str], config: Any,
+                      checkpoint: Checkpoint) -> HeadWeights:
+        """The head's weights with how this family's head computes (activation, epsilon, tying)."""
+        raise CheckpointError(f"{checkpoint.weights_path}: the {self.name} family reads no masked-LM head")
 
     def huggingface_keys(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The checkpoint's weights under the backbone's names: the *ForMaskedLM prefix stripped,

@@ -9,6 +9,9 @@
   `position_embedding_type: "absolute"` and the 33-token ESM alphabet (`<cls>` + residues +
   `<eos>`). Hugging Face numbers absolute positions from `pad_token_id + 1`, so such a model
   takes `max_position_embeddings - pad_token_id - 1` tokens (1024 for ESM-1b).
+
+Both forms read their masked-LM head when the checkpoint has one (the archive's `model.lm_head`,
+EsmForMaskedLM's `lm_head`): see esm2.py and lm_head.py.
 """
 
 from __future__ import annotations
@@ -19,10 +22,16 @@ from typing import Any
 from bionemo_export.models.base import ModelDescription, register
 from bionemo_export.models.encoder import token_limit
 from bionemo_export.models.esm2 import Esm2Family, _check_alphabet, esm_tokenizer
-from bionemo_export.models.megatron import bert_encoder_keys, cut_vocab, transformer_config
+from bionemo_export.models.megatron import (
+    bert_encoder_keys,
+    cut_vocab,
+    megatron_lm_head,
+    strip_model_prefix,
+    transformer_config,
+)
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
-from bionemo_export.tokenizers.character import CharacterTokenizer
+from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
 from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
 ESM1NV_RESIDUES = "LASGVERTDIPKNFQYHMCWXBZUO"
@@ -62,13 +71,15 @@ class Esm1Family(Esm2Family):
         tokenizer = esm1nv_tokenizer(pieces, token_limit(limit, max_length, "this ESM-1nv model"),
                                      f"{checkpoint.path}: the tokenizer artifact")
         source = checkpoint.weights_path
-        weights = bert_encoder_keys(checkpoint.weights, config.num_heads, source)
+        weights, head = megatron_lm_head(strip_model_prefix(checkpoint.weights), checkpoint)
+        weights = bert_encoder_keys(weights, config.num_heads, source)
         key = "embedding.word_embeddings.weight"
         if key in weights:
             weights[key] = cut_vocab(weights[key], len(pieces), "model.language_model.embedding.word_embeddings.weight",
                                      source)
         return ModelDescription(checkpoint, config, tokenizer, weights,
-                                facts={"nemo_target": checkpoint.model_class, "activation": config.activation})
+                                facts={"nemo_target": checkpoint.model_class, "activation": config.activation},
+                                lm_head=head)
 
 
 def huggingface_token_limit(config: Any, checkpoint: Path | str = "config.json") -> int:
@@ -85,7 +96,9 @@ def huggingface_token_limit(config: Any, checkpoint: Path | str = "config.json")
 def esm1nv_tokenizer(pieces: list[str], max_length: int, source: str = "the vocabulary") -> SentencePieceTokenizer:
     """`<s>` + residues + `</s>` over an ESM-1nv piece vocabulary, padded with `<pad>`."""
     try:
+        mask_token = find_mask_token(pieces)
         return SentencePieceTokenizer(pieces, residues=ESM1NV_RESIDUES, pad_token="<pad>", bos_token="<s>",
-                                      eos_token="</s>", unk_token="<unk>", max_length=max_length)
+                                      eos_token="</s>", unk_token="<unk>", max_length=max_length,
+                                      mask_token=mask_token, mask_char=MASK_CHAR if mask_token else None)
     except ValueError as err:
         raise CheckpointError(f"{source} is not an ESM-1nv vocabulary: {err}") from None

@@ -1,6 +1,7 @@
 """ESM-2 (rotary positions, pre-LN), read into transformers' `EsmModel` from a Hugging Face
 directory or from a BioNeMo ESM-2nv `.nemo` archive (Megatron BERT layout, mapped key by key to
-Hugging Face's names as shared/reference/bionemo-serving.md documents).
+Hugging Face's names as shared/reference/bionemo-serving.md documents). The masked-LM head
+(`EsmForMaskedLM`'s `lm_head`, the archive's `model.lm_head`) becomes `LoadedModel.lm_head`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from bionemo_export.models.encoder import (
     save_random_model,
     token_limit,
 )
-from bionemo_export.models.megatron import check_gelu, cut_vocab, rename, split_fused
+from bionemo_export.models.lm_head import HeadWeights
+from bionemo_export.models.megatron import check_gelu, cut_vocab, megatron_lm_head, rename, split_fused
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
-from bionemo_export.tokenizers.character import CharacterTokenizer
+from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
 ALPHABET = ["<cls>", "<pad>", "<eos>", "<unk>", *RESIDUES, ".", "-", "<null_1>", "<mask>"]
@@ -39,6 +41,7 @@ class Esm2Family(HuggingFaceEncoderFamily):
     backbone_class = transformers.EsmModel
     key_prefix = "esm."
     unused_prefixes = ("lm_head.", "contact_head.")
+    head_prefix = "lm_head."
 
     nemo_targets = ("ESM2nvModel",)
 
@@ -61,6 +64,13 @@ class Esm2Family(HuggingFaceEncoderFamily):
         if vocab_file.is_file():
             _check_alphabet(vocab_file)
         return esm_tokenizer(token_limit(MAX_TOKENS, max_length, "ESM-2"))
+
+    def head_settings(self, weights: dict[str, torch.Tensor], names: dict[str, str], config: Any,
+                      checkpoint: Checkpoint) -> HeadWeights:
+        """EsmLMHead: exact GELU, the config's epsilon, decoder tied to the word embeddings
+        (unless the config unties them)."""
+        return HeadWeights(weights, names, activation="gelu", layer_norm_eps=float(config.layer_norm_eps),
+                           tied=bool(getattr(config, "tie_word_embeddings", True)))
 
     def from_nemo(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
         """An ESM-2nv archive. Its tokenizer is named by Hugging Face model name (not in the
@@ -95,9 +105,10 @@ class Esm2Family(HuggingFaceEncoderFamily):
         )
         config.gelu_approximate = "tanh" if activation == "gelu_tanh" else "none"
         tokenizer = esm_tokenizer(token_limit(min(seq_length, MAX_TOKENS), max_length, "this ESM-2nv model"))
-        weights = _megatron_to_huggingface(checkpoint, config)
+        weights, head = _megatron_to_huggingface(checkpoint, config)
         return ModelDescription(checkpoint, config, tokenizer, weights,
-                                facts={"nemo_target": checkpoint.model_class, "activation": activation})
+                                facts={"nemo_target": checkpoint.model_class, "activation": activation},
+                                lm_head=head)
 
     def make_backbone(self, config: Any) -> torch.nn.Module:
         backbone = super().make_backbone(config)
@@ -151,7 +162,8 @@ class Esm2Family(HuggingFaceEncoderFamily):
 def esm_tokenizer(max_length: int) -> CharacterTokenizer:
     """<cls> + residues + <eos> over the 33-token ESM alphabet (ESM-2, and ESM-1b in Hugging Face form)."""
     return CharacterTokenizer(ALPHABET, residues=RESIDUES, pad_token="<pad>", bos_token="<cls>",
-                              eos_token="<eos>", unk_token="<unk>", max_length=max_length)
+                              eos_token="<eos>", unk_token="<unk>", max_length=max_length,
+                              mask_token="<mask>", mask_char=MASK_CHAR)
 
 
 class _TanhGeluIntermediate(torch.nn.Module):
@@ -165,11 +177,14 @@ class _TanhGeluIntermediate(torch.nn.Module):
         return torch.nn.functional.gelu(self.dense(hidden_states), approximate="tanh")
 
 
-def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmConfig) -> dict[str, torch.Tensor]:
+def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmConfig
+                             ) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
     """ESM-2nv's Megatron BERT keys -> EsmModel's (the table in bionemo-serving.md): fused QKV
-    split per head, the word embeddings cut from 128 padded rows to 33, the LM head left out."""
+    split per head, the word embeddings cut from 128 padded rows to 33; the LM head taken apart
+    (its bias is cut like the embeddings when the head is built)."""
     source = checkpoint.weights_path
     weights = {key.removeprefix("model."): tensor for key, tensor in checkpoint.weights.items()}
+    weights, head = megatron_lm_head(weights, checkpoint)
     _check_rotary(weights.pop("language_model.rotary_pos_emb.inv_freq", None), config, source)
     weights = split_fused(weights, config.num_attention_heads, source)
     table = [("language_model.embedding.word_embeddings.", "embeddings.word_embeddings."),
@@ -189,7 +204,7 @@ def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmCon
     if key in weights:
         weights[key] = cut_vocab(weights[key], config.vocab_size, "model.language_model.embedding.word_embeddings.weight",
                                  source)
-    return weights
+    return weights, head
 
 
 def _check_rotary(inv_freq: torch.Tensor | None, config: transformers.EsmConfig, source: str) -> None:

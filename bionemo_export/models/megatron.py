@@ -16,11 +16,14 @@ plain ones (the names of transformer.py's modules, or a family's own).
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
 from bionemo_export.models.readers import CheckpointError
+
+if TYPE_CHECKING:
+    from bionemo_export.models.lm_head import HeadWeights
 
 FUSED = {"query_key_value": ("query", "key", "value"), "key_value": ("key", "value")}
 
@@ -70,6 +73,26 @@ def rename(weights: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[str, st
                 break
         out[key] = tensor
     return out
+
+
+MEGATRON_HEAD_RENAMES = {"layernorm.weight": "layer_norm.weight", "layernorm.bias": "layer_norm.bias"}
+"""NeMo BertLMHead's names (after `lm_head.`) -> lm_head.HEAD_KEYS (`dense.*` and `bias` agree)."""
+
+
+def megatron_lm_head(weights: Mapping[str, torch.Tensor], checkpoint) -> tuple[dict[str, torch.Tensor], "HeadWeights | None"]:
+    """(the other weights, the masked-LM head or None) of a NeMo Megatron BERT (ESM-2nv, ESM-1nv)
+    state dict without its `model.` prefix: `lm_head.dense`, `lm_head.layernorm`, `lm_head.bias`
+    (vocabulary-padded), output weights shared with the word embeddings. NeMo's BertLMHead applies
+    exact GELU (the tanh approximation with `openai_gelu: true`) and the model's layernorm_epsilon."""
+    from bionemo_export.models.lm_head import HeadWeights, split_head
+    from bionemo_export.models.readers.nemo import setting
+
+    rest, head, names = split_head(weights, "lm_head.", MEGATRON_HEAD_RENAMES, checkpoint.weights_path)
+    if not head:
+        return rest, None
+    activation = "gelu_tanh" if bool(setting(checkpoint, "openai_gelu", default=False)) else "gelu"
+    eps = float(setting(checkpoint, "layernorm_epsilon", default=1e-5))
+    return rest, HeadWeights(head, names, activation=activation, layer_norm_eps=eps, tied=True)
 
 
 def check_gelu(activation: str, bias_gelu_fusion: bool, source: str) -> str:

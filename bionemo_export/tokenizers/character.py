@@ -6,6 +6,11 @@ only the standard library and numpy (never torch, transformers or bionemo_export
 Every input character is one token: BOS + residues + EOS, padded to the longest sequence in the
 batch. Bad input is an error naming the sequence and the problem; nothing is lowercased, stripped
 or replaced by an unknown token.
+
+The mask character: a tokenizer whose vocabulary has a mask token (`<mask>`, `[MASK]`, `<MASK>`)
+may be given one (MASK_CHAR, `_`, AntiBERTy's fill_masks convention), which input sequences may
+carry at any position to hide that residue from a masked language model: it becomes the mask
+token's id, and its position stays True in residue_mask (a residue whose identity is hidden).
 """
 
 from __future__ import annotations
@@ -18,6 +23,30 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 
 _INVALID = -1
+
+MASK_CHAR = "_"
+"""The character that marks a masked residue in input sequences (AntiBERTy's fill_masks convention;
+in no protein or SMILES alphabet here)."""
+MASK_TOKENS = ("<mask>", "[MASK]", "<MASK>")
+"""Names a vocabulary's mask token goes by (ESM, BERT, MegaMolBART)."""
+
+
+def find_mask_token(vocab: Sequence[str]) -> str | None:
+    """The vocabulary's mask token (the first of MASK_TOKENS it holds), or None."""
+    return next((token for token in MASK_TOKENS if token in vocab), None)
+
+
+def check_mask_setting(mask_token: str | None, mask_char: str | None, ids: Mapping[str, int]) -> None:
+    """Both or neither of mask_token/mask_char; the token in the vocabulary; the character one
+    ASCII character (ValueError saying which setting is wrong)."""
+    if (mask_token is None) != (mask_char is None):
+        raise ValueError("mask_token and mask_char go together: set both or neither")
+    if mask_token is None:
+        return
+    if mask_token not in ids:
+        raise ValueError(f"mask token {mask_token!r} is not in the vocabulary")
+    if not isinstance(mask_char, str) or len(mask_char) != 1 or len(mask_char.encode("utf-8")) != 1:
+        raise ValueError(f"mask_char {mask_char!r} is not one ASCII character")
 
 
 class TokenizationError(ValueError):
@@ -65,7 +94,8 @@ class CharacterTokenizer:
 
     `residues` are the allowed input characters (ASCII); each is a vocabulary token or a key of
     `aliases`, which maps it to one (e.g. rare amino acids to "X"). `max_length` counts tokens
-    including BOS/EOS.
+    including BOS/EOS. `mask_token` and `mask_char` (both or neither): inputs may carry
+    `mask_char` (MASK_CHAR), encoded as the mask token's id (see the module docstring).
     """
 
     def __init__(
@@ -79,9 +109,12 @@ class CharacterTokenizer:
         unk_token: str | None,
         max_length: int,
         aliases: Mapping[str, str] = {},
+        mask_token: str | None = None,
+        mask_char: str | None = None,
     ) -> None:
         self.vocab = tuple(vocab)
         self.residues = residues
+        self.mask_token, self.mask_char = mask_token, mask_char
         self.pad_token, self.bos_token, self.eos_token = pad_token, bos_token, eos_token
         self.unk_token = unk_token  # recorded for consumers of the vocabulary; never emitted
         self.max_length = int(max_length)
@@ -95,6 +128,9 @@ class CharacterTokenizer:
                 raise ValueError(f"special token {token!r} is not in the vocabulary")
         if self.max_residues < 1:
             raise ValueError(f"max_length {max_length} leaves no room for residues")
+        check_mask_setting(mask_token, mask_char, self._ids)
+        if mask_char is not None and mask_char in residues:
+            raise ValueError(f"mask_char {mask_char!r} is one of the residues")
         self._table = self._lookup_table()
 
     def _lookup_table(self) -> np.ndarray:
@@ -112,6 +148,8 @@ class CharacterTokenizer:
         unused = set(self.aliases) - set(self.residues)
         if unused:
             raise ValueError(f"aliases {sorted(unused)} are not among the residues")
+        if self.mask_char is not None:
+            table[ord(self.mask_char)] = self._ids[self.mask_token]
         return table
 
     @property
@@ -131,6 +169,31 @@ class CharacterTokenizer:
         return None if self.eos_token is None else self._ids[self.eos_token]
 
     @property
+    def mask_id(self) -> int | None:
+        """The mask token's id (what the mask character encodes to), or None without one."""
+        return None if self.mask_token is None else self._ids[self.mask_token]
+
+    @property
+    def alphabet(self) -> tuple[str, ...]:
+        """The residue characters a masked-LM head scores, in token-id order: one per distinct
+        token the residues map to, aliases (U Z O B -> X) left out."""
+        return tuple(char for char, _ in self._alphabet())
+
+    @property
+    def alphabet_ids(self) -> tuple[int, ...]:
+        """The token ids of `alphabet`, in the same order."""
+        return tuple(token_id for _, token_id in self._alphabet())
+
+    def _alphabet(self) -> list[tuple[str, int]]:
+        aliased = self._aliased_residues()
+        pairs = {int(self._table[ord(char)]): char for char in reversed(self.residues) if char not in aliased}
+        return [(char, token_id) for token_id, char in sorted(pairs.items())]
+
+    def _aliased_residues(self) -> set[str]:
+        """Residues that stand for another residue's token (not part of the alphabet)."""
+        return {char for char, token in self.aliases.items() if token != char}
+
+    @property
     def max_residues(self) -> int:
         """The longest sequence accepted without truncation (max_length minus BOS/EOS)."""
         return self.max_length - len(self._specials())
@@ -148,7 +211,15 @@ class CharacterTokenizer:
             "unk_token": self.unk_token,
             "max_length": self.max_length,
             "aliases": self.aliases,
+            **self._mask_settings(),
         }
+
+    def _mask_settings(self) -> dict[str, str]:
+        """tokenizer.json's mask_token/mask_char, present only when the tokenizer has them (files
+        written before they existed load without)."""
+        if self.mask_token is None:
+            return {}
+        return {"mask_token": self.mask_token, "mask_char": self.mask_char}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CharacterTokenizer:
@@ -186,10 +257,11 @@ class CharacterTokenizer:
     def _invalid_character(self, index: int, raw: bytes) -> TokenizationError:
         # Only on the error path: find the first bad character by decoding (non-ASCII included).
         text = raw.decode("utf-8", "surrogatepass")
-        position, char = next((p, c) for p, c in enumerate(text) if c not in self.residues)
+        position, char = next((p, c) for p, c in enumerate(text) if c not in self.residues and c != self.mask_char)
+        masked = f" (and {self.mask_char!r} for a masked residue)" if self.mask_char is not None else ""
         return TokenizationError(
             f"sequence {index} has an invalid character {char!r} at position {position}; "
-            f"allowed characters: {self.residues}"
+            f"allowed characters: {self.residues}{masked}"
         )
 
     def _too_long(self, index: int, length: int) -> TokenizationError:

@@ -36,7 +36,8 @@ class SentencePieceTokenizer(CharacterTokenizer):
 
     `pieces` are the vocabulary in id order; `residues` the accepted characters; `word_pieces`
     selects `▁X` pieces (and lets spaces separate residues); `aliases` map residues to another
-    residue's piece (ProtT5: U Z O B -> X). Special tokens are pieces.
+    residue's piece (ProtT5: U Z O B -> X). Special tokens are pieces; `mask_token`/`mask_char`
+    as in CharacterTokenizer.
     """
 
     def __init__(
@@ -51,6 +52,8 @@ class SentencePieceTokenizer(CharacterTokenizer):
         unk_token: str | None,
         max_length: int,
         aliases: Mapping[str, str] = {},
+        mask_token: str | None = None,
+        mask_char: str | None = None,
     ) -> None:
         self.word_pieces = bool(word_pieces)
         prefix = WORD_START if self.word_pieces else ""
@@ -61,7 +64,11 @@ class SentencePieceTokenizer(CharacterTokenizer):
                              f"(looked for {[pieces_of[m] for m in missing]})")
         self._residue_aliases = dict(aliases)
         super().__init__(pieces, residues=residues, pad_token=pad_token, bos_token=bos_token,
-                         eos_token=eos_token, unk_token=unk_token, max_length=max_length, aliases=pieces_of)
+                         eos_token=eos_token, unk_token=unk_token, max_length=max_length, aliases=pieces_of,
+                         mask_token=mask_token, mask_char=mask_char)
+
+    def _aliased_residues(self) -> set[str]:
+        return set(self._residue_aliases)
 
     def encode(self, sequences: Sequence[str | bytes], *, truncate: bool = False) -> Encoded:
         if self.word_pieces:  # "M K T" and "MKT" are the same protein here

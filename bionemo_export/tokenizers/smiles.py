@@ -11,6 +11,10 @@ defaults are MegaMolBART's: its regex, `<PAD>`, no begin/end tokens on the encod
 decoding that starts from `^` and stops at `&`. BERT SMILES models put `[CLS]`/`[SEP]` around each
 sequence (bos_token/eos_token) and pad with `[PAD]`. A token missing from the vocabulary is an error
 naming it, never silently the unknown token (`?`, `[UNK]`).
+
+A tokenizer given a mask token and a mask character (character.MASK_CHAR, `_`) reads that
+character, wherever the regex makes it a token of its own, as the mask token: a masked position
+for a masked language model (rxnfp's BERTs), True in residue_mask.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 try:  # inside the bionemo_export package
-    from .character import Encoded, TokenizationError, _utf8, assemble, read_tokenizer_file
+    from .character import Encoded, TokenizationError, _utf8, assemble, check_mask_setting, read_tokenizer_file
 except ImportError:  # copied beside character.py into a Triton model folder
-    from character import Encoded, TokenizationError, _utf8, assemble, read_tokenizer_file
+    from character import Encoded, TokenizationError, _utf8, assemble, check_mask_setting, read_tokenizer_file
 
 SPECIAL_TOKENS = ("<PAD>", "?", "^", "&", "<MASK>", "<SEP>")
 """MegaMolBART's special tokens, at ids 0..5: pad, unknown, begin, end, mask, separator."""
@@ -48,6 +52,9 @@ _CATCH_ALL = r"|[\s\S]"
 # Appended to every pattern: it makes every character part of some token, so that anything the
 # pattern does not know (a space, a newline, 'X') is reported as a token missing from the
 # vocabulary instead of being skipped silently.
+
+_RESERVED = re.compile(r"\[unused[0-9]+\]")
+"""BERT's placeholder tokens (`[unused1]`...): in the vocabulary, never produced by tokenization."""
 
 SMILES_PATTERN = re.compile(f"(?:{MEGAMOLBART_PATTERN}){_CATCH_ALL}")
 """MegaMolBART's tokenization regex (applied with findall), plus a final catch-all character."""
@@ -93,6 +100,7 @@ class SmilesTokenizer:
       None where the model does not decode). With MegaMolBART's `^`/`&` the vocabulary must start
       with SPECIAL_TOKENS at their ids, as MegaMolBART's decoder assumes.
     - `max_length` counts tokens including bos/eos.
+    - `mask_token`/`mask_char` (both or neither): `mask_char` in an input is the mask token.
 
     residue_mask is True exactly on the SMILES's own tokens (not bos/eos, not padding);
     attention_mask is 1 on bos + tokens + eos.
@@ -110,8 +118,11 @@ class SmilesTokenizer:
         eos_token: str | None = None,
         begin_token: str | None = "^",
         end_token: str | None = "&",
+        mask_token: str | None = None,
+        mask_char: str | None = None,
     ) -> None:
         self.vocab = tuple(vocab)
+        self.mask_token, self.mask_char = mask_token, mask_char
         self.max_length = int(max_length)
         self.pattern = pattern
         self.pad_token, self.unk_token = pad_token, unk_token
@@ -132,6 +143,13 @@ class SmilesTokenizer:
         if self.max_tokens < 1:
             raise ValueError(f"max_length {max_length} leaves no room for tokens")
         self._split = _splitter(compile_pattern(pattern))
+        check_mask_setting(mask_token, mask_char, self._ids)
+        if mask_char is not None and mask_char in self._ids:
+            raise ValueError(f"mask_char {mask_char!r} is a token of the vocabulary")
+        self._lookup = dict(self._ids)
+        """Token -> id for encoding: the vocabulary, plus the mask character."""
+        if mask_char is not None:
+            self._lookup[mask_char] = self._ids[mask_token]
 
     @property
     def vocab_size(self) -> int:
@@ -161,6 +179,28 @@ class SmilesTokenizer:
     def end_id(self) -> int | None:
         return self._id_of(self.end_token)
 
+    @property
+    def mask_id(self) -> int | None:
+        """The mask token's id (what the mask character encodes to), or None without one."""
+        return self._id_of(self.mask_token)
+
+    @property
+    def alphabet(self) -> tuple[str, ...]:
+        """The SMILES tokens a masked-LM head scores, in id order: the vocabulary without its
+        special tokens (pad, unknown, bos/eos, begin/end, mask, MegaMolBART's SPECIAL_TOKENS) and
+        BERT's `[unusedN]` placeholders."""
+        return tuple(self.vocab[i] for i in self.alphabet_ids)
+
+    @property
+    def alphabet_ids(self) -> tuple[int, ...]:
+        """The token ids of `alphabet`, in the same order."""
+        specials = {self.pad_token, self.unk_token, self.bos_token, self.eos_token, self.begin_token,
+                    self.end_token, self.mask_token}
+        if (self.begin_token, self.end_token) == ("^", "&"):
+            specials.update(SPECIAL_TOKENS)
+        return tuple(i for i, token in enumerate(self.vocab)
+                     if token not in specials and not _RESERVED.fullmatch(token))
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._ids[token]
 
@@ -184,6 +224,7 @@ class SmilesTokenizer:
             "eos_token": self.eos_token,
             "begin_token": self.begin_token,
             "end_token": self.end_token,
+            **({"mask_token": self.mask_token, "mask_char": self.mask_char} if self.mask_token is not None else {}),
         }
 
     @classmethod
@@ -192,7 +233,8 @@ class SmilesTokenizer:
         MegaMolBART's defaults."""
         if d.get("type") != "smiles":
             raise ValueError(f"not a SMILES tokenizer: type is {d.get('type')!r}, expected 'smiles'")
-        options = ("pattern", "pad_token", "unk_token", "bos_token", "eos_token", "begin_token", "end_token")
+        options = ("pattern", "pad_token", "unk_token", "bos_token", "eos_token", "begin_token", "end_token",
+                   "mask_token", "mask_char")
         return cls(d["vocab"], max_length=d["max_length"], **{key: d[key] for key in options if key in d})
 
     def save_json(self, path: str | Path) -> None:
@@ -214,7 +256,7 @@ class SmilesTokenizer:
         rows = list(map(self._split, texts))  # the regex runs in C, one call per sequence
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         # Vocabulary lookup of every token of the batch in one C-level pass; -1 where missing.
-        ids = np.fromiter(map(self._ids.get, chain.from_iterable(rows), repeat(-1)), dtype=np.int64,
+        ids = np.fromiter(map(self._lookup.get, chain.from_iterable(rows), repeat(-1)), dtype=np.int64,
                           count=int(lengths.sum()))
         missing = np.flatnonzero(ids < 0)
         if missing.size:  # checked before truncation: a bad token is an error wherever it is
