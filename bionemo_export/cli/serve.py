@@ -29,7 +29,7 @@ from bionemo_export.runtime import (
 )
 from bionemo_export.runtime.object_storage import S3RepositoryError, is_s3_uri
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
-from bionemo_export.runtime.supervisor import ControlClient, Supervisor, public_models
+from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, ControlClient, Supervisor, public_models
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -200,7 +200,7 @@ def _start_supervisor(server: TritonServer, repository: Path | None, supervisor:
     with ControlClient(supervisor.url, timeout_s=supervisor.timeout) as client:
         models = public_models(client, repository)
     if not models:
-        _log("health: no public models (names ending in _embeddings, _hiddens, _decodes, _samplings) to probe")
+        _log(f"health: no public models (names ending in {', '.join(PUBLIC_SUFFIXES)}) to probe")
         return None
     supervisor.watched = models
     _log(f"health: watching {', '.join(models)}: stubs every {supervisor.watch_interval:g} s, idle models probed "

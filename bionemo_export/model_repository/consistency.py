@@ -31,17 +31,14 @@ from pathlib import Path
 import onnx
 from google.protobuf import text_format
 
+from bionemo_export.tasks import DType
+
 from .backends import ENGINE_FILE
 from .manifest import MANIFEST_NAME, Manifest
 from .pbtxt import read_config
 from .plan import ModelPlan, PlanError, RepositoryPlan
 
 GRAPH_PLATFORMS = ("onnxruntime_onnx", "tensorrt_plan")
-ONNX_TO_TRITON = {
-    onnx.TensorProto.FLOAT: "FP32", onnx.TensorProto.FLOAT16: "FP16", onnx.TensorProto.BFLOAT16: "BF16",
-    onnx.TensorProto.DOUBLE: "FP64", onnx.TensorProto.INT64: "INT64", onnx.TensorProto.INT32: "INT32",
-    onnx.TensorProto.INT8: "INT8", onnx.TensorProto.UINT8: "UINT8", onnx.TensorProto.BOOL: "BOOL",
-}
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,11 @@ def graph_io(path: Path) -> tuple[list[GraphIO], list[GraphIO]]:
     def describe(value) -> GraphIO:
         tensor = value.type.tensor_type
         dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
-        return GraphIO(value.name, ONNX_TO_TRITON.get(tensor.elem_type, f"onnx:{tensor.elem_type}"), dims)
+        try:
+            dtype = DType.from_onnx(tensor.elem_type).value
+        except ValueError:  # a type Triton does not serve: reported as a mismatch by the checks
+            dtype = f"onnx:{tensor.elem_type}"
+        return GraphIO(value.name, dtype, dims)
 
     inputs = [describe(v) for v in model.graph.input if v.name not in initializers]
     return inputs, [describe(v) for v in model.graph.output]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from bionemo_export.tasks import DType
+
 from .pbtxt import write_config
 
 
@@ -36,8 +38,7 @@ class Tensor:
 
     @property
     def data_type(self) -> int:
-        name = "STRING" if self.dtype == "BYTES" else self.dtype
-        return mc.DataType.Value(f"TYPE_{name}")
+        return mc.DataType.Value(DType.of(self.dtype).config)
 
 
 @dataclass(frozen=True)
