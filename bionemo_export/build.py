@@ -39,6 +39,7 @@ from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
+from bionemo_export.tasks import get_task
 
 Progress = Callable[[str], None]
 LOG = logging.getLogger(__name__)
@@ -139,6 +140,11 @@ def _check_out(out: Path) -> None:
 def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
     """The tasks to serve: those asked for, which the family must serve, or all it serves."""
     tasks = tasks or family.tasks
+    for task in tasks:
+        try:
+            get_task(task)
+        except ValueError as err:  # a name the task table does not know: the message lists the known ones
+            raise BuildError(str(err)) from None
     unsupported = [t for t in tasks if t not in family.tasks]
     if unsupported:
         raise BuildError(f"family {family.name!r} serves {', '.join(family.tasks)}; not {', '.join(unsupported)}")
@@ -314,7 +320,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             name=request.name,
             family=family.name,
             tasks=list(tasks),
-            public_models=[f"{request.name}_{task}" for task in tasks],
+            public_models=[get_task(task).model(request.name) for task in tasks],
             models={m.name: m.description for m in plan.models},
             checkpoint={"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
                         **loaded.description},
