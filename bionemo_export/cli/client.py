@@ -124,6 +124,49 @@ def decode(
         console.print(f"wrote {len(strings)} sequences to {output}", highlight=False)
 
 
+@app.command("score")
+def score(
+    ctx: typer.Context,
+    model: str = typer.Option(..., "--model", "-m", help="Public scores model, e.g. esm2nv_scores."),
+    fasta: Path = typer.Option(..., "--fasta", exists=True, dir_okay=False,
+                               help="The wild type(s): a FASTA file (one record, or several named by --id-column)."),
+    variants: Path = typer.Option(..., "--variants", exists=True, dir_okay=False,
+                                  help="A CSV with a `mutant` column (A42G, A42G:L43P; 1-based, as ProteinGym); "
+                                       "other columns are kept."),
+    output: Path = typer.Option(..., "--output", "-o", help="Write the CSV with the score column added here."),
+    method: str = typer.Option("wt-marginal", help="wt-marginal (one pass) or masked-marginal (one masked pass "
+                               "per mutated position)."),
+    column: str = typer.Option("mutant", help="The variants column."),
+    id_column: Optional[str] = typer.Option(None, help="The column naming each row's FASTA record (needed when "
+                                            "the FASTA file holds several)."),
+    score_column: Optional[str] = typer.Option(None, help="Name of the added column (default: <method>_score)."),
+    triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
+    in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
+) -> None:
+    """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score column."""
+    from bionemo_export.client.files import read_records
+    from bionemo_export.client.repository import RepositoryClient
+    from bionemo_export.client.variants import (group_by_wild_type, read_variant_table, wild_type_of_rows,
+                                                write_scored_table)
+
+    console = Console()
+    if not model.endswith("_scores"):
+        console.print(f"[red]--model {model}: a scores model's name ends in _scores[/red]", highlight=False)
+        raise typer.Exit(2)
+    _check_output(console, output)
+    with _reported(ctx, console):
+        table = read_variant_table(variants, column)
+        wild_types = wild_type_of_rows(table, read_records(fasta), id_column)
+        scores = np.zeros(len(table.rows), dtype=np.float32)
+        listed = table.variants()
+        with RepositoryClient(model.removesuffix("_scores"), triton_url, in_flight=in_flight) as client, \
+                _progress(len(table.rows)) as advance:
+            for wild_type, rows in group_by_wild_type(wild_types).items():
+                scores[rows] = client.score_variants(wild_type, [listed[i] for i in rows], method, progress=advance)
+        write_scored_table(table, scores.tolist(), output, score_column or f"{method}_score")
+    console.print(f"wrote {len(table.rows)} scores ({method}) to {output}", highlight=False)
+
+
 # ------------------------------------------------------------------------------------ helpers
 def _query(ctx: typer.Context, *, model: str, sequences: Optional[List[str]], input: Optional[Path], triton_url: str,
            output: Optional[Path], batch_size: Optional[int], in_flight: int, stop_on_error: bool,

@@ -15,7 +15,7 @@ Works against a generated repository and against `bionemo-export dev-server` ali
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -100,6 +100,57 @@ class RepositoryClient:
                                sampling_inputs(sampling_method=sampling_method, **options))
         return [[item.decode("utf-8") for item in row] for row in out["generated"]]
 
+    # ------------------------------------------------------------------ masked-LM head (N_logits, N_scores)
+    def seqs_to_log_probs(self, sequences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(log_probs FP32 [batch, length, A], mask BOOL [batch, length]): log-probabilities over the
+        residue alphabet (`alphabet()`) at every token position, rows laid out like `seqs_to_hidden`'s.
+        A sequence may carry the model's mask character (`_`) at any position."""
+        out = self._strings_in("logits", sequences, ["log_probs", "mask"])
+        return out["log_probs"], out["mask"]
+
+    def alphabet(self) -> tuple[str, ...]:
+        """The residues of log_probs' last axis, in order (the N_logits config's `alphabet` parameter)."""
+        return tuple(self._parameter("logits", "alphabet"))
+
+    def score_variants(self, wild_type: str, variants: Sequence[str], method: str | None = None,
+                       progress: Callable[[int], None] | None = None) -> np.ndarray:
+        """FP32 [len(variants)]: each variant's score against `wild_type` (ESM's convention: the sum
+        over its mutations of log p(mutant) - log p(wild type) at the position). `variants` are
+        written `A42G` or `A42G:L43P`, 1-based; `method` is wt-marginal (the server's default) or
+        masked-marginal. They go in requests of at most the server's `max_variants`, several in
+        flight; a bad variant raises InferenceError naming it."""
+        items = np.array([str(v).encode("utf-8") for v in variants], dtype=np.object_)
+        if not len(items):
+            return np.zeros(0, dtype=np.float32)
+        per_request = int(self._parameter("scores", "max_variants"))
+        chunks = [items[i:i + per_request] for i in range(0, len(items), per_request)]
+        sequence = strings_column([wild_type])
+
+        def make_inputs(rows: np.ndarray, index: int) -> dict[str, np.ndarray]:
+            inputs = {"sequences": sequence, "variants": chunks[int(rows[0])][None, :]}
+            if method is not None:
+                inputs["method"] = strings_column([method])
+            return inputs
+
+        left = [len(items)]
+
+        def advance(requests: int) -> None:  # requests answered -> variants scored (the last may be short)
+            for _ in range(requests):
+                step = min(per_request, left[0])
+                left[0] -= step
+                if progress is not None:
+                    progress(step)
+
+        out = infer_rows(self.client, self.model("scores"), len(chunks), make_inputs, outputs=["scores"],
+                         batch_size=1, in_flight=self.in_flight, progress=advance).outputs["scores"]
+        return np.concatenate([row[:len(chunk)] for row, chunk in zip(out, chunks)]).astype(np.float32)
+
+    def pseudo_log_likelihood(self, sequences: Sequence[str]) -> np.ndarray:
+        """FP32 [batch]: each sequence's pseudo-log-likelihood, the MEAN over its residues of log p(the
+        residue) with that residue masked (AntiBERTy's pseudo_log_likelihood)."""
+        method = lambda rows, _: {"method": np.full((len(rows), 1), b"pll", dtype=np.object_)}  # noqa: E731
+        return self._strings_in("scores", sequences, ["scores"], method)["scores"].reshape(-1).astype(np.float32)
+
     # MegaMolBART's older gRPC wrapper called them this.
     smis_to_embedding = seqs_to_embedding
     smis_to_hidden = seqs_to_hidden
@@ -109,6 +160,15 @@ class RepositoryClient:
     def model(self, task: str) -> str:
         """The served name of a task's public model."""
         return f"{self.name}_{task}"
+
+    def _parameter(self, task: str, key: str) -> str:
+        """A `parameters` value of the task's public model's config; KeyError naming it when absent."""
+        config = self.client.model_config(self.model(task))
+        value = (config.get("parameters") or {}).get(key, {}).get("string_value")
+        if value is None:
+            raise KeyError(f"{self.model(task)}'s config has no {key!r} parameter: rebuild the repository with "
+                           "this version of bionemo-export")
+        return value
 
     def _strings_in(self, task: str, sequences: Sequence[str], outputs: list[str],
                     extra=None) -> dict[str, np.ndarray]:

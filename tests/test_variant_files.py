@@ -1,0 +1,67 @@
+"""The files `client score` reads and writes (client/variants.py): ProteinGym-style CSVs of variants,
+wild types from FASTA, the scored CSV. The scoring itself is the server's (tests of N_scores)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from bionemo_export.client.files import read_records
+from bionemo_export.client.variants import (group_by_wild_type, read_variant_table, wild_type_of_rows,
+                                            write_scored_table)
+
+
+def _csv(path, rows):
+    with path.open("w", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows(rows)
+    return path
+
+
+def test_a_proteingym_table_is_read_and_written_back_with_a_score_column(tmp_path):
+    table = read_variant_table(_csv(tmp_path / "dms.csv", [["mutant", "DMS_score", "note"], ["M1A", "0.5", "a, b"],
+                                                           ["K2R:T3S", "-1.2", ""]]))
+    assert table.variants() == ["M1A", "K2R:T3S"]
+    out = write_scored_table(table, [-0.25, 1.5], tmp_path / "scored.csv", "wt-marginal_score")
+    with out.open(newline="", encoding="utf-8") as handle:
+        rows = list(csv.reader(handle))
+    assert rows == [["mutant", "DMS_score", "note", "wt-marginal_score"], ["M1A", "0.5", "a, b", "-0.25"],
+                    ["K2R:T3S", "-1.2", "", "1.5"]]
+    assert not list(tmp_path.glob(".*partial"))
+    again = write_scored_table(read_variant_table(out), [1.0, 2.0], tmp_path / "again.csv", "wt-marginal_score")
+    assert read_variant_table(again).header.count("wt-marginal_score") == 1  # replaced, not added twice
+
+
+def test_bad_tables_are_named_with_the_line(tmp_path):
+    with pytest.raises(ValueError, match=r"no 'mutant' column \(columns: variant, score\); name it with --column"):
+        read_variant_table(_csv(tmp_path / "a.csv", [["variant", "score"], ["M1A", "1"]]))
+    with pytest.raises(ValueError, match=r"b.csv, line 3: 1 cells, the header has 2"):
+        read_variant_table(_csv(tmp_path / "b.csv", [["mutant", "score"], ["M1A", "1"], ["K2R"]]))
+    with pytest.raises(ValueError, match=r"c.csv, line 2: the 'mutant' cell is empty"):
+        read_variant_table(_csv(tmp_path / "c.csv", [["mutant", "score"], [" ", "1"]]))
+    (tmp_path / "d.csv").write_bytes(b"mutant\n\xff\xfe\n")
+    with pytest.raises(ValueError, match="d.csv: not a UTF-8 text file"):
+        read_variant_table(tmp_path / "d.csv")
+    (tmp_path / "e.csv").write_text("")
+    with pytest.raises(ValueError, match="e.csv: empty"):
+        read_variant_table(tmp_path / "e.csv")
+
+
+def test_rows_find_their_wild_type_in_the_fasta(tmp_path):
+    one = tmp_path / "one.fasta"
+    one.write_text(">P1 a protein\nMKT\nAY\n")
+    table = read_variant_table(_csv(tmp_path / "v.csv", [["mutant", "target"], ["M1A", "P2"], ["K2R", "P1"],
+                                                         ["T3S", "P2"]]))
+    assert wild_type_of_rows(table, read_records(one), None) == ["MKTAY"] * 3
+    two = tmp_path / "two.fasta"
+    two.write_text(">P1\nMKTAY\n>P2\nMSLK\n")
+    with pytest.raises(ValueError, match="holds 2 sequences: name the .* column .* with --id-column"):
+        wild_type_of_rows(table, read_records(two), None)
+    wild_types = wild_type_of_rows(table, read_records(two), "target")
+    assert wild_types == ["MSLK", "MKTAY", "MSLK"]
+    assert group_by_wild_type(wild_types) == {"MSLK": [0, 2], "MKTAY": [1]}
+    with pytest.raises(ValueError, match="no 'gene' column"):
+        wild_type_of_rows(table, read_records(two), "gene")
+    missing = read_variant_table(_csv(tmp_path / "m.csv", [["mutant", "target"], ["M1A", "P9"]]))
+    with pytest.raises(ValueError, match=r"m.csv, line 2: 'P9' is not a record of the FASTA file \(records: P1, P2\)"):
+        wild_type_of_rows(missing, read_records(two), "target")
