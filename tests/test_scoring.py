@@ -496,3 +496,14 @@ def test_pll_matches_antiberty_style_pll_on_a_tiny_esm2(tiny_esm):
     np.testing.assert_allclose(scores, [expected], rtol=0, atol=1e-4)
     # The mean, not the sum: the sum would be len(sequence) times larger.
     assert abs(scores[0] * len(sequence) - expected) > 1.0
+
+
+def test_masking_changes_the_scores():
+    """The two marginals read different passes (a plan that forgot to mask would pass the brute-force
+    tests of each method only if the reference forgot too)."""
+    model = FakeMaskedLM(AMINO_ACIDS)
+    run_rows = lambda texts: np.stack([model(model.tokenize(text))[1:-1] for text in texts])  # noqa: E731
+    variants = ["M1A", "S2C:I8K", "G21W"]
+    scores = {method: _served_scores(plan_request(WILD_TYPE, variants, method, alphabet=AMINO_ACIDS), run_rows, 2)
+              for method in ("wt-marginal", "masked-marginal")}
+    assert np.abs(scores["wt-marginal"] - scores["masked-marginal"]).min() > 1e-3
