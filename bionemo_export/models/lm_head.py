@@ -148,7 +148,7 @@ def split_head(weights: Mapping[str, torch.Tensor], prefix: str, renames: Mappin
     """(the other weights, the head's weights under normalized names, normalized -> original
     names) of a state dict whose head keys start with `prefix`; `renames` maps a key's rest after
     the prefix to its normalized name (rests not in it keep their name, and are then reported as
-    unexpected by build_lm_head)."""
+    unexpected by build_lm_head); the names cover the HEAD_KEYS missing from the file too."""
     rest: dict[str, torch.Tensor] = {}
     head: dict[str, torch.Tensor] = {}
     names: dict[str, str] = {}
@@ -160,4 +160,8 @@ def split_head(weights: Mapping[str, torch.Tensor], prefix: str, renames: Mappin
         if name in head:
             raise CheckpointError(f"{source}: {names[name]} and {key} are both the masked-LM head's {name}")
         head[name], names[name] = tensor, key
+    if head:  # the names missing keys would have, for messages
+        inverse = {new: old for old, new in renames.items()}
+        for name in HEAD_KEYS + OPTIONAL_HEAD_KEYS:
+            names.setdefault(name, prefix + inverse.get(name, name))
     return rest, head, names
