@@ -13,7 +13,8 @@ here, ONNX Runtime in the repository).
 As BioNeMo's servers: max_batch_size 10 (by default) with dynamic batching and no queue delay.
 Unlike them: decodes and samplings are bound only for families that decode, every request's
 hidden states are cropped to its own longest sequence, and sampling takes every option the
-repository's N_samplings takes. Limits of the mode (PyTriton 0.7): an error comes back with a
+repository's N_samplings takes, parsed by the repository's own module (serving/request_options.py),
+so a bad option gets the same message from both. Limits of the mode (PyTriton 0.7): an error comes back with a
 traceback around its message, and fails every request the batcher handed over with it.
 
 PyTriton 0.7 protects Triton's statistics endpoint with a token, which perf_analyzer over gRPC
@@ -32,11 +33,11 @@ import numpy as np
 import torch
 
 from bionemo_export.generation.reference import TorchDecoder, encode_hiddens
-from bionemo_export.generation.search import (
-    LIMITS, SAMPLING_DEFAULTS, check_sampling_arguments, generate, greedy)
+from bionemo_export.generation.search import LIMITS, generate, greedy
 from bionemo_export.model_repository.options import GenerationLimits
 from bionemo_export.models.base import LoadedModel
 from bionemo_export.serving.batching import stack_padded
+from bionemo_export.serving.request_options import OPTIONS, parse_options
 
 MAX_BATCH_SIZE = 10
 """BioNeMo's servers' max_batch_size."""
@@ -47,10 +48,6 @@ OPTION_DTYPES = {"num_samples": np.int32, "scaled_radius": np.float32, "sampling
 
 Requests = Sequence[Mapping[str, np.ndarray]]
 """What PyTriton hands an inference callable: one mapping of input name -> array per request."""
-
-
-class RequestError(ValueError):
-    """A request the dev server refuses; the message names the input and the problem."""
 
 
 @dataclass(frozen=True)
@@ -146,18 +143,11 @@ class DevModels:
 
     def _options(self, request: Mapping[str, np.ndarray], rows: int) -> dict[str, Any]:
         """The request's sampling options (one value per request), checked against their ranges
-        and the limits before any work."""
-        options: dict[str, Any] = {**SAMPLING_DEFAULTS, "seed": None}
-        for name in OPTION_DTYPES:
-            if name in request and request[name] is not None:
-                options[name] = _one_value(name, np.asarray(request[name]), rows)
-        check_sampling_arguments(options["sampling_method"], options["num_samples"], options["beam_size"],
-                                 options["scaled_radius"], options["top_k"], options["top_p"], options["temperature"],
-                                 limits={name: getattr(self.limits, name) for name in LIMITS},
-                                 label=lambda name: f"input '{name}'")
-        if options["seed"] is not None and options["seed"] < 0:
-            raise RequestError(f"input 'seed' must be between 0 and {2**63 - 1}, got {options['seed']}")
-        return options
+        and the limits before any work: by the repository's own parser (serving/request_options.py),
+        so either server words a bad option the same way."""
+        # PyTriton's Request is no Mapping (no .get); an optional input left out is absent.
+        return parse_options({name: request[name] for name in OPTIONS if name in request}, rows,
+                             {name: getattr(self.limits, name) for name in LIMITS})
 
     def _strings(self, ids: list[list[list[int]]]) -> np.ndarray:
         """Token ids [batch][outputs] -> BYTES [batch, outputs]."""
@@ -188,22 +178,6 @@ def _column(request: Mapping[str, np.ndarray], name: str) -> list[bytes]:
     """A BYTES input [batch, 1] as a list of bytes (the tokenizers decode UTF-8 and name bad rows)."""
     return [item if isinstance(item, bytes) else str(item).encode("utf-8") for item in
             np.asarray(request[name]).reshape(-1).tolist()]
-
-
-def _one_value(name: str, values: np.ndarray, rows: int) -> Any:
-    """The value of optional input `name` ([batch, 1], the same on every row) as a Python value."""
-    if values.shape != (rows, 1):
-        raise RequestError(f"input '{name}' must have shape [batch, 1] = [{rows}, 1], got {list(values.shape)}")
-    items = values.reshape(-1).tolist()
-    if any(item != items[0] for item in items[1:]):
-        raise RequestError(f"input '{name}' must have one value for the whole request, got {items}")
-    value = items[0]
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError(f"input '{name}' is not valid UTF-8") from None
-    return value
 
 
 # ------------------------------------------------------------------------------------ server

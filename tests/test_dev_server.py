@@ -260,6 +260,16 @@ def test_errors_from_both_servers_carry_the_message(servers):
                 client.sample_seqs(["CCO"], sampling_method="no-such-method")
 
 
+def test_both_servers_parse_sampling_options_with_one_module(servers):
+    """serving/request_options.py parses N_samplings' options in the repository and in the dev
+    server: a NaN radius (on every row) is not finite in both, never "must have one value"."""
+    for client in _both(servers):
+        with client:
+            with pytest.raises(InferenceError) as caught:
+                client.sample_seqs(["CCO", "CCN"], scaled_radius=float("nan"))
+            assert "input 'scaled_radius' row 0 must be finite, got nan" in str(caught.value)
+
+
 def test_verify_passes_against_the_dev_server(servers):
     checks = verify_repository(servers["repository"], servers["checkpoint"], url=servers["urls"]["dev"]["grpc"])
     assert {check.model for check in checks} == {f"{NAME}_{task}" for task in TASKS}

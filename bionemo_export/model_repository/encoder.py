@@ -68,8 +68,14 @@ def tokenizer_files(tokenizer) -> tuple[str, str, dict[str, Path]]:
 
 
 def serving_files(*modules: str) -> dict[str, Path]:
-    """Version-folder files for the serving helpers a generated model imports (batching, host)."""
+    """Version-folder files for the serving modules a generated model imports (serving/*.py)."""
     return {f"{module}.py": SERVING_DIR / f"{module}.py" for module in modules}
+
+
+RESPONDING = ("parameters", "responses")
+"""The serving modules every generated Python model imports: its settings and error responses."""
+RUNS_GRAPH = (*RESPONDING, "host", "onnx_session")
+"""... and those of a model that opens ONNX Runtime sessions itself."""
 
 
 def describe_layout(tokenizer) -> str:
@@ -107,7 +113,8 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
         parameters={"truncate": "true" if options.truncate else "false",
                     "length_bucket": "0" if options.serving_backend.runs_python
                     else str(options.role("encoder").length_bucket)},
-        files={"model.py": code, **files, "tokenizer.json": _tokenizer_json(tokenizer)},
+        files={"model.py": code, **files, **serving_files(*RESPONDING, "batching", "encoding"),
+               "tokenizer.json": _tokenizer_json(tokenizer)},
         description="tokenizer (Python backend)",
     )
 
@@ -133,7 +140,7 @@ def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: lis
         )
 
     return options.serving_backend.plan_graph(GraphModel(
-        plan, role, what, dict(onnx_files), shapes, python_model, python_files=serving_files("host")))
+        plan, role, what, dict(onnx_files), shapes, python_model, python_files=serving_files(*RUNS_GRAPH, "graph_model")))
 
 
 GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
@@ -166,12 +173,13 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     module, class_name, files = tokenizer_files(tokenizer)
     parameters = {**role.batching_parameters(), "warmup": "true" if options.warmup else "false",
                   "graph_optimization_level": graph_optimization_level}
-    python_files: dict[str, Path | str] = serving_files("batching", "host")
+    python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, "batching", "encoding")
     if fused:
         parameters["truncate"] = "true" if options.truncate else "false"
         python_files.update(files, **{"tokenizer.json": _tokenizer_json(tokenizer)})
     else:
-        parameters["pad_id"] = str(tokenizer.pad_id)
+        parameters.update(pad_id=str(tokenizer.pad_id), vocab_size=str(tokenizer.vocab_size),
+                          max_length=str(tokenizer.max_length))
 
     def python_model() -> str:
         return render(

@@ -45,7 +45,8 @@ from bionemo_export.runtime.supervisor import BLS_MODELS
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
-from .encoder import ENCODER_TASKS, graph_model, plan_encoder_repository, serving_files, tokenizer_files
+from .encoder import (
+    ENCODER_TASKS, RESPONDING, RUNS_GRAPH, graph_model, plan_encoder_repository, serving_files, tokenizer_files)
 from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
 
 from .backends import ShapeRange
@@ -75,6 +76,7 @@ def _generation_files(tokenizer) -> dict[str, Path | str]:
     return {
         **files,
         **{name: GENERATION_DIR / name for name in GENERATION_FILES},
+        **serving_files(*RESPONDING, "decoding"),
         "tokenizer.json": json.dumps(tokenizer.to_dict(), indent=2) + "\n",
     }
 
@@ -160,16 +162,19 @@ def plan_seq2seq_repository(
                 token_inputs={"tokens": seq2seq.vocab_size} if graph == "decoder_step" else None,
             ))
     context = _template_context(name, tokenizer, seq2seq, options)
-    decode_length = {"max_decode_length": str(limit)}
+    # serving/decoding.py's DECODER_CONSTANTS reach the decode loops as parameters.
+    decode_length = {"max_decode_length": str(limit), "model_max_decode_length": str(seq2seq.max_decode_length),
+                     "begin_id": str(seq2seq.begin_id), "end_id": str(seq2seq.end_id),
+                     "max_source_length": str(tokenizer.max_length)}
     files = _generation_files(tokenizer)
     graph_callees: tuple[str, ...] = (context["cross_kv_model"], context["step_model"])
     if options.fused:
-        # The decode loops run the decoder graphs themselves (templates/_decoder.py.j2, LocalDecoder):
+        # The decode loops run the decoder graphs themselves (serving/decoding.py, LocalDecoder):
         # one ONNX Runtime call per step instead of a BLS round trip that copies the key/value cache
         # through shared memory; each graph in its own folder, so its external data keeps its name.
         files.update({f"{graph}/{file}": path for graph in ("cross_kv", "decoder_step")
                       for file, path in onnx_files[graph].items()})
-        files.update(serving_files("host"))
+        files.update(serving_files(*RUNS_GRAPH))
         graph_callees = ()
     if "decodes" in tasks:
         models.append(ModelPlan(
@@ -207,7 +212,8 @@ def plan_seq2seq_repository(
             parameters={BLS_MODELS: ",".join((context["encoder_model"], *graph_callees)),
                         **_graph_settings(options, "samplings"), **decode_length, **options.limits.parameters()},
             files={"model.py": render("samplings_model.py.j2", model_name=f"{name}_samplings",
-                                      parameters=SAMPLING_PARAMETERS, **context), **files},
+                                      parameters=SAMPLING_PARAMETERS, **context), **files,
+                   **serving_files("request_options", "sampling")},
             description="public: samplings (BLS encoder, perturb, decode loop" + (
                 ", decoder graphs in-process)" if options.fused else ", BLS to the decoder graphs)"),
         ))

@@ -1,0 +1,84 @@
+"""The ONNX Runtime session a generated model runs its exported graph with, configured from the
+model's config.pbtxt `parameters` and the serving host.
+
+This file is copied verbatim into the version folders of the generated models that run a graph
+themselves (and only those: it is the one served module that imports onnxruntime), so besides
+onnxruntime it imports only the standard library and its sibling modules.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import onnxruntime as ort
+
+if __package__:  # imported from the bionemo_export package
+    from bionemo_export.serving.host import threads_per_instance
+    from bionemo_export.serving.parameters import (
+        config_file, flag_parameter, model_config, model_parameters, number_parameter)
+else:  # copied beside a generated model.py, where its siblings are top-level modules
+    from host import threads_per_instance
+    from parameters import config_file, flag_parameter, model_config, model_parameters, number_parameter
+
+OPTIMIZATION_LEVELS = "ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, ORT_ENABLE_ALL"
+
+
+def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, str]]:
+    """(the ONNX Runtime session for `here`/model.onnx, the model's config parameters), its thread
+    pool sized for this host: the config's `intra_op_threads` when it is a number, else ("auto")
+    from the cores this server process may use and this model's instance count (host.py). Idle
+    threads sleep instead of spinning unless `allow_spinning` is "true": spinning threads take the
+    cores from Triton, the other instances and the clients on the same host.
+
+    `memory_arena` "false" (the default): tensors are allocated with malloc and freed after each
+    run, so memory goes back to the system after a large request (with malloc_trim); ONNX
+    Runtime's CPU arena ("true") keeps every chunk it ever grew to, the largest request's peak.
+
+    On a KIND_GPU instance (`--device gpu`) the graph runs with the CUDA execution provider on the
+    instance's GPU; an onnxruntime without it (the CPU wheel) is an error that says so, never a
+    silent fall back to the CPU."""
+    config = model_config(args)
+    parameters = model_parameters(args)
+    instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
+    options = ort.SessionOptions()
+    threads = parameters.get("intra_op_threads", "auto")
+    options.intra_op_num_threads = threads_per_instance(
+        threads if threads in ("", "auto") else number_parameter(args, parameters, "intra_op_threads"), instances)
+    options.inter_op_num_threads = 1
+    spinning = "1" if flag_parameter(parameters, "allow_spinning") else "0"
+    options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    options.enable_cpu_mem_arena = flag_parameter(parameters, "memory_arena")
+    # A graph stored optimized (the build records it) needs only the basic rewrites at load.
+    options.graph_optimization_level = optimization_level(args, parameters.get("graph_optimization_level",
+                                                                                "ORT_ENABLE_ALL"))
+    providers = execution_providers(args)
+    path = os.path.join(here, "model.onnx")
+    try:
+        session = ort.InferenceSession(path, sess_options=options, providers=providers)
+    except Exception as err:  # noqa: BLE001 - ONNX Runtime's own types (InvalidProtobuf, Fail, ...)
+        raise RuntimeError(f"{path}: ONNX Runtime cannot load it ({err}); rebuild the repository "
+                           "(`bionemo-export serve` compares its files with the build's digests)") from None
+    return session, parameters
+
+
+def optimization_level(args: Mapping[str, str], level: str) -> Any:
+    """ONNX Runtime's GraphOptimizationLevel named `level`; another name fails the model's load
+    with an error naming its config.pbtxt."""
+    if not level.startswith("ORT_") or not hasattr(ort.GraphOptimizationLevel, level):
+        raise ValueError(f"{config_file(args)}: parameter graph_optimization_level is {level!r}, not one of "
+                         f"{OPTIMIZATION_LEVELS}")
+    return getattr(ort.GraphOptimizationLevel, level)
+
+
+def execution_providers(args: Mapping[str, str]) -> list:
+    """ONNX Runtime's providers for this instance: CUDA on its GPU for KIND_GPU, else the CPU."""
+    if args.get("model_instance_kind") != "GPU":
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise RuntimeError(
+            f"{args['model_name']} is placed on a GPU (--device gpu) but this onnxruntime "
+            f"{ort.__version__} has no CUDAExecutionProvider: install onnxruntime-gpu in the "
+            "Python backend's environment, or rebuild the repository with --device cpu")
+    device = int(args.get("model_instance_device_id", "0"))
+    return [("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"]

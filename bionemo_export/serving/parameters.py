@@ -1,0 +1,50 @@
+"""A generated model's settings, read from its config.pbtxt `parameters` when Triton loads it.
+
+Triton hands `initialize(args)` the model's configuration as JSON (`args["model_config"]`), where
+each parameter is {"string_value": ...}. Constants the model needs (limits, token ids, thread
+counts) arrive this way rather than being rendered into model.py, so that one copied module
+serves every model and a setting can be changed by editing config.pbtxt.
+
+This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+only the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Mapping
+
+
+def config_file(args: Mapping[str, str]) -> str:
+    """This model's config.pbtxt (Triton passes the model's folder as `model_repository`), for errors."""
+    return os.path.join(args.get("model_repository", args["model_name"]), "config.pbtxt")
+
+
+def model_config(args: Mapping[str, str]) -> dict[str, Any]:
+    """This model's configuration, as Triton passed it to initialize()."""
+    return json.loads(args["model_config"])
+
+
+def model_parameters(args: Mapping[str, str]) -> dict[str, str]:
+    """This model's config.pbtxt `parameters`: {name: string value}."""
+    return {key: value["string_value"] for key, value in model_config(args).get("parameters", {}).items()}
+
+
+def number_parameter(args: Mapping[str, str], parameters: Mapping[str, str], name: str, default: Any = None,
+                     kind: Callable[[Any], Any] = int) -> Any:
+    """config.pbtxt parameter `name` as a number (`default` when it is absent). A value that is not
+    one fails the model's load with an error naming its config.pbtxt and the parameter, where a
+    bare int() would say only "invalid literal"."""
+    value = parameters.get(name, default)
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{config_file(args)}: parameter {name} is {value!r}, not {expected}; correct it, "
+                         "or rebuild the repository") from None
+
+
+def flag_parameter(parameters: Mapping[str, str], name: str) -> bool:
+    """config.pbtxt parameter `name` as a switch: on exactly when it is "true" (absent: off)."""
+    return parameters.get(name, "false") == "true"
