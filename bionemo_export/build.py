@@ -34,9 +34,11 @@ from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
+from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
 from bionemo_export.tasks import get_task
@@ -237,6 +239,31 @@ def _log_tail(workspace: Path | None, lines: int = 20) -> str:
     return "\n".join(tails) or "(Model Navigator wrote no log)"
 
 
+def _servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> tuple[str, ...]:
+    """`tasks` that this checkpoint can serve. The masked-LM tasks need a head: asked for without
+    one, they are an error naming the checkpoint; by default they are left out. N_scores calls
+    N_logits, so scores brings logits along."""
+    needs_head = [t for t in tasks if get_task(t).requires == "lm_head"]
+    if needs_head and loaded.lm_head is None:
+        if asked:
+            raise BuildError(f"{loaded.checkpoint} has no masked-LM head (it is not a *ForMaskedLM checkpoint): "
+                             f"it cannot serve {', '.join(needs_head)}; build {', '.join(loaded.family.tasks[:2])} "
+                             "from it, or give a checkpoint with the head")
+        tasks = tuple(t for t in tasks if t not in needs_head)
+    if "scores" in tasks and not _head(loaded).scores_servable:
+        if asked:
+            raise BuildError(f"{loaded.checkpoint}: scores need one character per residue and a mask token; this "
+                             f"model's alphabet is {', '.join(loaded.alphabet[:8])}...: build logits instead")
+        tasks = tuple(t for t in tasks if t != "scores")
+    if "scores" in tasks and "logits" not in tasks:
+        tasks = (*tasks, "logits")
+    return tasks
+
+
+def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> MaskedLMHead:
+    return MaskedLMHead(onnx_file, tuple(loaded.alphabet), getattr(loaded.tokenizer, "mask_char", None))
+
+
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
                 progress: Progress, cpu_optimized: bool = True) -> dict[str, ExportedGraph]:
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
@@ -261,6 +288,11 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
             # batch instead of the heads), so they are not optimized until that is fixed and tested.
             graphs[name] = _export_graph(name, module, inputs, outputs, graph_batches, export_dir, exporter,
                                          family, progress, mask_input="", **{**sizes, "optimize": False})
+    if loaded.lm_head is not None and "logits" in tasks:
+        # Small and position-wise: stored as exported, in fp32 whatever the encoder's precision.
+        graphs["lm_head"] = _export_graph("lm_head", loaded.lm_head, loaded.lm_head_inputs, loaded.lm_head_outputs,
+                                          lm_head_check_batches(loaded), export_dir, exporter, family, progress,
+                                          **{**sizes, "optimize": False})
     return graphs
 
 
@@ -292,7 +324,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
         raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
                          f"{reason(err)}") from err
     family = loaded.family
-    tasks = _check_tasks(family, request.tasks)
+    tasks = _servable_tasks(loaded, _check_tasks(family, request.tasks), asked=request.tasks is not None)
 
     try:
         request.out.parent.mkdir(parents=True, exist_ok=True)
@@ -369,7 +401,13 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
                   tasks=tasks, options=serving, graph_optimization_level=graphs["encoder"].record["optimization"][
                       "serving_graph_optimization_level"])
     if loaded.seq2seq is None:
-        return plan_encoder_repository(request.name, onnx_files=graphs["encoder"].files, **common)
+        plan = plan_encoder_repository(request.name, onnx_files=graphs["encoder"].files, **common)
+        if "lm_head" in graphs:
+            plan.models += plan_masked_lm_models(request.name, hidden_size=loaded.hidden_size,
+                                                 head=_head(loaded, graphs["lm_head"].files["model.onnx"]),
+                                                 tasks=tasks, options=serving, max_length=loaded.tokenizer.max_length)
+            plan.validate()
+        return plan
     return plan_seq2seq_repository(
         request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
         onnx_files={name: graph.files for name, graph in graphs.items()},

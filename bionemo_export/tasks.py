@@ -198,6 +198,22 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                     optional=True)),
          (TensorDef("generated", DType.BYTES, (-1,), "num_samples sequences"),),
          role="samplings", requires="decoder"),
+    Task("logits", "log-probabilities over the residue alphabet at every token, from the masked-LM head",
+         (TensorDef("sequences", DType.BYTES, (1,), "one sequence per row; the mask character `_` may stand for "
+                    "any residue"),),
+         (TensorDef("log_probs", DType.FP32, (-1, "A"), "log_softmax over the alphabet (special tokens excluded), "
+                    "rows laid out like hiddens"), MASK),
+         role="logits", graph_outputs=("hiddens", "log_probs"), requires="lm_head",
+         notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",)),
+    Task("scores", "variant-effect scores (ESM's marginals) or the pseudo-log-likelihood of the sequence",
+         (TensorDef("sequences", DType.BYTES, (1,), "the wild type"),
+          TensorDef("variants", DType.BYTES, (-1,), "`A42G`, multi-mutants `A42G:L43P`, 1-based positions",
+                    optional=True),
+          TensorDef("method", DType.BYTES, (1,), ", ".join(SCORING_METHODS) + " (default: wt-marginal with "
+                    "variants, pll without)", optional=True)),
+         (TensorDef("scores", DType.FP32, (-1,), "one per variant: the sum over its mutations of log p(mutant) - "
+                    "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
+         role="scores", graph_outputs=("hiddens", "log_probs"), requires="lm_head"),
 )}
 """Every served task by name, in the order the docs list them."""
 

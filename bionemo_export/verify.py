@@ -125,6 +125,76 @@ def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list
     return checks
 
 
+def _log_probs(loaded, batch: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PyTorch's (log_probs [B, L, A], attention mask, residue mask) of `batch`: encoder, then head."""
+    import torch
+
+    encoded = loaded.tokenizer.encode(batch)
+    with torch.no_grad():
+        hiddens, _ = loaded.encoder(torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask),
+                                    torch.from_numpy(encoded.residue_mask))
+        log_probs = loaded.lm_head(hiddens).numpy()
+    return log_probs, encoded.attention_mask.astype(bool), encoded.residue_mask
+
+
+def _reference_scores(loaded, wild_type: str, variants: list[str], method: str) -> np.ndarray:
+    """ESM's formula, one (masked) copy at a time in PyTorch, written here apart from serving/scoring.py."""
+    columns = {residue: column for column, residue in enumerate(loaded.alphabet)}
+    mask_char = loaded.tokenizer.mask_char
+    unmasked = _log_probs(loaded, [wild_type])[0][0, 1:]  # residue rows (after BOS)
+    scores = []
+    for variant in variants:
+        total = 0.0
+        for mutation in variant.split(":"):
+            i = int(mutation[1:-1]) - 1
+            if method == "wt-marginal":
+                row = unmasked[i]
+            else:
+                copy = wild_type[:i] + mask_char + wild_type[i + 1:]
+                row = _log_probs(loaded, [copy])[0][0, 1 + i]
+            total += float(row[columns[mutation[-1]]] - row[columns[mutation[0]]])
+        scores.append(total)
+    return np.asarray(scores)
+
+
+def verify_masked_lm(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float]
+                     ) -> list[TaskCheck]:
+    """logits: served log-probabilities against PyTorch's encoder + head on each batch; scores: one
+    protein's single mutants (wt-marginal and masked-marginal) and two PLLs against PyTorch,
+    masking one copy at a time."""
+    checks = []
+    if "logits" in tasks:
+        for batch in batches:
+            served, mask = client.seqs_to_log_probs(batch)
+            expected, attention, residues = _log_probs(loaded, batch)
+            mask_exact = bool(mask.shape == residues.shape and np.array_equal(mask, residues))
+            found = compare_outputs(served[attention], expected[attention]) if served.shape == expected.shape \
+                else compare_outputs(served, expected)
+            checks.append(_task_check(client.model("logits"), batch, found, mask_exact, limits, ""))
+    if "scores" in tasks:
+        proteins = [s for s in loaded.family.sample_sequences() if set(s) <= set(loaded.alphabet)]
+        wild_type = min((s for s in proteins if len(s) >= 5), key=len)[:30]
+        variants = [f"{wt}{i + 1}{next(a for a in loaded.alphabet if a != wt)}" for i, wt in enumerate(wild_type[:4])]
+        variants.append(":".join(variants[:2]))
+        for method in ("wt-marginal", "masked-marginal"):
+            served = client.score_variants(wild_type, variants, method)
+            found = compare_outputs(served[None, :], _reference_scores(loaded, wild_type, variants, method)[None, :])
+            checks.append(TaskCheck(client.model("scores"), f"{len(variants)} variants of {len(wild_type)} residues",
+                                    found.max_abs_error, None, None, found.max_abs_error <= limits[0] * 10,
+                                    f"{method} against ESM's formula in PyTorch", found.problem))
+        pair = sorted(proteins, key=len)[:2]
+        served = client.pseudo_log_likelihood(pair)
+        expected = []
+        for sequence in pair:
+            rows = [_log_probs(loaded, [sequence[:i] + loaded.tokenizer.mask_char + sequence[i + 1:]])[0][0, 1 + i]
+                    for i in range(len(sequence))]
+            expected.append(np.mean([row[loaded.alphabet.index(r)] for row, r in zip(rows, sequence)]))
+        error = float(np.max(np.abs(served - np.asarray(expected))))
+        checks.append(TaskCheck(client.model("scores"), _describe(pair), error, None, None, error <= limits[0] * 10,
+                                "pll: mean log-probability, each residue masked, against PyTorch"))
+    return checks
+
+
 def _task_check(model: str, batch: list[str], found: Comparison, mask_exact: bool | None,
                 limits: tuple[float, float], note: str) -> TaskCheck:
     return TaskCheck(model, _describe(batch), found.max_abs_error, found.min_cosine, mask_exact,
@@ -207,6 +277,10 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
         tolerances, notes = precision_checks(manifest, family)
         checks = verify_served(client, loaded, manifest.tasks, batches, family.atol, family.min_cosine,
                                tolerances=tolerances, notes=notes)
+        if loaded.lm_head is not None:
+            hiddens = tolerances.get("hiddens")
+            limits = (hiddens.atol, hiddens.min_cosine) if hiddens else (family.atol, family.min_cosine)
+            checks += verify_masked_lm(client, loaded, manifest.tasks, batches, limits)
         return checks + verify_decoding(client, loaded, manifest.tasks, samples,
                                         max_decode_length=manifest.max_decode_length, precision=manifest.precision)
 

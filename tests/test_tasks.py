@@ -79,7 +79,7 @@ def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones(
     from bionemo_export.build import BuildError, _check_tasks
     from bionemo_export.models import get_family
 
-    with pytest.raises(BuildError, match=r"unknown task 'fold'; tasks are embeddings, hiddens, decodes, samplings"):
+    with pytest.raises(BuildError, match=r"unknown task 'fold'; tasks are embeddings, hiddens, decodes, samplings, logits, scores"):
         _check_tasks(get_family("esm2"), ("embeddings", "fold"))
-    with pytest.raises(BuildError, match=r"family 'esm2' serves embeddings, hiddens; not samplings"):
+    with pytest.raises(BuildError, match=r"family 'esm2' serves embeddings, hiddens, logits, scores; not samplings"):
         _check_tasks(get_family("esm2"), ("samplings",))

@@ -26,7 +26,8 @@ def repo(
                                     "or the project's saved form.", exists=True, resolve_path=True),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
-    tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves)."),
+    tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that the checkpoint can: "
+                                       "logits and scores need a masked-LM head)."),
     backend: str = typer.Option("auto", help="python (ONNX Runtime in the Python backend), native (Triton's "
                                 "onnxruntime_onnx), tensorrt (Triton's tensorrt_plan; then run `bionemo-export "
                                 "engines build` where TensorRT is installed), or auto (native when the found "
@@ -136,11 +137,13 @@ def repo(
 def families() -> None:
     """List the model families and the tasks each serves."""
     from bionemo_export.models import REGISTRY
+    from bionemo_export.tasks import get_task
 
     table = Table()
     for column in ("family", "checkpoint forms", "tasks", "description"):
         table.add_column(column)
     for family_name in sorted(REGISTRY):
         family = REGISTRY[family_name]
-        table.add_row(family_name, ", ".join(family.forms()), ", ".join(family.tasks), family.description)
+        tasks = [f"{t} (with a masked-LM head)" if get_task(t).requires == "lm_head" else t for t in family.tasks]
+        table.add_row(family_name, ", ".join(family.forms()), ", ".join(tasks), family.description)
     Console().print(table)

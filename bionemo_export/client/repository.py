@@ -15,6 +15,7 @@ Works against a generated repository and against `bionemo-export dev-server` ali
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -109,8 +110,9 @@ class RepositoryClient:
         return out["log_probs"], out["mask"]
 
     def alphabet(self) -> tuple[str, ...]:
-        """The residues of log_probs' last axis, in order (the N_logits config's `alphabet` parameter)."""
-        return tuple(self._parameter("logits", "alphabet"))
+        """The residues (tokens) of log_probs' last axis, in order (the N_logits config's `alphabet`
+        parameter, a JSON list)."""
+        return tuple(json.loads(self._parameter("logits", "alphabet")))
 
     def score_variants(self, wild_type: str, variants: Sequence[str], method: str | None = None,
                        progress: Callable[[int], None] | None = None) -> np.ndarray:

@@ -207,8 +207,11 @@ the model for want of a version.
 """
 
 
-def _ensemble(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
-              encoder_outputs: dict[str, str]) -> ModelPlan:
+def ensemble_model(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
+                   encoder_outputs: dict[str, str], after: list[EnsembleStep] = ()) -> ModelPlan:
+    """The public ensemble N_<task>: sequences through the encoder's steps (tokenizer first in the
+    ensemble layout), whose `encoder_outputs` (encoder output -> ensemble tensor) go on to the
+    steps `after` (e.g. the masked-LM head) or out as the ensemble's `outputs`."""
     encoder = f"{name}_encoder"
     if options.fused:  # one step: the encoder model tokenizes
         steps = [EnsembleStep(encoder, {"sequences": "sequences"}, encoder_outputs)]
@@ -225,6 +228,7 @@ def _ensemble(name: str, task: str, outputs: list[Tensor], options: ServingOptio
                 output_map={k: v for k, v in encoder_outputs.items() if k != "mask"},
             ),
         ]
+    steps += list(after)
     return ModelPlan(
         name=f"{name}_{task}",
         inputs=[Tensor("sequences", "BYTES", (1,))],
@@ -255,14 +259,15 @@ def plan_encoder_repository(
     (model.onnx, and its external data file if any) to the exported files.
     `graph_optimization_level`: the ONNX Runtime level the stored graph is opened at (a graph
     stored optimized needs only the basic rewrites at load; see exporters/optimize.py)."""
-    unknown = set(tasks) - set(ENCODER_TASKS)
+    # The masked-LM tasks' models (masked_lm.py) are added to this plan by the build.
+    unknown = {t for t in tasks if t not in ENCODER_TASKS and (t not in TASKS or TASKS[t].requires != "lm_head")}
     if unknown:
         raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
     models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
     for task in (TASKS[t] for t in ENCODER_TASKS if t in tasks):  # the public models, as tasks.py declares them
         outputs = [Tensor(t.name, t.dtype.value, t.shape({"H": hidden_size})) for t in task.outputs]
-        models.append(_ensemble(name, task.name, outputs, options, {t.name: t.name for t in outputs}))
+        models.append(ensemble_model(name, task.name, outputs, options, {t.name: t.name for t in outputs}))
     plan = RepositoryPlan(models)
     plan.validate()
     return plan

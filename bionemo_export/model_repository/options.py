@@ -11,6 +11,9 @@ threads, dynamic batching, length buckets, token budget, response cache) is deci
 | `embeddings`, `hiddens` | `N_embeddings`, `N_hiddens`: the public entry points (ensembles) | response cache |
 | `cross_kv`, `decoder_step` | the decoding graphs, called by BLS (not batched by Triton) | instances, threads |
 | `decodes`, `samplings` | the decode loops (Python, BLS) | instances, dynamic batching; `limits` (samplings) |
+| `lm_head` | `N_lm_head`: the masked-LM head graph (hiddens -> log_probs) | as the encoder: instances, threads, dynamic batching, token budget |
+| `logits` | `N_logits`: public ensemble (encoder steps, then N_lm_head) | response cache |
+| `scores` | `N_scores`: masked copies and scores (Python, BLS to N_logits) | instances (sampling_instances), dynamic batching |
 
 Defaults and why (measured on 2-core CPU hosts; see the README's performance section):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
@@ -68,7 +71,8 @@ from .backends import ServingBackend, get_backend
 from .plan import DynamicBatching
 
 LAYOUTS = ("auto", "fused", "ensemble")
-ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings")
+ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings",
+         "lm_head", "logits", "scores")
 AUTO_THREADS = "auto"
 
 
@@ -255,8 +259,13 @@ class ServingOptions:
                                token_budget=self.token_budget)
         if name in ("cross_kv", "decoder_step"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
-        if name in ("embeddings", "hiddens"):
+        if name in ("embeddings", "hiddens", "logits"):
             return RoleOptions(response_cache=self.response_cache)
+        if name == "lm_head":  # batched like the encoder, whose outputs it takes
+            return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
+                               batching=self.dynamic_batching(), token_budget=self.token_budget)
+        if name == "scores":  # like samplings: a long request (a deep mutational scan) holds one instance
+            return RoleOptions(instances=self.sampling_instances, batching=self.dynamic_batching())
         if name == "decodes":
             return RoleOptions(instances=self.decode_instances, batching=self.dynamic_batching())
         if name == "samplings":

@@ -69,6 +69,8 @@ def is_smiles_vocab(vocab: Sequence[str]) -> bool:
 @register
 class BertFamily(HuggingFaceEncoderFamily):
     name = "bert"
+    tasks = ("embeddings", "hiddens", "logits", "scores")
+    """logits and scores where the checkpoint has a masked-LM head (build leaves them out otherwise)."""
     description = "BERT language models: protein (AntiBERTy, ProtBert), reaction SMILES (rxnfp); Hugging Face BertModel"
     model_type = "bert"
     config_class = transformers.BertConfig

@@ -35,6 +35,8 @@ MAX_TOKENS = 1024
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
+    tasks = ("embeddings", "hiddens", "logits", "scores")
+    """logits and scores where the checkpoint has a masked-LM head (build leaves them out otherwise)."""
     description = "ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, or BioNeMo ESM-2nv .nemo"
     model_type = "esm"
     config_class = transformers.EsmConfig

@@ -16,4 +16,8 @@ them from here: one source of truth, unit-tested without a server (tests/test_se
 - decoding.py        the decode loops' graphs (in-process or BLS), settings, N_decodes
 - request_options.py N_samplings' optional inputs (the dev server parses them with it too)
 - sampling.py        N_samplings: jobs, their decodes, the decode loop over them
+- positionwise.py    a position-wise graph (the masked-LM head, N_lm_head) over joined positions
+- scoring.py         N_scores' logic: variants, methods, masked copies, scores, limits
+- scores.py          N_scores: requests -> masked copies -> BLS calls to N_logits -> scores
+- windows.py         proteins longer than the model: overlapping windows and their merge rule
 """

@@ -1,0 +1,126 @@
+"""The models of the masked-LM tasks (a checkpoint with a masked-LM head): N_logits and N_scores.
+
+For `--name N`, on top of the encoder models (encoder.py):
+
+    N_lm_head  graph     hiddens FP32 [-1, H] -> log_probs FP32 [-1, A]
+                         (the exported head, lm_head.onnx: dense -> GELU -> layer norm -> decoder,
+                         log_softmax over the alphabet; run by the backend, backends.py: in the
+                         Python backend every position of every request is joined into one run,
+                         serving/positionwise.py, the head mixing no positions)
+    N_logits   ensemble  sequences -> log_probs, mask    (the encoder's steps, then N_lm_head)
+    N_scores   python    sequences (+ optional variants, method) -> scores FP32 [-1]
+                         (masked copies formed and batched here, sent to N_logits through BLS:
+                         serving/scores.py, serving/scoring.py)
+
+`A` is the residue alphabet (LoadedModel.alphabet): the config `parameters` of N_logits and
+N_scores carry it as a JSON list, with the mask character the tokenizer reads (`_`). N_scores is
+planned only where every alphabet entry is one character (protein models): variants are written
+residue by residue.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from bionemo_export import __version__
+from bionemo_export.runtime.supervisor import BLS_MODELS
+from bionemo_export.serving.scoring import ScoringLimits
+from bionemo_export.tasks import TASKS
+from bionemo_export.templates import render
+
+from .backends import GraphModel, ShapeRange
+from .encoder import RESPONDING, RUNS_GRAPH, ensemble_model, serving_files
+from .options import ServingOptions
+from .plan import EnsembleStep, ModelPlan, Tensor
+
+MASKED_LM_TASKS = tuple(name for name, task in TASKS.items() if task.requires == "lm_head")
+
+
+@dataclass(frozen=True)
+class MaskedLMHead:
+    """What the planner needs of a checkpoint's masked-LM head."""
+
+    onnx_file: Path
+    """The exported head graph (exporters/lm_head.py)."""
+    alphabet: tuple[str, ...]
+    """log_probs' last axis, in order."""
+    mask_char: str | None
+    """The character the tokenizer reads as the mask token (None: no mask token)."""
+
+    @property
+    def scores_servable(self) -> bool:
+        """N_scores needs one character per residue and a mask character (masked copies)."""
+        return self.mask_char is not None and all(len(token) == 1 for token in self.alphabet)
+
+
+def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: ServingOptions,
+                  max_length: int) -> ModelPlan:
+    """N_lm_head: the head graph, batched like the encoder (ragged rows in the Python backend)."""
+    role = options.role("lm_head")
+    backend = options.serving_backend
+    inputs = [Tensor("hiddens", "FP32", (-1, hidden_size), ragged=backend.runs_python)]
+    outputs = [Tensor("log_probs", "FP32", (-1, len(head.alphabet)))]
+    plan = ModelPlan(name=f"{name}_lm_head", inputs=inputs, outputs=outputs, max_batch_size=options.max_batch_size,
+                     dynamic_batching=role.batching)
+    shapes = ShapeRange(axes={"hiddens": ("batch", "length", hidden_size)},
+                        sizes={"batch": (1, options.max_batch_size), "length": (1, max_length)},
+                        split_axis="length", bucket=options.length_bucket or 16, opt={"batch": options.max_batch_size})
+
+    def python_model() -> str:
+        return render("positionwise_model.py.j2", model_name=plan.name, what="masked-LM head",
+                      tool_version=__version__, input_name="hiddens", output_name="log_probs", width=hidden_size,
+                      output_width=len(head.alphabet))
+
+    backend.plan_graph(GraphModel(
+        plan, role, "masked-LM head", {"model.onnx": head.onnx_file}, shapes, python_model,
+        python_files=serving_files(*RUNS_GRAPH, "positionwise"),
+        python_parameters={"token_budget": str(role.token_budget or options.token_budget or 8192)}))
+    return plan
+
+
+def logits_ensemble(name: str, head: MaskedLMHead, options: ServingOptions) -> ModelPlan:
+    """N_logits: the encoder's steps (hiddens and mask), then N_lm_head."""
+    task = TASKS["logits"]
+    outputs = [Tensor(t.name, t.dtype.value, t.shape({"A": len(head.alphabet)})) for t in task.outputs]
+    plan = ensemble_model(name, task.name, outputs, options, {"hiddens": "hiddens", "mask": "mask"},
+                          after=[EnsembleStep(f"{name}_lm_head", {"hiddens": "hiddens"}, {"log_probs": "log_probs"})])
+    plan.parameters = {"alphabet": json.dumps(list(head.alphabet)), "mask_char": head.mask_char or ""}
+    return plan
+
+
+def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
+                 limits: ScoringLimits = ScoringLimits()) -> ModelPlan:
+    """N_scores: the Python model that forms the masked copies and calls N_logits through BLS."""
+    task = TASKS["scores"]
+    role = options.role("scores")
+    logits = f"{name}_logits"
+    return ModelPlan(
+        name=task.model(name),
+        inputs=[Tensor(t.name, t.dtype.value, t.shape(), optional=t.optional) for t in task.inputs],
+        outputs=[Tensor(t.name, t.dtype.value, t.shape()) for t in task.outputs],
+        max_batch_size=options.max_batch_size,
+        backend="python",
+        instance_count=role.instances,
+        dynamic_batching=role.batching,
+        parameters={BLS_MODELS: logits, "logits_model": logits, "alphabet": json.dumps(list(head.alphabet)),
+                    "mask_char": head.mask_char or "", "max_batch_size": str(options.max_batch_size),
+                    **limits.parameters()},
+        files={"model.py": render("scores_model.py.j2", model_name=task.model(name), tool_version=__version__,
+                                  logits_model=logits),
+               **serving_files(*RESPONDING, "scores", "scoring")},
+        description="public: scores (Python, BLS to the log-probabilities)",
+    )
+
+
+def plan_masked_lm_models(name: str, *, hidden_size: int, head: MaskedLMHead, tasks: tuple[str, ...],
+                          options: ServingOptions, max_length: int) -> list[ModelPlan]:
+    """The models `tasks` (among MASKED_LM_TASKS) need, to add to the encoder repository's plan."""
+    wanted = [task for task in tasks if task in MASKED_LM_TASKS]
+    if not wanted:
+        return []
+    models = [lm_head_model(name, hidden_size, head, options, max_length), logits_ensemble(name, head, options)]
+    if "scores" in wanted:
+        models.append(scores_model(name, head, options))
+    return models

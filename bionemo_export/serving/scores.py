@@ -1,0 +1,112 @@
+"""N_scores run by the Python backend: variant-effect scores and pseudo-log-likelihoods from the
+repository's masked-LM head, with the masked copies formed and batched inside the server.
+
+Each request row is one wild type (`sequences` [batch, 1]) with optional `variants` [batch, V] and
+`method` [batch, 1]; scoring.py checks and plans the row (ScoringError: INVALID_ARGUMENT naming
+the variant) and turns log-probabilities into scores. The sequences a row needs (the wild type, or
+one masked copy per position) go to N_logits through BLS in calls of at most `max_batch_size`
+rows; N_encoder packs each call under its token budget. Only the site rows the scores read are
+kept ([positions, A]), never every copy's [L, A].
+
+Answers `scores` FP32 [batch, V] (one per variant) or [batch, 1] (pll): `variants` is one tensor,
+so either every row has V variants or none has any (scoring.resolve_method refuses pll with
+variants and the marginals without).
+
+This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+only the standard library, numpy and its sibling modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+if __package__:  # imported from the bionemo_export package
+    from bionemo_export.serving.responses import RequestError, Responder, call_model, input_array, triton
+    from bionemo_export.serving.scoring import ScoringError, ScoringLimits, ScoringPlan, chunk_slices, plan_request
+else:  # copied beside a generated model.py, where its siblings are top-level modules
+    from responses import RequestError, Responder, call_model, input_array, triton
+    from scoring import ScoringError, ScoringLimits, ScoringPlan, chunk_slices, plan_request
+
+RunLogits = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
+"""sequences -> (log_probs [n, length, A], mask [n, length]), as N_logits answers them."""
+
+
+def logits_caller(model_name: str) -> RunLogits:
+    """The BLS call to the repository's N_logits model."""
+    def run(sequences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        column = np.array([[s.encode("utf-8")] for s in sequences], dtype=np.object_)
+        log_probs, mask = call_model(model_name, {"sequences": column}, ["log_probs", "mask"])
+        return log_probs, mask
+    return run
+
+
+def _column(request: Any, name: str, batch: int | None) -> np.ndarray | None:
+    """Input `name` as a 2-D array with `batch` rows (None: whatever it has), or None if absent."""
+    value = input_array(request, name)
+    if value is None:
+        return None
+    if value.ndim != 2 or (batch is not None and value.shape[0] != batch):
+        rows = "batch" if batch is None else str(batch)
+        raise RequestError(f"input '{name}' must have shape [{rows}, ...], got {list(value.shape)}")
+    return value
+
+
+class VariantScorer:
+    """The N_scores model: `alphabet` is log_probs' last axis (N_logits'), `mask_char` the
+    tokenizer's mask character, `limits` the work one request may ask for, `chunk` the most rows
+    per N_logits call (its max_batch_size)."""
+
+    def __init__(self, run_logits: RunLogits, *, alphabet: Sequence[str], mask_char: str, limits: ScoringLimits,
+                 chunk: int, responder: Responder) -> None:
+        self.run_logits, self.alphabet, self.mask_char = run_logits, tuple(alphabet), mask_char
+        self.limits, self.chunk, self.responder = limits, chunk, responder
+
+    def execute(self, requests: Sequence[Any]) -> tuple[list, int]:
+        """(one response per request, bytes of work) for Responder.answer_all."""
+        pb_utils = triton()
+        responses = []
+        for request in requests:
+            try:
+                scores = self.answer(request)
+            except ScoringError as err:  # the request's variants, method or sequence: INVALID_ARGUMENT
+                responses.append(self.responder.error_response(RequestError(str(err))))
+                continue
+            except Exception as err:  # noqa: BLE001 - this request fails alone
+                responses.append(self.responder.error_response(err))
+                continue
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("scores", scores)]))
+        return responses, 0
+
+    def answer(self, request: Any) -> np.ndarray:
+        """The scores of one request: [batch, V] or [batch, 1]."""
+        sequences = _column(request, "sequences", None)
+        if sequences is None or sequences.shape[1] != 1:
+            raise RequestError(f"input 'sequences' must have shape [batch, 1], got "
+                               f"{None if sequences is None else list(sequences.shape)}")
+        batch = sequences.shape[0]
+        variants = _column(request, "variants", batch)
+        methods = _column(request, "method", batch)
+        if methods is not None and methods.shape[1] != 1:
+            raise RequestError(f"input 'method' must have shape [{batch}, 1], got {list(methods.shape)}")
+        plans = [plan_request(sequences[row, 0], None if variants is None else list(variants[row]),
+                              None if methods is None else methods[row, 0], alphabet=self.alphabet,
+                              mask_char=self.mask_char, limits=self.limits)
+                 for row in range(batch)]
+        return np.stack([self.score(plan) for plan in plans]).astype(np.float32)
+
+    def score(self, plan: ScoringPlan) -> np.ndarray:
+        """One row's scores: its sequences through N_logits in chunks, the site rows kept."""
+        inputs = plan.inputs(self.mask_char)
+        sites = []
+        for part in chunk_slices(len(inputs), self.chunk):
+            log_probs, mask = self.run_logits(inputs[part])
+            residues = int(mask[0].sum())
+            if residues != len(plan.wild_type) or not (mask.sum(axis=1) == residues).all():
+                raise RuntimeError(f"N_logits answered {mask.sum(axis=1).tolist()} residue rows for a sequence of "
+                                   f"{len(plan.wild_type)}")
+            # Each copy's residue rows (its mask), in order: [copies, residues, A].
+            rows = log_probs[mask].reshape(mask.shape[0], residues, log_probs.shape[-1])
+            sites.append(plan.site_log_probs(rows, part))
+        return plan.scores(np.concatenate(sites))

@@ -1,0 +1,103 @@
+"""The masked-LM tasks served by a real tritonserver: N_logits and N_scores of a tiny random ESM-2
+(`EsmForMaskedLM`, as `save_random_checkpoint` writes it), built once with the Python backend.
+
+References are independent of the package: transformers' own `EsmForMaskedLM` on the same files,
+masking one copy at a time (tests/helpers/masked_lm_reference.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+
+from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.client import InferenceError, RepositoryClient
+from bionemo_export.models import get_family
+from bionemo_export.runtime import TritonServer
+from tests.helpers.masked_lm_reference import brute_force, brute_force_pll, reference_log_probs
+
+pytestmark = pytest.mark.e2e
+
+NAME = "mlm"
+WILD_TYPE = "MKTAYIAKQRQISFVKSHFSRQ"
+VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T", "I12L"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, triton_install):
+    work = tmp_path_factory.mktemp("masked_lm")
+    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=11)
+    result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
+                                           backend="python"))
+    reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
+    with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
+        with RepositoryClient(NAME, f"grpc://{server.endpoints.grpc_url}") as client:
+            yield result, reference, client
+
+
+def test_a_masked_lm_checkpoint_builds_the_logits_and_scores_models(served):
+    result, _, client = served
+    assert {f"{NAME}_lm_head", f"{NAME}_logits", f"{NAME}_scores"} <= set(result.models)
+    assert result.manifest.public_models[-2:] == [f"{NAME}_logits", f"{NAME}_scores"]
+    assert client.alphabet() == tuple("LAGVSERTIDPKQNFYMHWCXBUZO")
+
+
+def test_served_log_probs_equal_transformers_esm_for_masked_lm(served):
+    _, reference, client = served
+    sequences = ["MKTAYIAKQR", "GV_E", "_SLKRKNIALIPAAGIGVRFG_"]
+    log_probs, mask = client.seqs_to_log_probs(sequences)
+    assert log_probs.dtype == np.float32 and log_probs.shape == (3, 24, 25)
+    for row, sequence in enumerate(sequences):
+        expected = reference_log_probs(reference, sequence, client.alphabet())
+        np.testing.assert_allclose(log_probs[row, :len(sequence) + 2], expected, atol=1e-4)
+        assert mask[row].tolist() == [False] + [True] * len(sequence) + [False] * (23 - len(sequence))
+
+
+@pytest.mark.parametrize("method", ["wt-marginal", "masked-marginal"])
+def test_served_variant_scores_equal_the_brute_force_reference(served, method):
+    _, reference, client = served
+    scores = client.score_variants(WILD_TYPE, VARIANTS, method)
+    np.testing.assert_allclose(scores, brute_force(reference, WILD_TYPE, VARIANTS, method), atol=1e-4)
+
+
+def test_served_pll_equals_antibertys_definition(served):
+    _, reference, client = served
+    sequences = ["MKTAYIAKQR", "GVSE", WILD_TYPE]
+    expected = [brute_force_pll(reference, s, client.alphabet()) for s in sequences]
+    np.testing.assert_allclose(client.pseudo_log_likelihood(sequences), expected, atol=1e-4)
+
+
+def test_bad_variants_are_invalid_argument_naming_the_variant_and_the_server_carries_on(served):
+    _, _, client = served
+    for variant, words in (("L1A", "position 1 is M in the wild type, not L"), ("M99A", "M99A"),
+                           ("M1J", "M1J"), ("M1A:M1C", "M1A:M1C")):
+        with pytest.raises(InferenceError, match="INVALID_ARGUMENT|" + words) as caught:
+            client.score_variants(WILD_TYPE, [variant])
+        assert words in str(caught.value)
+    with pytest.raises(InferenceError, match="masked-marginal scores variants"):
+        client.client.infer(f"{NAME}_scores", {"sequences": np.array([[b"MKT"]], dtype=np.object_),
+                                               "method": np.array([[b"masked-marginal"]], dtype=np.object_)})
+    assert client.score_variants(WILD_TYPE, ["M1A"]).shape == (1,)
+
+
+def test_scores_rest_on_the_config_limits(served):
+    result, _, _ = served
+    config = (result.repository / f"{NAME}_scores" / "config.pbtxt").read_text()
+    for limit in ("max_variants", "max_mutations_per_variant", "max_masked_copies"):
+        assert f'key: "{limit}"' in config
+    alphabet = (result.repository / f"{NAME}_logits" / "config.pbtxt").read_text()
+    assert json.dumps(list("LAGVSERTIDPKQNFYMHWCXBUZO")).replace('"', '\\"') in alphabet
+
+
+def test_logits_without_a_head_is_one_error_naming_the_checkpoint(tmp_path):
+    family = get_family("esm2")
+    masked = family.save_random_checkpoint(tmp_path / "masked", seed=2)
+    plain = tmp_path / "plain"
+    transformers.EsmModel.from_pretrained(masked, add_pooling_layer=False).save_pretrained(plain)
+    (plain / "vocab.txt").write_text((masked / "vocab.txt").read_text())
+    with pytest.raises(BuildError, match=r"plain has no masked-LM head .* cannot serve logits"):
+        build_repository(BuildRequest(family="esm2", checkpoint=plain, name="p", out=tmp_path / "repo",
+                                      backend="python", tasks=("embeddings", "logits")))
