@@ -223,4 +223,6 @@ def test_verify_against_the_running_server_passes_with_smiles_samples(served):
     checks = verify_repository(server.model_repository, rxnfp_checkpoint(),
                                url=f"grpc://{server.endpoints.grpc_url}")
     assert checks and all(check.passed for check in checks), checks
-    assert {check.model for check in checks} == {f"{NAME}_embeddings", f"{NAME}_hiddens"}
+    # bert_pretrained carries its masked-LM head, so N_logits is built and verified too (no N_scores:
+    # its alphabet is SMILES tokens, not one character each)
+    assert {check.model for check in checks} == {f"{NAME}_embeddings", f"{NAME}_hiddens", f"{NAME}_logits"}
