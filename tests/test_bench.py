@@ -273,3 +273,23 @@ def test_bench_cli_measures_a_tiny_esm2_repository(tmp_path):
     assert "benchtest_embeddings" in report and "perf_analyzer: 2.51.0" in report and "| 2" in report
     print(json.dumps([{k: r[k] for k in ("concurrency", "sequences_per_s", "p50_ms", "server_batch_size")}
                       for r in target["results"]]))
+
+
+def test_a_scores_model_gets_random_single_substitutions_of_each_sequence():
+    """N_scores (tasks.py): `variants` is optional; bench sends --variants of them per request,
+    each a valid substitution of its own sequence, and leaves `method` to its default."""
+    import re
+
+    scores = [TensorSpec("sequences", "BYTES", (1,)), TensorSpec("variants", "BYTES", (-1,), optional=True),
+              TensorSpec("method", "BYTES", (1,), optional=True)]
+    data = generate_inputs(scores, InputSpec(lengths="uniform:20-40", count=8, seed=1, variants=5))
+    for entry in data.entries:
+        sequence = entry["sequences"]["content"][0]
+        variants = entry["variants"]["content"]
+        assert entry["variants"]["shape"] == [5] and len(variants) == 5 and "method" not in entry
+        for variant in variants:
+            wild, position, mutant = re.fullmatch(r"([A-Z])(\d+)([A-Z])", variant).groups()
+            assert sequence[int(position) - 1] == wild != mutant
+    assert data.notes == ["optional input(s) left out: method"] and "5 random single substitutions" in data.description
+    plain = generate_inputs(scores, InputSpec(lengths="uniform:20-40", count=2, variants=0))
+    assert "variants" not in plain.entries[0] and plain.notes == ["optional input(s) left out: variants, method"]

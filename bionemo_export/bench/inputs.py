@@ -133,6 +133,20 @@ def random_proteins(lengths: np.ndarray, rng: np.random.Generator) -> list[str]:
 _PROTEIN = re.compile(r"^[A-Z]+$")
 
 
+def substitutions(sequence: str, count: int, rng: np.random.Generator) -> list[str]:
+    """`count` single substitutions of `sequence` (`A42G`, 1-based), at random positions, each to
+    another of the 20 standard amino acids (residues outside them are not mutated)."""
+    positions = [i for i, residue in enumerate(sequence) if residue in STANDARD_AMINO_ACIDS]
+    if not positions:
+        return []
+    chosen = rng.choice(positions, size=count, replace=count > len(positions))
+    variants = []
+    for i in chosen.tolist():
+        others = [a for a in STANDARD_AMINO_ACIDS if a != sequence[i]]
+        variants.append(f"{sequence[i]}{i + 1}{others[int(rng.integers(len(others)))]}")
+    return variants
+
+
 def read_sequences(path: str | Path) -> list[tuple[str, str]]:
     """(id, sequence) pairs from a FASTA file (any line starts with `>`), or from a file with one
     sequence (SMILES, protein) per line (first whitespace-separated field; blank lines and `#` comments skipped).
@@ -227,6 +241,9 @@ class InputSpec:
     count: int = 256  # entries in the JSON (requests perf_analyzer cycles through)
     seed: int = 0
     max_length: int | None = None  # clip generated lengths (residues) to this
+    variants: int = 32
+    """For a scores model (an optional `variants` input): single substitutions per request, at
+    random positions of its sequence (wt-marginal, the server's default method)."""
 
 
 @dataclass
@@ -260,7 +277,10 @@ def _bytes_entry(name: str, text: str) -> dict:
 def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
     """perf_analyzer input data for a model with these (required) inputs."""
     required = [t for t in inputs if not t.optional]
-    skipped = [t.name for t in inputs if t.optional]
+    # A scores model (tasks.py: N_scores) gets generated variants; its other optional inputs keep their defaults.
+    sends_variants = spec.variants > 0 and any(t.name == "variants" and t.optional and t.datatype == "BYTES"
+                                               for t in inputs)
+    skipped = [t.name for t in inputs if t.optional and not (sends_variants and t.name == "variants")]
     notes = [f"optional input(s) left out: {', '.join(skipped)}"] if skipped else []
     rng = np.random.default_rng(spec.seed)
     if spec.count < 1:
@@ -286,8 +306,13 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
                            f"lengths {dist.describe()}")
             if spec.max_length is not None and spec.max_length < dist.high:
                 notes.append(f"lengths clipped to the model's maximum of {spec.max_length} residues")
-        return InputData([_bytes_entry(name, s) for s in sequences], [len(s) for s in sequences],
-                         description, "sequences", notes)
+        entries = [_bytes_entry(name, s) for s in sequences]
+        if sends_variants:
+            for entry, sequence in zip(entries, sequences):
+                variants = substitutions(sequence, spec.variants, rng)
+                entry["variants"] = {"content": variants, "shape": [len(variants)]}
+            description += f"; {spec.variants} random single substitutions each (variants)"
+        return InputData(entries, [len(s) for s in sequences], description, "sequences", notes)
 
     floats = [t for t in required if t.datatype == "FP32" and len(t.shape) == 2]
     bools = [t for t in required if t.datatype == "BOOL" and len(t.shape) == 1]

@@ -73,6 +73,8 @@ def bench(
                                               "line, instead of random proteins.", exists=True, dir_okay=False),
     count: int = typer.Option(256, help="Generated inputs perf_analyzer cycles through."),
     seed: int = typer.Option(0, help="Seed of the generated inputs."),
+    variants: int = typer.Option(32, min=0, help="Scores models: random single substitutions per request (0: "
+                                 "none: the model then scores the PLL)."),
     max_length: Optional[int] = typer.Option(None, help="Clip generated lengths to this (default: the "
                                              "repository tokenizer's limit when found)."),
     duration: float = typer.Option(5.0, help="perf_analyzer measurement window in seconds; each concurrency "
@@ -110,7 +112,8 @@ def bench(
             raise ValueError(f"bad --concurrency {concurrency!r}: positive integers, comma-separated")
     except ValueError as err:
         fail(str(err))
-    spec = InputSpec(lengths=lengths, file=input_file, count=count, seed=seed, max_length=max_length)
+    spec = InputSpec(lengths=lengths, file=input_file, count=count, seed=seed, max_length=max_length,
+                     variants=variants)
     command = _command_line(target, url, model, concurrency, lengths, input_file, count, seed, max_length, duration,
                             out, compare, compare_model, protocol)
 
