@@ -250,6 +250,13 @@ def _servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) ->
                              f"it cannot serve {', '.join(needs_head)}; build {', '.join(loaded.family.tasks[:2])} "
                              "from it, or give a checkpoint with the head")
         tasks = tuple(t for t in tasks if t not in needs_head)
+    needs_classifier = [t for t in tasks if get_task(t).requires == "classifier"]
+    if needs_classifier and loaded.classifier is None:
+        if asked:
+            raise BuildError(f"{loaded.checkpoint} has no fine-tuned head (it is not a *ForSequenceClassification "
+                             f"or *ForTokenClassification checkpoint): it cannot serve {', '.join(needs_classifier)}; "
+                             f"build {', '.join(loaded.family.tasks[:2])} from it, or give a fine-tuned checkpoint")
+        tasks = tuple(t for t in tasks if t not in needs_classifier)
     if "scores" in tasks and not _head(loaded).scores_servable:
         if asked:
             raise BuildError(f"{loaded.checkpoint}: scores need one character per residue and a mask token; this "

@@ -214,6 +214,18 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          (TensorDef("scores", DType.FP32, (-1,), "one per variant: the sum over its mutations of log p(mutant) - "
                     "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
          role="scores", graph_outputs=("hiddens", "log_probs"), requires="lm_head"),
+    Task("predictions", "the fine-tuned head's logits and predicted label (sequence heads: one per sequence; "
+         "token heads: one per token)",
+         (SEQUENCES,),
+         (TensorDef("logits", DType.FP32, ("C",), "the head's logits (regression: its values); token heads "
+                    "[-1, C], rows laid out like hiddens"),
+          TensorDef("label", DType.BYTES, (1,), "the argmax's name from id2label (LABEL_i where unnamed); "
+                    "multi-label: the names whose sigmoid > 0.5 joined by ','; regression: the values as text; "
+                    "token heads [-1]")),
+         role="predictions", graph_outputs=("hiddens", "logits"), requires="classifier",
+         notes=("Token heads (*ForTokenClassification) answer `logits` [-1, C], `mask` BOOL [-1] and `label` "
+                "[-1]; the label names are the config's `labels` parameter (a JSON list), its problem type "
+                "`problem_type`.",)),
 )}
 """Every served task by name, in the order the docs list them."""
 

@@ -81,5 +81,5 @@ def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones(
 
     with pytest.raises(BuildError, match=r"unknown task 'fold'; tasks are embeddings, hiddens, decodes, samplings, logits, scores"):
         _check_tasks(get_family("esm2"), ("embeddings", "fold"))
-    with pytest.raises(BuildError, match=r"family 'esm2' serves embeddings, hiddens, logits, scores; not samplings"):
+    with pytest.raises(BuildError, match=r"family 'esm2' serves embeddings, hiddens, logits, scores, predictions; not samplings"):
         _check_tasks(get_family("esm2"), ("samplings",))

@@ -14,6 +14,9 @@ threads, dynamic batching, length buckets, token budget, response cache) is deci
 | `lm_head` | `N_lm_head`: the masked-LM head graph (hiddens -> log_probs) | as the encoder: instances, threads, dynamic batching, token budget |
 | `logits` | `N_logits`: public ensemble (encoder steps, then N_lm_head) | response cache |
 | `scores` | `N_scores`: masked copies and scores (Python, BLS to N_logits) | instances (sampling_instances), dynamic batching |
+| `classifier` | `N_classifier`: the fine-tuned head graph (hiddens -> logits) | as the encoder: instances, threads, dynamic batching |
+| `labels` | `N_labels`: logits -> label names (Python) | instances, dynamic batching |
+| `predictions` | `N_predictions`: public ensemble (encoder steps, N_classifier, N_labels) | response cache |
 
 Defaults and why (measured on 2-core CPU hosts; see the README's performance section):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
@@ -72,7 +75,7 @@ from .plan import DynamicBatching
 
 LAYOUTS = ("auto", "fused", "ensemble")
 ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings",
-         "lm_head", "logits", "scores")
+         "lm_head", "logits", "scores", "classifier", "labels", "predictions")
 AUTO_THREADS = "auto"
 
 
@@ -259,9 +262,9 @@ class ServingOptions:
                                token_budget=self.token_budget)
         if name in ("cross_kv", "decoder_step"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
-        if name in ("embeddings", "hiddens", "logits"):
+        if name in ("embeddings", "hiddens", "logits", "predictions"):
             return RoleOptions(response_cache=self.response_cache)
-        if name == "lm_head":  # batched like the encoder, whose outputs it takes
+        if name in ("lm_head", "classifier"):  # batched like the encoder, whose outputs they take
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
                                batching=self.dynamic_batching(), token_budget=self.token_budget)
         if name == "scores":  # like samplings: a long request (a deep mutational scan) holds one instance

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
 
+    from bionemo_export.models.classifier import ClassifierHead, ClassifierWeights
     from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
     from bionemo_export.tokenizers.protocol import Tokenizer
@@ -60,6 +61,12 @@ def encoder_outputs(hidden_size: int) -> tuple[TensorSpec, ...]:
         TensorSpec("hiddens", "FP32", ("batch", "length", hidden_size)),
         TensorSpec("embeddings", "FP32", ("batch", hidden_size)),
     )
+
+
+def classifier_outputs(num_labels: int, per_token: bool) -> tuple[TensorSpec, ...]:
+    """The fine-tuned head graph's output (its input is the encoder's `hiddens`)."""
+    axes = ("batch", "length", num_labels) if per_token else ("batch", num_labels)
+    return (TensorSpec("logits", "FP32", axes),)
 
 
 def lm_head_outputs(alphabet_size: int) -> tuple[TensorSpec, ...]:
@@ -118,6 +125,18 @@ class LoadedModel:
     alphabet: tuple[str, ...] = ()
     """What log_probs' last axis holds, in order: the residue characters (SMILES tokens for SMILES
     models), one per distinct non-special token the tokenizer maps them to, aliases excluded."""
+    classifier: "ClassifierHead | None" = None
+    """The fine-tuned head (models/classifier.py: *ForSequenceClassification,
+    *ForTokenClassification), None when the checkpoint has none: forward(hiddens FP32 [B, L, H]) ->
+    logits FP32 [B, C] (sequence heads) or [B, L, C] (`per_token`); `labels` (C names),
+    `problem_type`; eval mode, fp32."""
+
+    @property
+    def classifier_outputs(self) -> tuple[TensorSpec, ...]:
+        """The fine-tuned head graph's output: logits [B, C] or, per token, [B, L, C]."""
+        if self.classifier is None:
+            raise ValueError(f"{self.checkpoint} has no fine-tuned head")
+        return classifier_outputs(self.classifier.num_labels, self.classifier.per_token)
 
     @property
     def inputs(self) -> tuple[TensorSpec, ...]:
@@ -152,6 +171,8 @@ class ModelDescription:
     """What the form adds to manifest.json's description (e.g. the NeMo target class)."""
     lm_head: "HeadWeights | None" = None
     """The checkpoint's masked-LM head, None when it has none (models/lm_head.py)."""
+    classifier: "ClassifierWeights | None" = None
+    """The checkpoint's fine-tuned head, None when it has none (models/classifier.py)."""
 
 
 class ModelFamily(ABC):

@@ -69,8 +69,9 @@ def is_smiles_vocab(vocab: Sequence[str]) -> bool:
 @register
 class BertFamily(HuggingFaceEncoderFamily):
     name = "bert"
-    tasks = ("embeddings", "hiddens", "logits", "scores")
-    """logits and scores where the checkpoint has a masked-LM head (build leaves them out otherwise)."""
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions")
+    """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
+    fine-tuned head (build leaves them out otherwise)."""
     description = "BERT language models: protein (AntiBERTy, ProtBert), reaction SMILES (rxnfp); Hugging Face BertModel"
     model_type = "bert"
     config_class = transformers.BertConfig
@@ -80,6 +81,18 @@ class BertFamily(HuggingFaceEncoderFamily):
     head_prefix = "cls.predictions."
     head_renames = {"transform.dense.weight": "dense.weight", "transform.dense.bias": "dense.bias",
                     "transform.LayerNorm.weight": "layer_norm.weight", "transform.LayerNorm.bias": "layer_norm.bias"}
+    classifier_renames = {
+        "sequence": {"pooler.dense.weight": "dense.weight", "pooler.dense.bias": "dense.bias",
+                     "classifier.weight": "out.weight", "classifier.bias": "out.bias"},
+        "token": {"classifier.weight": "out.weight", "classifier.bias": "out.bias"},
+    }
+    """BertForSequenceClassification pools [CLS] (bert.pooler.dense + tanh) into `classifier`;
+    BertForTokenClassification applies `classifier` to every token."""
+
+    def guess_classifier(self, keys: Any) -> str | None:
+        if "classifier.weight" not in keys:
+            return None
+        return "sequence" if "pooler.dense.weight" in keys else "token"
 
     def __init__(self, alphabet: str = "protein") -> None:
         """`alphabet` ("protein" or "smiles") decides what sample_sequences() returns; build()

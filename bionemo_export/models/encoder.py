@@ -23,6 +23,14 @@ import torch
 from transformers.initialization import no_init_weights
 
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily
+from bionemo_export.models.classifier import (
+    ClassifierHead,
+    ClassifierWeights,
+    build_classifier,
+    classifier_kind,
+    config_labels,
+    split_classifier,
+)
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head, split_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.base import some as _some
@@ -86,8 +94,12 @@ class EncoderFamily(ModelFamily):
         load_strict(backbone, description.state_dict, checkpoint.weights_path, self.unused_prefixes)
         lm_head = self.make_lm_head(description, backbone)
         layers, hidden, heads = architecture_sizes(config)
+        classifier = None
+        if description.classifier is not None:
+            classifier = build_classifier(description.classifier, hidden, checkpoint.weights_path)
         return LoadedModel(
             lm_head=lm_head,
+            classifier=classifier,
             alphabet=lm_head.alphabet if lm_head is not None else (),
             family=self,
             encoder=PooledEncoder(backbone).float().eval(),
@@ -142,6 +154,11 @@ class HuggingFaceEncoderFamily(EncoderFamily):
     reads no head from this form."""
     head_renames: ClassVar[dict[str, str]] = {}
     """The head's keys (after head_prefix) -> lm_head.HEAD_KEYS names, where they differ."""
+    classifier_prefix: ClassVar[str] = "classifier."
+    """Where a fine-tuned head's keys start (after key_prefix is stripped)."""
+    classifier_renames: ClassVar[dict[str, dict[str, str]]] = {}
+    """Per kind ("sequence", "token"): the fine-tuned head's keys -> classifier.SEQUENCE_KEYS /
+    TOKEN_KEYS names; empty: the family reads no fine-tuned head."""
 
     @abstractmethod
     def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> Tokenizer:
@@ -167,7 +184,29 @@ class HuggingFaceEncoderFamily(EncoderFamily):
                 f"vocab_size is {config.vocab_size}"
             )
         weights, head = self.huggingface_head(checkpoint, config)
-        return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(weights), lm_head=head)
+        weights, classifier = self.huggingface_classifier(checkpoint, weights)
+        return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(weights), lm_head=head,
+                                classifier=classifier)
+
+    def huggingface_classifier(self, checkpoint: Checkpoint, weights: Mapping[str, torch.Tensor]
+                               ) -> tuple[dict[str, torch.Tensor], ClassifierWeights | None]:
+        """(the other weights, the fine-tuned head or None). config.json's `architectures` say
+        whether the head is a sequence or a token head; without them the keys do (guess_classifier)."""
+        normalized = {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()}
+        if not self.classifier_renames:
+            return normalized, None
+        kind = classifier_kind(checkpoint.config) or self.guess_classifier(normalized)
+        if kind is None:
+            return normalized, None
+        rest, head, names = split_classifier(normalized, self.classifier_prefix, self.classifier_renames[kind])
+        source = str(checkpoint.path / "config.json")
+        labels, problem_type = config_labels(checkpoint.config, source)
+        return rest, ClassifierWeights(head, names, labels, problem_type, per_token=kind == "token")
+
+    def guess_classifier(self, keys: Mapping[str, Any]) -> str | None:
+        """The head's kind from its keys when config.json does not name a *ForSequence/TokenClassification
+        architecture: None (no head) unless a family knows better."""
+        return None
 
     def huggingface_head(self, checkpoint: Checkpoint, config: Any) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
         """(the checkpoint's other weights, its masked-LM head or None): the keys under

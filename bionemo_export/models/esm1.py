@@ -47,6 +47,9 @@ ESM1B_MAX_POSITIONS = 1026
 @register
 class Esm1Family(Esm2Family):
     name = "esm1"
+    tasks = ("embeddings", "hiddens", "logits", "scores")
+    classifier_renames = {}
+    """No fine-tuned heads read for ESM-1 (DESIGN.md's family table); classifier keys are dropped."""
     description = ("ESM-1 protein language model (learned absolute positions, pre-LN): ESM-1nv .nemo, "
                    "or a Hugging Face ESM-1b-style EsmModel")
     nemo_targets = ("ESM1nvModel",)

@@ -35,15 +35,27 @@ MAX_TOKENS = 1024
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
-    tasks = ("embeddings", "hiddens", "logits", "scores")
-    """logits and scores where the checkpoint has a masked-LM head (build leaves them out otherwise)."""
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions")
+    """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
+    fine-tuned head (build leaves them out otherwise)."""
     description = "ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, or BioNeMo ESM-2nv .nemo"
     model_type = "esm"
     config_class = transformers.EsmConfig
     backbone_class = transformers.EsmModel
     key_prefix = "esm."
-    unused_prefixes = ("lm_head.", "contact_head.")
+    unused_prefixes = ("lm_head.", "contact_head.", "classifier.")
     head_prefix = "lm_head."
+    classifier_renames = {
+        "sequence": {"classifier.dense.weight": "dense.weight", "classifier.dense.bias": "dense.bias",
+                     "classifier.out_proj.weight": "out.weight", "classifier.out_proj.bias": "out.bias"},
+        "token": {"classifier.weight": "out.weight", "classifier.bias": "out.bias"},
+    }
+    """EsmForSequenceClassification's EsmClassificationHead; EsmForTokenClassification's Linear."""
+
+    def guess_classifier(self, keys: Any) -> str | None:
+        if "classifier.out_proj.weight" in keys or "classifier.dense.weight" in keys:
+            return "sequence"
+        return "token" if "classifier.weight" in keys else None
 
     nemo_targets = ("ESM2nvModel",)
 

@@ -1,0 +1,196 @@
+"""Fine-tuned heads (issue 17, part 4): LoadedModel.classifier from Hugging Face
+*ForSequenceClassification / *ForTokenClassification directories, compared with transformers' own
+classes on the same files (tiny random models with every parameter perturbed, and rxnfp's real
+bert_ft_10k_25s), plus the strict key checks and the head graph's ONNX export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from bionemo_export.models import LoadedModel, get_family
+from bionemo_export.models.bert import ANTIBERTY_VOCAB, rxnfp_checkpoint
+from bionemo_export.models.readers import CheckpointError
+
+ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
+HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
+ATOL = 1e-4
+PROTEINS = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG", "EVQLVESGGGLVQ"]
+LABELS = {0: "binder", 1: "non-binder", 2: "unknown"}
+
+
+def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def save_hf(model: transformers.PreTrainedModel, out: Path, vocab: list[str]) -> Path:
+    model.save_pretrained(out)
+    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    return out
+
+
+def esm_config(**settings) -> transformers.EsmConfig:
+    base = dict(vocab_size=len(ESM_VOCAB), pad_token_id=1, mask_token_id=32, hidden_size=HIDDEN,
+                num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=FFN, layer_norm_eps=1e-5,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, position_embedding_type="rotary",
+                token_dropout=True, emb_layer_norm_before=False, max_position_embeddings=1026)
+    return transformers.EsmConfig(**{**base, **settings})
+
+
+def bert_config(**settings) -> transformers.BertConfig:
+    base = dict(vocab_size=len(ANTIBERTY_VOCAB), pad_token_id=0, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, intermediate_size=FFN, max_position_embeddings=512,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertConfig(**{**base, **settings})
+
+
+CLASSES = {
+    "esm-sequence": (transformers.EsmForSequenceClassification, esm_config, ESM_VOCAB, "esm2"),
+    "esm-token": (transformers.EsmForTokenClassification, esm_config, ESM_VOCAB, "esm2"),
+    "bert-sequence": (transformers.BertForSequenceClassification, bert_config, ANTIBERTY_VOCAB, "bert"),
+    "bert-token": (transformers.BertForTokenClassification, bert_config, ANTIBERTY_VOCAB, "bert"),
+}
+
+
+def make(kind: str, out: Path, seed: int = 5, **settings) -> tuple[transformers.PreTrainedModel, Path]:
+    cls, config, vocab, _ = CLASSES[kind]
+    torch.manual_seed(seed)
+    model = perturb(cls(config(**settings)), seed)
+    return model, save_hf(model, out, vocab)
+
+
+def served_logits(loaded: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, dict]:
+    """The repository's computation: encoder, then the fine-tuned head."""
+    encoded = loaded.tokenizer.encode(sequences)
+    with torch.inference_mode():
+        hiddens, _ = loaded.encoder(*(torch.from_numpy(a) for a in
+                                      (encoded.input_ids, encoded.attention_mask, encoded.residue_mask)))
+        return loaded.classifier(hiddens), encoded
+
+
+def reference_logits(model, encoded) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.from_numpy(encoded.input_ids),
+                     attention_mask=torch.from_numpy(encoded.attention_mask)).logits
+
+
+@pytest.mark.parametrize("kind", list(CLASSES))
+def test_logits_match_transformers(kind, tmp_path):
+    model, folder = make(kind, tmp_path / kind, num_labels=3, id2label=LABELS,
+                         label2id={v: k for k, v in LABELS.items()})
+    loaded = get_family(CLASSES[kind][3]).load(folder)
+    head = loaded.classifier
+    assert head is not None and loaded.lm_head is None
+    assert head.labels == ("binder", "non-binder", "unknown")
+    assert head.problem_type == "single_label_classification"
+    assert head.per_token == kind.endswith("token")
+    logits, encoded = served_logits(loaded, PROTEINS)
+    expected = reference_logits(model, encoded)
+    assert logits.shape == expected.shape
+    if head.per_token:
+        valid = torch.from_numpy(encoded.attention_mask.astype(bool))
+        assert float((logits - expected).abs()[valid].max()) <= ATOL
+    else:
+        assert logits.shape == (3, 3)
+        assert float((logits - expected).abs().max()) <= ATOL
+
+
+def test_regression_head_returns_its_values(tmp_path):
+    model, folder = make("bert-sequence", tmp_path / "reg", num_labels=1, problem_type="regression")
+    loaded = get_family("bert").load(folder)
+    assert loaded.classifier.problem_type == "regression" and loaded.classifier.labels == ("LABEL_0",)
+    logits, encoded = served_logits(loaded, PROTEINS)
+    assert logits.shape == (3, 1)
+    assert float((logits - reference_logits(model, encoded)).abs().max()) <= ATOL
+
+
+def test_problem_type_defaults_like_transformers(tmp_path):
+    _, folder = make("esm-sequence", tmp_path / "one", num_labels=1)
+    assert get_family("esm2").load(folder).classifier.problem_type == "regression"
+    _, folder = make("esm-token", tmp_path / "multi", num_labels=4, problem_type="multi_label_classification")
+    assert get_family("esm2").load(folder).classifier.problem_type == "multi_label_classification"
+
+
+def test_real_rxnfp_bert_ft_10k_25s_matches_bert_for_sequence_classification():
+    folder = rxnfp_checkpoint("bert_ft_10k_25s")
+    loaded = get_family("bert").load(folder)
+    head = loaded.classifier
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_labels"] == 50 and len(config["id2label"]) == 2
+    assert head.labels == tuple(f"LABEL_{i}" for i in range(50))
+    assert head.problem_type == "single_label_classification" and not head.per_token
+    assert loaded.lm_head is None
+    model = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    assert model.config.num_labels == 50
+    smiles = ["CC(=O)O.OCC>>CC(=O)OCC", "Brc1ccccc1.OB(O)c1ccccc1>>c1ccc(-c2ccccc2)cc1", "CCO"]
+    logits, encoded = served_logits(loaded, smiles)
+    expected = reference_logits(model, encoded)
+    assert logits.shape == (3, 50)
+    assert float((logits - expected).abs().max()) <= ATOL
+    assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_labels_fill_unnamed_ids(tmp_path):
+    _, folder = make("bert-token", tmp_path / "tok", num_labels=3)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_labels"], config["id2label"] = 5, {"1": "helix"}
+    config.pop("label2id", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    # the weights have 3 rows: the strict check names the file and the shapes
+    with pytest.raises(CheckpointError, match="classifier.weight is .3, 32., expected .5, 32."):
+        get_family("bert").load(folder)
+    config["num_labels"] = 3
+    (folder / "config.json").write_text(json.dumps(config))
+    assert get_family("bert").load(folder).classifier.labels == ("LABEL_0", "helix", "LABEL_2")
+
+
+def test_missing_and_unexpected_head_keys_are_errors(tmp_path):
+    _, folder = make("esm-sequence", tmp_path / "seq", num_labels=2)
+    weights = load_file(folder / "model.safetensors")
+    weights.pop("classifier.out_proj.bias")
+    weights["classifier.extra.weight"] = torch.zeros(2)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing keys: .*classifier\.out_proj\.bias.*unexpected keys: "
+                                              r".*classifier\.extra\.weight"):
+        get_family("esm2").load(folder)
+
+
+def test_keys_decide_without_architectures(tmp_path):
+    _, folder = make("esm-token", tmp_path / "tok", num_labels=2)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("architectures", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert get_family("esm2").load(folder).classifier.per_token
+
+
+def test_masked_lm_and_base_checkpoints_have_no_classifier(tmp_path):
+    folder = get_family("esm2").save_random_checkpoint(tmp_path / "mlm")
+    loaded = get_family("esm2").load(folder)
+    assert loaded.classifier is None and loaded.lm_head is not None
+
+
+@pytest.mark.parametrize("kind", ["esm-sequence", "bert-token"])
+def test_classifier_onnx_matches_pytorch(kind, tmp_path):
+    from bionemo_export.exporters import export_onnx, verify_onnx
+    from bionemo_export.exporters.lm_head import lm_head_check_batches
+
+    _, folder = make(kind, tmp_path / kind, num_labels=3)
+    loaded = get_family(CLASSES[kind][3]).load(folder)
+    batches = lm_head_check_batches(loaded)
+    exported = export_onnx(loaded.classifier, loaded.lm_head_inputs, loaded.classifier_outputs, batches[0],
+                           tmp_path / "classifier.onnx")
+    report = verify_onnx(loaded.classifier, exported.path, batches, atol=ATOL, min_cosine=0.9999,
+                         output_names=["logits"], mask_input="attention_mask")
+    report.raise_for_tolerance()
+    assert np.isfinite(report.outputs[0].max_abs_error)
