@@ -101,3 +101,40 @@ def test_logits_without_a_head_is_one_error_naming_the_checkpoint(tmp_path):
     with pytest.raises(BuildError, match=r"plain has no masked-LM head .* cannot serve logits"):
         build_repository(BuildRequest(family="esm2", checkpoint=plain, name="p", out=tmp_path / "repo",
                                       backend="python", tasks=("embeddings", "logits")))
+
+
+@pytest.mark.slow
+def test_the_real_antibertys_served_plls_follow_its_runner(tmp_path, triton_install):
+    """AntiBERTy (the real weights inside the antiberty wheel) served: its PLLs equal AntiBERTy's
+    runner's definition computed in transformers' BertForMaskedLM on the same files ([CLS] residues
+    [SEP], one residue masked at a time, the five special tokens' logits set to -inf, the mean
+    log-probability of the true residue)."""
+    import torch
+
+    from bionemo_export.models.bert import antiberty_checkpoint
+
+    checkpoint = antiberty_checkpoint()
+    build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="ab", out=tmp_path / "repo",
+                                  backend="python", tasks=("logits", "scores")))
+    vocab = (checkpoint / "vocab.txt").read_text().splitlines() if (checkpoint / "vocab.txt").is_file() else \
+        (checkpoint.parent / "vocab.txt").read_text().splitlines()
+    reference = transformers.BertForMaskedLM.from_pretrained(checkpoint).eval()
+    special = [vocab.index(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")]
+
+    def pll(sequence: str) -> float:
+        total = 0.0
+        for i in range(len(sequence)):
+            tokens = ["[CLS]", *("[MASK]" if j == i else c for j, c in enumerate(sequence)), "[SEP]"]
+            ids = torch.tensor([[vocab.index(t) for t in tokens]])
+            with torch.no_grad():
+                logits = reference(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, 1 + i].clone()
+            logits[special] = -float("inf")
+            total += float(torch.log_softmax(logits, dim=-1)[vocab.index(sequence[i])])
+        return total / len(sequence)
+
+    antibodies = ["EVQLVESGGGLVQPGGSLRLSCAASGFNIKDTYIHWVRQAPGKGLEWVA", "DIQMTQSPSSLSASVGDRVTITC"]
+    with TritonServer(tmp_path / "repo", install=triton_install, log_file=tmp_path / "server.log") as server:
+        with RepositoryClient("ab", f"grpc://{server.endpoints.grpc_url}") as client:
+            served = client.pseudo_log_likelihood(antibodies)
+            assert sorted(client.alphabet()) == sorted("ACDEFGHIKLMNPQRSTVWY")  # the specials excluded
+    np.testing.assert_allclose(served, [pll(s) for s in antibodies], atol=1e-4)
