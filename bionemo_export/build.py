@@ -34,6 +34,7 @@ from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
+from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
@@ -300,6 +301,12 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
         graphs["lm_head"] = _export_graph("lm_head", loaded.lm_head, loaded.lm_head_inputs, loaded.lm_head_outputs,
                                           lm_head_check_batches(loaded), export_dir, exporter, family, progress,
                                           **{**sizes, "optimize": False})
+    if loaded.classifier is not None and "predictions" in tasks:
+        # Small: stored as exported, in fp32 whatever the encoder's precision. A sequence head reads
+        # position 0 only: the check batches' padding mask applies to token heads' [B, L, C] logits.
+        graphs["classifier"] = _export_graph("classifier", loaded.classifier, loaded.lm_head_inputs,
+                                             loaded.classifier_outputs, lm_head_check_batches(loaded), export_dir,
+                                             exporter, family, progress, **{**sizes, "optimize": False})
     return graphs
 
 
@@ -413,6 +420,14 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
             plan.models += plan_masked_lm_models(request.name, hidden_size=loaded.hidden_size,
                                                  head=_head(loaded, graphs["lm_head"].files["model.onnx"]),
                                                  tasks=tasks, options=serving, max_length=loaded.tokenizer.max_length)
+            plan.validate()
+        if "classifier" in graphs:
+            head = loaded.classifier
+            plan.models += plan_classifier_models(
+                request.name, hidden_size=loaded.hidden_size, tasks=tasks, options=serving,
+                head=ClassifierGraph(graphs["classifier"].files["model.onnx"], head.labels, head.problem_type,
+                                     head.per_token),
+                max_length=loaded.tokenizer.max_length, family=loaded.family.name)
             plan.validate()
         return plan
     return plan_seq2seq_repository(

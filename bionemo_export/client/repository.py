@@ -153,6 +153,25 @@ class RepositoryClient:
         method = lambda rows, _: {"method": np.full((len(rows), 1), b"pll", dtype=np.object_)}  # noqa: E731
         return self._strings_in("scores", sequences, ["scores"], method)["scores"].reshape(-1).astype(np.float32)
 
+    # ------------------------------------------------------------------ fine-tuned head (N_predictions)
+    def predict(self, sequences: Sequence[str]) -> dict[str, Any]:
+        """The fine-tuned head's answers: {"logits": FP32 [batch, C] (token heads [batch, length, C]),
+        "label": the predicted label names, one str per sequence (token heads: a list per sequence,
+        one per token row), and for token heads "mask": BOOL [batch, length]}."""
+        per_token = self._parameter("predictions", "per_token") == "true"
+        outputs = ["logits", "label"] + (["mask"] if per_token else [])
+        out = self._strings_in("predictions", sequences, outputs)
+        labels = [[item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in row]
+                  for row in out["label"]]
+        result = {"logits": out["logits"], "label": labels if per_token else [row[0] for row in labels]}
+        if per_token:
+            result["mask"] = out["mask"]
+        return result
+
+    def labels(self) -> tuple[str, ...]:
+        """The fine-tuned head's label names, in logits' order (N_predictions' `labels` parameter)."""
+        return tuple(json.loads(self._parameter("predictions", "labels")))
+
     # MegaMolBART's older gRPC wrapper called them this.
     smis_to_embedding = seqs_to_embedding
     smis_to_hidden = seqs_to_hidden

@@ -259,8 +259,9 @@ def plan_encoder_repository(
     (model.onnx, and its external data file if any) to the exported files.
     `graph_optimization_level`: the ONNX Runtime level the stored graph is opened at (a graph
     stored optimized needs only the basic rewrites at load; see exporters/optimize.py)."""
-    # The masked-LM tasks' models (masked_lm.py) are added to this plan by the build.
-    unknown = {t for t in tasks if t not in ENCODER_TASKS and (t not in TASKS or TASKS[t].requires != "lm_head")}
+    # The masked-LM and fine-tuned heads' models (masked_lm.py, classifier.py) are added to this plan by the build.
+    unknown = {t for t in tasks if t not in ENCODER_TASKS
+               and (t not in TASKS or TASKS[t].requires not in ("lm_head", "classifier"))}
     if unknown:
         raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
