@@ -195,6 +195,46 @@ def verify_masked_lm(client, loaded, tasks: list[str], batches: list[list[str]],
     return checks
 
 
+def verify_predictions(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float]
+                       ) -> list[TaskCheck]:
+    """predictions: served logits against PyTorch's encoder + fine-tuned head on each batch (token
+    heads on real tokens only), and the served labels equal to the argmax's names (single-label)."""
+    import torch
+
+    if "predictions" not in tasks or loaded.classifier is None:
+        return []
+    head, checks = loaded.classifier, []
+    for batch in batches:
+        served = client.predict(batch)
+        encoded = loaded.tokenizer.encode(batch)
+        with torch.no_grad():
+            hiddens, _ = loaded.encoder(torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask),
+                                        torch.from_numpy(encoded.residue_mask))
+            expected = head(hiddens).numpy()
+        logits = served["logits"]
+        mask_exact = None
+        if head.per_token:
+            attention = encoded.attention_mask.astype(bool)
+            mask_exact = bool(served["mask"].shape == encoded.residue_mask.shape
+                              and np.array_equal(served["mask"], encoded.residue_mask))
+            found = compare_outputs(logits[attention], expected[attention]) if logits.shape == expected.shape \
+                else compare_outputs(logits, expected)
+        else:
+            found = compare_outputs(logits, expected)
+        if found.problem is None and head.problem_type == "single_label_classification":
+            names = np.asarray(head.labels, dtype=object)[expected.argmax(-1)]
+            if head.per_token:
+                labels_equal = all(list(served["label"][r][:int(attention[r].sum())]) == list(names[r][attention[r]])
+                                   for r in range(len(batch)))
+            else:
+                labels_equal = list(served["label"]) == list(names)
+            if not labels_equal:
+                found = dataclasses.replace(found, problem="served labels differ from the reference argmax's names")
+        checks.append(_task_check(client.model("predictions"), batch, found, mask_exact, limits,
+                                  f"{head.problem_type}, {len(head.labels)} labels"))
+    return checks
+
+
 def _task_check(model: str, batch: list[str], found: Comparison, mask_exact: bool | None,
                 limits: tuple[float, float], note: str) -> TaskCheck:
     return TaskCheck(model, _describe(batch), found.max_abs_error, found.min_cosine, mask_exact,
@@ -281,6 +321,10 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
             hiddens = tolerances.get("hiddens")
             limits = (hiddens.atol, hiddens.min_cosine) if hiddens else (family.atol, family.min_cosine)
             checks += verify_masked_lm(client, loaded, manifest.tasks, batches, limits)
+        if loaded.classifier is not None:
+            hiddens = tolerances.get("hiddens")
+            limits = (hiddens.atol, hiddens.min_cosine) if hiddens else (family.atol, family.min_cosine)
+            checks += verify_predictions(client, loaded, manifest.tasks, batches, limits)
         return checks + verify_decoding(client, loaded, manifest.tasks, samples,
                                         max_decode_length=manifest.max_decode_length, precision=manifest.precision)
 

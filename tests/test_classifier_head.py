@@ -194,3 +194,34 @@ def test_classifier_onnx_matches_pytorch(kind, tmp_path):
                          output_names=["logits"], mask_input="attention_mask")
     report.raise_for_tolerance()
     assert np.isfinite(report.outputs[0].max_abs_error)
+
+
+# ------------------------------------------------------------------ served label names (serving/labels.py)
+def test_label_names_for_each_problem_type():
+    from bionemo_export.serving.labels import label_names
+
+    logits = np.array([[0.1, 2.0, -1.0], [3.0, -2.0, 0.5]], dtype=np.float32)
+    names = ("a", "b", "c")
+    assert label_names(logits, names, "single_label_classification").tolist() == [b"b", b"a"]
+    assert label_names(logits, names, "multi_label_classification").tolist() == [b"a,b", b"a,c"]
+    assert label_names(np.array([[0.25], [-1.5]], dtype=np.float32), ("LABEL_0",), "regression").tolist() == \
+        [b"0.25", b"-1.5"]
+    per_token = label_names(np.zeros((2, 4, 3), dtype=np.float32), names, "single_label_classification")
+    assert per_token.shape == (2, 4) and per_token[1, 3] == b"a"
+
+
+def test_label_model_answers_each_request_and_refuses_bad_shapes(monkeypatch):
+    from bionemo_export.serving.labels import LabelModel
+    from bionemo_export.serving.responses import Responder
+    from tests.helpers import fake_pb_utils
+
+    pb = fake_pb_utils.install(monkeypatch)
+    model = LabelModel(["x", "y"], "single_label_classification", Responder("m_labels"))
+    requests = [pb.request({"logits": np.array([[0.0, 1.0], [2.0, 1.0]], dtype=np.float32)}),
+                pb.request({"logits": np.zeros((1, 3), dtype=np.float32)}),
+                pb.request({"logits": np.array([[[1.0, 0.0], [0.0, 1.0]]], dtype=np.float32)})]
+    responses, _ = model.execute(requests)
+    assert responses[0].output("label").tolist() == [[b"y"], [b"x"]]
+    assert responses[1].has_error() and "must have shape [batch, 2]" in responses[1].error().message()
+    assert responses[1].error().code() == pb.TritonError.INVALID_ARG
+    assert responses[2].output("label").tolist() == [[b"x", b"y"]]

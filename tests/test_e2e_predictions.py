@@ -41,6 +41,7 @@ def served(tmp_path_factory, triton_install):
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
         url = f"grpc://{server.endpoints.grpc_url}"
         with RepositoryClient("seq", url) as seq, RepositoryClient("tok", url) as tok:
+            results["dirs"] = {"seq": seq_dir, "tok": tok_dir}
             yield results, {"seq": (seq_model, seq), "tok": (tok_model, tok)}
 
 
@@ -101,3 +102,14 @@ def test_asking_for_predictions_without_a_fine_tuned_head_names_the_checkpoint(t
     with pytest.raises(BuildError, match=f"{checkpoint} has no fine-tuned head"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="x", out=tmp_path / "repo",
                                       backend="python", tasks=("predictions",)))
+
+
+@pytest.mark.parametrize("which, family", [("seq", "bert"), ("tok", "esm2")])
+def test_verify_checks_served_logits_and_labels_against_pytorch(served, which, family):
+    from bionemo_export.verify import verify_predictions
+
+    results, clients = served
+    loaded = get_family(family).load(results["dirs"][which])
+    samples = loaded.family.sample_sequences()
+    checks = verify_predictions(clients[which][1], loaded, ["predictions"], [samples, samples[:1]], (1e-4, 0.9999))
+    assert len(checks) == 2 and all(check.passed for check in checks), checks
