@@ -35,8 +35,11 @@ def test_native_build_writes_onnxruntime_configs_that_reference_the_graph(esm2_c
     result = build_repository(_request(esm2_checkpoint, out, backend="native",
                                        serving=ServingOptions(max_batch_size=16)))
     assert _leftovers(tmp_path) == ["repo"]
+    # A random ESM-2 is an EsmForMaskedLM: its head is served too (N_lm_head, N_logits, N_scores).
     assert sorted(p.name for p in out.iterdir()) == [
-        "esm2nv_embeddings", "esm2nv_encoder", "esm2nv_hiddens", "esm2nv_tokenizer", "manifest.json"]
+        "esm2nv_embeddings", "esm2nv_encoder", "esm2nv_hiddens", "esm2nv_lm_head", "esm2nv_logits", "esm2nv_scores",
+        "esm2nv_tokenizer", "manifest.json"]
+    assert read_config(out / "esm2nv_lm_head").platform == "onnxruntime_onnx"
     encoder = read_config(out / "esm2nv_encoder")
     assert encoder.platform == "onnxruntime_onnx"
     graph = onnx.load(out / "esm2nv_encoder" / "1" / encoder.default_model_filename)
@@ -49,7 +52,7 @@ def test_native_build_writes_onnxruntime_configs_that_reference_the_graph(esm2_c
     assert manifest["checkpoint"]["digest"].startswith("sha256:")
     assert manifest["verification"]["passed"]
     assert manifest["versions"]["onnxruntime"]
-    assert result.models[-1] == "esm2nv_hiddens"
+    assert result.models[-1] == "esm2nv_scores"
 
 
 def test_an_existing_repository_needs_force_and_is_replaced_whole(esm2_checkpoint, tmp_path):

@@ -135,7 +135,8 @@ def test_the_models_triton_loads_are_the_repository_model_folders(repository, tm
     assert _loaded(isvc["spec"]["predictor"]["model"]["args"]) == folders
     assert _loaded(_container(_one(documents, "Deployment"))["args"]) == folders
     # The public models are loaded, and so is what they call (the encoder graph's model).
-    assert set(manifest["public_models"]) == {"esm2nv_embeddings", "esm2nv_hiddens"} < set(folders)
+    assert set(manifest["public_models"]) == {"esm2nv_embeddings", "esm2nv_hiddens", "esm2nv_logits",
+                                              "esm2nv_scores"} < set(folders)
     assert "esm2nv_encoder" in folders
     # The header names the public models for the reader; the python backend needs onnxruntime in the image.
     header = (tmp_path / "k8s" / KSERVE_FILE).read_text().split("---")[0]
