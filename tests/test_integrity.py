@@ -380,17 +380,15 @@ def test_a_served_model_whose_file_is_broken_fails_to_load_naming_the_file(repo,
 
 
 def test_config_parameters_that_are_not_numbers_are_named_with_their_config_file():
-    """The generated model.py's helper (templates/_parameters.py.j2), run as the Python backend would."""
-    from bionemo_export.templates import render
+    """The generated model's parameter reader (serving/parameters.py, copied beside model.py)."""
+    from bionemo_export.serving.parameters import model_parameters, number_parameter
 
-    namespace = {"json": json, "os": os}
-    exec(compile(render("_parameters.py.j2"), "_parameters.py", "exec"), namespace)
     args = {"model_name": "m_encoder", "model_repository": "/models/m_encoder",
             "model_config": json.dumps({"parameters": {"length_bucket": {"string_value": "16x"},
                                                        "max_hidden_magnitude": {"string_value": "1e4"}}})}
-    parameters = namespace["model_parameters"](args)
-    assert namespace["number_parameter"](args, parameters, "max_hidden_magnitude", kind=float) == 1e4
-    assert namespace["number_parameter"](args, parameters, "token_budget", "0") == 0
+    parameters = model_parameters(args)
+    assert number_parameter(args, parameters, "max_hidden_magnitude", kind=float) == 1e4
+    assert number_parameter(args, parameters, "token_budget", "0") == 0
     with pytest.raises(ValueError, match="^/models/m_encoder/config.pbtxt: parameter length_bucket is '16x', "
                                          "not an integer; correct it, or rebuild the repository$"):
-        namespace["number_parameter"](args, parameters, "length_bucket", "0")
+        number_parameter(args, parameters, "length_bucket", "0")
