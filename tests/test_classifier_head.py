@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from bionemo_export.models import LoadedModel, get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB, rxnfp_checkpoint
 from bionemo_export.models.readers import CheckpointError
+from tests.helpers.random_models import perturb
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
 HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
@@ -26,12 +27,6 @@ PROTEINS = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG", "EVQLVESGGGLVQ"]
 LABELS = {0: "binder", 1: "non-binder", 2: "unknown"}
 
 
-def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model.eval()
 
 
 def save_hf(model: transformers.PreTrainedModel, out: Path, vocab: list[str]) -> Path:

@@ -31,6 +31,7 @@ from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, T
 from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from bionemo_export.tokenizers.smiles import SmilesTokenizer
 from tests.helpers.nemo_archives import esm2_to_megatron, esm2nv_config, pad_rows, write_nemo
+from tests.helpers.random_models import perturb
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
 """The 33 Hugging Face ESM token ids (shared/reference/bionemo-serving.md), written out."""
@@ -44,13 +45,6 @@ ANTIBODIES = ["EVQLVESGGGLVQPGGSLRLSCAASGFNIKDTYIHWVRQAPGKGLEWVA", "DIQMTQSPSS_S
 
 
 # ------------------------------------------------------------------------------------- helpers
-def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter moved off its initial value (tied ones once), in eval mode."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model.eval()
 
 
 def token_ids(sequences: list[str], vocab: list[str], bos: str, eos: str, pad: str, mask: str

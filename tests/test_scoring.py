@@ -406,9 +406,9 @@ def tiny_esm():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.EsmConfig(vocab_size=33, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    intermediate_size=64, position_embedding_type="rotary", pad_token_id=1,
-                                    mask_token_id=32, token_dropout=False)
+    from tests.helpers.random_models import tiny_esm_config
+
+    config = tiny_esm_config()
     model = transformers.EsmForMaskedLM(config).eval()
     # Random initialization leaves the head nearly flat; larger weights make the scores differ.
     with torch.no_grad():
