@@ -107,7 +107,8 @@ def esm2(tmp_path_factory):
     work = tmp_path_factory.mktemp("esm2")
     checkpoint = family.save_random_checkpoint(work / "checkpoint", seed=7)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=4)))
+                                  backend="python", serving=ServingOptions(max_batch_size=4),
+                                  tasks=("embeddings", "hiddens")))
     return work / "repo", family.load(checkpoint)
 
 

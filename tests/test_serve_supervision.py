@@ -64,7 +64,8 @@ def esm2_repo(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("esm2")
     checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=3)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=4, encoder_instances=2)))
+                                  backend="python", serving=ServingOptions(max_batch_size=4, encoder_instances=2),
+                                  tasks=("embeddings", "hiddens")))
     return work / "repo"
 
 
