@@ -3,8 +3,10 @@ measured against: a PyTriton process whose inference callables run the PyTorch m
 
 `bionemo-export dev-server --model FAMILY --checkpoint PATH --name N` binds the same public
 models, with the same tensors, as a repository built from that checkpoint with `--name N`
-(DESIGN.md's served API): `N_embeddings` and `N_hiddens`, and for encoder-decoder families
-`N_decodes` and `N_samplings`. Any client can be pointed at either and gets the same answers (the
+(the task table, tasks.py): `N_embeddings` and `N_hiddens`; for encoder-decoder families
+`N_decodes` and `N_samplings`; with a masked-LM head `N_logits` and `N_scores` (planned and
+scored by the repository's own serving/scoring.py); with a fine-tuned head `N_predictions`
+(labels named by serving/labels.py). Any client can be pointed at either and gets the same answers (the
 encoder within the family's tolerance, decodes and seeded samples equal), because both use the
 package's tokenizers and its one decoding and sampling implementation (generation/search.py with
 SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
@@ -37,14 +39,14 @@ from bionemo_export.generation.search import LIMITS, generate, greedy
 from bionemo_export.model_repository.options import GenerationLimits
 from bionemo_export.models.base import LoadedModel
 from bionemo_export.serving.batching import stack_padded
+from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.request_options import OPTIONS, parse_options
+from bionemo_export.serving.scoring import plan_request
+from bionemo_export.tasks import TASKS, DType
 
 MAX_BATCH_SIZE = 10
 """BioNeMo's servers' max_batch_size."""
 
-OPTION_DTYPES = {"num_samples": np.int32, "scaled_radius": np.float32, "sampling_method": bytes, "seed": np.int64,
-                 "top_k": np.int32, "top_p": np.float32, "temperature": np.float32, "beam_size": np.int32}
-"""N_samplings' optional inputs, as the generated repository declares them (model_repository/seq2seq.py)."""
 
 Requests = Sequence[Mapping[str, np.ndarray]]
 """What PyTriton hands an inference callable: one mapping of input name -> array per request."""
@@ -87,8 +89,20 @@ class DevModels:
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        """The public models this checkpoint serves: decodes and samplings only where it decodes."""
-        return ("embeddings", "hiddens") + (("decodes", "samplings") if self.loaded.seq2seq is not None else ())
+        """The public models this checkpoint serves, as a repository built from it would: decodes
+        and samplings where it decodes, logits and scores where it has a masked-LM head (scores
+        where its residues are one character each), predictions where it has a fine-tuned head."""
+        loaded = self.loaded
+        tasks = ["embeddings", "hiddens"]
+        if loaded.seq2seq is not None:
+            tasks += ["decodes", "samplings"]
+        if loaded.lm_head is not None:
+            tasks.append("logits")
+            if getattr(loaded.tokenizer, "mask_char", None) and all(len(a) == 1 for a in loaded.alphabet):
+                tasks.append("scores")
+        if getattr(loaded, "classifier", None) is not None:
+            tasks.append("predictions")
+        return tuple(tasks)
 
     # ---------------------------------------------------------------------------- encoder
     def embeddings(self, requests: Requests) -> list[dict[str, np.ndarray]]:
@@ -96,6 +110,49 @@ class DevModels:
 
     def hiddens(self, requests: Requests) -> list[dict[str, np.ndarray]]:
         return [{"hiddens": hiddens, "mask": mask} for hiddens, _, mask in self._encode(requests)]
+
+    def logits(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """The masked-LM head's log-probabilities over the alphabet, rows laid out like hiddens."""
+        return [{"log_probs": self._head(self.loaded.lm_head, hiddens), "mask": mask}
+                for hiddens, _, mask in self._encode(requests)]
+
+    def scores(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """Variant scores or PLLs, planned by the repository's own module (serving/scoring.py: the
+        same checks and messages), each copy's log-probabilities from the PyTorch encoder and head."""
+        answers = []
+        for request in requests:
+            rows = []
+            variants = np.asarray(request["variants"]) if "variants" in request else None
+            methods = _column(request, "method") if "method" in request else None
+            for row, wild_type in enumerate(_column(request, "sequences")):
+                plan = plan_request(wild_type, None if variants is None else variants.reshape(len(variants), -1)[row]
+                                    .tolist(), None if methods is None else methods[row],
+                                    alphabet=self.loaded.alphabet, mask_char=self.loaded.tokenizer.mask_char)
+                sequences = plan.inputs(self.loaded.tokenizer.mask_char)
+                answer = self._encode([{"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_)}])
+                hiddens, _, mask = answer[0]
+                log_probs = self._head(self.loaded.lm_head, hiddens)
+                residues = log_probs[mask].reshape(len(sequences), len(plan.wild_type), -1)
+                rows.append(plan.scores(plan.site_log_probs(residues)))
+            answers.append({"scores": np.stack(rows).astype(np.float32)})
+        return answers
+
+    def predictions(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """The fine-tuned head's logits and labels (serving/labels.py names them, as N_labels does)."""
+        head = self.loaded.classifier
+        answers = []
+        for hiddens, _, mask in self._encode(requests):
+            logits = self._head(head, hiddens)
+            answer = {"logits": logits, "label": label_names(logits, head.labels, head.problem_type)}
+            if head.per_token:
+                answer["mask"] = mask
+            answers.append(answer)
+        return answers
+
+    @staticmethod
+    def _head(head: torch.nn.Module, hiddens: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return head(torch.from_numpy(np.ascontiguousarray(hiddens))).numpy()
 
     def _encode(self, requests: Requests) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(hiddens, embeddings, mask) per request from one encoder call over all their rows;
@@ -156,22 +213,28 @@ class DevModels:
 
     # --------------------------------------------------------------------------- bindings
     def bindings(self, name: str) -> list[Binding]:
-        """The public models of this checkpoint under the name prefix `name`."""
-        size = self.loaded.hidden_size
-        sequences = ("sequences", bytes, (1,), False)
-        models = {
-            "embeddings": Binding(f"{name}_embeddings", self.embeddings, [sequences],
-                                  [("embeddings", np.float32, (size,))]),
-            "hiddens": Binding(f"{name}_hiddens", self.hiddens, [sequences],
-                               [("hiddens", np.float32, (-1, size)), ("mask", np.bool_, (-1,))]),
-            "decodes": Binding(f"{name}_decodes", self.decodes,
-                               [("hiddens", np.float32, (-1, size), False), ("mask", np.bool_, (-1,), False)],
-                               [("sequences", bytes, (1,))]),
-            "samplings": Binding(f"{name}_samplings", self.samplings,
-                                 [sequences] + [(option, dtype, (1,), True) for option, dtype in OPTION_DTYPES.items()],
-                                 [("generated", bytes, (-1,))]),
-        }
-        return [models[task] for task in self.tasks]
+        """The public models of this checkpoint under the name prefix `name`, with the tensors the
+        task table (tasks.py) declares: a repository's public models, one for one."""
+        loaded = self.loaded
+        sizes = {"H": loaded.hidden_size, "A": len(loaded.alphabet)}
+        classifier = getattr(loaded, "classifier", None)
+        if classifier is not None:
+            sizes["C"] = classifier.num_labels
+        bindings = []
+        for task in (TASKS[t] for t in self.tasks):
+            outputs = [(t.name, _dtype(t.dtype), t.shape(sizes)) for t in task.outputs]
+            if task.name == "predictions" and classifier.per_token:  # per token: rows laid out like hiddens
+                outputs = [("logits", np.float32, (-1, sizes["C"])), ("mask", np.bool_, (-1,)),
+                           ("label", bytes, (-1,))]
+            bindings.append(Binding(task.model(name), getattr(self, task.name),
+                                    [(t.name, _dtype(t.dtype), t.shape(sizes), t.optional) for t in task.inputs],
+                                    outputs))
+        return bindings
+
+
+def _dtype(dtype: DType) -> Any:
+    """PyTriton's type for a task-table dtype (bytes for BYTES)."""
+    return bytes if dtype is DType.BYTES else dtype.numpy
 
 
 def _column(request: Mapping[str, np.ndarray], name: str) -> list[bytes]:

@@ -138,3 +138,43 @@ def test_the_real_antibertys_served_plls_follow_its_runner(tmp_path, triton_inst
             served = client.pseudo_log_likelihood(antibodies)
             assert sorted(client.alphabet()) == sorted("ACDEFGHIKLMNPQRSTVWY")  # the specials excluded
     np.testing.assert_allclose(served, [pll(s) for s in antibodies], atol=1e-4)
+
+
+def test_the_dev_server_serves_logits_and_scores_as_the_repository_does(served, tmp_path):
+    """BioNeMo's way (PyTriton, PyTorch): the same public models and tensors, the same answers
+    within the family's tolerance, a bad variant refused with the same words (one parser:
+    serving/scoring.py)."""
+    import sys
+
+    import tritonclient.grpc as grpcclient
+
+    from bionemo_export.runtime.server import free_ports
+    from tests.test_dev_server import start_dev_server, stop_dev_server
+
+    result, _, repository = served
+    http, grpc, metrics = free_ports(3)
+    models = [f"{NAME}_{task}" for task in ("embeddings", "hiddens", "logits", "scores")]
+    dev = start_dev_server([sys.executable, "-m", "bionemo_export.cli.main", "dev-server", "--model", "esm2",
+                            "--checkpoint", result.manifest.checkpoint["path"], "--name", NAME, "--http-port", str(http),
+                            "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                           tmp_path / "dev_server.log", grpc, models)
+    try:
+        with RepositoryClient(NAME, f"grpc://127.0.0.1:{grpc}") as client:
+            for model in models[2:]:
+                tensors = [{side: sorted((t["name"], t["datatype"], tuple(t["shape"])) for t in answer[side])
+                            for side in ("inputs", "outputs")}
+                           for answer in (c.get_model_metadata(model, as_json=True) for c in (
+                               grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}"),
+                               repository.client._client))]
+                assert tensors[0] == tensors[1], model
+            sequences = ["MKTAYIAKQR", "GV_E"]
+            for ours, theirs in zip(client.seqs_to_log_probs(sequences), repository.seqs_to_log_probs(sequences)):
+                np.testing.assert_allclose(ours, theirs, atol=1e-4)
+            np.testing.assert_allclose(client.score_variants(WILD_TYPE, VARIANTS, "masked-marginal"),
+                                       repository.score_variants(WILD_TYPE, VARIANTS, "masked-marginal"), atol=1e-4)
+            np.testing.assert_allclose(client.pseudo_log_likelihood(sequences[:1]),
+                                       repository.pseudo_log_likelihood(sequences[:1]), atol=1e-4)
+            with pytest.raises(InferenceError, match="position 1 is M in the wild type, not L"):
+                client.score_variants(WILD_TYPE, ["L1A"])
+    finally:
+        stop_dev_server(dev)

@@ -119,12 +119,16 @@ class RepositoryClient:
         """FP32 [len(variants)]: each variant's score against `wild_type` (ESM's convention: the sum
         over its mutations of log p(mutant) - log p(wild type) at the position). `variants` are
         written `A42G` or `A42G:L43P`, 1-based; `method` is wt-marginal (the server's default) or
-        masked-marginal. They go in requests of at most the server's `max_variants`, several in
-        flight; a bad variant raises InferenceError naming it."""
+        masked-marginal. They go in requests of at most the server's `max_variants` (its config
+        parameter; all in one where it states none), several in flight; a bad variant raises
+        InferenceError naming it."""
         items = np.array([str(v).encode("utf-8") for v in variants], dtype=np.object_)
         if not len(items):
             return np.zeros(0, dtype=np.float32)
-        per_request = int(self._parameter("scores", "max_variants"))
+        try:
+            per_request = int(self._parameter("scores", "max_variants"))
+        except KeyError:  # a server that states no limit (the dev server): one request
+            per_request = len(items)
         chunks = [items[i:i + per_request] for i in range(0, len(items), per_request)]
         sequence = strings_column([wild_type])
 
