@@ -163,7 +163,8 @@ def _sample_batches(loaded: LoadedModel) -> list[list[str]]:
 
 
 def _encode_batch(loaded: LoadedModel, sequences: list[str]) -> dict:
-    encoded = loaded.tokenizer.encode(sequences)
+    # Cut to the tokenizer's limit: a build with a lower --max-length checks the graph on the samples' starts.
+    encoded = loaded.tokenizer.encode(sequences, truncate=True)
     return {"input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask,
             "residue_mask": encoded.residue_mask}
 

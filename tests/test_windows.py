@@ -15,6 +15,7 @@ import pytest
 from bionemo_export.serving.windows import (
     WindowError, check_spans, default_overlap, layout_windows, mean_embedding, merge_rows, owners,
     plan_windows, residue_mask, window_count, window_texts)
+from tests.helpers.window_reference import brute_merge, brute_owner
 
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
 
@@ -91,43 +92,12 @@ def test_an_empty_length_is_an_error(length):
 
 
 # ----------------------------------------------------------------------------------- merge rule
-def _brute_owner(n, spans, p):
-    """The documented rule for residue p, with plain loops: among the windows containing p, the
-    one with the largest min(left, right) context (a side at the sequence's end is unlimited),
-    ties to the earlier window."""
-    best_window, best_score = None, None
-    for index, (start, end) in enumerate(spans):
-        if not start <= p < end:
-            continue
-        left = math.inf if start == 0 else p - start
-        right = math.inf if end == n else end - 1 - p
-        score = min(left, right)
-        if best_score is None or score > best_score:
-            best_window, best_score = index, score
-    return best_window, best_score
-
-
-def _brute_merge(outputs, spans, has_bos, has_eos):
-    n = spans[-1][1]
-    bos = 1 if has_bos else 0
-    rows = []
-    if has_bos:
-        rows.append(outputs[0][0])
-    for p in range(n):
-        window, _ = _brute_owner(n, spans, p)
-        rows.append(outputs[window][bos + p - spans[window][0]])
-    if has_eos:
-        start, end = spans[-1]
-        rows.append(outputs[-1][bos + end - start])
-    return np.stack(rows)
-
-
 @pytest.mark.parametrize("n, window, overlap", _plans()[:120])
 def test_owners_follow_the_documented_rule(n, window, overlap):
     spans = plan_windows(n, window, overlap=overlap, max_residues=10_000)
     got = owners(n, spans)
     for p in range(n):
-        expected, score = _brute_owner(n, spans, p)
+        expected, score = brute_owner(n, spans, p)
         assert got[p] == expected, (p, spans)
         assert score >= overlap // 2  # at least floor(overlap / 2) residues of context on each cut side
 
@@ -161,7 +131,7 @@ def test_merge_rows_equals_the_brute_force(n, window, overlap, has_bos, has_eos)
     # rows as the encoder returns them, padded (3 rows of padding that must be ignored)
     outputs = [rng.standard_normal((end - start + specials + 3, 6)).astype(np.float32) for start, end in spans]
     merged = merge_rows(outputs, spans, has_bos=has_bos, has_eos=has_eos)
-    np.testing.assert_array_equal(merged, _brute_merge(outputs, spans, has_bos, has_eos))
+    np.testing.assert_array_equal(merged, brute_merge(outputs, spans, has_bos, has_eos))
     mask = residue_mask(n, has_bos=has_bos, has_eos=has_eos)
     assert merged.shape == (n + specials, 6) and mask.shape == (n + specials,) and mask.sum() == n
     np.testing.assert_allclose(mean_embedding(merged, mask), merged[mask].mean(axis=0), rtol=0, atol=1e-6)
@@ -266,7 +236,7 @@ def _torch_rule(model, sequence, spans):
             log_probs.append(torch.log_softmax(model.lm_head(h)[:, ESM_ALPHABET_IDS], dim=-1))
         rows, lp_rows = [hiddens[0][0]], []
         for p in range(n):
-            window, _ = _brute_owner(n, spans, p)
+            window, _ = brute_owner(n, spans, p)
             rows.append(hiddens[window][1 + p - spans[window][0]])
             lp_rows.append(log_probs[window][1 + p - spans[window][0]])
         rows.append(hiddens[-1][1 + spans[-1][1] - spans[-1][0]])

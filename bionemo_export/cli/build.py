@@ -65,6 +65,11 @@ def repo(
     length_bucket: int = typer.Option(16, help="Encoder rows are padded to a multiple of this many tokens (1: each to its own length; 0: all to the longest, plain dynamic batching)."),
     token_budget: int = typer.Option(8192, help="Most tokens (rows x padded length) in one encoder graph call "
                                      "(0: no limit)."),
+    max_residues: int = typer.Option(0, min=0, help="Serve proteins up to this many residues (e.g. 10000) by "
+                                     "overlapping windows of the model's length, merged by a documented rule "
+                                     "(--backend python). 0: longer input stays an error."),
+    window_overlap: int = typer.Option(0, min=0, help="With --max-residues: residues consecutive windows share "
+                                       "at least (0: a quarter of the window)."),
     response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "
                                         "(serve with --response-cache-mb)."),
     warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
@@ -95,6 +100,7 @@ def repo(
             max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
             layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,
+            max_residues=max_residues, window_overlap=window_overlap,
             sampling_instances=sampling_instances,
             limits=GenerationLimits(**{name: value for name, value in (
                 ("max_num_samples", max_num_samples), ("max_beam_size", max_beam_size),

@@ -58,7 +58,7 @@ def lm_head_check_batches(loaded: LoadedModel, sequences: Sequence[Sequence[str]
         sequences = [samples, [by_length[0]], [by_length[-1]]]
     batches = []
     for batch in sequences:
-        encoded = loaded.tokenizer.encode(list(batch))
+        encoded = loaded.tokenizer.encode(list(batch), truncate=True)  # within a lowered --max-length too
         with torch.inference_mode():
             hiddens, _ = loaded.encoder(torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask),
                                         torch.from_numpy(encoded.residue_mask))

@@ -76,6 +76,8 @@ RESPONDING = ("parameters", "responses")
 """The serving modules every generated Python model imports: its settings and error responses."""
 RUNS_GRAPH = (*RESPONDING, "host", "onnx_session")
 """... and those of a model that opens ONNX Runtime sessions itself."""
+ENCODING = ("batching", "encoding", "windows")
+"""... and those of the tokenizer and encoder models (encoding.py and what it imports)."""
 
 
 def describe_layout(tokenizer) -> str:
@@ -113,7 +115,7 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
         parameters={"truncate": "true" if options.truncate else "false",
                     "length_bucket": "0" if options.serving_backend.runs_python
                     else str(options.role("encoder").length_bucket)},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, "batching", "encoding"),
+        files={"model.py": code, **files, **serving_files(*RESPONDING, *ENCODING),
                "tokenizer.json": _tokenizer_json(tokenizer)},
         description="tokenizer (Python backend)",
     )
@@ -173,10 +175,12 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     module, class_name, files = tokenizer_files(tokenizer)
     parameters = {**role.batching_parameters(), "warmup": "true" if options.warmup else "false",
                   "graph_optimization_level": graph_optimization_level}
-    python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, "batching", "encoding")
+    python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, *ENCODING)
     if fused:
         parameters["truncate"] = "true" if options.truncate else "false"
         python_files.update(files, **{"tokenizer.json": _tokenizer_json(tokenizer)})
+        if options.max_residues:  # over-long sequences as overlapping windows (serving/windows.py)
+            parameters.update(max_residues=str(options.max_residues), window_overlap=str(options.window_overlap))
     else:
         parameters.update(pad_id=str(tokenizer.pad_id), vocab_size=str(tokenizer.vocab_size),
                           max_length=str(tokenizer.max_length))

@@ -211,6 +211,12 @@ class ServingOptions:
     the longest row of the batch, plain dynamic batching)."""
     token_budget: int = 8192
     """Most tokens (rows x padded length) in one encoder graph call (0: no limit)."""
+    max_residues: int = 0
+    """Proteins longer than the model's window (e.g. 10000): such sequences run as overlapping
+    windows merged by serving/windows.py's documented rule (the fused layout, --backend python).
+    0: no windows; over-long input is the error it always was."""
+    window_overlap: int = 0
+    """Residues consecutive windows share at least (0: a quarter of the window)."""
     roles: Mapping[str, RoleOptions] = field(default_factory=dict)
     """Per-role overrides of what the fields above decide."""
 
@@ -225,8 +231,13 @@ class ServingOptions:
         for name in ("tokenizer_instances", "encoder_instances", "decode_instances", "sampling_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_residues and not self.fused:
+            raise ValueError("--max-residues runs windows inside the encoder model, which the fused layout has: "
+                             "use --backend python")
+        if self.window_overlap and not self.max_residues:
+            raise ValueError("window_overlap needs max_residues (windows are off)")
         for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget",
-                     "max_queue_size", "queue_timeout_s"):
+                     "max_queue_size", "queue_timeout_s", "max_residues", "window_overlap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be 0 or more")
         unknown = set(self.roles) - set(ROLES)

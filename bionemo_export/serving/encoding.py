@@ -21,9 +21,11 @@ import numpy as np
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.batching import padding_counts, plan_sub_batches, stack_padded
     from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
+    from bionemo_export.serving import windows
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from batching import padding_counts, plan_sub_batches, stack_padded
     from responses import RequestError, Responder, input_array, triton, wanted_outputs
+    import windows
 
 GRAPH_INPUTS = ("input_ids", "attention_mask", "residue_mask")
 GRAPH_OUTPUTS = ("hiddens", "embeddings")
@@ -49,6 +51,63 @@ class SequenceInputs:
     def __call__(self, request: Any) -> TokenRows:
         encoded = self.tokenizer.encode(sequences_column(request, self.error), truncate=self.truncate)
         return encoded.input_ids, encoded.attention_mask, encoded.residue_mask
+
+
+class WindowedRows(tuple):
+    """A request's token rows (input_ids, attention_mask, residue_mask) when some of its sequences
+    were split into windows: `layout` maps the rows back to the sequences (windows.py)."""
+
+    layout: "windows.WindowLayout"
+
+
+class WindowedSequenceInputs(SequenceInputs):
+    """SequenceInputs for a model built with --max-residues: a sequence longer than the model's
+    window (its max_length less BOS/EOS) becomes overlapping windows of it, each tokenized as the
+    model expects (BOS + window + EOS); `merge` turns the rows' outputs back into one answer per
+    sequence by windows.py's documented rule. Sequences within the window are one row, as without
+    the option; over `max_residues` is the request's error."""
+
+    def __init__(self, tokenizer: Any, truncate: bool, error: type[Exception], *, max_residues: int,
+                 overlap: int) -> None:
+        super().__init__(tokenizer, truncate, error)
+        self.has_bos, self.has_eos = tokenizer.bos_token is not None, tokenizer.eos_token is not None
+        self.window = tokenizer.max_length - self.has_bos - self.has_eos
+        self.overlap = overlap or windows.default_overlap(self.window)
+        self.max_residues = max_residues
+        windows.check_settings(self.window, self.overlap, max_residues)
+
+    def __call__(self, request: Any) -> TokenRows:
+        raw = sequences_column(request, self.error)
+        try:
+            texts = [item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in raw]
+        except UnicodeDecodeError:  # the tokenizer names the sequence and the problem
+            return super().__call__(request)
+        if all(len(text) <= self.window for text in texts):
+            return super().__call__(request)
+        try:
+            layout = windows.layout_windows([len(t) for t in texts], window=self.window, overlap=self.overlap,
+                                            max_residues=self.max_residues,
+                                            specials=int(self.has_bos) + int(self.has_eos))
+        except windows.WindowError as err:
+            raise RequestError(f"input 'sequences': {err}") from None
+        encoded = self.tokenizer.encode(layout.texts(texts))
+        rows = WindowedRows((encoded.input_ids, encoded.attention_mask, encoded.residue_mask))
+        rows.layout = layout
+        return rows
+
+    def merge(self, rows: WindowedRows, outputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """(one sequence's outputs per row of the request: hiddens merged, embeddings their mean
+        over the residues; the residue mask) from the windows' outputs (hiddens needed)."""
+        layout, tokens = rows.layout, rows[1].sum(axis=1)
+        per_row = [outputs["hiddens"][row, :tokens[row]] for row in range(len(tokens))]
+        merged, masks = [], []
+        for sequence, spans in enumerate(layout.spans):
+            merged.append(windows.merge_rows(layout.outputs_of(sequence, per_row), spans, has_bos=self.has_bos,
+                                             has_eos=self.has_eos))
+            masks.append(windows.residue_mask(spans[-1][1], has_bos=self.has_bos, has_eos=self.has_eos))
+        result = {"hiddens": stack_padded([m[None] for m in merged], 0.0),
+                  "embeddings": np.stack([windows.mean_embedding(m, k) for m, k in zip(merged, masks)])}
+        return result, stack_padded([k[None] for k in masks], False)
 
 
 class TokenInputs:
@@ -133,16 +192,22 @@ class GraphEncoder:
                 responses[index] = self.responder.error_response(err, prefix=self.input_prefix)
         if not accepted:
             return responses, 0
+        wanted_names = {name for _, wanted, _ in accepted for name in wanted}
+        if any(isinstance(inputs, WindowedRows) for _, _, inputs in accepted):
+            wanted_names.add("hiddens")  # windows are merged from their hiddens (embeddings too)
         try:
-            results = self.run([inputs for _, _, inputs in accepted],
-                               {name for _, wanted, _ in accepted for name in wanted})
+            results = self.run([inputs for _, _, inputs in accepted], wanted_names)
         except Exception as err:  # noqa: BLE001 - the graph failed: every request of this call says why
             for index, _, _ in accepted:
                 responses[index] = self.responder.error_response(err)
             return responses, 0
         pb_utils = triton()
         for (index, wanted, inputs), outputs in zip(accepted, results):
-            outputs["mask"] = inputs[2]
+            if isinstance(inputs, WindowedRows):
+                merged, mask = self.read.merge(inputs, outputs)
+                outputs = {**merged, "mask": mask}
+            else:
+                outputs["mask"] = inputs[2]
             responses[index] = pb_utils.InferenceResponse(
                 [pb_utils.Tensor(name, outputs[name]) for name in wanted])
         # The graph's largest buffers are attention scores: rows x length^2 floats per head.
