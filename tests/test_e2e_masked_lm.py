@@ -178,3 +178,20 @@ def test_the_dev_server_serves_logits_and_scores_as_the_repository_does(served, 
                 client.score_variants(WILD_TYPE, ["L1A"])
     finally:
         stop_dev_server(dev)
+
+
+def test_client_encode_of_the_logits_model_names_the_alphabet(served, tmp_path):
+    """`client encode --model N_logits` writes log_probs and mask, and the alphabet that names
+    log_probs' last axis (the config's parameter), in JSON as in .npz."""
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    _, _, client = served
+    out = tmp_path / "log_probs.json"
+    result = CliRunner().invoke(app, ["client", "encode", "--model", f"{NAME}_logits", "-s", "MKT_Y", "--triton-url",
+                                      str(client.client.url), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    document = json.loads(out.read_text())
+    assert document["alphabet"] == list("LAGVSERTIDPKQNFYMHWCXBUZO")
+    assert np.asarray(document["log_probs"]).shape == (1, 7, 25) and document["mask"][0] == [False] + [True] * 5 + [False]

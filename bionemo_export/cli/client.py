@@ -7,6 +7,7 @@ the server), several in flight, and the answers are written in input order.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
@@ -97,7 +98,6 @@ def decode(
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
 ) -> None:
     """Decode hidden states into sequences (MegaMolBART's N_decodes)."""
-    import json
 
     from bionemo_export.client import TritonClient, infer_rows
     from bionemo_export.client.files import read_hiddens, to_jsonable, write_outputs
@@ -207,14 +207,20 @@ def _query(ctx: typer.Context, *, model: str, sequences: Optional[List[str]], in
     if failures and stop_on_error:
         raise typer.Exit(1)
     ids = [sent[row].id for row in results.rows] if input else None
+    outputs = dict(results.outputs)
+    if model.endswith("_logits"):  # log_probs' last axis, named: the config's alphabet (tasks.py: N_logits)
+        with TritonClient(triton_url) as client:
+            alphabet = (client.model_config(model).get("parameters") or {}).get("alphabet", {}).get("string_value")
+        if alphabet:
+            outputs["alphabet"] = np.array([token.encode("utf-8") for token in json.loads(alphabet)], dtype=np.object_)
     if input:
         console.print(f"{len(results.rows)} of {len(records)} records answered"
                       + (f"; {len(failures)} bad records left out" if failures else ""), highlight=False)
     if output:
-        write_outputs(output, results.outputs, ids)
-        console.print(f"wrote {', '.join(results.outputs) or 'nothing'} to {output}", highlight=False)
+        write_outputs(output, outputs, ids)
+        console.print(f"wrote {', '.join(outputs) or 'nothing'} to {output}", highlight=False)
         return
-    _print_outputs(console, results.outputs)
+    _print_outputs(console, outputs)
 
 
 def _print_outputs(console: Console, outputs: dict[str, np.ndarray]) -> None:
