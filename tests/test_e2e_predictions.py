@@ -113,3 +113,29 @@ def test_verify_checks_served_logits_and_labels_against_pytorch(served, which, f
     samples = loaded.family.sample_sequences()
     checks = verify_predictions(clients[which][1], loaded, ["predictions"], [samples, samples[:1]], (1e-4, 0.9999))
     assert len(checks) == 2 and all(check.passed for check in checks), checks
+
+
+@pytest.mark.slow
+def test_rxnfps_real_fine_tuned_classifier_served_equals_transformers(tmp_path, triton_install):
+    """rxnfp's bert_ft_10k_25s (50 reaction classes, 2 named in its config) built and served: logits
+    equal transformers' BertForSequenceClassification on the same files, token ids written out from
+    the package's SMILES tokenizer (checked against rxnfp's regex in test_rxnfp), and labels are the
+    argmax's names (LABEL_i for the unnamed)."""
+    from bionemo_export.models.bert import rxnfp_checkpoint
+
+    checkpoint = rxnfp_checkpoint("bert_ft_10k_25s")
+    build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="rx", out=tmp_path / "repo",
+                                  backend="python", tasks=("predictions",)))
+    reactions = ["CC(=O)O.OCC>>CC(=O)OCC", "c1ccccc1Br.OB(O)c1ccccc1>>c1ccc(-c2ccccc2)cc1"]
+    encoded = get_family("bert").load(checkpoint).tokenizer.encode(reactions)
+    reference = transformers.BertForSequenceClassification.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                             attention_mask=torch.from_numpy(encoded.attention_mask)).logits.numpy()
+    with TritonServer(tmp_path / "repo", install=triton_install, log_file=tmp_path / "server.log") as server:
+        with RepositoryClient("rx", f"grpc://{server.endpoints.grpc_url}") as client:
+            answer = client.predict(reactions)
+            labels = client.labels()
+    assert len(labels) == 50
+    np.testing.assert_allclose(answer["logits"], expected, atol=1e-4)
+    assert answer["label"] == [labels[i] for i in expected.argmax(axis=1)]
