@@ -259,7 +259,7 @@ def _servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) ->
                              f"or *ForTokenClassification checkpoint): it cannot serve {', '.join(needs_classifier)}; "
                              f"build {', '.join(loaded.family.tasks[:2])} from it, or give a fine-tuned checkpoint")
         tasks = tuple(t for t in tasks if t not in needs_classifier)
-    if "scores" in tasks and not _head(loaded).scores_servable:
+    if "scores" in tasks and not loaded.serves_scores:
         if asked:
             raise BuildError(f"{loaded.checkpoint}: scores need one character per residue and a mask token; this "
                              f"model's alphabet is {', '.join(loaded.alphabet[:8])}...: build logits instead")

@@ -98,7 +98,7 @@ class DevModels:
             tasks += ["decodes", "samplings"]
         if loaded.lm_head is not None:
             tasks.append("logits")
-            if getattr(loaded.tokenizer, "mask_char", None) and all(len(a) == 1 for a in loaded.alphabet):
+            if loaded.serves_scores:
                 tasks.append("scores")
         if getattr(loaded, "classifier", None) is not None:
             tasks.append("predictions")

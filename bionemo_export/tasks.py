@@ -127,8 +127,6 @@ class Task:
     outputs: tuple[TensorDef, ...]
     role: str
     """The repository role whose model serves it (model_repository/options.py ROLES)."""
-    graph_outputs: tuple[str, ...] = ()
-    """The encoder graph outputs it reads (hiddens, embeddings, log_probs, logits)."""
     requires: str = "encoder"
     """What the checkpoint must have: encoder, decoder (encoder-decoder families), lm_head
     (a masked-LM head), classifier (a fine-tuned head)."""
@@ -170,10 +168,10 @@ SCORING_METHODS = ("wt-marginal", "masked-marginal", "pll")
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",
          (SEQUENCES,), (TensorDef("embeddings", DType.FP32, ("H",), "mean of `hiddens` over `mask`"),),
-         role="embeddings", graph_outputs=("embeddings",)),
+         role="embeddings"),
     Task("hiddens", "the encoder's last hidden states, one row per token",
          (SEQUENCES,), (TensorDef("hiddens", DType.FP32, (-1, "H"), "every token's hidden state, 0 on padding"), MASK),
-         role="hiddens", graph_outputs=("hiddens",)),
+         role="hiddens"),
     Task("decodes", "greedy decoding of hidden states back into sequences",
          (TensorDef("hiddens", DType.FP32, (-1, "H"), "hidden states, as N_hiddens answers them"),
           TensorDef("mask", DType.BOOL, (-1,), "True on real tokens")),
@@ -203,7 +201,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                     "any residue"),),
          (TensorDef("log_probs", DType.FP32, (-1, "A"), "log_softmax over the alphabet (special tokens excluded), "
                     "rows laid out like hiddens"), MASK),
-         role="logits", graph_outputs=("hiddens", "log_probs"), requires="lm_head",
+         role="logits", requires="lm_head",
          notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",)),
     Task("scores", "variant-effect scores (ESM's marginals) or the pseudo-log-likelihood of the sequence",
          (TensorDef("sequences", DType.BYTES, (1,), "the wild type"),
@@ -213,7 +211,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                     "variants, pll without)", optional=True)),
          (TensorDef("scores", DType.FP32, (-1,), "one per variant: the sum over its mutations of log p(mutant) - "
                     "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
-         role="scores", graph_outputs=("hiddens", "log_probs"), requires="lm_head"),
+         role="scores", requires="lm_head"),
     Task("predictions", "the fine-tuned head's logits and predicted label (sequence heads: one per sequence; "
          "token heads: one per token)",
          (SEQUENCES,),
@@ -222,7 +220,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
           TensorDef("label", DType.BYTES, (1,), "the argmax's name from id2label (LABEL_i where unnamed); "
                     "multi-label: the names whose sigmoid > 0.5 joined by ','; regression: the values as text; "
                     "token heads [-1]")),
-         role="predictions", graph_outputs=("hiddens", "logits"), requires="classifier",
+         role="predictions", requires="classifier",
          notes=("Token heads (*ForTokenClassification) answer `logits` [-1, C], `mask` BOOL [-1] and `label` "
                 "[-1]; the label names are the config's `labels` parameter (a JSON list), its problem type "
                 "`problem_type`.",)),

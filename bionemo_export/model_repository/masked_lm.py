@@ -14,8 +14,7 @@ For `--name N`, on top of the encoder models (encoder.py):
 
 `A` is the residue alphabet (LoadedModel.alphabet): the config `parameters` of N_logits and
 N_scores carry it as a JSON list, with the mask character the tokenizer reads (`_`). N_scores is
-planned only where every alphabet entry is one character (protein models): variants are written
-residue by residue.
+planned only where LoadedModel.serves_scores (one character per residue, a mask character).
 """
 
 from __future__ import annotations
@@ -48,11 +47,6 @@ class MaskedLMHead:
     """log_probs' last axis, in order."""
     mask_char: str | None
     """The character the tokenizer reads as the mask token (None: no mask token)."""
-
-    @property
-    def scores_servable(self) -> bool:
-        """N_scores needs one character per residue and a mask character (masked copies)."""
-        return self.mask_char is not None and all(len(token) == 1 for token in self.alphabet)
 
 
 def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: ServingOptions,

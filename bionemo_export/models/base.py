@@ -132,6 +132,13 @@ class LoadedModel:
     `problem_type`; eval mode, fp32."""
 
     @property
+    def serves_scores(self) -> bool:
+        """Whether N_scores can run on it: a masked-LM head, a mask character (for the masked
+        copies) and one character per residue (variants are written residue by residue)."""
+        return (self.lm_head is not None and getattr(self.tokenizer, "mask_char", None) is not None
+                and all(len(token) == 1 for token in self.alphabet))
+
+    @property
     def classifier_outputs(self) -> tuple[TensorSpec, ...]:
         """The fine-tuned head graph's output: logits [B, C] or, per token, [B, L, C]."""
         if self.classifier is None:
