@@ -43,6 +43,12 @@ class Checkpoint:
     """Side files by name (vocab.txt, spiece.model, tokenizer.json, a .nemo's tokenizer artifacts)."""
     model_class: str | None = None
     """What the checkpoint says it is: config.json's model_type, or a .nemo's `target` class."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Stored entries the reader left out of `weights`, with why (TransformerEngine `_extra_state`,
+    optimizer state, duplicates of other tensors): `inspect` reports them."""
+    parallel: dict[str, int] = field(default_factory=dict)
+    """How the stored weights were split before the reader merged them ({"tensor": 2,
+    "pipeline": 1}); empty for single-rank checkpoints."""
 
     @property
     def weights_path(self) -> str:
@@ -156,6 +162,47 @@ def weights_error(source: str, err: BaseException) -> CheckpointError:
     if isinstance(err, pickle.UnpicklingError):
         return refused_weights(source, err)
     return unreadable_weights(source, err)
+
+
+EXTRA_STATE = "_extra_state"
+"""The leaf name of TransformerEngine's serialized FP8 metadata (bytes, not weights): skipped, as
+BioNeMo's own loaders skip it."""
+
+
+def load_torch_weights(source_file: Any, source: str) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+    """(state dict, skipped entries) of a torch checkpoint, read with `torch.load(weights_only=True)`:
+    no pickled code runs. `io.BytesIO` is allowed besides tensors, as older TransformerEngine stores
+    `_extra_state` that way (a byte buffer, nothing callable); those entries are skipped."""
+    import io
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals([io.BytesIO]):
+            loaded = torch.load(source_file, map_location="cpu", weights_only=True)
+    except Exception as err:  # a refused pickle (refused_weights) or an unreadable file
+        raise weights_error(source, err) from None
+    return check_state_dict(loaded, source)
+
+
+def check_state_dict(weights: Any, source: str) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+    """(`weights` checked to be a flat {name: tensor} dict, the entries skipped): some files wrap
+    the dict in {"state_dict": ...}; TransformerEngine `_extra_state` entries (bytes, a buffer or
+    None) are skipped."""
+    import torch
+
+    if isinstance(weights, dict) and isinstance(weights.get("state_dict"), dict):
+        weights = weights["state_dict"]
+    if not isinstance(weights, dict) or not weights:
+        raise CheckpointError(f"{source} holds no state dict (found {type(weights).__name__})")
+    skipped = {key: "TransformerEngine metadata (_extra_state), not a weight" for key in weights
+               if isinstance(key, str) and key.rsplit(".", 1)[-1] == EXTRA_STATE}
+    weights = {key: value for key, value in weights.items() if key not in skipped}
+    if bad := [str(k) for k, v in weights.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]:
+        raise CheckpointError(f"{source}: entries that are not named tensors: {', '.join(bad[:5])}")
+    if not weights:
+        raise CheckpointError(f"{source} holds no weights (only {len(skipped)} _extra_state entries)")
+    return weights, skipped
 
 
 def some(items: list[str], limit: int = 8) -> str:

@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader, weights_error
+from .base import (
+    MAX_SIDE_FILE_BYTES,
+    Checkpoint,
+    CheckpointError,
+    CheckpointReader,
+    check_state_dict,
+    load_torch_weights,
+    register_reader,
+    weights_error,
+)
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SAVED_FORM_TYPES = ("megamolbart",)
@@ -28,11 +37,13 @@ def read_config_json(directory: Path) -> dict[str, Any]:
     return config
 
 
-def read_weights(directory: Path) -> tuple[dict[str, Any], str]:
-    """The state dict in `directory` (one file, or shards listed by an index) and its file name."""
+def read_weights(directory: Path) -> tuple[dict[str, Any], str, dict[str, str]]:
+    """(state dict, weights file name, entries skipped) of `directory`: one file, or shards listed
+    by an index."""
     for name in WEIGHT_FILES:
         if (directory / name).is_file():
-            return read_weight_file(directory / name), name
+            weights, skipped = read_weight_file(directory / name)
+            return weights, name, skipped
         index = directory / f"{name}.index.json"
         if index.is_file():
             try:
@@ -40,43 +51,31 @@ def read_weights(directory: Path) -> tuple[dict[str, Any], str]:
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as err:
                 raise CheckpointError(f"{index} is not a weight index ({err})") from None
             weights: dict[str, Any] = {}
+            skipped: dict[str, str] = {}
             for shard in shards:
-                weights.update(read_weight_file(directory / shard))
-            return weights, index.name
+                shard_weights, shard_skipped = read_weight_file(directory / shard)
+                weights.update(shard_weights)
+                skipped.update(shard_skipped)
+            return weights, index.name, skipped
     raise CheckpointError(
         f"checkpoint {directory} has no weights: expected {' or '.join(WEIGHT_FILES)} "
         "(or a sharded *.index.json)"
     )
 
 
-def read_weight_file(path: Path) -> dict[str, Any]:
-    """A safetensors or torch state dict; torch files are read with weights_only=True, so no
-    pickled code ever runs (a file that holds some is refused: base.refused_weights)."""
-    import torch
+def read_weight_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(state dict, entries skipped) of a safetensors or torch file; torch files are read with
+    weights_only=True, so no pickled code ever runs (a file that holds some is refused:
+    base.refused_weights)."""
+    if path.suffix != ".safetensors":
+        return load_torch_weights(path, str(path))
+    from safetensors.torch import load_file
 
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            weights = load_file(path, device="cpu")
-        else:
-            weights = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # every format has its own errors; name the file either way
+        weights = load_file(path, device="cpu")
+    except Exception as err:  # safetensors' own errors; name the file either way
         raise weights_error(str(path), err) from None
     return check_state_dict(weights, str(path))
-
-
-def check_state_dict(weights: Any, source: str) -> dict[str, Any]:
-    """`weights` checked to be a flat {name: tensor} dict (some files wrap it in {"state_dict": ...})."""
-    import torch
-
-    if isinstance(weights, dict) and isinstance(weights.get("state_dict"), dict):
-        weights = weights["state_dict"]
-    if not isinstance(weights, dict) or not weights:
-        raise CheckpointError(f"{source} holds no state dict (found {type(weights).__name__})")
-    if bad := [str(k) for k, v in weights.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]:
-        raise CheckpointError(f"{source}: entries that are not named tensors: {', '.join(bad[:5])}")
-    return weights
 
 
 @register_reader
@@ -96,7 +95,7 @@ class HuggingFaceReader(CheckpointReader):
 
     def read(self, path: Path) -> Checkpoint:
         config = read_config_json(path)
-        weights, weights_name = read_weights(path)
+        weights, weights_name, skipped = read_weights(path)
         files = {
             item.name: item.read_bytes()
             for item in sorted(path.iterdir())
@@ -104,4 +103,4 @@ class HuggingFaceReader(CheckpointReader):
             and not item.name.startswith(WEIGHT_FILES)
         }
         return Checkpoint(path=path, form=self.form, config=config, weights=weights, weights_name=weights_name,
-                          files=files, model_class=config.get("model_type"))
+                          files=files, model_class=config.get("model_type"), skipped=skipped)

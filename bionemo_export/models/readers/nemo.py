@@ -35,8 +35,7 @@ from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
-from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader, weights_error
-from .huggingface import check_state_dict
+from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, load_torch_weights, register_reader
 
 CONFIG_NAME = "model_config.yaml"
 WEIGHTS_NAME = "model_weights.ckpt"
@@ -239,16 +238,10 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, most: int = -1) -> byte
     return handle.read(most)
 
 
-def _load_weights(tar: tarfile.TarFile, member: tarfile.TarInfo, source: str) -> dict[str, Any]:
-    import torch
-
+def _load_weights(tar: tarfile.TarFile, member: tarfile.TarInfo, source: str) -> tuple[dict[str, Any], dict[str, str]]:
     handle = tar.extractfile(member)
     assert handle is not None
-    try:
-        weights = torch.load(handle, map_location="cpu", weights_only=True)
-    except Exception as err:  # a refused pickle (base.refused_weights) or an unreadable file
-        raise weights_error(source, err) from None
-    return check_state_dict(weights, source)
+    return load_torch_weights(handle, source)
 
 
 @register_reader
@@ -271,7 +264,7 @@ class NemoReader(CheckpointReader):
                                               f"{CONFIG_NAME} and {WEIGHTS_NAME}")
                 # One byte over the limit is enough to refuse it, whatever the header declares.
                 config = _parse_config(_read(tar, by_base[CONFIG_NAME], MAX_CONFIG_BYTES + 1), path)
-                weights = _load_weights(tar, by_base[WEIGHTS_NAME], f"{path}:{WEIGHTS_NAME}")
+                weights, skipped = _load_weights(tar, by_base[WEIGHTS_NAME], f"{path}:{WEIGHTS_NAME}")
                 files = {
                     base: _read(tar, member)
                     for base, member in by_base.items()
@@ -283,7 +276,7 @@ class NemoReader(CheckpointReader):
             reason = str(err).splitlines()[0].rstrip(":")  # tarfile lists every method it tried
             raise CheckpointError(f"{path} is not a readable .nemo archive (plain or gzip tar): {reason}") from None
         return Checkpoint(path=path, form=self.form, config=config, weights=weights, weights_name=WEIGHTS_NAME,
-                          files=files, model_class=config.get("target"))
+                          files=files, model_class=config.get("target"), skipped=skipped)
 
 
 # ---------------------------------------------------------------------------- model_config.yaml

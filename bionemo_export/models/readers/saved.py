@@ -25,6 +25,6 @@ class SavedFormReader(CheckpointReader):
         vocab = path / "vocab.txt"
         if not vocab.is_file():
             raise CheckpointError(f"checkpoint {path} has no vocab.txt")
-        weights, weights_name = read_weights(path)
+        weights, weights_name, skipped = read_weights(path)
         return Checkpoint(path=path, form=self.form, config=config, weights=weights, weights_name=weights_name,
-                          files={"vocab.txt": vocab.read_bytes()}, model_class=config["model_type"])
+                          files={"vocab.txt": vocab.read_bytes()}, model_class=config["model_type"], skipped=skipped)
