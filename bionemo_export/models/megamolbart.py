@@ -40,7 +40,7 @@ from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamil
 from bionemo_export.models.encoder import describe_form, load_strict, masked_mean, token_limit
 from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
 from bionemo_export.models.readers import Checkpoint, CheckpointError, read_checkpoint
-from bionemo_export.models.readers.nemo import artifact_text, setting
+from bionemo_export.models.readers.nemo import artifact_text
 from bionemo_export.tokenizers.smiles import SmilesTokenizer, build_vocab
 
 MODEL_TYPE = "megamolbart"
@@ -241,6 +241,24 @@ def _cut_padded_vocab(weights: dict[str, torch.Tensor], rows: int, size: int, so
     return weights
 
 
+def _output_head(weights: dict[str, torch.Tensor], embedding: torch.Tensor | None, source: str) -> str:
+    """Complete the stored output head (`tokens_head`) in place and say which one it was. What the
+    file holds decides, whatever the config says (checkpoints.md): NeMo <= 1.10 saved only the bias,
+    the weight tied to the token embeddings; NeMo 1.11-1.12, and later with
+    `share_decoder_tokens_head_embeddings: false` (MegaMolBART's), only the weight; some archives both."""
+    has_weight, has_bias = "tokens_head.weight" in weights, "tokens_head.bias" in weights
+    if has_weight:
+        return "weight and bias" if has_bias else "weight, no bias"
+    if not has_bias:
+        raise CheckpointError(f"{source} has no enc_dec_model.tokens_head.weight nor .bias: the decoder's output "
+                              "head is missing, so nothing can be decoded")
+    if embedding is None:
+        raise CheckpointError(f"{source}: enc_dec_model.tokens_head has only a bias, so its weight is the token "
+                              "embeddings, but enc_dec_model.encoder_embedding.word_embeddings.weight is missing")
+    weights["tokens_head.weight"] = embedding
+    return "bias, weight tied to the token embeddings"
+
+
 @register
 class MegaMolBartFamily(ModelFamily):
     name = "megamolbart"
@@ -272,13 +290,14 @@ class MegaMolBartFamily(ModelFamily):
         source = checkpoint.weights_path
         weights = encoder_decoder_keys(checkpoint.weights, config.num_heads, source)
         embedding = weights.get("embedding.word_embeddings.weight")
-        if "tokens_head.weight" not in weights and embedding is not None and \
-                setting(checkpoint, "share_decoder_tokens_head_embeddings", default=True):
-            weights["tokens_head.weight"] = embedding  # the output head tied to the token embeddings
+        head = _output_head(weights, embedding, source)
         if embedding is not None:
             weights = _cut_padded_vocab(weights, embedding.shape[0], len(vocab), source)
+        if "tokens_head.bias" not in weights:  # NeMo 1.11-1.12, and >= 1.13 unshared: a head without bias
+            weights["tokens_head.bias"] = torch.zeros(len(vocab), dtype=weights["tokens_head.weight"].dtype)
         return ModelDescription(checkpoint, config, tokenizer, weights,
-                                facts={"nemo_target": checkpoint.model_class, "activation": config.activation})
+                                facts={"nemo_target": checkpoint.model_class, "activation": config.activation,
+                                       "output_head": head})
 
     def _tokenizer(self, checkpoint: Checkpoint, vocab: list[str], config: MegaMolBartConfig,
                    max_length: int | None, pattern: str | None = None) -> SmilesTokenizer:

@@ -103,6 +103,26 @@ def check_gelu(activation: str, bias_gelu_fusion: bool, source: str) -> str:
     return "gelu_tanh" if bias_gelu_fusion else "gelu"
 
 
+def fused_bias_gelu(checkpoint, section: str | None = None, encoder_decoder: bool = False) -> bool:
+    """Whether NeMo runs a stack's MLP through Megatron's fused bias-GELU (the tanh approximation),
+    with NeMo's own precedence (checkpoints.md):
+    - Megatron BERT (ESM-1nv, ESM-2nv) reads `bias_gelu_fusion`, default true;
+    - encoder-decoder models (MegaMolBART, ProtT5nv) read `bias_activation_fusion`: from a nested
+      encoder:/decoder: section as it is (default true); in a flat config, the deprecated alias
+      `bias_gelu_fusion` wins when present, then `bias_activation_fusion`, then `bias` (the oldest
+      configs had neither key, and fusion followed the bias)."""
+    config = checkpoint.config
+    if not encoder_decoder:
+        return bool(config.get("bias_gelu_fusion", True))
+    nested = config.get(section) if section else None
+    if isinstance(nested, dict):
+        return bool(nested.get("bias_activation_fusion", True))
+    for key in ("bias_gelu_fusion", "bias_activation_fusion", "bias"):
+        if key in config:
+            return bool(config[key])
+    return True
+
+
 def strip_model_prefix(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keys without NeMo's leading `model.` (present in some archives, absent in others)."""
     return {key.removeprefix("model."): tensor for key, tensor in weights.items()}
@@ -167,12 +187,13 @@ def check_megatron_block(checkpoint, section: str | None = None) -> None:
 
 def transformer_config(checkpoint, vocab_size: int, sections: tuple[str | None, ...] = (None,)):
     """The TransformerConfig a .nemo's model_config.yaml describes. With `sections`
-    ("encoder", "decoder"), nested per-stack settings are read and must agree on everything but
-    the number of layers."""
+    ("encoder", "decoder") (an encoder-decoder model), nested per-stack settings are read and must
+    agree on everything but the number of layers; (None,) is a Megatron BERT."""
     from bionemo_export.models.readers.nemo import setting
     from bionemo_export.models.transformer import TransformerConfig
 
     source = f"{checkpoint.path}:model_config.yaml"
+    encoder_decoder = "encoder" in sections
     stacks = []
     for section in sections:
         check_megatron_block(checkpoint, section)
@@ -183,7 +204,7 @@ def transformer_config(checkpoint, vocab_size: int, sections: tuple[str | None, 
             "ffn_size": int(setting(checkpoint, "ffn_hidden_size", section, default=4 * hidden)),
             "layer_norm_eps": float(setting(checkpoint, "layernorm_epsilon", section, default=1e-5)),
             "activation": check_gelu(setting(checkpoint, "activation", section, default="gelu"),
-                                     bool(setting(checkpoint, "bias_gelu_fusion", section, default=True)), source),
+                                     fused_bias_gelu(checkpoint, section, encoder_decoder), source),
             "max_position_embeddings": int(setting(checkpoint, "max_position_embeddings", section)),
             "num_layers": int(setting(checkpoint, "num_layers", section)),
         })

@@ -44,7 +44,7 @@ def write_nemo(path: Path, config: dict, weights: dict[str, torch.Tensor], artif
     their names, which should be the `<uuid>_<name>` that config references)."""
     members = {"model_config.yaml": yaml.safe_dump(config, sort_keys=False).encode()}
     buffer = io.BytesIO()
-    torch.save({k: v.contiguous() for k, v in weights.items()}, buffer)
+    torch.save({k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in weights.items()}, buffer)
     members["model_weights.ckpt"] = buffer.getvalue()
     members.update(artifacts or {})
     with tarfile.open(path, "w:gz" if gzip else "w") as tar:
@@ -105,8 +105,11 @@ def esm2nv_config(hf_config, **overrides) -> dict:
 
 
 # -------------------------------------------------------------------------------- MegaMolBART
-def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *, tied_head: bool = False) -> dict[str, torch.Tensor]:
-    """A `MegaMolBart` state dict (separate q/k/v) in NeMo's Megatron encoder-decoder layout."""
+def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *, head: str = "weight and bias") -> dict[str, torch.Tensor]:
+    """A `MegaMolBart` state dict (separate q/k/v) in NeMo's Megatron encoder-decoder layout. The
+    output head as a NeMo version saved it (checkpoints.md): "weight and bias", "weight" (NeMo
+    1.11-1.12, and >= 1.13 with share_decoder_tokens_head_embeddings false: no bias) or "bias"
+    (NeMo <= 1.10: the weight tied to the token embeddings, not stored)."""
     heads = config.num_heads
     out = {
         "enc_dec_model.encoder_embedding.word_embeddings.weight": pad_rows(state["embedding.word_embeddings.weight"]),
@@ -129,9 +132,10 @@ def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *, tied_head: bo
         for leaf in ("weight", "bias"):
             out[f"enc_dec_model.enc_dec_model.{stack}.model.final_layernorm.{leaf}"] = \
                 state[f"{stack}.final_layernorm.{leaf}"]
-    if not tied_head:
+    if head in ("weight and bias", "weight"):
         out["enc_dec_model.tokens_head.weight"] = pad_rows(state["tokens_head.weight"])
-    out["enc_dec_model.tokens_head.bias"] = pad_rows(state["tokens_head.bias"])
+    if head in ("weight and bias", "bias"):
+        out["enc_dec_model.tokens_head.bias"] = pad_rows(state["tokens_head.bias"])
     return out
 
 
@@ -162,7 +166,8 @@ def megamolbart_config(config, vocab: list[str], *, nested: bool = False, **over
         "tokenizer": {"library": "regex", "type": None,
                       "model": f"nemo:{UUID}_megamolbart.model", "vocab_file": f"nemo:{UUID}_megamolbart.vocab"},
     }
-    if nested:
+    if nested:  # per-stack sections read bias_activation_fusion (bias_gelu_fusion is the flat configs' alias)
+        sizes["bias_activation_fusion"] = sizes.pop("bias_gelu_fusion")
         decoder = dict(sizes, num_layers=config.num_decoder_layers)
         yaml_config.update(encoder=dict(sizes), decoder=decoder, max_position_embeddings=config.max_position_embeddings)
     else:
@@ -171,3 +176,97 @@ def megamolbart_config(config, vocab: list[str], *, nested: bool = False, **over
     artifacts = {f"{UUID}_megamolbart.model": MEGAMOLBART_REGEX.encode(),
                  f"{UUID}_megamolbart.vocab": ("\n".join(vocab) + "\n").encode()}
     return yaml_config, artifacts
+
+
+# ------------------------------------------------------------- what NeMo and Megatron vary
+def legacy_qkv(weights: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """`megatron_legacy: true`: fused `query_key_value` rows stored [all q; all k; all v] and
+    `key_value` rows [all k; all v], instead of per head (NeMo v1.23 attention.py). Applied to a
+    single rank's weights (`heads` = that rank's heads)."""
+    out = {}
+    for key, tensor in weights.items():
+        module = key.rsplit(".", 1)[0].rsplit(".", 1)[-1]
+        parts = {"query_key_value": 3, "key_value": 2}.get(module)
+        if parts is None:
+            out[key] = tensor
+            continue
+        head_dim = tensor.shape[0] // (parts * heads)
+        per_head = tensor.reshape(heads, parts, head_dim, *tensor.shape[1:])  # the standard layout
+        out[key] = per_head.transpose(0, 1).reshape(tensor.shape).contiguous()
+    return out
+
+
+def amp_o2_keys(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`megatron_amp_O2: true`: `.module.` after the top prefix of every key, half-precision values."""
+    out = {}
+    for key, tensor in weights.items():
+        top, rest = key.split(".", 1)
+        out[f"{top}.module.{rest}"] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+    return out
+
+
+COLUMN_PARALLEL = ("query_key_value", "key_value", "query", "dense_h_to_4h", "word_embeddings", "tokens_head")
+ROW_PARALLEL = ("self_attention.dense.weight", "inter_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+
+
+def tensor_parallel_shards(weights: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """Megatron-LM's tensor parallelism (tensor_parallel/layers.py, as checkpoints.md states it):
+    column-parallel layers (fused QKV, cross-attention query/key_value, dense_h_to_4h) and
+    vocabulary-parallel tensors (word embeddings, LM-head bias, tokens head) split by rows - each
+    rank gets a contiguous block of rows, so whole heads in per-head order; row-parallel weights
+    (attention output dense, dense_4h_to_h) split by columns, their bias copied; the rest copied."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+    for key, tensor in weights.items():
+        module = key.rsplit(".", 1)[0]
+        if key.endswith(ROW_PARALLEL):
+            pieces = tensor.chunk(size, dim=1)
+        elif module.rsplit(".", 1)[-1] in COLUMN_PARALLEL or key.endswith("lm_head.bias"):
+            assert tensor.shape[0] % size == 0, key
+            pieces = tensor.chunk(size, dim=0)
+        else:
+            pieces = [tensor] * size
+        for rank, piece in enumerate(pieces):
+            shards[rank][key] = piece.clone()
+    return shards
+
+
+def pipeline_stages(weights: dict[str, torch.Tensor], layers_per_stage: list[int],
+                    stack: str = "language_model.encoder.layers.") -> list[dict[str, torch.Tensor]]:
+    """A Megatron BERT split into pipeline stages (checkpoints.md): each stage holds its layers
+    numbered from 0; the first the embeddings, the last the final layer norm, the LM head and a
+    copy of the word embeddings as `model.word_embeddings.weight`; rotary tables on every stage."""
+    stages: list[dict[str, torch.Tensor]] = [{} for _ in layers_per_stage]
+    first_layer = [sum(layers_per_stage[:i]) for i in range(len(layers_per_stage))]
+    last = len(stages) - 1
+    for key, tensor in weights.items():
+        if stack in key:
+            head, rest = key.split(stack)
+            index, leaf = rest.split(".", 1)
+            stage = max(i for i, start in enumerate(first_layer) if int(index) >= start)
+            stages[stage][f"{head}{stack}{int(index) - first_layer[stage]}.{leaf}"] = tensor
+        elif "rotary_pos_emb" in key:
+            for stage in stages:
+                stage[key] = tensor
+        elif ".embedding." in key:
+            stages[0][key] = tensor
+        else:
+            stages[last][key] = tensor
+    stages[last]["model.word_embeddings.weight"] = weights["model.language_model.embedding.word_embeddings.weight"]
+    return stages
+
+
+def write_nemo_ranks(path: Path, config: dict, ranks: dict[str, dict[str, torch.Tensor]],
+                     artifacts: dict[str, bytes] | None = None) -> Path:
+    """A model-parallel .nemo: model_config.yaml and `<rank folder>/model_weights.ckpt` per rank
+    (mp_rank_XX, or tp_rank_XX_pp_rank_XXX), as NeMo's save_to writes them, members under `./`."""
+    members = {"model_config.yaml": yaml.safe_dump(config, sort_keys=False).encode(), **(artifacts or {})}
+    for folder, weights in ranks.items():
+        buffer = io.BytesIO()
+        torch.save({k: v.contiguous() for k, v in weights.items()}, buffer)
+        members[f"{folder}/model_weights.ckpt"] = buffer.getvalue()
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo("./" + name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path

@@ -13,8 +13,12 @@ Reading is defensive, bounded in time and memory whatever the archive holds:
 - `model_config.yaml` is bounded in size, nesting and size with its aliases expanded, checked
   while it is composed, before anything is built (`_BoundedYaml`);
 - the weights are read with `torch.load(weights_only=True)`, so no pickled code runs, and a file
-  that holds some is refused as such; model-parallel archives (`mp_rank_XX/` folders) are refused
-  with what to do.
+  that holds some is refused as such.
+
+What Megatron varies in the stored weights is undone here (megatron_ranks.py), so every family
+reads one layout: model-parallel archives (`mp_rank_XX/`, `tp_rank_XX_pp_rank_XXX/`) are merged into
+one rank, megatron_amp_O2's `.module.` infix is dropped, megatron_legacy's fused QKV is regrouped
+per head and TransformerEngine `_extra_state` entries are skipped (`Checkpoint.skipped`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
 from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, load_torch_weights, register_reader
+from .megatron_ranks import Rank, check_grid, find_ranks, merge_ranks, regroup_legacy_qkv, strip_module_infix
 
 CONFIG_NAME = "model_config.yaml"
 WEIGHTS_NAME = "model_weights.ckpt"
@@ -223,14 +228,6 @@ def _safe_members(tar: tarfile.TarFile, archive: Path) -> dict[str, tarfile.TarI
     return files
 
 
-def _check_single_rank(names: list[str], archive: Path) -> None:
-    ranks = sorted({part for name in names for part in name.split("/") if part.startswith("mp_rank_")})
-    if ranks:
-        raise CheckpointError(
-            f"{archive} is a model-parallel checkpoint ({', '.join(ranks)}): merge it into one rank first "
-            "(NeMo's megatron_change_num_partitions.py with --target_tensor_model_parallel_size 1)")
-
-
 def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, most: int = -1) -> bytes:
     """The member's content, or its first `most` bytes."""
     handle = tar.extractfile(member)
@@ -242,6 +239,58 @@ def _load_weights(tar: tarfile.TarFile, member: tarfile.TarInfo, source: str) ->
     handle = tar.extractfile(member)
     assert handle is not None
     return load_torch_weights(handle, source)
+
+
+def _canonical(weights: dict[str, Any], config: dict[str, Any], tensor_size: int, source: str) -> dict[str, Any]:
+    """One rank's weights in the layout families read: no `.module.` infix, fused QKV per head
+    (`megatron_legacy` archives store [all q; all k; all v]: regrouped over this rank's heads)."""
+    weights = strip_module_infix(weights)
+    sections = ("encoder", "decoder")
+    if any(bool(config_setting(config, "megatron_legacy", section, False)) for section in (None, *sections)):
+        def heads_of(key: str) -> int:
+            section = next((name for name in sections if f".{name}." in f".{key}"), None)
+            heads = config_setting(config, "num_attention_heads", section, None)
+            if not isinstance(heads, int) or heads < 1:
+                raise CheckpointError(f"{path_of(source)}: num_attention_heads is {heads!r}; megatron_legacy's fused "
+                                      "QKV is regrouped per head, so the number of heads is needed")
+            if heads % tensor_size:
+                raise CheckpointError(f"{source}: {heads} attention heads do not divide among {tensor_size} "
+                                      "tensor-parallel ranks")
+            return heads // tensor_size
+
+        regroup_legacy_qkv(weights, heads_of, source)
+    return weights
+
+
+def path_of(source: str) -> str:
+    """The archive's model_config.yaml named from a weights source `archive:member`."""
+    return f"{source.rsplit(':', 1)[0]}:{CONFIG_NAME}"
+
+
+def _read_weights(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], config: dict[str, Any], path: Path
+                  ) -> tuple[dict[str, Any], dict[str, str], dict[str, int]]:
+    """(weights, entries skipped, parallel layout) of the archive: one `model_weights.ckpt`, or
+    one per rank folder, merged."""
+    ranks = find_ranks(members, WEIGHTS_NAME)
+    if not ranks:
+        weights_member = next((name for name in members if posixpath.basename(name) == WEIGHTS_NAME), None)
+        if weights_member is None:
+            raise CheckpointError(f"{path} has no {WEIGHTS_NAME}; a .nemo checkpoint holds {CONFIG_NAME} and "
+                                  f"{WEIGHTS_NAME} (or one per rank folder, mp_rank_XX/{WEIGHTS_NAME})")
+        source = f"{path}:{WEIGHTS_NAME}"
+        weights, skipped = _load_weights(tar, members[weights_member], source)
+        return _canonical(weights, config, 1, source), skipped, {}
+    tensor, pipeline = check_grid(ranks, config, str(path))
+    skipped: dict[str, str] = {}
+
+    def load(rank: Rank, name: str) -> dict[str, Any]:
+        source = f"{path}:{name}"
+        weights, rank_skipped = _load_weights(tar, members[name], source)
+        skipped.update({f"{rank.folder}/{key}": why for key, why in rank_skipped.items()})
+        return _canonical(weights, config, tensor, source)
+
+    weights, duplicates = merge_ranks(ranks, load, str(path))
+    return weights, {**skipped, **duplicates}, {"tensor": tensor, "pipeline": pipeline}
 
 
 @register_reader
@@ -256,19 +305,17 @@ class NemoReader(CheckpointReader):
         try:
             with _open_archive(path) as tar:
                 members = _safe_members(tar, path)
-                _check_single_rank(list(members), path)
-                by_base = {posixpath.basename(name): member for name, member in members.items()}
-                for required in (CONFIG_NAME, WEIGHTS_NAME):
-                    if required not in by_base:
-                        raise CheckpointError(f"{path} has no {required}; a .nemo checkpoint holds "
-                                              f"{CONFIG_NAME} and {WEIGHTS_NAME}")
+                config_member = next((m for name, m in members.items() if posixpath.basename(name) == CONFIG_NAME), None)
+                if config_member is None:
+                    raise CheckpointError(f"{path} has no {CONFIG_NAME}; a .nemo checkpoint holds "
+                                          f"{CONFIG_NAME} and {WEIGHTS_NAME}")
                 # One byte over the limit is enough to refuse it, whatever the header declares.
-                config = _parse_config(_read(tar, by_base[CONFIG_NAME], MAX_CONFIG_BYTES + 1), path)
-                weights, skipped = _load_weights(tar, by_base[WEIGHTS_NAME], f"{path}:{WEIGHTS_NAME}")
+                config = _parse_config(_read(tar, config_member, MAX_CONFIG_BYTES + 1), path)
+                weights, skipped, parallel = _read_weights(tar, members, config, path)
                 files = {
-                    base: _read(tar, member)
-                    for base, member in by_base.items()
-                    if base not in (CONFIG_NAME, WEIGHTS_NAME) and member.size <= MAX_SIDE_FILE_BYTES
+                    posixpath.basename(name): _read(tar, member)
+                    for name, member in members.items()
+                    if posixpath.basename(name) not in (CONFIG_NAME, WEIGHTS_NAME) and member.size <= MAX_SIDE_FILE_BYTES
                 }
         except _RefusedArchive as err:
             raise CheckpointError(f"{path}: {err}; refusing the archive") from None
@@ -276,7 +323,7 @@ class NemoReader(CheckpointReader):
             reason = str(err).splitlines()[0].rstrip(":")  # tarfile lists every method it tried
             raise CheckpointError(f"{path} is not a readable .nemo archive (plain or gzip tar): {reason}") from None
         return Checkpoint(path=path, form=self.form, config=config, weights=weights, weights_name=WEIGHTS_NAME,
-                          files=files, model_class=config.get("target"), skipped=skipped)
+                          files=files, model_class=config.get("target"), skipped=skipped, parallel=parallel)
 
 
 # ---------------------------------------------------------------------------- model_config.yaml
@@ -394,10 +441,9 @@ def _parse_config(data: bytes, archive: Path, loader: type | None = None) -> dic
 
 
 # ---------------------------------------------------------------- helpers for families
-def setting(checkpoint: Checkpoint, key: str, section: str | None = None, default: Any = ...) -> Any:
+def config_setting(config: dict[str, Any], key: str, section: str | None = None, default: Any = ...) -> Any:
     """A model_config.yaml setting: from the nested `section` (encoder:/decoder:, newer NeMo
-    configs) when it has it, else the flat top level; CheckpointError when absent and no default."""
-    config = checkpoint.config
+    configs) when it has it, else the flat top level; KeyError when absent and no default."""
     nested = config.get(section) if section else None
     if isinstance(nested, dict) and key in nested:
         return nested[key]
@@ -405,8 +451,16 @@ def setting(checkpoint: Checkpoint, key: str, section: str | None = None, defaul
         return config[key]
     if default is not ...:
         return default
-    where = f"{section}.{key} or {key}" if section else key
-    raise CheckpointError(f"{checkpoint.path}:{CONFIG_NAME} has no {where}")
+    raise KeyError(f"{section}.{key} or {key}" if section else key)
+
+
+def setting(checkpoint: Checkpoint, key: str, section: str | None = None, default: Any = ...) -> Any:
+    """`config_setting` of a checkpoint's model_config.yaml; CheckpointError naming the file when
+    the setting is absent and there is no default."""
+    try:
+        return config_setting(checkpoint.config, key, section, default)
+    except KeyError as err:
+        raise CheckpointError(f"{checkpoint.path}:{CONFIG_NAME} has no {err.args[0]}") from None
 
 
 def artifact(checkpoint: Checkpoint, key: str) -> bytes:
