@@ -241,7 +241,7 @@ def _log_tail(workspace: Path | None, lines: int = 20) -> str:
     return "\n".join(tails) or "(Model Navigator wrote no log)"
 
 
-def _servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> tuple[str, ...]:
+def servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> tuple[str, ...]:
     """`tasks` that this checkpoint can serve. The masked-LM tasks need a head: asked for without
     one, they are an error naming the checkpoint; by default they are left out. N_scores calls
     N_logits, so scores brings logits along."""
@@ -339,7 +339,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
         raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
                          f"{reason(err)}") from err
     family = loaded.family
-    tasks = _servable_tasks(loaded, _check_tasks(family, request.tasks), asked=request.tasks is not None)
+    tasks = servable_tasks(loaded, _check_tasks(family, request.tasks), asked=request.tasks is not None)
 
     try:
         request.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 from bionemo_export import __version__
 from bionemo_export.errors import reason, user_facing
 
-from . import bench, build, client, deploy, dev_server, doctor, engines, health, repo, serve, verify
+from . import bench, build, client, deploy, dev_server, doctor, engines, health, inspect, repo, serve, verify
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
 # command's output that the user can do nothing about.
@@ -74,6 +74,7 @@ def _root(
     """Export, serve, query and benchmark biology language models on Triton Inference Server."""
 
 
+app.command("inspect", help=inspect.__doc__)(inspect.inspect)
 app.add_typer(build.app, name="build")
 app.add_typer(engines.app, name="engines")
 app.command("serve", help=serve.__doc__)(serve.serve)

@@ -27,6 +27,7 @@ with `@register` (the package imports every module in it); adding a form is one 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -180,6 +181,21 @@ class ModelDescription:
     """The checkpoint's masked-LM head, None when it has none (models/lm_head.py)."""
     classifier: "ClassifierWeights | None" = None
     """The checkpoint's fine-tuned head, None when it has none (models/classifier.py)."""
+    left_out: dict[str, str] = field(default_factory=dict)
+    """Stored tensors the family does not use, with why (`leave_out`): heads it does not serve,
+    copies of shared tensors, tables it computes from the config. `inspect` reports them."""
+
+
+_LEFT_OUT: ContextVar[dict[str, str] | None] = ContextVar("left_out", default=None)
+
+
+def leave_out(key: str, why: str) -> None:
+    """Record that a family's conversion dropped the stored tensor `key` (named as stored, or as
+    the conversion had renamed it), and why: `ModelFamily.describe` collects these into
+    `ModelDescription.left_out`. Outside describe it does nothing."""
+    recorded = _LEFT_OUT.get()
+    if recorded is not None:
+        recorded.setdefault(key, why)
 
 
 class ModelFamily(ABC):
@@ -221,7 +237,14 @@ class ModelFamily(ABC):
             what = f" ({said})" if checkpoint.model_class else ""
             raise CheckpointError(f"{checkpoint.path} is a {checkpoint.form} checkpoint{what}; "
                                   f"the {self.name} family reads {', '.join(self.forms())} checkpoints")
-        return convert(checkpoint, max_length)
+        recorded: dict[str, str] = {}
+        token = _LEFT_OUT.set(recorded)
+        try:
+            description = convert(checkpoint, max_length)
+        finally:
+            _LEFT_OUT.reset(token)
+        description.left_out.update(recorded)
+        return description
 
     @abstractmethod
     def build(self, description: ModelDescription) -> LoadedModel:
@@ -248,17 +271,24 @@ def register(cls: type[ModelFamily]) -> type[ModelFamily]:
     return cls
 
 
+FORM_FAMILIES = {"nv_esm": "esm2"}
+"""Checkpoint forms that say which family reads them by being that form (NVIDIA's nv_esm
+directory: config.json's model_type)."""
+
+
 def load_checkpoint(path: Path, family: str | None = None, max_length: int | None = None) -> LoadedModel:
     """Read the checkpoint at `path` (any form) and load it as `family`; without a family, a
-    .nemo archive's `target` names it. A .nemo whose target belongs to another family is refused."""
+    .nemo archive's `target` names it (a FORM_FAMILIES form, its form). A checkpoint that says it
+    belongs to another family is refused."""
     from bionemo_export.models.readers import CheckpointError, read_checkpoint
 
     checkpoint = read_checkpoint(Path(path))
-    found = infer_family(checkpoint, required=family is None) if checkpoint.form == "nemo" else None
+    found = (infer_family(checkpoint, required=family is None) if checkpoint.form == "nemo"
+             else FORM_FAMILIES.get(checkpoint.form))
     if family is None:
         if found is None:
             raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with --model "
-                                  "(only .nemo archives say what they are)")
+                                  "(only .nemo archives and nv_esm directories say what they are)")
         family = found
     elif found is not None and found != family:
         raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, Mapping
 import torch
 from transformers.initialization import no_init_weights
 
-from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily
+from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, leave_out
 from bionemo_export.models.classifier import (
     ClassifierHead,
     ClassifierWeights,
@@ -231,6 +231,9 @@ class HuggingFaceEncoderFamily(EncoderFamily):
         """The checkpoint's weights under the backbone's names: the *ForMaskedLM prefix stripped,
         old LayerNorm names modernized, heads the encoder does not use dropped."""
         renamed = {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()}
+        for key in renamed:
+            if key.startswith(self.unused_prefixes):
+                leave_out(key, f"{key.split('.')[0]}: a head the {self.name} family does not serve")
         return {key: tensor for key, tensor in renamed.items() if not key.startswith(self.unused_prefixes)}
 
 
@@ -279,6 +282,8 @@ def describe_form(checkpoint: Checkpoint) -> str:
         return f"huggingface directory ({checkpoint.weights_name})"
     if checkpoint.form == "nemo":
         return f".nemo archive ({checkpoint.model_class or 'no target'})"
+    if checkpoint.form == "nv_esm":
+        return f"NVIDIA TransformerEngine ESM-2 directory (nv_esm, {checkpoint.weights_name})"
     return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"  # the saved form
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import transformers
 
-from bionemo_export.models.base import ModelDescription, register
+from bionemo_export.models.base import ModelDescription, leave_out, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
     read_vocab,
@@ -198,7 +198,10 @@ def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmCon
     source = checkpoint.weights_path
     weights = {key.removeprefix("model."): tensor for key, tensor in checkpoint.weights.items()}
     weights, head = megatron_lm_head(weights, checkpoint)
-    _check_rotary(weights.pop("language_model.rotary_pos_emb.inv_freq", None), config, source)
+    inv_freq = weights.pop("language_model.rotary_pos_emb.inv_freq", None)
+    _check_rotary(inv_freq, config, source)
+    if inv_freq is not None:
+        leave_out("model.language_model.rotary_pos_emb.inv_freq", "the rotary table: checked, and computed from the config")
     weights = split_fused(weights, config.num_attention_heads, source)
     table = [("language_model.embedding.word_embeddings.", "embeddings.word_embeddings."),
              ("language_model.encoder.final_layernorm.", "encoder.emb_layer_norm_after.")]

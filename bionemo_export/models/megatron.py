@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
+from bionemo_export.models.base import leave_out
 from bionemo_export.models.readers import CheckpointError
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ def rename(weights: Mapping[str, torch.Tensor], prefixes: Iterable[tuple[str, st
     out: dict[str, torch.Tensor] = {}
     for key, tensor in weights.items():
         if key.startswith(drop):
+            leave_out(key, f"{key.split('.')[0]}: not served (a head or pooler the served model does not use)")
             continue
         for old, new in table:
             if key.startswith(old):
@@ -141,6 +143,8 @@ def encoder_decoder_keys(weights: Mapping[str, torch.Tensor], num_heads: int, so
         if own is not None and (shared is None or not torch.equal(own, shared)):
             raise CheckpointError(f"{source}: enc_dec_model.decoder_embedding.{leaf} differs from the encoder's; "
                                   "separate decoder embeddings are not supported")
+        if own is not None:
+            leave_out(f"enc_dec_model.decoder_embedding.{leaf}", "a copy of the shared encoder embeddings")
     return rename(weights, [
         ("enc_dec_model.encoder_embedding.", "embedding."),
         ("enc_dec_model.enc_dec_model.encoder.model.", "encoder."),

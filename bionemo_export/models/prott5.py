@@ -28,7 +28,7 @@ import torch
 import transformers
 from transformers.initialization import no_init_weights
 
-from bionemo_export.models.base import ModelDescription, register
+from bionemo_export.models.base import ModelDescription, leave_out, register
 from bionemo_export.models.encoder import HuggingFaceEncoderFamily, token_limit
 from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
 from bionemo_export.models.readers import Checkpoint, CheckpointError
@@ -127,8 +127,14 @@ class ProtT5Family(HuggingFaceEncoderFamily):
         source = checkpoint.weights_path
         # Only the encoder is served: the decoder's own embeddings (shared or not) do not matter.
         stored = {key: tensor for key, tensor in checkpoint.weights.items() if ".decoder_embedding." not in f".{key}"}
-        weights = {key: tensor for key, tensor in encoder_decoder_keys(stored, config.num_heads, source).items()
-                   if not key.startswith(("decoder.", "tokens_head."))}
+        weights = {}
+        for key, tensor in encoder_decoder_keys(stored, config.num_heads, source).items():
+            if key.startswith(("decoder.", "tokens_head.")):
+                leave_out(key, "the decoder: ProtT5nv serves its encoder")
+            else:
+                weights[key] = tensor
+        for key in checkpoint.weights.keys() - stored.keys():
+            leave_out(key, "the decoder's embeddings: ProtT5nv serves its encoder")
         key = "embedding.word_embeddings.weight"
         if key in weights:  # padded to a multiple of make_vocab_size_divisible_by: keep real ids only
             weights[key] = cut_vocab(weights[key], len(pieces), key, source)

@@ -1,0 +1,178 @@
+"""What the tool sees in a checkpoint before it builds anything (`bionemo-export inspect`).
+
+The report runs the same steps as `build repo` up to the PyTorch modules, and stops there: the
+reader (form, parallel layout, entries it skipped), the family's conversion (sizes, tokenizer,
+heads, the stored tensors it leaves out and why) and the strict load (missing, unexpected or
+mis-shaped keys, reported as problems instead of raised), then the tasks a build would serve
+(`build.servable_tasks`, the rule `build repo` applies) and the command that builds them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bionemo_export.build import servable_tasks
+from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, get_family, infer_family
+from bionemo_export.models.readers import READERS, Checkpoint, CheckpointError, read_checkpoint
+
+MOST_LISTED = 12
+"""Keys listed per group on screen (--json lists them all)."""
+
+
+@dataclass
+class CheckpointReport:
+    """Everything `inspect` reports; `to_dict` is its --json form."""
+
+    checkpoint: str
+    form: str
+    form_description: str
+    model_class: str | None
+    family: str | None
+    sizes: dict[str, Any] = field(default_factory=dict)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    parallel: dict[str, int] = field(default_factory=dict)
+    keys: dict[str, Any] = field(default_factory=dict)
+    heads: dict[str, Any] = field(default_factory=dict)
+    tasks: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    command: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether `build repo` would get past loading this checkpoint."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def render(self) -> str:
+        """One screen of text."""
+        lines = [f"checkpoint  {self.checkpoint}",
+                 f"form        {self.form}: {self.form_description}",
+                 f"family      {self.family or '(unknown: name it with --model)'}"
+                 + (f"  [{self.model_class}]" if self.model_class else "")]
+        if self.sizes:
+            lines.append("sizes       " + ", ".join(f"{k} {v}" for k, v in self.sizes.items()))
+        if self.tokenizer:
+            lines.append("tokenizer   " + ", ".join(f"{k} {v}" for k, v in self.tokenizer.items()))
+        parallel = (" x ".join(f"{size} {kind}" for kind, size in self.parallel.items()) + " ranks, merged on import"
+                    if self.parallel else "single rank")
+        lines.append(f"parallel    {parallel}")
+        if self.keys:
+            keys = self.keys
+            lines.append(f"keys        {keys['stored']} stored: {keys['mapped']} mapped, {len(keys['skipped'])} skipped "
+                         f"by the reader, {len(keys['left_out'])} left out by the family")
+            for title in ("skipped", "left_out"):
+                lines += _listed(title.replace("_", " "), keys[title])
+        if self.heads:
+            lines.append("heads       " + ", ".join(f"{k} {v}" for k, v in self.heads.items()))
+        lines.append(f"tasks       {', '.join(self.tasks) if self.tasks else '(none: see the problems)'}")
+        for problem in self.problems:
+            lines.append(f"problem     {problem}")
+        if self.command:
+            lines.append(f"build with  {self.command}")
+        return "\n".join(lines)
+
+
+def _listed(title: str, entries: dict[str, str]) -> list[str]:
+    """Keys grouped by reason, a few of each shown."""
+    by_reason: dict[str, list[str]] = {}
+    for key, why in entries.items():
+        by_reason.setdefault(why, []).append(key)
+    lines = []
+    for why, keys in by_reason.items():
+        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        lines.append(f"  {title}: {len(keys)} ({why}): {shown}")
+    return lines[:MOST_LISTED]
+
+
+def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | None = None) -> CheckpointReport:
+    """The report of the checkpoint at `path` read as `family` (inferred when the checkpoint says
+    what it is, or when one family alone reads it). CheckpointError only when the checkpoint
+    cannot be read at all; what stops a build is in `problems`."""
+    path = Path(path)
+    checkpoint = read_checkpoint(path)
+    report = CheckpointReport(checkpoint=str(path), form=checkpoint.form,
+                              form_description=READERS[checkpoint.form].description,
+                              model_class=checkpoint.model_class, family=None, parallel=dict(checkpoint.parallel))
+    try:
+        name = family or _family_of(checkpoint)
+    except CheckpointError as err:
+        report.problems.append(str(err))
+        return report
+    if name is None:
+        report.problems.append(f"no family reads this {checkpoint.form} checkpoint as it is; name one with --model "
+                               f"({', '.join(sorted(REGISTRY))}) to see why")
+        return report
+    report.family = name
+    reader = get_family(name)
+    try:
+        description = reader.describe(checkpoint, max_length)
+    except (CheckpointError, ValueError) as err:
+        report.problems.append(str(err))
+        return report
+    _describe_keys(report, checkpoint, description)
+    try:
+        loaded = reader.build(description)
+    except (CheckpointError, ValueError) as err:
+        report.problems.append(str(err))
+        return report
+    _describe_model(report, loaded)
+    report.tasks = list(servable_tasks(loaded, reader.tasks, asked=False))
+    command = ["bionemo-export", "build", "repo", "--checkpoint", str(path), "--model", name,
+               "--name", name, "--out", f"{name}_repository"]
+    report.command = shlex.join(command)
+    return report
+
+
+def _family_of(checkpoint: Checkpoint) -> str | None:
+    """The family a checkpoint names (a .nemo target, a form only one family reads), else the one
+    family that describes it without error; None when none or several do."""
+    from bionemo_export.models.base import FORM_FAMILIES
+
+    if checkpoint.form == "nemo":
+        return infer_family(checkpoint)
+    if checkpoint.form in FORM_FAMILIES:
+        return FORM_FAMILIES[checkpoint.form]
+    readers = [name for name, cls in sorted(REGISTRY.items()) if checkpoint.form in cls.forms()]
+    fitting = []
+    for name in readers:
+        try:
+            get_family(name).describe(checkpoint)
+        except (CheckpointError, ValueError):
+            continue
+        fitting.append(name)
+    return fitting[0] if len(fitting) == 1 else None
+
+
+def _describe_keys(report: CheckpointReport, checkpoint: Checkpoint, description: ModelDescription) -> None:
+    heads = [head.weights for head in (description.lm_head, description.classifier) if head is not None]
+    report.keys = {
+        "stored": len(checkpoint.weights) + len(checkpoint.skipped),
+        "mapped": len(description.state_dict) + sum(len(weights) for weights in heads),
+        "skipped": dict(checkpoint.skipped),
+        "left_out": dict(description.left_out),
+    }
+
+
+def _describe_model(report: CheckpointReport, loaded: LoadedModel) -> None:
+    sizes = {key: loaded.description[key] for key in ("architecture", "layers", "hidden", "heads", "parameters")
+             if key in loaded.description}
+    if "parameters" in sizes:
+        sizes["parameters"] = f"{sizes['parameters'] / 1e6:.2f}M"
+    report.sizes = sizes
+    tokenizer = loaded.tokenizer
+    report.tokenizer = {"kind": type(tokenizer).__name__, "vocabulary": tokenizer.vocab_size,
+                        "max tokens": tokenizer.max_length,
+                        "specials": " ".join(t for t in (tokenizer.bos_token, tokenizer.eos_token) if t) or "none"}
+    report.heads = {"masked-LM": "yes" if loaded.lm_head is not None else "no",
+                    "fine-tuned": (f"{loaded.classifier.num_labels} labels"
+                                   f"{' per residue' if loaded.classifier.per_token else ''}"
+                                   if loaded.classifier is not None else "no"),
+                    "decoder": "yes" if loaded.seq2seq is not None else "no"}
+    for key in ("output_head", "activation"):
+        if key in loaded.description:
+            report.heads[key.replace("_", " ")] = loaded.description[key]
