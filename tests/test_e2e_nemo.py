@@ -1,5 +1,5 @@
 """`.nemo` archives end to end: built with `bionemo-export build repo` (family inferred from the
-archive), served by the real tritonserver, compared with references independent of the import
+archive; the ESM-2nv one tensor-parallel, merged on import), served by the real tritonserver, compared with references independent of the import
 (transformers' EsmModel for ESM-2nv; the source MegaMolBart for MegaMolBART, decodes included)."""
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from tests.helpers.nemo_archives import (
     esm2nv_config,
     megamolbart_config,
     megamolbart_to_nemo,
+    pad_rows,
+    tensor_parallel_shards,
     write_nemo,
+    write_nemo_ranks,
 )
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +47,12 @@ def esm2nv(tmp_path_factory, triton_install):
     config = transformers.EsmConfig.from_pretrained(source)
     weights = esm2_to_megatron(load_file(source / "model.safetensors"), config.num_hidden_layers,
                                config.num_attention_heads)
-    archive = write_nemo(work / "esm2nv_8M.nemo", esm2nv_config(config), weights, gzip=True)
+    # Tensor-parallel over 2 ranks, as NVIDIA trained ESM-2nv 3B: merged on import.
+    for key in ("model.language_model.embedding.word_embeddings.weight", "model.lm_head.bias"):
+        weights[key] = pad_rows(weights[key][:33], 256)
+    shards = tensor_parallel_shards(weights, 2)
+    archive = write_nemo_ranks(work / "esm2nv_tp2.nemo", {**esm2nv_config(config), "tensor_model_parallel_size": 2},
+                               {f"mp_rank_{rank:02d}": shard for rank, shard in enumerate(shards)})
     result = CliRunner().invoke(app, ["build", "repo", "--checkpoint", str(archive), "--name", "esm2nv",
                                       "--out", str(work / "repo"), "--backend", "python", "--max-batch-size", "8"])
     assert result.exit_code == 0, result.output
@@ -56,7 +64,7 @@ def test_esm2nv_archive_served_equals_transformers(esm2nv):
     source, server, repo = esm2nv
     manifest = Manifest.read(repo)
     assert manifest.family == "esm2"
-    assert manifest.checkpoint["checkpoint_form"].startswith(".nemo archive")
+    assert manifest.checkpoint["checkpoint_form"].endswith("merged from 2 tensor x 1 pipeline parallel ranks)")
     model = transformers.EsmModel.from_pretrained(source, add_pooling_layer=False).eval()
     batch = transformers.EsmTokenizer(vocab_file=str(source / "vocab.txt"))(PROTEINS, padding=True,
                                                                              return_tensors="pt")

@@ -281,9 +281,13 @@ def describe_form(checkpoint: Checkpoint) -> str:
     if checkpoint.form == "huggingface":
         return f"huggingface directory ({checkpoint.weights_name})"
     if checkpoint.form == "nemo":
-        return f".nemo archive ({checkpoint.model_class or 'no target'})"
+        ranks = " x ".join(f"{size} {kind}" for kind, size in checkpoint.parallel.items())
+        merged = f", merged from {ranks} parallel ranks" if ranks else ""
+        return f".nemo archive ({checkpoint.model_class or 'no target'}{merged})"
     if checkpoint.form == "nv_esm":
         return f"NVIDIA TransformerEngine ESM-2 directory (nv_esm, {checkpoint.weights_name})"
+    if checkpoint.form == "nemo2":
+        return f"NeMo 2 directory ({checkpoint.model_class or 'no config class'}, {checkpoint.weights_name})"
     return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"  # the saved form
 
 
