@@ -295,3 +295,32 @@ def test_bias_activation_fusion_false_gives_exact_gelu(megamolbart_source, tmp_p
                                       weights, artifacts))
     assert exact.description["activation"] == "gelu" and tanh.description["activation"] == "gelu_tanh"
     torch.testing.assert_close(decoder_logits(exact, vocab), decoder_logits(model, vocab), atol=1e-5, rtol=0)
+
+
+def encoder_decoder_stages(weights: dict) -> list[dict]:
+    """A Megatron encoder-decoder over two pipeline stages split at the decoder
+    (pipeline_model_parallel_split_rank 1): the encoder with its embeddings, then the decoder with
+    its own copy of the shared embeddings and the output head; each stack numbers its layers from 0."""
+    encoder = {k: v for k, v in weights.items() if ".encoder." in k or "encoder_embedding" in k}
+    decoder = {k: v for k, v in weights.items() if k not in encoder}
+    for leaf in ("word_embeddings.weight", "position_embeddings.weight"):
+        decoder[f"enc_dec_model.decoder_embedding.{leaf}"] = weights[f"enc_dec_model.encoder_embedding.{leaf}"]
+    return [encoder, decoder]
+
+
+def test_pipeline_and_tensor_parallel_megamolbart_is_merged(megamolbart_source, tmp_path):
+    """NeMo requires the tied head with pipeline parallelism: bias only, weight = the embeddings."""
+    model, vocab = megamolbart_source
+    source = head_variant(model, "bias")
+    weights = megamolbart_to_nemo(source.state_dict(), source.config, head="bias")
+    for key in ("enc_dec_model.encoder_embedding.word_embeddings.weight", "enc_dec_model.tokens_head.bias"):
+        weights[key] = pad_rows(weights[key][: len(vocab)], 256)
+    config, artifacts = megamolbart_config(source.config, vocab, tensor_model_parallel_size=2,
+                                           pipeline_model_parallel_size=2, pipeline_model_parallel_split_rank=1,
+                                           share_decoder_tokens_head_embeddings=True)
+    ranks = {f"tp_rank_{tp:02d}_pp_rank_{pp:03d}": shard for pp, stage in enumerate(encoder_decoder_stages(weights))
+             for tp, shard in enumerate(tensor_parallel_shards(stage, 2))}
+    archive = write_nemo_ranks(tmp_path / "tp2pp2.nemo", config, ranks, artifacts)
+    assert read_checkpoint(archive).parallel == {"tensor": 2, "pipeline": 2}
+    loaded = load_checkpoint(archive)
+    torch.testing.assert_close(decoder_logits(loaded, vocab), decoder_logits(source, vocab), atol=1e-5, rtol=0)
