@@ -63,8 +63,9 @@ class CheckpointReport:
         lines.append(f"parallel    {parallel}")
         if self.keys:
             keys = self.keys
-            lines.append(f"keys        {keys['stored']} stored: {keys['mapped']} mapped, {len(keys['skipped'])} skipped "
-                         f"by the reader, {len(keys['left_out'])} left out by the family")
+            lines.append(f"keys        {keys['stored']} stored, {len(keys['skipped'])} skipped by the reader, "
+                         f"{len(keys['left_out'])} left out by the family; the rest mapped to the model's "
+                         f"{keys['mapped']} tensors (fused ones split)")
             for title in ("skipped", "left_out"):
                 lines += _listed(title.replace("_", " "), keys[title])
         if self.heads:
