@@ -23,6 +23,7 @@ from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.megatron import check_gelu, cut_vocab, fused_bias_gelu, megatron_lm_head, rename, split_fused
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
+from bionemo_export.models.transformer_engine_esm import check_tokenizer_json, nv_esm_config, nv_esm_weights
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
@@ -122,6 +123,17 @@ class Esm2Family(HuggingFaceEncoderFamily):
         return ModelDescription(checkpoint, config, tokenizer, weights,
                                 facts={"nemo_target": checkpoint.model_class, "activation": activation},
                                 lm_head=head)
+
+    def from_nv_esm(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        """NVIDIA's TransformerEngine ESM-2 directory (bionemo-recipes; the layout and what it
+        computes: models/transformer_engine_esm.py), under EsmModel's names; the encoder's MLP
+        keeps TransformerEngine's tanh GELU. Its tokenizer files must be the ESM-2 alphabet."""
+        config = nv_esm_config(checkpoint, ALPHABET)
+        found = nv_esm_weights(checkpoint, config)
+        check_tokenizer_json(checkpoint, ALPHABET)
+        tokenizer = self.build_tokenizer(checkpoint.path, config, max_length)  # checks vocab.txt
+        return ModelDescription(checkpoint, config, tokenizer, found.backbone, facts=found.facts,
+                                lm_head=found.head, classifier=found.classifier)
 
     def make_backbone(self, config: Any) -> torch.nn.Module:
         backbone = super().make_backbone(config)

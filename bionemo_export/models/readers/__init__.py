@@ -4,7 +4,7 @@
 that subclasses `CheckpointReader` with `@register_reader`, plus its tests.
 """
 
-from . import huggingface, nemo, saved  # noqa: F401
+from . import huggingface, nemo, nv_esm, saved  # noqa: F401
 from .base import READERS, Checkpoint, CheckpointError, CheckpointReader, read_checkpoint, register_reader
 
 __all__ = ["READERS", "Checkpoint", "CheckpointError", "CheckpointReader", "read_checkpoint", "register_reader"]

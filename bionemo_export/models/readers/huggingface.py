@@ -21,6 +21,9 @@ from .base import (
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SAVED_FORM_TYPES = ("megamolbart",)
 """model_type values of the project's own saved form (readers/saved.py), not Hugging Face models."""
+NV_ESM_TYPES = ("nv_esm",)
+"""model_type values of NVIDIA's TransformerEngine ESM-2 (readers/nv_esm.py): TransformerEngine
+names, not those of a transformers class."""
 
 
 def read_config_json(directory: Path) -> dict[str, Any]:
@@ -89,7 +92,7 @@ class HuggingFaceReader(CheckpointReader):
         if not path.is_dir():
             return False
         try:
-            return read_config_json(path).get("model_type") not in SAVED_FORM_TYPES
+            return read_config_json(path).get("model_type") not in SAVED_FORM_TYPES + NV_ESM_TYPES
         except CheckpointError:
             return True  # ours to report
 
