@@ -23,7 +23,7 @@ def esm2_folder(tmp_path_factory):
 
 
 def test_the_three_forms_are_registered():
-    assert set(READERS) == {"huggingface", "nemo", "saved"}
+    assert set(READERS) == {"huggingface", "nemo", "nemo2", "nv_esm", "saved"}
 
 
 def test_huggingface_directory(esm2_folder):

@@ -233,7 +233,7 @@ class ModelFamily(ABC):
 
         convert = getattr(self, f"from_{checkpoint.form}", None)
         if convert is None:
-            said = checkpoint.model_class if checkpoint.form == "nemo" else f"model_type {checkpoint.model_class!r}"
+            said = checkpoint.model_class if checkpoint.form in CONFIG_FILES else f"model_type {checkpoint.model_class!r}"
             what = f" ({said})" if checkpoint.model_class else ""
             raise CheckpointError(f"{checkpoint.path} is a {checkpoint.form} checkpoint{what}; "
                                   f"the {self.name} family reads {', '.join(self.forms())} checkpoints")
@@ -276,6 +276,11 @@ FORM_FAMILIES = {"nv_esm": "esm2"}
 directory: config.json's model_type)."""
 
 
+CONFIG_FILES = {"nemo": "model_config.yaml", "nemo2": "context/model.yaml"}
+"""Checkpoint forms whose config names the model's class (how `--model` is inferred: .nemo
+targets, NeMo 2 config classes), and that config's file."""
+
+
 def load_checkpoint(path: Path, family: str | None = None, max_length: int | None = None) -> LoadedModel:
     """Read the checkpoint at `path` (any form) and load it as `family`; without a family, a
     .nemo archive's `target` names it (a FORM_FAMILIES form, its form). A checkpoint that says it
@@ -283,7 +288,7 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
     from bionemo_export.models.readers import CheckpointError, read_checkpoint
 
     checkpoint = read_checkpoint(Path(path))
-    found = (infer_family(checkpoint, required=family is None) if checkpoint.form == "nemo"
+    found = (infer_family(checkpoint, required=family is None) if checkpoint.form in CONFIG_FILES
              else FORM_FAMILIES.get(checkpoint.form))
     if family is None:
         if found is None:
@@ -298,7 +303,8 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
 
 
 def infer_family(checkpoint: "Checkpoint", required: bool = True) -> str | None:
-    """The family that reads a .nemo checkpoint, from its `target` class."""
+    """The family that reads a .nemo checkpoint, from its `target` class (a NeMo 2 directory:
+    its context/model.yaml's config class)."""
     from bionemo_export import models  # noqa: F401 - importing the package registers every family
     from bionemo_export.models.readers import CheckpointError
 
@@ -310,7 +316,8 @@ def infer_family(checkpoint: "Checkpoint", required: bool = True) -> str | None:
         return None
     known = ", ".join(f"{t} ({name})" for name, cls in sorted(REGISTRY.items()) for t in cls.nemo_targets)
     what = f"target {checkpoint.model_class!r}" if target else "no target"
-    raise CheckpointError(f"{checkpoint.path} has {what} in model_config.yaml; known targets: {known}. "
+    config_file = CONFIG_FILES.get(checkpoint.form, "model_config.yaml")
+    raise CheckpointError(f"{checkpoint.path} has {what} in {config_file}; known targets: {known}. "
                           "Name the family with --model if it is one of them under another class name")
 
 

@@ -21,6 +21,7 @@ from bionemo_export.models.encoder import (
 )
 from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.megatron import check_gelu, cut_vocab, fused_bias_gelu, megatron_lm_head, rename, split_fused
+from bionemo_export.models.megatron_core import esm2_settings, esm2_weights
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
 from bionemo_export.models.transformer_engine_esm import check_tokenizer_json, nv_esm_config, nv_esm_weights
@@ -58,7 +59,8 @@ class Esm2Family(HuggingFaceEncoderFamily):
             return "sequence"
         return "token" if "classifier.weight" in keys else None
 
-    nemo_targets = ("ESM2nvModel",)
+    nemo_targets = ("ESM2nvModel", "ESM2Config")
+    """.nemo targets, and the config class a NeMo 2 directory's context/model.yaml names."""
 
     position_embedding_type = "rotary"
     """What config.json must say (ESM-1b-style directories say "absolute": the esm1 family)."""
@@ -134,6 +136,36 @@ class Esm2Family(HuggingFaceEncoderFamily):
         tokenizer = self.build_tokenizer(checkpoint.path, config, max_length)  # checks vocab.txt
         return ModelDescription(checkpoint, config, tokenizer, found.backbone, facts=found.facts,
                                 lm_head=found.head, classifier=found.classifier)
+
+    def from_nemo2(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        """A BioNeMo 2 / NeMo 2 ESM-2 directory: its settings from context/model.yaml, its
+        Megatron-core weights under EsmModel's names (models/megatron_core.py). Its tokenizer is
+        named by class, not stored: the fixed ESM-2 alphabet applies."""
+        if self.name != Esm2Family.name:  # esm1 inherits this method, and has no NeMo 2 form
+            raise CheckpointError(f"{checkpoint.path} is a NeMo 2 directory, which the {self.name} family does not "
+                                  "read (BioNeMo 2 ESM-2: --model esm2)")
+        settings = esm2_settings(checkpoint)
+        config = transformers.EsmConfig(
+            vocab_size=len(ALPHABET),
+            pad_token_id=ALPHABET.index("<pad>"),
+            mask_token_id=ALPHABET.index("<mask>"),
+            hidden_size=settings.hidden_size,
+            num_hidden_layers=settings.num_layers,
+            num_attention_heads=settings.num_heads,
+            intermediate_size=settings.ffn_hidden_size,
+            position_embedding_type="rotary",
+            max_position_embeddings=settings.seq_length,
+            token_dropout=settings.token_dropout,
+            emb_layer_norm_before=False,
+            layer_norm_eps=settings.layer_norm_eps,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        config.gelu_approximate = "tanh" if settings.activation == "gelu_tanh" else "none"
+        tokenizer = esm_tokenizer(token_limit(min(settings.seq_length, MAX_TOKENS), max_length, "this ESM-2 model"))
+        weights, head = esm2_weights(checkpoint, settings, len(ALPHABET))
+        return ModelDescription(checkpoint, config, tokenizer, weights, lm_head=head,
+                                facts={"nemo2_config": checkpoint.model_class, "activation": settings.activation})
 
     def make_backbone(self, config: Any) -> torch.nn.Module:
         backbone = super().make_backbone(config)
