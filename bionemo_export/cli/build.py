@@ -21,9 +21,11 @@ def repo(
     ctx: typer.Context,
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
                                         "megamolbart (see `bionemo-export build families`); optional for a .nemo "
-                                        "archive, whose target names it."),
-    checkpoint: Path = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo archive, "
-                                    "or the project's saved form.", exists=True, resolve_path=True),
+                                        "archive, a NeMo 2 or an nv_esm directory, which name it."),
+    checkpoint: Path = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo archive "
+                                    "(model-parallel ones merged), a BioNeMo 2 / NeMo 2 directory (context/ + "
+                                    "weights/), NVIDIA's nv_esm directory, or the project's saved form. "
+                                    "`bionemo-export inspect` shows what is read.", exists=True, resolve_path=True),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
     tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that the checkpoint can: "

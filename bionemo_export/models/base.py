@@ -293,7 +293,7 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
     if family is None:
         if found is None:
             raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with --model "
-                                  "(only .nemo archives and nv_esm directories say what they are)")
+                                  "(only .nemo archives, NeMo 2 and nv_esm directories say what they are)")
         family = found
     elif found is not None and found != family:
         raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "

@@ -141,9 +141,6 @@ class Esm2Family(HuggingFaceEncoderFamily):
         """A BioNeMo 2 / NeMo 2 ESM-2 directory: its settings from context/model.yaml, its
         Megatron-core weights under EsmModel's names (models/megatron_core.py). Its tokenizer is
         named by class, not stored: the fixed ESM-2 alphabet applies."""
-        if self.name != Esm2Family.name:  # esm1 inherits this method, and has no NeMo 2 form
-            raise CheckpointError(f"{checkpoint.path} is a NeMo 2 directory, which the {self.name} family does not "
-                                  "read (BioNeMo 2 ESM-2: --model esm2)")
         settings = esm2_settings(checkpoint)
         config = transformers.EsmConfig(
             vocab_size=len(ALPHABET),
