@@ -29,6 +29,7 @@ from bionemo_export.runtime import (
 )
 from bionemo_export.runtime.object_storage import S3RepositoryError, is_s3_uri
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
+from bionemo_export.client.triton import ServerUnreachableError
 from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, ControlClient, Supervisor, public_models
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -148,7 +149,7 @@ def serve(
                     f"grpc://{server.endpoints.grpc_url}", metrics_url=server.endpoints.metrics_url,
                     interval=health_interval, timeout=health_timeout, load_timeout=timeout,
                     stall_timeout=stall_timeout, server_pid=server.pid, leak_limit=max_kept_instances,
-                    stub_memory_limit=stub_memory_mb << 20, log=_log))
+                    stub_memory_limit=stub_memory_mb << 20, log=_log), grace=health_timeout)
             while server.is_running() and not (supervisor and supervisor.recycle_reason):
                 time.sleep(0.5)
             if supervisor is not None:
@@ -194,11 +195,22 @@ def _restart(server: TritonServer, timeout: float) -> None:
         _log(f"serve: starting tritonserver again failed: {' '.join(str(err).split())[:400]}")
 
 
-def _start_supervisor(server: TritonServer, repository: Path | None, supervisor: Supervisor) -> Supervisor | None:
+def _start_supervisor(server: TritonServer, repository: Path | None, supervisor: Supervisor,
+                      grace: float) -> Supervisor | None:
     """Start `supervisor` (gRPC: it runs in a thread, where tritonclient's HTTP client, gevent, is
-    not at home) on the public models of the repository's manifest, else the server's."""
-    with ControlClient(supervisor.url, timeout_s=supervisor.timeout) as client:
-        models = public_models(client, repository)
+    not at home) on the public models of the repository's manifest, else the server's. A server
+    that dies while it is asked for them (found by a test killing it right after it was ready) is
+    no reason to end serve: None, and the loop restarts it as any crash."""
+    try:
+        with ControlClient(supervisor.url, timeout_s=supervisor.timeout) as client:
+            models = public_models(client, repository)
+    except ServerUnreachableError:
+        deadline = time.monotonic() + grace
+        while server.is_running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if server.is_running():  # alive but not answering on its own port: not a crash to retry
+            raise
+        return None
     if not models:
         _log(f"health: no public models (names ending in {', '.join(PUBLIC_SUFFIXES)}) to probe")
         return None
