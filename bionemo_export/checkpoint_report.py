@@ -17,6 +17,7 @@ from typing import Any
 from bionemo_export.build import servable_tasks
 from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, get_family, infer_family
 from bionemo_export.models.readers import READERS, Checkpoint, CheckpointError, read_checkpoint
+from bionemo_export.models.readers.base import KeyMismatchError
 
 MOST_LISTED = 12
 """Keys listed per group on screen (--json lists them all)."""
@@ -68,6 +69,11 @@ class CheckpointReport:
                          f"{keys['mapped']} tensors (fused ones split)")
             for title in ("skipped", "left_out"):
                 lines += _listed(title.replace("_", " "), keys[title])
+            for title in ("missing", "unexpected", "wrong_shapes"):
+                if keys.get(title):
+                    shown = ", ".join(keys[title][:MOST_LISTED])
+                    more = f" and {len(keys[title]) - MOST_LISTED} more" if len(keys[title]) > MOST_LISTED else ""
+                    lines.append(f"  {title.replace('_', ' ')}: {len(keys[title])}: {shown}{more}")
         if self.heads:
             lines.append("heads       " + ", ".join(f"{k} {v}" for k, v in self.heads.items()))
         lines.append(f"tasks       {', '.join(self.tasks) if self.tasks else '(none: see the problems)'}")
@@ -118,6 +124,10 @@ def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | 
     _describe_keys(report, checkpoint, description)
     try:
         loaded = reader.build(description)
+    except KeyMismatchError as err:
+        report.keys.update(missing=err.missing, unexpected=err.unexpected, wrong_shapes=err.wrong_shapes)
+        report.problems.append(str(err))
+        return report
     except (CheckpointError, ValueError) as err:
         report.problems.append(str(err))
         return report

@@ -92,7 +92,27 @@ def test_what_would_stop_a_build_is_reported_not_raised(esm2_dir, tmp_path):
     result = runner.invoke(app, ["inspect", str(broken)])
     assert result.exit_code == 1
     assert "problem     " in result.output and "missing keys: encoder.layer.0.attention.self.query.weight" in result.output
+    assert "  missing: 1: encoder.layer.0.attention.self.query.weight" in result.output
     assert "build with" not in result.output
+    report = json.loads(runner.invoke(app, ["inspect", str(broken), "--json"]).output)
+    assert report["keys"]["missing"] == ["encoder.layer.0.attention.self.query.weight"]
+    assert report["keys"]["unexpected"] == [] and not report["ok"]
+
+
+def test_unexpected_and_mis_shaped_keys_are_listed(esm2_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    broken = tmp_path / "odd"
+    broken.mkdir()
+    for item in esm2_dir.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    weights = load_file(broken / "model.safetensors")
+    weights["esm.encoder.layer.0.attention.self.extra.weight"] = torch.zeros(2)
+    weights["esm.encoder.layer.1.output.dense.bias"] = torch.zeros(3)
+    save_file(weights, broken / "model.safetensors")
+    report = inspect_checkpoint(broken)
+    assert report.keys["unexpected"] == ["encoder.layer.0.attention.self.extra.weight"]
+    assert report.keys["wrong_shapes"] == ["encoder.layer.1.output.dense.bias is (3,), expected (32,)"]
 
 
 def test_a_family_that_does_not_read_it(esm2_dir):

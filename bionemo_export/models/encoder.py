@@ -33,6 +33,7 @@ from bionemo_export.models.classifier import (
 )
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head, split_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.models.readers.base import KeyMismatchError
 from bionemo_export.models.readers.base import some as _some
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
 from bionemo_export.models.transformer import TransformerConfig
@@ -260,8 +261,8 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     if shapes:
         problems.append(f"wrong shapes: {_some(shapes)}")
     if problems:
-        raise CheckpointError(f"{source} does not match the {type(module).__name__} its configuration describes: "
-                              + "; ".join(problems))
+        raise KeyMismatchError(f"{source} does not match the {type(module).__name__} its configuration describes: "
+                               + "; ".join(problems), missing, unexpected, shapes)
     module.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False, assign=True)
     with torch.no_grad():  # unused heads were never initialised: make their memory defined
         for name, parameter in module.named_parameters():

@@ -25,6 +25,17 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read; the message names the file (and key) and the problem."""
 
 
+class KeyMismatchError(CheckpointError):
+    """Weights that do not fit the module their configuration describes (a strict load failed), with
+    the keys for callers that list them (`inspect`): named as the module names them."""
+
+    def __init__(self, message: str, missing: list[str], unexpected: list[str], wrong_shapes: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.unexpected = unexpected
+        self.wrong_shapes = wrong_shapes
+
+
 @dataclass
 class Checkpoint:
     """A checkpoint read into memory, in its own naming."""
