@@ -4,11 +4,13 @@ checkpoint the build would refuse is reported (exit 1) with the reason, not rais
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from bionemo_export.checkpoint_report import inspect_checkpoint
@@ -79,16 +81,18 @@ def test_a_megamolbart_archive_says_which_output_head(tmp_path):
     assert report.heads["decoder"] == "yes" and report.tasks == ["embeddings", "hiddens", "decodes", "samplings"]
 
 
-def test_what_would_stop_a_build_is_reported_not_raised(esm2_dir, tmp_path):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for item in esm2_dir.iterdir():
-        (broken / item.name).write_bytes(item.read_bytes())
-    weights = load_file(broken / "model.safetensors")
-    del weights["esm.encoder.layer.0.attention.self.query.weight"]
-    from safetensors.torch import save_file
+def edited_copy(source: Path, out: Path, edit) -> Path:
+    """A copy of the checkpoint folder `source` whose weights `edit(weights)` changed."""
+    shutil.copytree(source, out)
+    weights = load_file(out / "model.safetensors")
+    edit(weights)
+    save_file(weights, out / "model.safetensors")
+    return out
 
-    save_file(weights, broken / "model.safetensors")
+
+def test_what_would_stop_a_build_is_reported_not_raised(esm2_dir, tmp_path):
+    broken = edited_copy(esm2_dir, tmp_path / "broken",
+                         lambda weights: weights.pop("esm.encoder.layer.0.attention.self.query.weight"))
     result = runner.invoke(app, ["inspect", str(broken)])
     assert result.exit_code == 1
     assert "problem     " in result.output and "missing keys: encoder.layer.0.attention.self.query.weight" in result.output
@@ -100,16 +104,11 @@ def test_what_would_stop_a_build_is_reported_not_raised(esm2_dir, tmp_path):
 
 
 def test_unexpected_and_mis_shaped_keys_are_listed(esm2_dir, tmp_path):
-    from safetensors.torch import save_file
+    def edit(weights):
+        weights["esm.encoder.layer.0.attention.self.extra.weight"] = torch.zeros(2)
+        weights["esm.encoder.layer.1.output.dense.bias"] = torch.zeros(3)
 
-    broken = tmp_path / "odd"
-    broken.mkdir()
-    for item in esm2_dir.iterdir():
-        (broken / item.name).write_bytes(item.read_bytes())
-    weights = load_file(broken / "model.safetensors")
-    weights["esm.encoder.layer.0.attention.self.extra.weight"] = torch.zeros(2)
-    weights["esm.encoder.layer.1.output.dense.bias"] = torch.zeros(3)
-    save_file(weights, broken / "model.safetensors")
+    broken = edited_copy(esm2_dir, tmp_path / "odd", edit)
     report = inspect_checkpoint(broken)
     assert report.keys["unexpected"] == ["encoder.layer.0.attention.self.extra.weight"]
     assert report.keys["wrong_shapes"] == ["encoder.layer.1.output.dense.bias is (3,), expected (32,)"]
