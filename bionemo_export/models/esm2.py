@@ -40,7 +40,8 @@ class Esm2Family(HuggingFaceEncoderFamily):
     tasks = ("embeddings", "hiddens", "logits", "scores", "predictions")
     """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
     fine-tuned head (build leaves them out otherwise)."""
-    description = "ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, or BioNeMo ESM-2nv .nemo"
+    description = ("ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, BioNeMo ESM-2nv "
+                   ".nemo (model-parallel too), BioNeMo 2 / NeMo 2 directory, NVIDIA's nv_esm directory")
     model_type = "esm"
     config_class = transformers.EsmConfig
     backbone_class = transformers.EsmModel
