@@ -536,3 +536,16 @@ def test_restart_policy_doubles_its_pause_and_gives_up_on_repeated_crashes():
     assert policy.pause_after_crash(30.0) is None  # the 4th crash within 10 minutes
     spaced = RestartPolicy(max_crashes=2, window=600.0)
     assert spaced.pause_after_crash(0.0) == 1.0 and spaced.pause_after_crash(700.0) == 1.0  # the first fell out
+
+
+def test_reaped_children_grows_when_a_child_ends_and_is_waited_for():
+    """The signal for a stub killed and reaped between two looks at /proc."""
+    import subprocess
+    import sys
+
+    from bionemo_export.runtime.stubs import reaped_children
+
+    before = reaped_children(os.getpid())
+    subprocess.run([sys.executable, "-c", "pass"], check=True)  # a child that ran, ended, was waited for
+    assert reaped_children(os.getpid()) > before
+    assert reaped_children(2 ** 22 + 7) == 0  # no such process

@@ -58,6 +58,18 @@ def _stat_fields(pid_folder: Path) -> list[str]:
     return (pid_folder / "stat").read_text().rsplit(")", 1)[1].split()
 
 
+def reaped_children(server_pid: int) -> int:
+    """What the kernel has added to `server_pid` from children it reaped (/proc/PID/stat's cminflt,
+    cmajflt, cutime, cstime): it grows whenever a child process that ran at all ends and is waited
+    for. A stub killed and reaped between two looks at /proc is seen only this way. 0 when the
+    server is gone."""
+    try:
+        fields = _stat_fields(PROC / str(server_pid))
+    except OSError:
+        return 0
+    return sum(int(fields[index]) for index in (7, 9, 13, 14))  # stat fields 10, 12, 16, 17
+
+
 def server_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
     """The stub processes of a tritonserver (of `model` only, if given), zombies included."""
     stubs = []

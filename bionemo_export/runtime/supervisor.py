@@ -52,7 +52,7 @@ from bionemo_export.client.triton import (TURNED_AWAY, InferenceError, ServerUnr
 
 from bionemo_export.tasks import DType, public_suffixes, task_of
 
-from .stubs import Stub, server_stubs
+from .stubs import Stub, reaped_children, server_stubs
 
 # Public models are named <name>_<task> (bionemo_export/tasks.py); everything else is internal.
 PUBLIC_SUFFIXES = public_suffixes()
@@ -517,9 +517,10 @@ class Supervisor:
     def _load(self, model: str, config: dict) -> bool:
         """Load `model` with `config` in a worker thread while watching the server's stubs. True once
         the load returned (its error is raised); False, with `recycle_reason` set, when it never
-        will: a stub died while the load ran (a new instance's stub, seen alive and then gone, or
-        any stub turned zombie) and the load did not return within LOST_STUB_GRACE_S, or
-        `load_timeout` passed."""
+        will: a stub died while the load ran (a new instance's stub, seen alive and then gone, any
+        stub turned zombie, or a child reaped by the server before any look saw it: found by CI, a
+        stub killed within milliseconds of starting) and the load did not return within
+        LOST_STUB_GRACE_S, or `load_timeout` passed."""
         def stubs() -> tuple[set[int], set[int]]:
             """(live stubs of `model`, dead stubs of any model) by pid."""
             found = server_stubs(self.server_pid) if self.server_pid else []
@@ -527,6 +528,7 @@ class Supervisor:
                     {stub.pid for stub in found if stub.zombie})
 
         before, dead_before = stubs()
+        reaped_before = reaped_children(self.server_pid) if self.server_pid else 0
         outcome: list[BaseException | None] = []
 
         def load() -> None:
@@ -551,7 +553,8 @@ class Supervisor:
             now = time.monotonic()
             if lost_at is None:
                 live, dead = stubs()
-                if (new - live) or (dead - dead_before):
+                reaped = reaped_children(self.server_pid) if self.server_pid else 0
+                if (new - live) or (dead - dead_before) or reaped != reaped_before:
                     lost_at = now
                 new |= live - before
             if lost_at is not None and now - lost_at > LOST_STUB_GRACE_S:
