@@ -22,11 +22,11 @@ import torch
 
 from bionemo_export.models.base import leave_out
 from bionemo_export.models.readers import CheckpointError
+from bionemo_export.models.readers.megatron_ranks import FUSED
 
 if TYPE_CHECKING:
     from bionemo_export.models.lm_head import HeadWeights
 
-FUSED = {"query_key_value": ("query", "key", "value"), "key_value": ("key", "value")}
 
 
 def split_fused(weights: Mapping[str, torch.Tensor], num_heads: int, source: str) -> dict[str, torch.Tensor]:

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 RANK_FOLDER = re.compile(r"^(?:mp_rank_(?P<mp>\d{2})|tp_rank_(?P<tp>\d{2})_pp_rank_(?P<pp>\d{3}))$")
 """The rank folders NeMo writes (nlp_overrides.py): mp_rank_XX, or tp_rank_XX_pp_rank_XXX."""
-FUSED_PARTS = {"query_key_value": 3, "key_value": 2}
-"""Fused attention projections and how many projections each holds."""
+FUSED = {"query_key_value": ("query", "key", "value"), "key_value": ("key", "value")}
+"""Megatron's fused attention projections and the projections each holds, in order."""
 COLUMN_PARALLEL = ("query_key_value", "key_value", "query", "dense_h_to_4h", "word_embeddings", "tokens_head")
 """Modules split on their output rows (weight and bias). `query` is the cross-attention query;
 `word_embeddings` and `tokens_head` are split by vocabulary."""
@@ -108,9 +108,10 @@ def regroup_legacy_qkv(weights: dict[str, "torch.Tensor"], heads_of: Callable[[s
     in place. `heads_of(key)` is the number of heads the tensor holds (this rank's share)."""
     for key, tensor in weights.items():
         module, _, leaf = key.rpartition(".")
-        parts = FUSED_PARTS.get(module.rpartition(".")[2])
-        if parts is None or leaf not in ("weight", "bias"):
+        names = FUSED.get(module.rpartition(".")[2])
+        if names is None or leaf not in ("weight", "bias"):
             continue
+        parts = len(names)
         heads = heads_of(key)
         rows = tensor.shape[0]
         if rows % (parts * heads):
@@ -140,20 +141,25 @@ class _TensorParallelJoin:
         self.joined: dict[str, torch.Tensor] = {}
         self.first: Rank | None = None
 
+    def _axis(self, key: str, tensor: "torch.Tensor") -> int | None:
+        """The axis `tensor` (one rank's shard of `key`) was split on; None when kept whole."""
+        axis = split_axis(key) if self.size > 1 else None
+        return axis if axis is not None and tensor.dim() > axis else None
+
     def add(self, rank: Rank, weights: Mapping[str, "torch.Tensor"]) -> None:
         import torch
 
         if self.first is None:
             self.first = rank
             for key, tensor in weights.items():
-                axis = split_axis(key) if self.size > 1 else None
-                if axis is None or tensor.dim() <= axis:
+                axis = self._axis(key, tensor)
+                if axis is None:
                     self.joined[key] = tensor
                     continue
                 shape = list(tensor.shape)
                 shape[axis] *= self.size
                 full = torch.empty(shape, dtype=tensor.dtype)
-                full.narrow(axis, 0, tensor.shape[axis]).copy_(tensor)
+                full.narrow(axis, rank.tensor * tensor.shape[axis], tensor.shape[axis]).copy_(tensor)
                 self.joined[key] = full
             return
         where = f"{self.source}: {rank.folder}/"
@@ -165,8 +171,8 @@ class _TensorParallelJoin:
                                   + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
         for key, tensor in weights.items():
             full = self.joined[key]
-            axis = split_axis(key) if self.size > 1 else None
-            if axis is None or tensor.dim() <= axis:
+            axis = self._axis(key, tensor)
+            if axis is None:
                 if tensor.shape != full.shape or not torch.equal(tensor, full):
                     raise CheckpointError(f"{where}{key} differs from {self.first.folder}/'s; Megatron keeps it "
                                           "whole on every tensor-parallel rank, so the ranks are not one model")

@@ -241,7 +241,8 @@ def _load_weights(tar: tarfile.TarFile, member: tarfile.TarInfo, source: str) ->
     return load_torch_weights(handle, source)
 
 
-def _canonical(weights: dict[str, Any], config: dict[str, Any], tensor_size: int, source: str) -> dict[str, Any]:
+def _canonical(weights: dict[str, Any], config: dict[str, Any], tensor_size: int, source: str, archive: Path
+               ) -> dict[str, Any]:
     """One rank's weights in the layout families read: no `.module.` infix, fused QKV per head
     (`megatron_legacy` archives store [all q; all k; all v]: regrouped over this rank's heads)."""
     weights = strip_module_infix(weights)
@@ -251,7 +252,7 @@ def _canonical(weights: dict[str, Any], config: dict[str, Any], tensor_size: int
             section = next((name for name in sections if f".{name}." in f".{key}"), None)
             heads = config_setting(config, "num_attention_heads", section, None)
             if not isinstance(heads, int) or heads < 1:
-                raise CheckpointError(f"{path_of(source)}: num_attention_heads is {heads!r}; megatron_legacy's fused "
+                raise CheckpointError(f"{archive}:{CONFIG_NAME}: num_attention_heads is {heads!r}; megatron_legacy's fused "
                                       "QKV is regrouped per head, so the number of heads is needed")
             if heads % tensor_size:
                 raise CheckpointError(f"{source}: {heads} attention heads do not divide among {tensor_size} "
@@ -260,11 +261,6 @@ def _canonical(weights: dict[str, Any], config: dict[str, Any], tensor_size: int
 
         regroup_legacy_qkv(weights, heads_of, source)
     return weights
-
-
-def path_of(source: str) -> str:
-    """The archive's model_config.yaml named from a weights source `archive:member`."""
-    return f"{source.rsplit(':', 1)[0]}:{CONFIG_NAME}"
 
 
 def _read_weights(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], config: dict[str, Any], path: Path
@@ -279,7 +275,7 @@ def _read_weights(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], con
                                   f"{WEIGHTS_NAME} (or one per rank folder, mp_rank_XX/{WEIGHTS_NAME})")
         source = f"{path}:{WEIGHTS_NAME}"
         weights, skipped = _load_weights(tar, members[weights_member], source)
-        return _canonical(weights, config, 1, source), skipped, {}
+        return _canonical(weights, config, 1, source, path), skipped, {}
     tensor, pipeline = check_grid(ranks, config, str(path))
     skipped: dict[str, str] = {}
 
@@ -287,7 +283,7 @@ def _read_weights(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo], con
         source = f"{path}:{name}"
         weights, rank_skipped = _load_weights(tar, members[name], source)
         skipped.update({f"{rank.folder}/{key}": why for key, why in rank_skipped.items()})
-        return _canonical(weights, config, tensor, source)
+        return _canonical(weights, config, tensor, source, path)
 
     weights, duplicates = merge_ranks(ranks, load, str(path))
     return weights, {**skipped, **duplicates}, {"tensor": tensor, "pipeline": pipeline}
