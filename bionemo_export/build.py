@@ -22,26 +22,26 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
 
 from bionemo_export import __version__
 from bionemo_export.errors import reason
-from bionemo_export.model_repository.backends import BACKENDS
-from bionemo_export.model_repository.consistency import check_repository
-from bionemo_export.model_repository.encoder import plan_encoder_repository
-from bionemo_export.model_repository.integrity import record_files
-from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
-from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
-from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
-from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
-from bionemo_export.models import LoadedModel, get_family, load_checkpoint
-from bionemo_export.models.base import seq2seq_graph_specs
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
+from bionemo_export.model_repository.backends import BACKENDS
+from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
+from bionemo_export.model_repository.consistency import check_repository
+from bionemo_export.model_repository.encoder import plan_encoder_repository
+from bionemo_export.model_repository.integrity import record_files
+from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
+from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
+from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
+from bionemo_export.models import LoadedModel, get_family, load_checkpoint
+from bionemo_export.models.base import seq2seq_graph_specs
 from bionemo_export.tasks import get_task
 
 Progress = Callable[[str], None]

@@ -15,9 +15,10 @@ Importable without torch or Triton: numpy only.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class DType(str, Enum):
         return _ONNX[self]
 
     @classmethod
-    def from_onnx(cls, number: int) -> "DType":
+    def from_onnx(cls, number: int) -> DType:
         """The type of ONNX's TensorProto.DataType `number`."""
         for dtype, value in _ONNX.items():
             if value == number:
@@ -63,7 +64,7 @@ class DType(str, Enum):
         raise ValueError(f"ONNX element type {number} has no Triton type here")
 
     @classmethod
-    def of(cls, name: str) -> "DType":
+    def of(cls, name: str) -> DType:
         """The type named as Triton (FP32), config.pbtxt (TYPE_FP32) or its metadata does; a
         ValueError lists the known names."""
         text = name.removeprefix("TYPE_")

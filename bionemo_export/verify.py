@@ -24,8 +24,8 @@ from bionemo_export.client import EncoderClient, Seq2SeqClient
 from bionemo_export.errors import reason
 from bionemo_export.model_repository.integrity import require_intact
 from bionemo_export.model_repository.manifest import Manifest
-from bionemo_export.tasks import TASKS
 from bionemo_export.numerics import cosine_rows, degenerate_rows
+from bionemo_export.tasks import TASKS
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ from bionemo_export.client import EncoderClient, InferenceError, Seq2SeqClient, 
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
-from bionemo_export.serving.batching import (
-    SubBatch, padded_lengths, padding_counts, plan_sub_batches, stack_padded)
+from bionemo_export.serving.batching import SubBatch, padded_lengths, padding_counts, plan_sub_batches, stack_padded
 from bionemo_export.serving.host import available_cores, threads_per_instance
 
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"

@@ -20,7 +20,13 @@ from typer.testing import CliRunner
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import (
-    EncoderClient, InferenceError, RepositoryClient, ServerUnreachableError, TritonClient, infer_rows)
+    EncoderClient,
+    InferenceError,
+    RepositoryClient,
+    ServerUnreachableError,
+    TritonClient,
+    infer_rows,
+)
 from bionemo_export.client.files import read_hiddens, read_records, write_outputs
 from bionemo_export.client.repository import sampling_inputs
 from bionemo_export.model_repository.options import ServingOptions

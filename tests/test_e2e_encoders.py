@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
-
 from typer.testing import CliRunner
 
 from bionemo_export.build import BuildRequest, build_repository

@@ -28,9 +28,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family, load_checkpoint
-from bionemo_export.client.triton import TURNED_AWAY
 from tests.helpers import serve_process as sp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -57,7 +57,7 @@ class Tally:
     misreported: list = field(default_factory=list)  # invalid requests answered, or refused as the server's
     failed: list = field(default_factory=list)  # valid requests that failed (allowed only while healing)
 
-    def add(self, other: "Tally") -> None:
+    def add(self, other: Tally) -> None:
         self.correct += other.correct
         self.refused += other.refused
         self.wrong += other.wrong

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from bionemo_export.build import BuildError, BuildRequest, build_repository
-from bionemo_export.exporters import export_onnx, optimize as optimize_module, verify_onnx
+from bionemo_export.exporters import export_onnx, verify_onnx
+from bionemo_export.exporters import optimize as optimize_module
 from bionemo_export.exporters.optimize import (
     SERVING_GRAPH_OPTIMIZATION_LEVEL,
     OptimizationError,

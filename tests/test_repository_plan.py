@@ -10,8 +10,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import RoleOptions, ServingOptions
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
-from bionemo_export.tokenizers.character import CharacterTokenizer
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan, Tensor
+from bionemo_export.tokenizers.character import CharacterTokenizer
 
 TOKENIZER = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "A", "C"], residues="AC", pad_token="<pad>",
                                bos_token="<cls>", eos_token="<eos>", unk_token=None, max_length=16)

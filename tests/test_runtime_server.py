@@ -53,7 +53,7 @@ def test_grpc_inference_returns_the_right_numbers_and_strings(tiny_server):
     inp.set_data_from_numpy(x)
     np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("y"), 2 * x + 1)
 
-    words = np.array([["MKTAYIAK".encode()], ["ΑΒΓ".encode()]], dtype=np.object_)
+    words = np.array([[b"MKTAYIAK"], ["ΑΒΓ".encode()]], dtype=np.object_)
     sinp = grpcclient.InferInput("sequences", list(words.shape), "BYTES")
     sinp.set_data_from_numpy(words)
     out = client.infer("reverse", [sinp]).as_numpy("reversed")
@@ -65,7 +65,7 @@ def test_server_reports_models_ready_and_binds_loopback(tiny_server):
     assert states == {"affine": "READY", "reverse": "READY"}
     assert tiny_server.metadata()["version"].startswith("2.")
     assert tiny_server.endpoints.host == "127.0.0.1"
-    assert f"--http-address=127.0.0.1" in tiny_server.command()
+    assert "--http-address=127.0.0.1" in tiny_server.command()
 
 
 def test_stop_leaves_no_process_behind(tmp_path, triton_install):

@@ -18,6 +18,7 @@ from bionemo_export.serving.scores import VariantScorer
 from bionemo_export.serving.scoring import ScoringLimits
 from tests.helpers import fake_pb_utils
 from tests.helpers.masked_lm_reference import brute_force, brute_force_pll
+
 WILD_TYPE = "MKTAYIAKQRQISFVKSHFSRQ"
 VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T"]
 

@@ -14,8 +14,18 @@ import pytest
 
 from bionemo_export.serving import scoring
 from bionemo_export.serving.scoring import (
-    METHODS, ScoringError, ScoringLimits, chunk_slices, masked_sequences, masked_token_rows, mutated_positions,
-    parse_variant, parse_variants, plan_request, resolve_method)
+    METHODS,
+    ScoringError,
+    ScoringLimits,
+    chunk_slices,
+    masked_sequences,
+    masked_token_rows,
+    mutated_positions,
+    parse_variant,
+    parse_variants,
+    plan_request,
+    resolve_method,
+)
 
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
 WILD_TYPE = "MSLKRKNIALIPAAGIGVRFG"  # 21 residues: M1 S2 L3 K4 R5 K6 N7 I8 A9 L10 ...

@@ -23,14 +23,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bionemo_export.client import EncoderClient, InferenceError
+from bionemo_export.client import EncoderClient
+from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
 from bionemo_export.runtime.stubs import Stub, process_rss_bytes, process_threads, server_stubs
-from bionemo_export.client.triton import TURNED_AWAY
-from bionemo_export.runtime.supervisor import (Observation, ProbeResult, Supervisor, dependencies,
-                                               instance_model, pending_requests, probe_inputs)
+from bionemo_export.runtime.supervisor import (
+    Observation,
+    ProbeResult,
+    Supervisor,
+    dependencies,
+    instance_model,
+    pending_requests,
+    probe_inputs,
+)
 from tests.helpers import serve_process as sp
 from tests.helpers.tiny_repository import tiny_repository
 

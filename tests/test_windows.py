@@ -6,15 +6,24 @@ is measured (printed; run with -s to see it)."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import numpy as np
 import pytest
 
 from bionemo_export.serving.windows import (
-    WindowError, check_spans, default_overlap, layout_windows, mean_embedding, merge_rows, owners,
-    plan_windows, residue_mask, window_count, window_texts)
+    WindowError,
+    check_spans,
+    default_overlap,
+    layout_windows,
+    mean_embedding,
+    merge_rows,
+    owners,
+    plan_windows,
+    residue_mask,
+    window_count,
+    window_texts,
+)
 from tests.helpers.window_reference import brute_merge, brute_owner
 
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"

@@ -72,7 +72,7 @@ class LengthDistribution:
     sigma: float = 0.0
 
     @classmethod
-    def parse(cls, spec: str) -> "LengthDistribution":
+    def parse(cls, spec: str) -> LengthDistribution:
         text = spec.strip().lower()
         bounds = _LOGNORMAL_BOUNDS.get(text)
         resolved = LENGTH_DISTRIBUTIONS.get(text, text)

@@ -18,9 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from bionemo_export.runtime import PerfAnalyzer, TritonServer, find_perf_analyzer, find_tritonserver
 
@@ -64,7 +65,7 @@ class Target:
             self.repository = Path(self.repository).resolve()
 
     @classmethod
-    def parse(cls, text: str, model: str, protocol: str = "grpc", label: str = "A") -> "Target":
+    def parse(cls, text: str, model: str, protocol: str = "grpc", label: str = "A") -> Target:
         """A folder that exists is a repository; anything else is a URL."""
         if Path(text).is_dir():
             return cls(model=model, repository=Path(text), protocol=protocol, label=label)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -58,24 +57,24 @@ def _default_model(repository: Path) -> str | None:
 
 
 def bench(
-    target: Optional[Path] = typer.Argument(None, help="Model repository folder to serve on the embedded "
+    target: Path | None = typer.Argument(None, help="Model repository folder to serve on the embedded "
                                             "tritonserver (or give --url).", file_okay=False),
-    url: Optional[str] = typer.Option(None, help="A running server instead: grpc://host:port, http://host:port "
+    url: str | None = typer.Option(None, help="A running server instead: grpc://host:port, http://host:port "
                                       "or host:port (--protocol)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model to measure, e.g. esm2nv_embeddings "
+    model: str | None = typer.Option(None, "--model", "-m", help="Model to measure, e.g. esm2nv_embeddings "
                                         "(default for a folder: its N_embeddings)."),
     concurrency: str = typer.Option("1,8,32", help="Comma-separated concurrencies (requests in flight)."),
-    lengths: Optional[str] = typer.Option(None, help=f"Length distribution of generated inputs: "
+    lengths: str | None = typer.Option(None, help=f"Length distribution of generated inputs: "
                                           f"{', '.join(LENGTH_DISTRIBUTIONS)} (default {DEFAULT_LENGTHS}; "
                                           "smiles for hidden states), uniform:MIN-MAX, fixed:N, "
                                           "lognormal:MEDIAN,SIGMA[,MIN-MAX]."),
-    input_file: Optional[Path] = typer.Option(None, "--input", help="FASTA file, or one sequence/SMILES per "
+    input_file: Path | None = typer.Option(None, "--input", help="FASTA file, or one sequence/SMILES per "
                                               "line, instead of random proteins.", exists=True, dir_okay=False),
     count: int = typer.Option(256, help="Generated inputs perf_analyzer cycles through."),
     seed: int = typer.Option(0, help="Seed of the generated inputs."),
     variants: int = typer.Option(32, min=0, help="Scores models: random single substitutions per request (0: "
                                  "none: the model then scores the PLL)."),
-    max_length: Optional[int] = typer.Option(None, help="Clip generated lengths to this (default: the "
+    max_length: int | None = typer.Option(None, help="Clip generated lengths to this (default: the "
                                              "repository tokenizer's limit when found)."),
     duration: float = typer.Option(5.0, help="perf_analyzer measurement window in seconds; each concurrency "
                                    "runs until three windows agree."),
@@ -83,11 +82,11 @@ def bench(
     max_trials: int = typer.Option(10, help="perf_analyzer --max-trials (windows before giving up on "
                                    "stability; then a fixed request count is measured)."),
     out: Path = typer.Option(Path("bench_report"), help="Report folder: report.md, results.json, plot.png, CSVs."),
-    compare: Optional[str] = typer.Option(None, help="Second target (folder or URL) measured in the same run, "
+    compare: str | None = typer.Option(None, help="Second target (folder or URL) measured in the same run, "
                                           "interleaved; ratios B/A are reported."),
-    compare_model: Optional[str] = typer.Option(None, help="Model name on the --compare target (default: --model)."),
+    compare_model: str | None = typer.Option(None, help="Model name on the --compare target (default: --model)."),
     protocol: str = typer.Option("grpc", help="grpc or http (for folders and bare host:port URLs)."),
-    tritonserver: Optional[str] = typer.Option(None, help="tritonserver binary for folders (default: search, "
+    tritonserver: str | None = typer.Option(None, help="tritonserver binary for folders (default: search, "
                                                "then the one inside nvidia-pytriton)."),
 ) -> None:
     console = Console()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -19,7 +18,7 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 @app.command("repo")
 def repo(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
+    model: str | None = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
                                         "megamolbart (see `bionemo-export build families`); optional for a .nemo "
                                         "archive, a NeMo 2 or an nv_esm directory, which name it."),
     checkpoint: Path = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo archive "
@@ -28,13 +27,13 @@ def repo(
                                     "`bionemo-export inspect` shows what is read.", exists=True, resolve_path=True),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
-    tasks: Optional[str] = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that the checkpoint can: "
+    tasks: str | None = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that the checkpoint can: "
                                        "logits and scores need a masked-LM head)."),
     backend: str = typer.Option("auto", help="python (ONNX Runtime in the Python backend), native (Triton's "
                                 "onnxruntime_onnx), tensorrt (Triton's tensorrt_plan; then run `bionemo-export "
                                 "engines build` where TensorRT is installed), or auto (native when the found "
                                 "tritonserver can load it, else python)."),
-    device: Optional[str] = typer.Option(None, help="cpu or gpu: where the models that run graphs are placed "
+    device: str | None = typer.Option(None, help="cpu or gpu: where the models that run graphs are placed "
                                          "(instance kind; the python backend then uses ONNX Runtime's CUDA provider). "
                                          "Default: gpu for tensorrt, cpu otherwise."),
     exporter: str = typer.Option("torch", help="ONNX exporter: torch (torch.onnx) or navigator (Triton Model Navigator)."),
@@ -44,7 +43,7 @@ def repo(
     optimize: bool = typer.Option(True, help="Store the graphs optimized for ONNX Runtime (attention and transformer "
                                   "fusions, offline graph optimization), kept only if they verify against PyTorch."),
     max_batch_size: int = typer.Option(32, help="Largest batch any model accepts (requests and dynamic batches)."),
-    max_length: Optional[int] = typer.Option(None, help="Maximum tokens per sequence, specials included "
+    max_length: int | None = typer.Option(None, help="Maximum tokens per sequence, specials included "
                                              "(default: the model's own limit)."),
     truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
     tokenizer_instances: int = typer.Option(1, help="Instances of the tokenizer model (ensemble layout)."),
@@ -75,15 +74,15 @@ def repo(
     response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "
                                         "(serve with --response-cache-mb)."),
     warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
-    max_decode_length: Optional[int] = typer.Option(None, help="Decoding families: most tokens one decode "
+    max_decode_length: int | None = typer.Option(None, help="Decoding families: most tokens one decode "
                                                     "produces (default: the model's limit)."),
-    max_num_samples: Optional[int] = typer.Option(None, help="Samplings: most num_samples per request "
+    max_num_samples: int | None = typer.Option(None, help="Samplings: most num_samples per request "
                                                   "(default: GenerationLimits in model_repository/options.py)."),
-    max_beam_size: Optional[int] = typer.Option(None, help="Samplings: most beam_size per request (default: "
+    max_beam_size: int | None = typer.Option(None, help="Samplings: most beam_size per request (default: "
                                                 "GenerationLimits)."),
-    max_samples_x_beams: Optional[int] = typer.Option(None, help="Samplings: most hypotheses decoded per sequence, "
+    max_samples_x_beams: int | None = typer.Option(None, help="Samplings: most hypotheses decoded per sequence, "
                                                       "num_samples x beam_size (default: GenerationLimits)."),
-    max_decode_tokens: Optional[int] = typer.Option(None, help="Decodes/samplings: most tokens of hidden states one "
+    max_decode_tokens: int | None = typer.Option(None, help="Decodes/samplings: most tokens of hidden states one "
                                                     "decode attends to, rows x hypotheses x length (default: "
                                                     "GenerationLimits)."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),

@@ -8,9 +8,9 @@ the server), several in flight, and the answers are written in input order.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 import typer
@@ -35,12 +35,12 @@ STOP_HELP = "Stop at the first record the server refuses (default: report it by 
 def encode(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="Public model, e.g. esm2nv_embeddings or esm2nv_hiddens."),
-    sequences: Optional[List[str]] = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
-    input: Optional[Path] = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    sequences: list[str] | None = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
+    input: Path | None = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_name: str = typer.Option("sequences", help="Name of the model's string input."),
-    output: Optional[Path] = typer.Option(None, help=OUTPUT_HELP),
-    batch_size: Optional[int] = typer.Option(None, min=1, help=BATCH_HELP),
+    output: Path | None = typer.Option(None, help=OUTPUT_HELP),
+    batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
     stop_on_error: bool = typer.Option(False, help=STOP_HELP),
 ) -> None:
@@ -54,22 +54,22 @@ def encode(
 def sample(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="Public samplings model, e.g. megamolbart_samplings."),
-    sequences: Optional[List[str]] = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
-    input: Optional[Path] = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
-    num_samples: Optional[int] = typer.Option(None, help="Outputs per sequence (server default 1)."),
-    sampling_method: Optional[str] = typer.Option(
+    sequences: list[str] | None = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
+    input: Path | None = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    num_samples: int | None = typer.Option(None, help="Outputs per sequence (server default 1)."),
+    sampling_method: str | None = typer.Option(
         None, help="greedy-perturbate (server default), topkp-perturbate, beam-search-perturbate, "
                    "beam-search-single-sample, beam-search-perturbate-sample."),
-    scaled_radius: Optional[float] = typer.Option(None, help="Noise scale on the hidden states (server default 1.0)."),
-    seed: Optional[int] = typer.Option(None, help="Random seed: the same seed and inputs give the same samples "
+    scaled_radius: float | None = typer.Option(None, help="Noise scale on the hidden states (server default 1.0)."),
+    seed: int | None = typer.Option(None, help="Random seed: the same seed and inputs give the same samples "
                                        "(request i of a split batch uses seed + i)."),
-    top_k: Optional[int] = typer.Option(None, help="topkp-perturbate: keep the k most likely tokens (0: off)."),
-    top_p: Optional[float] = typer.Option(None, help="topkp-perturbate: nucleus probability mass."),
-    temperature: Optional[float] = typer.Option(None, help="topkp-perturbate: softmax temperature."),
-    beam_size: Optional[int] = typer.Option(None, help="beam-search-perturbate(-sample): beams per search."),
+    top_k: int | None = typer.Option(None, help="topkp-perturbate: keep the k most likely tokens (0: off)."),
+    top_p: float | None = typer.Option(None, help="topkp-perturbate: nucleus probability mass."),
+    temperature: float | None = typer.Option(None, help="topkp-perturbate: softmax temperature."),
+    beam_size: int | None = typer.Option(None, help="beam-search-perturbate(-sample): beams per search."),
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
-    output: Optional[Path] = typer.Option(None, help=OUTPUT_HELP),
-    batch_size: Optional[int] = typer.Option(None, min=1, help=BATCH_HELP),
+    output: Path | None = typer.Option(None, help=OUTPUT_HELP),
+    batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
     stop_on_error: bool = typer.Option(False, help=STOP_HELP),
 ) -> None:
@@ -92,9 +92,9 @@ def decode(
                                     "{NAME: [[[...]]], \"mask\": [[...]]}, or .npz; mask optional (all True)."),
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_name: str = typer.Option("hiddens", help="Name of the hidden states in the input file."),
-    output: Optional[Path] = typer.Option(None, help="Write the strings here: JSON list (BioNeMo's format), or "
+    output: Path | None = typer.Option(None, help="Write the strings here: JSON list (BioNeMo's format), or "
                                           ".npz with `sequences` (and `ids` when the input had them)."),
-    batch_size: Optional[int] = typer.Option(None, min=1, help=BATCH_HELP),
+    batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
 ) -> None:
     """Decode hidden states into sequences (MegaMolBART's N_decodes)."""
@@ -137,17 +137,21 @@ def score(
     method: str = typer.Option("wt-marginal", help="wt-marginal (one pass) or masked-marginal (one masked pass "
                                "per mutated position)."),
     column: str = typer.Option("mutant", help="The variants column."),
-    id_column: Optional[str] = typer.Option(None, help="The column naming each row's FASTA record (needed when "
+    id_column: str | None = typer.Option(None, help="The column naming each row's FASTA record (needed when "
                                             "the FASTA file holds several)."),
-    score_column: Optional[str] = typer.Option(None, help="Name of the added column (default: <method>_score)."),
+    score_column: str | None = typer.Option(None, help="Name of the added column (default: <method>_score)."),
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
 ) -> None:
     """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score column."""
     from bionemo_export.client.files import read_records
     from bionemo_export.client.repository import RepositoryClient
-    from bionemo_export.client.variants import (group_by_wild_type, read_variant_table, wild_type_of_rows,
-                                                write_scored_table)
+    from bionemo_export.client.variants import (
+        group_by_wild_type,
+        read_variant_table,
+        wild_type_of_rows,
+        write_scored_table,
+    )
 
     console = Console()
     if not model.endswith("_scores"):
@@ -168,8 +172,8 @@ def score(
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _query(ctx: typer.Context, *, model: str, sequences: Optional[List[str]], input: Optional[Path], triton_url: str,
-           output: Optional[Path], batch_size: Optional[int], in_flight: int, stop_on_error: bool,
+def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, triton_url: str,
+           output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
            make_inputs: Callable) -> None:
     """encode and sample: strings from -s or --input through `model`, outputs printed or written.
 
@@ -261,7 +265,7 @@ def _progress(total: int) -> Iterator[Callable[[int], None]]:
         yield lambda done: progress.advance(task, done)
 
 
-def _check_output(console: Console, output: Optional[Path]) -> None:
+def _check_output(console: Console, output: Path | None) -> None:
     if output is not None and (problem := _unwritable(output)):
         console.print(f"[red]--output {output}: {problem}[/red]", highlight=False)
         raise typer.Exit(2)

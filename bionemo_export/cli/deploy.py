@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,13 +15,13 @@ def k8s(
                                       "its model folders decide what Triton loads."),
     image: str = typer.Option(..., help="Container image with tritonserver, e.g. nvcr.io/nvidia/tritonserver:24.10-py3."),
     replicas: int = typer.Option(1, help="Replicas to run (the autoscalers' minimum)."),
-    max_replicas: Optional[int] = typer.Option(None, help="The autoscalers' maximum (default: --replicas, a fixed size)."),
+    max_replicas: int | None = typer.Option(None, help="The autoscalers' maximum (default: --replicas, a fixed size)."),
     gpus: int = typer.Option(0, help="GPUs per replica (nvidia.com/gpu limits); 0: CPU only."),
-    storage_uri: Optional[str] = typer.Option(None, help="Where the cluster reads the repository: s3://bucket/path, "
+    storage_uri: str | None = typer.Option(None, help="Where the cluster reads the repository: s3://bucket/path, "
                                               "gs://bucket/path or pvc://claim/path. Required for KServe; without it "
                                               "the plain Deployment mounts a PersistentVolumeClaim written beside it."),
     out: Path = typer.Option(Path("k8s"), help="Folder to write the manifests into."),
-    name: Optional[str] = typer.Option(None, help="Name of the Kubernetes objects (default: the repository's --name)."),
+    name: str | None = typer.Option(None, help="Name of the Kubernetes objects (default: the repository's --name)."),
     target: str = typer.Option("all", help="all: KServe and plain Kubernetes; kserve: the InferenceService only; "
                                "plain: Deployment + Service + HorizontalPodAutoscaler only."),
     cpu: str = typer.Option("2", help="CPU request per replica (the autoscaler scales on its use)."),

@@ -5,7 +5,6 @@ inside, binding the same public models and tensors as a repository built with th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -13,7 +12,7 @@ import typer
 def dev_server(
     checkpoint: Path = typer.Option(..., "--checkpoint", "-c", exists=True, resolve_path=True,
                                     help="Checkpoint (any form `build` reads)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m",
+    model: str | None = typer.Option(None, "--model", "-m",
                                         help="Model family (esm2, esm1, prott5, bert, megamolbart); optional for .nemo."),
     name: str = typer.Option(..., "--name", "-n", help="Model name prefix: NAME_embeddings, NAME_hiddens, "
                              "NAME_decodes, NAME_samplings (the last two for families that decode)."),
@@ -22,7 +21,7 @@ def dev_server(
     grpc_port: int = typer.Option(8001, help="gRPC port (0 picks a free one)."),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port (0 picks a free one)."),
     max_batch_size: int = typer.Option(10, min=1, help="Rows per request and per batch (BioNeMo's servers: 10)."),
-    max_decode_length: Optional[int] = typer.Option(None, min=1, help="Most tokens per decode (default: the "
+    max_decode_length: int | None = typer.Option(None, min=1, help="Most tokens per decode (default: the "
                                                     "model's limit); match the repository's --max-decode-length."),
 ) -> None:
     from bionemo_export.dev_server import DevModels, Ports, serve

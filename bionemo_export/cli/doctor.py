@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -12,7 +10,7 @@ from bionemo_export.runtime.doctor import run_checks
 
 
 def doctor(
-    tritonserver: Optional[str] = typer.Option(None, help="Check this tritonserver binary instead of searching."),
+    tritonserver: str | None = typer.Option(None, help="Check this tritonserver binary instead of searching."),
     probe: bool = typer.Option(True, help="Start tritonserver once on an empty repository to read its version."),
 ) -> None:
     checks = run_checks(tritonserver, probe=probe)

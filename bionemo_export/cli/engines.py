@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -16,7 +15,7 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 def build(
     repository: Path = typer.Argument(..., help="A repository built with `build repo --backend tensorrt`.",
                                       exists=True, file_okay=False, resolve_path=True),
-    precision: Optional[str] = typer.Option(None, help="fp16 or fp32 (default: each engine.json's, fp16)."),
+    precision: str | None = typer.Option(None, help="fp16 or fp32 (default: each engine.json's, fp16)."),
     force: bool = typer.Option(False, help="Rebuild engines that are up to date for this GPU and TensorRT."),
 ) -> None:
     """Check the repository, then build each model's model.plan from its model.onnx and engine.json

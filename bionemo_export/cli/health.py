@@ -4,8 +4,6 @@ whose queue turned the probe away (admission control) is alive and saturated: `b
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 
 from bionemo_export.client.triton import DEFAULT_URL
@@ -13,7 +11,7 @@ from bionemo_export.client.triton import DEFAULT_URL
 
 def health(
     url: str = typer.Argument(DEFAULT_URL, help="The server: http://host:port or grpc://host:port."),
-    models: Optional[List[str]] = typer.Option(None, "--model", "-m", help="A model to probe; repeat for more "
+    models: list[str] | None = typer.Option(None, "--model", "-m", help="A model to probe; repeat for more "
                                                "(default: every public model the server lists)."),
     timeout: float = typer.Option(10.0, help="Seconds each request may take."),
 ) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,9 +13,9 @@ def inspect(
     checkpoint: Path = typer.Argument(..., help="A Hugging Face directory, a .nemo archive (model-parallel too), a "
                                       "NeMo 2 directory, an nv_esm directory or the project's saved form.",
                                       exists=True, resolve_path=True),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Read it as this family (default: what the "
+    model: str | None = typer.Option(None, "--model", "-m", help="Read it as this family (default: what the "
                                         "checkpoint says, or the one family that reads it)."),
-    max_length: Optional[int] = typer.Option(None, help="Most tokens per sequence, as `build repo --max-length`."),
+    max_length: int | None = typer.Option(None, help="Most tokens per sequence, as `build repo --max-length`."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (for scripts)."),
 ) -> None:
     from bionemo_export.checkpoint_report import inspect_checkpoint

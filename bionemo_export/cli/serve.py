@@ -14,13 +14,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from bionemo_export.cli import NO_CHECK_HELP, check_files
+from bionemo_export.client.triton import ServerUnreachableError
 from bionemo_export.runtime import (
     TritonNotFoundError,
     TritonServer,
@@ -29,7 +29,6 @@ from bionemo_export.runtime import (
 )
 from bionemo_export.runtime.object_storage import S3RepositoryError, is_s3_uri
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
-from bionemo_export.client.triton import ServerUnreachableError
 from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, ControlClient, Supervisor, public_models
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -80,9 +79,9 @@ def serve(
     grpc_port: int = typer.Option(8001, help="gRPC port (0 picks a free one)."),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port (0 picks a free one)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 to accept remote clients."),
-    tritonserver: Optional[str] = typer.Option(None, help="tritonserver binary to use (default: search, "
+    tritonserver: str | None = typer.Option(None, help="tritonserver binary to use (default: search, "
                                                "then the one inside nvidia-pytriton)."),
-    log_file: Optional[Path] = typer.Option(None, help="Write the server log here (default: a temp file)."),
+    log_file: Path | None = typer.Option(None, help="Write the server log here (default: a temp file)."),
     response_cache_mb: int = typer.Option(0, help="Size of Triton's local response cache in MiB (0: off)."),
     timeout: float = typer.Option(300.0, help="Seconds to wait for every model to load."),
     health_interval: float = typer.Option(10.0, help="Seconds between health probes of every public model "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -18,9 +17,9 @@ def verify(
                                       exists=True, file_okay=False, resolve_path=True),
     checkpoint: Path = typer.Option(..., help="The checkpoint the repository was built from.", exists=True,
                                     resolve_path=True),
-    url: Optional[str] = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
+    url: str | None = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
                                       "default: start the repository on the embedded tritonserver."),
-    tritonserver: Optional[str] = typer.Option(None, help="tritonserver binary to start (default: search)."),
+    tritonserver: str | None = typer.Option(None, help="tritonserver binary to start (default: search)."),
     no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
 ) -> None:
     from bionemo_export.errors import reason

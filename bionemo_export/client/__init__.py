@@ -10,7 +10,15 @@
 
 from .batches import RowResults, infer_rows
 from .repository import EncoderClient, RepositoryClient, Seq2SeqClient, masked_mean
-from .triton import DEFAULT_URL, InferenceError, ServerBusyError, ServerUnreachableError, TritonClient, TritonUrl, strings_to_tensor
+from .triton import (
+           DEFAULT_URL,
+           InferenceError,
+           ServerBusyError,
+           ServerUnreachableError,
+           TritonClient,
+           TritonUrl,
+           strings_to_tensor,
+)
 
 __all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "RepositoryClient", "ServerBusyError", "RowResults", "Seq2SeqClient",
            "ServerUnreachableError", "TritonClient", "TritonUrl", "infer_rows", "masked_mean", "strings_to_tensor"]

@@ -16,7 +16,8 @@ Works against a generated repository and against `bionemo-export dev-server` ali
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -219,7 +220,7 @@ class RepositoryClient:
     def close(self) -> None:
         self.client.close()
 
-    def __enter__(self) -> "RepositoryClient":
+    def __enter__(self) -> RepositoryClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

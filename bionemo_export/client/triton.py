@@ -10,9 +10,10 @@ thread; `infer` is `submit(...).result()`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class TritonUrl:
     address: str  # host:port
 
     @classmethod
-    def parse(cls, url: str) -> "TritonUrl":
+    def parse(cls, url: str) -> TritonUrl:
         for protocol in ("http", "grpc"):
             prefix = f"{protocol}://"
             if url.startswith(prefix):
@@ -112,7 +113,7 @@ class TritonClient:
         return self.submit(model, inputs, outputs).result()
 
     def submit(self, model: str, inputs: dict[str, np.ndarray],
-               outputs: list[str] | None = None) -> "Future[dict[str, np.ndarray]]":
+               outputs: list[str] | None = None) -> Future[dict[str, np.ndarray]]:
         """Send a request without waiting: a Future of `infer`'s answer (its `result()` raises
         InferenceError or ServerUnreachableError as `infer` does)."""
         infer_inputs = []
@@ -131,7 +132,7 @@ class TritonClient:
                             lambda result: self._outputs(result, outputs), self._translate(model))
 
     def _submit_grpc(self, model: str, infer_inputs: list, requested: list | None,
-                     outputs: list[str] | None) -> "Future[dict[str, np.ndarray]]":
+                     outputs: list[str] | None) -> Future[dict[str, np.ndarray]]:
         future: Future = Future()
         translate = self._translate(model)
 
@@ -202,7 +203,7 @@ class TritonClient:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> "TritonClient":
+    def __enter__(self) -> TritonClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

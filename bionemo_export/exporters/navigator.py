@@ -22,9 +22,10 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, Sequence, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from bionemo_export.exporters.signature import dynamic_axes
 from bionemo_export.models.base import TensorSpec
@@ -182,7 +183,7 @@ def _navigator() -> ModuleType:
     raise NavigatorUnavailableError(f"Triton Model Navigator is not usable here ({result}); {INSTALL_HINT}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import_result() -> ModuleType | str:
     """Import model_navigator once, quietly: the module, or why it failed."""
     with tempfile.TemporaryFile("w+", encoding="utf-8") as console, _contained(console):

@@ -26,10 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 from bionemo_export.model_repository.backends import ENGINE_FILE, engine_json
 from bionemo_export.model_repository.consistency import check_repository

@@ -19,7 +19,8 @@ Conventions (every result is a deterministic function of the inputs and the nump
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 

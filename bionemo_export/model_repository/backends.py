@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -102,7 +103,7 @@ class GraphModel:
 
     plan: ModelPlan
     """The model so far: name, tensors, max_batch_size, batching. The backend completes it."""
-    role: "RoleOptions"
+    role: RoleOptions
     what: str
     """What the graph computes, for descriptions: "encoder", "decoder step"."""
     onnx_files: dict[str, Path]
@@ -155,7 +156,7 @@ class ServingBackend(ABC):
     def plan_graph(self, graph: GraphModel) -> ModelPlan:
         """Complete `graph.plan`: platform or backend, files, parameters, instance kind."""
 
-    def _place(self, plan: ModelPlan, role: "RoleOptions") -> None:
+    def _place(self, plan: ModelPlan, role: RoleOptions) -> None:
         plan.instance_count = role.instances
         plan.instance_kind = self.instance_kind
 

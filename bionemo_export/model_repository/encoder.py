@@ -31,10 +31,9 @@ import json
 from pathlib import Path
 
 from bionemo_export import __version__
+from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
-
-from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
 
 from .backends import BACKENDS, GraphModel, ShapeRange
 from .options import RoleOptions, ServingOptions

@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .manifest import MANIFEST_NAME, Manifest, ManifestError
 

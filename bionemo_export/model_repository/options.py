@@ -67,8 +67,8 @@ Defaults and why (measured on 2-core CPU hosts; see the README's performance sec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Mapping
 
 from .backends import ServingBackend, get_backend
 from .plan import DynamicBatching
@@ -286,6 +286,6 @@ class ServingOptions:
             return RoleOptions(instances=self.sampling_instances, batching=self.dynamic_batching())
         return RoleOptions(instances=self.tokenizer_instances, batching=self.dynamic_batching())
 
-    def with_role(self, name: str, **changes) -> "ServingOptions":
+    def with_role(self, name: str, **changes) -> ServingOptions:
         """A copy whose role `name` has `changes` applied on top of its current settings."""
         return replace(self, roles={**self.roles, name: replace(self.role(name), **changes)})

@@ -71,7 +71,7 @@ class DynamicBatching:
             policy.allow_timeout_override = True  # a client may ask for less (its request's `timeout`)
 
     @classmethod
-    def read(cls, config: mc.ModelConfig) -> "DynamicBatching":
+    def read(cls, config: mc.ModelConfig) -> DynamicBatching:
         """The batcher a written config holds."""
         batching = config.dynamic_batching
         policy = batching.default_queue_policy
@@ -159,7 +159,7 @@ class ModelPlan:
 
 
     @classmethod
-    def from_config(cls, config: mc.ModelConfig) -> "ModelPlan":
+    def from_config(cls, config: mc.ModelConfig) -> ModelPlan:
         """The plan of a written config (files aside): what the consistency checks read back."""
         def tensors(entries) -> list[Tensor]:
             return [Tensor(t.name, mc.DataType.Name(t.data_type).removeprefix("TYPE_").replace("STRING", "BYTES"),

@@ -40,16 +40,22 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export import __version__
+from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.models.base import TensorSpec
 from bionemo_export.runtime.supervisor import BLS_MODELS
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
-from .encoder import (
-    ENCODER_TASKS, RESPONDING, RUNS_GRAPH, graph_model, plan_encoder_repository, serving_files, tokenizer_files)
-from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
-
 from .backends import ShapeRange
+from .encoder import (
+    ENCODER_TASKS,
+    RESPONDING,
+    RUNS_GRAPH,
+    graph_model,
+    plan_encoder_repository,
+    serving_files,
+    tokenizer_files,
+)
 from .options import ServingOptions
 from .plan import ModelPlan, RepositoryPlan, Tensor
 

@@ -7,7 +7,15 @@ module in it (no list to edit); checkpoint readers live in the `readers` subpack
 import importlib
 import pkgutil
 
-from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, ModelFamily, get_family, infer_family, load_checkpoint
+from bionemo_export.models.base import (
+    REGISTRY,
+    LoadedModel,
+    ModelDescription,
+    ModelFamily,
+    get_family,
+    infer_family,
+    load_checkpoint,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -91,9 +91,9 @@ class Seq2SeqModules:
         the same decoder without a cache (recomputes every position; reference and benchmark).
     """
 
-    cross_kv: "torch.nn.Module"
-    decoder_step: "torch.nn.Module"
-    decoder_full: "torch.nn.Module"
+    cross_kv: torch.nn.Module
+    decoder_step: torch.nn.Module
+    decoder_full: torch.nn.Module
     num_layers: int
     num_heads: int
     head_dim: int
@@ -109,24 +109,24 @@ class Seq2SeqModules:
 class LoadedModel:
     """A checkpoint read into memory, ready to export and to serve as the reference."""
 
-    family: "ModelFamily"
-    encoder: "torch.nn.Module"
+    family: ModelFamily
+    encoder: torch.nn.Module
     """forward(input_ids, attention_mask, residue_mask) -> (hiddens, embeddings); eval mode, fp32."""
-    tokenizer: "Tokenizer"
+    tokenizer: Tokenizer
     hidden_size: int
     checkpoint: Path
     description: dict[str, Any] = field(default_factory=dict)
     """Facts for manifest.json (architecture, layers, parameters, checkpoint form, ...)."""
     seq2seq: Seq2SeqModules | None = None
     """The decoder graphs, for families that decode (tasks decodes/samplings)."""
-    lm_head: "torch.nn.Module | None" = None
+    lm_head: torch.nn.Module | None = None
     """The masked-LM head (models/lm_head.py), None when the checkpoint has none:
     forward(hiddens FP32 [B, L, H], the encoder's output) -> log_probs FP32 [B, L, len(alphabet)],
     a log_softmax over the alphabet's tokens only (special tokens excluded); eval mode, fp32."""
     alphabet: tuple[str, ...] = ()
     """What log_probs' last axis holds, in order: the residue characters (SMILES tokens for SMILES
     models), one per distinct non-special token the tokenizer maps them to, aliases excluded."""
-    classifier: "ClassifierHead | None" = None
+    classifier: ClassifierHead | None = None
     """The fine-tuned head (models/classifier.py: *ForSequenceClassification,
     *ForTokenClassification), None when the checkpoint has none: forward(hiddens FP32 [B, L, H]) ->
     logits FP32 [B, C] (sequence heads) or [B, L, C] (`per_token`); `labels` (C names),
@@ -169,17 +169,17 @@ class LoadedModel:
 class ModelDescription:
     """A checkpoint in normalized form: what `ModelFamily.build` needs, whatever the form was."""
 
-    checkpoint: "Checkpoint"
+    checkpoint: Checkpoint
     config: Any
     """The family's own configuration object (a transformers config, a TransformerConfig, ...)."""
-    tokenizer: "Tokenizer"
-    state_dict: dict[str, "torch.Tensor"]
+    tokenizer: Tokenizer
+    state_dict: dict[str, torch.Tensor]
     """The weights under the names of the module `build` makes (every one of them, nothing else)."""
     facts: dict[str, Any] = field(default_factory=dict)
     """What the form adds to manifest.json's description (e.g. the NeMo target class)."""
-    lm_head: "HeadWeights | None" = None
+    lm_head: HeadWeights | None = None
     """The checkpoint's masked-LM head, None when it has none (models/lm_head.py)."""
-    classifier: "ClassifierWeights | None" = None
+    classifier: ClassifierWeights | None = None
     """The checkpoint's fine-tuned head, None when it has none (models/classifier.py)."""
     left_out: dict[str, str] = field(default_factory=dict)
     """Stored tensors the family does not use, with why (`leave_out`): heads it does not serve,
@@ -227,7 +227,7 @@ class ModelFamily(ABC):
         """
         return load_checkpoint(Path(checkpoint), self.name, max_length)
 
-    def describe(self, checkpoint: "Checkpoint", max_length: int | None = None) -> ModelDescription:
+    def describe(self, checkpoint: Checkpoint, max_length: int | None = None) -> ModelDescription:
         """The normalized description of a checkpoint already read."""
         from bionemo_export.models.readers import CheckpointError
 
@@ -302,7 +302,7 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
     return reader.build(reader.describe(checkpoint, max_length))
 
 
-def infer_family(checkpoint: "Checkpoint", required: bool = True) -> str | None:
+def infer_family(checkpoint: Checkpoint, required: bool = True) -> str | None:
     """The family that reads a .nemo checkpoint, from its `target` class (a NeMo 2 directory:
     its context/model.yaml's config class)."""
     from bionemo_export import models  # noqa: F401 - importing the package registers every family

@@ -16,15 +16,15 @@ strictly as the encoder; one without gets None.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 from transformers.initialization import no_init_weights
 
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, leave_out
 from bionemo_export.models.classifier import (
-    ClassifierHead,
     ClassifierWeights,
     build_classifier,
     classifier_kind,

@@ -27,8 +27,8 @@ the same as setting the other logits to -inf, with a smaller graph.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 

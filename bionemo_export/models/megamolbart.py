@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, Seq2SeqModules, register
+from bionemo_export.models.encoder import describe_form, load_strict, masked_mean, token_limit
+from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
+from bionemo_export.models.readers import Checkpoint, CheckpointError, read_checkpoint
+from bionemo_export.models.readers.nemo import artifact_text
 from bionemo_export.models.transformer import (
     DecoderLayer,
     Embedding,
@@ -36,11 +42,6 @@ from bionemo_export.models.transformer import (
     encode,
     initialize,
 )
-from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, Seq2SeqModules, register
-from bionemo_export.models.encoder import describe_form, load_strict, masked_mean, token_limit
-from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
-from bionemo_export.models.readers import Checkpoint, CheckpointError, read_checkpoint
-from bionemo_export.models.readers.nemo import artifact_text
 from bionemo_export.tokenizers.smiles import SmilesTokenizer, build_vocab
 
 MODEL_TYPE = "megamolbart"

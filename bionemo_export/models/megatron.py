@@ -16,7 +16,8 @@ plain ones (the names of transformer.py's modules, or a family's own).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -81,7 +82,7 @@ MEGATRON_HEAD_RENAMES = {"layernorm.weight": "layer_norm.weight", "layernorm.bia
 """NeMo BertLMHead's names (after `lm_head.`) -> lm_head.HEAD_KEYS (`dense.*` and `bias` agree)."""
 
 
-def megatron_lm_head(weights: Mapping[str, torch.Tensor], checkpoint) -> tuple[dict[str, torch.Tensor], "HeadWeights | None"]:
+def megatron_lm_head(weights: Mapping[str, torch.Tensor], checkpoint) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
     """(the other weights, the masked-LM head or None) of a NeMo Megatron BERT (ESM-2nv, ESM-1nv)
     state dict without its `model.` prefix: `lm_head.dense`, `lm_head.layernorm`, `lm_head.bias`
     (vocabulary-padded), output weights shared with the word embeddings. NeMo's BertLMHead applies

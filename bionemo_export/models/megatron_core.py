@@ -37,8 +37,9 @@ Settings EsmModel cannot reproduce are refused by name.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

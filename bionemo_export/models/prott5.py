@@ -21,8 +21,9 @@ from __future__ import annotations
 import copy
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import transformers

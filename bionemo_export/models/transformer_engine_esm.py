@@ -47,8 +47,9 @@ built with `gelu_approximate = "tanh"`; the masked-LM head applies torch's exact
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import transformers

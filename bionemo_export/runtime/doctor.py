@@ -13,9 +13,9 @@ import os
 import shutil
 import subprocess
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .discovery import TritonNotFoundError, find_tritonserver
 from .perf_analyzer import PerfAnalyzerNotFoundError, find_perf_analyzer

@@ -27,10 +27,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Callable
 
 from .discovery import TritonInstall, find_tritonserver
 from .object_storage import check_s3_repository, is_s3_uri
@@ -295,7 +295,7 @@ class TritonServer:
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def start(self, timeout: float = 120.0) -> "TritonServer":
+    def start(self, timeout: float = 120.0) -> TritonServer:
         """Start the server and block until it reports ready (all models loaded)."""
         if self.is_running():
             return self
@@ -399,7 +399,7 @@ class TritonServer:
             shutil.rmtree(folder, ignore_errors=True)
         self._temporary.clear()
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start()
 
     def __exit__(

@@ -41,15 +41,20 @@ import re
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 
-from bionemo_export.client.triton import (TURNED_AWAY, InferenceError, ServerUnreachableError, TritonClient,
-                                         strings_to_tensor)
-
+from bionemo_export.client.triton import (
+    TURNED_AWAY,
+    InferenceError,
+    ServerUnreachableError,
+    TritonClient,
+    strings_to_tensor,
+)
 from bionemo_export.tasks import DType, public_suffixes, task_of
 
 from .stubs import Stub, reaped_children, server_stubs
@@ -602,7 +607,7 @@ class Supervisor:
 
     # -- in the background ---------------------------------------------------------------------
 
-    def start(self) -> "Supervisor":
+    def start(self) -> Supervisor:
         self._thread = threading.Thread(target=self._run, name="bionemo-export-supervisor", daemon=True)
         self._thread.start()
         return self

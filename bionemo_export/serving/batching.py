@@ -23,8 +23,8 @@ depend on which rows it ran with, or how far it was padded (up to floating-point
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

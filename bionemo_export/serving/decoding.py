@@ -15,14 +15,21 @@ by the model and handed in).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.generation.kv_decoder import KVCacheDecoder
     from bionemo_export.generation.search import (
-        LIMITS, TooLargeError, check_decode_tokens, greedy, split_by_tokens, validate_hiddens)
+        LIMITS,
+        TooLargeError,
+        check_decode_tokens,
+        greedy,
+        split_by_tokens,
+        validate_hiddens,
+    )
     from bionemo_export.serving.parameters import model_parameters, number_parameter
     from bionemo_export.serving.responses import RequestError, Responder, call_model, cancelled, input_array, triton
 else:  # copied beside a generated model.py, where its siblings are top-level modules

@@ -14,22 +14,23 @@ the model and handed in).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 if __package__:  # imported from the bionemo_export package
+    from bionemo_export.serving import windows
     from bionemo_export.serving.batching import padding_counts, plan_sub_batches, stack_padded
     from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
-    from bionemo_export.serving import windows
 else:  # copied beside a generated model.py, where its siblings are top-level modules
+    import windows
     from batching import padding_counts, plan_sub_batches, stack_padded
     from responses import RequestError, Responder, input_array, triton, wanted_outputs
-    import windows
 
 GRAPH_INPUTS = ("input_ids", "attention_mask", "residue_mask")
 GRAPH_OUTPUTS = ("hiddens", "embeddings")
-TokenRows = Tuple[np.ndarray, np.ndarray, np.ndarray]
+TokenRows = tuple[np.ndarray, np.ndarray, np.ndarray]
 """One request's (input_ids, attention_mask, residue_mask), each [rows, length]."""
 
 
@@ -57,7 +58,7 @@ class WindowedRows(tuple):
     """A request's token rows (input_ids, attention_mask, residue_mask) when some of its sequences
     were split into windows: `layout` maps the rows back to the sequences (windows.py)."""
 
-    layout: "windows.WindowLayout"
+    layout: windows.WindowLayout
 
 
 class WindowedSequenceInputs(SequenceInputs):

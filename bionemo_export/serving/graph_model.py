@@ -12,7 +12,8 @@ only the standard library, numpy and its sibling modules (the session is handed 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

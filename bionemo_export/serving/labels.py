@@ -15,7 +15,8 @@ only the standard library, numpy and its sibling modules.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

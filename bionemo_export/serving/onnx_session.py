@@ -9,14 +9,20 @@ onnxruntime it imports only the standard library and its sibling modules.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import onnxruntime as ort
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.host import threads_per_instance
     from bionemo_export.serving.parameters import (
-        config_file, flag_parameter, model_config, model_parameters, number_parameter)
+        config_file,
+        flag_parameter,
+        model_config,
+        model_parameters,
+        number_parameter,
+    )
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from host import threads_per_instance
     from parameters import config_file, flag_parameter, model_config, model_parameters, number_parameter

@@ -11,7 +11,8 @@ only the standard library, numpy and its sibling modules.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

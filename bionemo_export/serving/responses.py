@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 INTERNAL_MESSAGE = "internal error ({}); the server log has the details"
 CANCELLED_MESSAGE = "the request was cancelled"

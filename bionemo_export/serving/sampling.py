@@ -15,14 +15,25 @@ only the standard library, numpy and its sibling modules.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.generation.search import (
-        LIMITS, GenerationError, TooLargeError, beam_search, check_decode_tokens, generate, greedy,
-        hypotheses_per_sequence, perturb, split_by_tokens, validate_hiddens)
+        LIMITS,
+        GenerationError,
+        TooLargeError,
+        beam_search,
+        check_decode_tokens,
+        generate,
+        greedy,
+        hypotheses_per_sequence,
+        perturb,
+        split_by_tokens,
+        validate_hiddens,
+    )
     from bionemo_export.serving.decoding import CancellableDecoder, pad_and_join, token_ids
     from bionemo_export.serving.request_options import OPTIONS, parse_options
     from bionemo_export.serving.responses import RequestError, Responder, call_model, cancelled, input_array, triton
@@ -31,8 +42,18 @@ else:  # copied beside a generated model.py, where its siblings are top-level mo
     from request_options import OPTIONS, parse_options
     from responses import RequestError, Responder, call_model, cancelled, input_array, triton
     from search import (
-        LIMITS, GenerationError, TooLargeError, beam_search, check_decode_tokens, generate, greedy,
-        hypotheses_per_sequence, perturb, split_by_tokens, validate_hiddens)
+        LIMITS,
+        GenerationError,
+        TooLargeError,
+        beam_search,
+        check_decode_tokens,
+        generate,
+        greedy,
+        hypotheses_per_sequence,
+        perturb,
+        split_by_tokens,
+        validate_hiddens,
+    )
 
 
 class Job:

@@ -18,7 +18,8 @@ only the standard library, numpy and its sibling modules.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

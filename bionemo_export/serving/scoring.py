@@ -56,8 +56,8 @@ INVALID_ARGUMENT with its message. A plain ValueError from `site_log_probs`, `sc
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -107,7 +107,7 @@ class ScoringLimits:
         return {item.name: str(getattr(self, item.name)) for item in fields(self)}
 
     @classmethod
-    def from_parameters(cls, parameters: Mapping[str, str]) -> "ScoringLimits":
+    def from_parameters(cls, parameters: Mapping[str, str]) -> ScoringLimits:
         """The limits in a config's `parameters` (other keys ignored; a missing limit takes its
         default). A value that is not an integer is a ValueError naming the parameter, so a
         hand-edited config fails the model's load with a clear message."""

@@ -72,8 +72,8 @@ settings, outputs of the wrong shape) is the caller's or the build's bug.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -82,7 +82,7 @@ if __package__:  # imported from the bionemo_export package
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from batching import SubBatch, plan_sub_batches
 
-Span = Tuple[int, int]
+Span = tuple[int, int]
 """A window's residues as a half-open range (start, end) of 0-based residue positions."""
 
 

@@ -8,8 +8,9 @@ concrete class by name; this file is for the package's typing and is not copied.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from bionemo_export.tokenizers.character import Encoded
 
@@ -41,6 +42,6 @@ class Tokenizer(Protocol):
         """Everything needed to rebuild the tokenizer (written as the repository's tokenizer.json)."""
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Tokenizer": ...
+    def from_dict(cls, d: Mapping[str, Any]) -> Tokenizer: ...
 
     def save_json(self, path: str | Path) -> None: ...

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 try:  # inside the bionemo_export package
     from .character import CharacterTokenizer, Encoded

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class Tensor:
         return self._value
 
 
-BLS_MODELS: dict[str, Callable[[dict[str, np.ndarray], list[str]], "InferenceResponse"]] = {}
+BLS_MODELS: dict[str, Callable[[dict[str, np.ndarray], list[str]], InferenceResponse]] = {}
 """Model name -> what a BLS call to it answers: fn(inputs, requested outputs) -> InferenceResponse."""
 
 
@@ -64,7 +65,7 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return self.cancelled
 
-    def exec(self) -> "InferenceResponse":
+    def exec(self) -> InferenceResponse:
         if self.model_name not in BLS_MODELS:
             return InferenceResponse(error=TritonError(f"Request for unknown model: '{self.model_name}' is not found",
                                                        TritonError.INTERNAL))

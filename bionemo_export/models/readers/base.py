@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +47,7 @@ class Checkpoint:
     """The reader's name: "huggingface", "nemo", "saved"."""
     config: dict[str, Any]
     """config.json, or a .nemo's model_config.yaml (nested sections kept as they are)."""
-    weights: Mapping[str, "torch.Tensor"]
+    weights: Mapping[str, torch.Tensor]
     """The state dict, keys as stored."""
     weights_name: str
     """Where the weights came from, for messages ("model.safetensors", "model_weights.ckpt")."""
@@ -180,7 +181,7 @@ EXTRA_STATE = "_extra_state"
 BioNeMo's own loaders skip it."""
 
 
-def load_torch_weights(source_file: Any, source: str) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+def load_torch_weights(source_file: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(state dict, skipped entries) of a torch checkpoint, read with `torch.load(weights_only=True)`:
     no pickled code runs. `io.BytesIO` is allowed besides tensors, as older TransformerEngine stores
     `_extra_state` that way (a byte buffer, nothing callable); those entries are skipped."""
@@ -196,7 +197,7 @@ def load_torch_weights(source_file: Any, source: str) -> tuple[dict[str, "torch.
     return check_state_dict(loaded, source)
 
 
-def check_state_dict(weights: Any, source: str) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+def check_state_dict(weights: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(`weights` checked to be a flat {name: tensor} dict, the entries skipped): some files wrap
     the dict in {"state_dict": ...}; TransformerEngine `_extra_state` entries (bytes, a buffer or
     None) are skipped."""

@@ -25,8 +25,9 @@ memory at a time, so the peak is the merged weights plus one shard.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .base import CheckpointError
 
@@ -94,7 +95,7 @@ def check_grid(ranks: Iterable[Rank], config: Mapping[str, Any], source: str) ->
 
 
 # ------------------------------------------------------------------------ per-rank normalization
-def strip_module_infix(weights: Mapping[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+def strip_module_infix(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keys without the `.module.` that megatron_amp_O2's Float16Module puts after the top prefix."""
     out = {}
     for key, tensor in weights.items():
@@ -103,7 +104,7 @@ def strip_module_infix(weights: Mapping[str, "torch.Tensor"]) -> dict[str, "torc
     return out
 
 
-def regroup_legacy_qkv(weights: dict[str, "torch.Tensor"], heads_of: Callable[[str], int], source: str) -> None:
+def regroup_legacy_qkv(weights: dict[str, torch.Tensor], heads_of: Callable[[str], int], source: str) -> None:
     """Fused projections stored the megatron_legacy way, [all q; all k; all v], regrouped per head
     in place. `heads_of(key)` is the number of heads the tensor holds (this rank's share)."""
     for key, tensor in weights.items():
@@ -141,12 +142,12 @@ class _TensorParallelJoin:
         self.joined: dict[str, torch.Tensor] = {}
         self.first: Rank | None = None
 
-    def _axis(self, key: str, tensor: "torch.Tensor") -> int | None:
+    def _axis(self, key: str, tensor: torch.Tensor) -> int | None:
         """The axis `tensor` (one rank's shard of `key`) was split on; None when kept whole."""
         axis = split_axis(key) if self.size > 1 else None
         return axis if axis is not None and tensor.dim() > axis else None
 
-    def add(self, rank: Rank, weights: Mapping[str, "torch.Tensor"]) -> None:
+    def add(self, rank: Rank, weights: Mapping[str, torch.Tensor]) -> None:
         import torch
 
         if self.first is None:
@@ -211,8 +212,8 @@ def _is_head_copy(key: str) -> bool:
     return key.count(".") == 2 and key.endswith(".word_embeddings.weight")
 
 
-def merge_ranks(ranks: Mapping[Rank, str], load: Callable[[Rank, str], dict[str, "torch.Tensor"]],
-                source: str) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+def merge_ranks(ranks: Mapping[Rank, str], load: Callable[[Rank, str], dict[str, torch.Tensor]],
+                source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(one state dict, entries skipped) of every rank's weights. `load(rank, member)` returns a
     rank's normalized state dict; ranks are loaded one at a time."""
     import torch

@@ -39,7 +39,14 @@ from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
-from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, load_torch_weights, register_reader
+from .base import (
+    MAX_SIDE_FILE_BYTES,
+    Checkpoint,
+    CheckpointError,
+    CheckpointReader,
+    load_torch_weights,
+    register_reader,
+)
 from .megatron_ranks import Rank, check_grid, find_ranks, merge_ranks, regroup_legacy_qkv, strip_module_infix
 
 CONFIG_NAME = "model_config.yaml"

@@ -177,7 +177,7 @@ def _check_chunks(key: str, size: tuple[int, ...], chunks: Any, source: Path) ->
             active.append((offsets, sizes))
 
 
-def _select(metadata: Any, source: Path) -> tuple[dict[str, tuple[tuple[int, ...], "torch.dtype"]], dict[str, str]]:
+def _select(metadata: Any, source: Path) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
     """(the model's tensors: key -> (shape, dtype), entries skipped with why) of the checkpoint."""
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -253,7 +253,7 @@ def _check_storage(metadata: Any, tensors: dict[str, tuple[tuple[int, ...], Any]
                               f"{sum(files.values())}; refusing the checkpoint")
 
 
-def load_distributed(weights: Path) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+def load_distributed(weights: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(the model's tensors at their global shapes, entries skipped) of a torch distributed
     checkpoint folder, read in this process with torch.distributed.checkpoint."""
     import torch
