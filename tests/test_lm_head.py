@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -63,6 +64,7 @@ def token_ids(sequences: list[str], vocab: list[str], bos: str, eos: str, pad: s
 
 def served(loaded: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, np.ndarray]:
     """(log_probs [B, L, A], attention_mask) as the repository computes them: encoder, then head."""
+    assert loaded.lm_head is not None, "the checkpoint carries no masked-LM head"
     encoded = loaded.tokenizer.encode(sequences)
     with torch.inference_mode():
         hiddens, _ = loaded.encoder(*(torch.from_numpy(a) for a in
@@ -319,6 +321,7 @@ def test_lm_head_onnx_matches_pytorch(esm2_loaded, tmp_path):
     # any batch and length, unlike the traced sample
     for batch in lm_head_check_batches(esm2_loaded, [["MK_AY"], ["M", "MSLKRKNIALIPAAGIG", "LAGV_"]]):
         (onnx_log_probs,) = session.run(None, {"hiddens": batch["hiddens"]})
+        assert isinstance(onnx_log_probs, np.ndarray)
         with torch.inference_mode():
             expected = esm2_loaded.lm_head(torch.from_numpy(batch["hiddens"])).numpy()
         assert onnx_log_probs.shape == expected.shape
@@ -385,7 +388,8 @@ def test_bert_and_sentencepiece_and_smiles_mask_characters(antiberty, tmp_path):
 
 def test_mask_settings_are_checked():
     vocab = ["<pad>", "<mask>", "A", "B"]
-    common = dict(residues="AB", pad_token="<pad>", bos_token=None, eos_token=None, unk_token=None, max_length=8)
+    common: dict[str, Any] = dict(residues="AB", pad_token="<pad>", bos_token=None, eos_token=None, unk_token=None,
+                                  max_length=8)
     with pytest.raises(ValueError, match="set both or neither"):
         CharacterTokenizer(vocab, mask_token="<mask>", **common)
     with pytest.raises(ValueError, match="mask_char 'A' is one of the residues"):

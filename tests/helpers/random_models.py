@@ -3,12 +3,17 @@ of moving every parameter off its initial value (so that layer norms and biases 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import transformers
 
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
-def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Every parameter moved off its initial value (tied ones once), in eval mode."""
+
+def perturb(model: ModuleT, seed: int) -> ModuleT:
+    """Every parameter moved off its initial value (tied ones once), in eval mode; the model itself,
+    typed as it was passed (an EsmForMaskedLM stays one for the type checker)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
