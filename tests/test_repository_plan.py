@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+# Generated protobuf code defines its classes and enum values at import time and tritonclient ships
+# no stubs for it, so the type checker sees none of its names: hence the ignores on `mc.` below.
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.model_repository.encoder import plan_encoder_repository
@@ -26,6 +30,14 @@ def _plan(tmp_path: Path, **options) -> RepositoryPlan:
     )
 
 
+def _code(model: ModelPlan) -> str:
+    """The model.py `model` writes, checked to be generated text (not a file copied in) that compiles."""
+    code = model.files["model.py"]
+    assert isinstance(code, str), f"{model.name}'s model.py is a {type(code).__name__}, not generated text"
+    compile(code, f"{model.name}/model.py", "exec")
+    return code
+
+
 def test_encoder_plan_has_the_public_models_and_valid_configs(tmp_path):
     plan = _plan(tmp_path)  # python backend: the fused layout
     names = [m.name for m in plan.models]
@@ -34,12 +46,12 @@ def test_encoder_plan_has_the_public_models_and_valid_configs(tmp_path):
         text = to_pbtxt(model.to_config())
         assert parse_pbtxt(text) == model.to_config()
     encoder = plan.model("esm2nv_encoder").to_config()
-    assert [i.name for i in encoder.input] == ["sequences"] and encoder.input[0].data_type == mc.TYPE_STRING
+    assert [i.name for i in encoder.input] == ["sequences"] and encoder.input[0].data_type == mc.TYPE_STRING  # pyright: ignore[reportAttributeAccessIssue]
     assert [o.name for o in encoder.output] == ["hiddens", "embeddings", "mask"]
     hiddens = plan.model("esm2nv_hiddens").to_config()
     assert hiddens.platform == "ensemble"
     assert [o.name for o in hiddens.output] == ["hiddens", "mask"]
-    assert hiddens.output[1].data_type == mc.TYPE_BOOL
+    assert hiddens.output[1].data_type == mc.TYPE_BOOL  # pyright: ignore[reportAttributeAccessIssue]
     assert [s.model_name for s in hiddens.ensemble_scheduling.step] == ["esm2nv_encoder"]
     assert dict(hiddens.ensemble_scheduling.step[0].output_map) == {"hiddens": "hiddens", "mask": "mask"}
 
@@ -54,7 +66,7 @@ def test_ensemble_layout_has_a_tokenizer_step_and_ragged_token_inputs(tmp_path):
     assert [i.name for i in encoder.input] == ["input_ids", "attention_mask", "residue_mask"]
     assert all(i.allow_ragged_batch for i in encoder.input)
     assert encoder.parameters["pad_id"].string_value == str(TOKENIZER.pad_id)
-    compile(plan.model("esm2nv_encoder").files["model.py"], "model.py", "exec")
+    _code(plan.model("esm2nv_encoder"))
 
 
 def test_native_backend_uses_onnxruntime_platform(tmp_path):
@@ -73,14 +85,11 @@ def test_native_backend_uses_onnxruntime_platform(tmp_path):
 def test_python_backend_ships_a_model_py_that_compiles(tmp_path):
     encoder = _plan(tmp_path, backend="python").model("esm2nv_encoder")
     assert encoder.to_config().backend == "python"
-    code = encoder.files["model.py"]
-    compile(code, "model.py", "exec")
-    assert "import bionemo_export" not in code
+    assert "import bionemo_export" not in _code(encoder)
     # The numpy-only helpers and the tokenizer are copied beside it.
     assert {"batching.py", "host.py", "character.py", "tokenizer.json", "model.onnx"} <= set(encoder.files)
     tokenizer = _plan(tmp_path, layout="ensemble").model("esm2nv_tokenizer")
-    compile(tokenizer.files["model.py"], "model.py", "exec")
-    assert "import bionemo_export" not in tokenizer.files["model.py"]
+    assert "import bionemo_export" not in _code(tokenizer)
 
 
 def test_batching_and_cache_options_reach_the_configs(tmp_path):
@@ -166,6 +175,7 @@ def megamolbart(tmp_path_factory):
 
     family = get_family("megamolbart")
     loaded = family.load(family.save_random_checkpoint(tmp_path_factory.mktemp("mmb") / "ckpt", seed=0))
+    assert loaded.seq2seq is not None
     return loaded, seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
 
 
@@ -194,8 +204,7 @@ def test_fused_decode_loops_run_the_decoder_graphs_themselves(tmp_path, megamolb
         model = models[name]
         assert {"cross_kv/model.onnx", "decoder_step/model.onnx", "host.py"} <= set(model.files)
         assert model.parameters["intra_op_threads"] == "auto" and model.parameters["memory_arena"] == "false"
-        code = model.files["model.py"]
-        compile(code, f"{name}/model.py", "exec")
+        code = _code(model)
         assert "LocalDecoder(" in code and "BlsDecoder" not in code
     assert "bls_models" not in models["mmb_decodes"].parameters  # it calls no other model
     assert models["mmb_samplings"].parameters["bls_models"] == "mmb_encoder"
@@ -209,8 +218,7 @@ def test_ensemble_layout_calls_the_decoder_graph_models_through_bls(tmp_path, me
     models = {model.name: model for model in plan.models}
     assert {"mmb_cross_kv", "mmb_decoder_step", "mmb_tokenizer"} <= set(models)
     for name in ("mmb_decodes", "mmb_samplings"):
-        code = models[name].files["model.py"]
-        compile(code, f"{name}/model.py", "exec")
+        code = _code(models[name])
         assert "BlsDecoder(" in code and "LocalDecoder" not in code and "cross_kv/model.onnx" not in models[name].files
     assert models["mmb_decodes"].parameters["bls_models"] == "mmb_cross_kv,mmb_decoder_step"
 
@@ -227,7 +235,8 @@ def test_every_batched_model_bounds_its_queue(tmp_path):
             policy = plan.model(name).to_config().dynamic_batching.default_queue_policy
             assert policy.max_queue_size == ServingOptions.max_queue_size == 64
             assert policy.default_timeout_microseconds == 30_000_000
-            assert policy.timeout_action == mc.ModelQueuePolicy.REJECT and policy.allow_timeout_override
+            assert policy.timeout_action == mc.ModelQueuePolicy.REJECT  # pyright: ignore[reportAttributeAccessIssue]
+            assert policy.allow_timeout_override
         assert not plan.model("esm2nv_embeddings").to_config().HasField("dynamic_batching")
     (tmp_path / "tight").mkdir()
     (tmp_path / "off").mkdir()
@@ -236,14 +245,16 @@ def test_every_batched_model_bounds_its_queue(tmp_path):
     assert tight.dynamic_batching.default_queue_policy.default_timeout_microseconds == 250_000
     unbounded = _plan(tmp_path / "off", max_queue_size=0, queue_timeout_s=0).model("esm2nv_encoder").to_config()
     assert not unbounded.dynamic_batching.HasField("default_queue_policy")
-    written = ModelPlan.from_config(tight)
-    assert (written.dynamic_batching.max_queue_size, written.dynamic_batching.queue_timeout_microseconds) == (3, 250_000)
+    written = ModelPlan.from_config(tight).dynamic_batching
+    assert written is not None
+    assert (written.max_queue_size, written.queue_timeout_microseconds) == (3, 250_000)
 
 
 @pytest.mark.parametrize("field", ["max_queue_size", "queue_timeout_s"])
 def test_queue_limits_are_checked_where_they_are_made(field):
+    settings: dict[str, Any] = {field: -1}
     with pytest.raises(ValueError, match=field):
-        ServingOptions(**{field: -1})
+        ServingOptions(**settings)
 
 
 def test_the_build_command_takes_the_queue_limits():
