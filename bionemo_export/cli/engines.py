@@ -20,7 +20,7 @@ def build(
 ) -> None:
     """Check the repository, then build each model's model.plan from its model.onnx and engine.json
     profiles (skipping engines already built for this GPU and TensorRT version)."""
-    from bionemo_export.exporters.tensorrt import build_engines
+    from bionemo_export.runtime.engines import build_engines
 
     console = Console()
     results = build_engines(repository, precision=precision, force=force, progress=console.log)

@@ -27,7 +27,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from bionemo_export.exporters.signature import dynamic_axes
 from bionemo_export.models.base import TensorSpec
 
 if TYPE_CHECKING:
@@ -110,6 +109,10 @@ def _optimize(
     opset: int,
 ) -> Any:
     """`nav.torch.optimize` with the ONNX target on CPU, our names and dynamic axes: a Package."""
+    # Not at import: signature imports torch and onnx, and doctor asks whether Navigator is usable
+    # (navigator_problem) on hosts without them.
+    from bionemo_export.exporters.signature import dynamic_axes
+
     _forget_earlier_workspaces()
     return nav.torch.optimize(
         model=module,

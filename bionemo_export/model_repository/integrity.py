@@ -95,7 +95,7 @@ def record_files(root: Path) -> dict[str, dict[str, Any]]:
 def update_records(files: dict[str, dict[str, Any]], root: Path,
                    written: Iterable[str]) -> dict[str, dict[str, Any]]:
     """`files` with the digests of the files `written` (relative to `root`) replaced or added, for a
-    step that adds to a built repository (exporters/tensorrt.py). The other records are kept, not
+    step that adds to a built repository (runtime/engines.py). The other records are kept, not
     recomputed, so a file that changed before the step is still reported. A repository without
     records stays without: a partial record would report every file it lacks as added."""
     if not files:

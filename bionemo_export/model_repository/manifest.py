@@ -90,7 +90,7 @@ class Manifest:
     """What the stored precision costs against fp32 PyTorch (int8/fp16 builds)."""
     versions: dict[str, str | None] = field(default_factory=dict)
     engines: dict[str, Any] | None = None
-    """TensorRT engines built on a GPU host (exporters/tensorrt.py); None: none built."""
+    """TensorRT engines built on a GPU host (runtime/engines.py); None: none built."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every file the build wrote, manifest.json aside: relative POSIX path -> {"sha256": hex digest,
     "bytes": size}; serve and verify check them (integrity.py). Empty: none recorded (a repository

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bionemo_export import __version__
-from bionemo_export.runtime.supervisor import BLS_MODELS
 from bionemo_export.serving.scoring import ScoringLimits
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
@@ -32,6 +31,7 @@ from bionemo_export.templates import render
 from .backends import GraphModel, ShapeRange
 from .encoder import RESPONDING, RUNS_GRAPH, ensemble_model, serving_files
 from .options import ServingOptions
+from .parameters import BLS_MODELS
 from .plan import EnsembleStep, ModelPlan, Tensor
 
 MASKED_LM_TASKS = tuple(name for name, task in TASKS.items() if task.requires == "lm_head")

@@ -55,15 +55,13 @@ from bionemo_export.client.triton import (
     TritonClient,
     strings_to_tensor,
 )
+from bionemo_export.model_repository.parameters import BLS_MODELS  # written by the planners
 from bionemo_export.tasks import DType, public_suffixes, task_of
 
 from .stubs import Stub, reaped_children, server_stubs
 
 # Public models are named <name>_<task> (bionemo_export/tasks.py); everything else is internal.
 PUBLIC_SUFFIXES = public_suffixes()
-# Config parameter of a model that calls others through BLS: their names, comma-separated. Triton
-# knows an ensemble's steps but not these calls; the repository plan (seq2seq.py) writes it.
-BLS_MODELS = "bls_models"
 # Optional config parameter of a public model: the sequence its probe sends.
 HEALTH_PROBE = "health_probe"
 # Valid in every alphabet served here: cysteine for protein models, methane for SMILES models.

@@ -19,6 +19,13 @@ built on (a machine like) the serving host, typically inside NVIDIA's Triton con
   or re-running the step never rebuilds; `force` rebuilds;
 - records TensorRT's version, the GPU and each engine in manifest.json (`engines`), and the
   digests of the plans and engine.json files beside the build's (`files`), which serve checks.
+
+It lives with the serving host's code (runtime), not with the exporters: an engine belongs to the
+host that serves it (its GPU, its TensorRT), it starts from a finished repository rather than a
+PyTorch model, and it must run where only the base install is (no torch), e.g. in NVIDIA's Triton
+container. It reads the repository through model_repository (the check, engine.json, the manifest
+and its file records), a layer below. Its check reads each graph's inputs and outputs with the
+`onnx` package, which the base install does not carry (pip install 'bionemo-export[engines]').
 """
 
 from __future__ import annotations
@@ -85,7 +92,7 @@ def gpu_name(device: int = 0) -> str:
 def import_tensorrt():
     """The tensorrt module, or EngineBuildError saying where engines can be built."""
     try:
-        import tensorrt
+        import tensorrt  # pyright: ignore[reportMissingImports]  # NVIDIA's, not on this machine
     except ImportError as err:
         raise EngineBuildError(
             "TensorRT is not installed here, so no engine can be built. Build them on the GPU host that "
@@ -95,6 +102,21 @@ def import_tensorrt():
     return tensorrt
 
 
+def require_onnx() -> None:
+    """EngineBuildError unless the `onnx` package, with which the check before a build reads each
+    graph's inputs and outputs, imports here. Where TensorRT is missing too, TensorRT's error comes
+    first: no engine can be built on this host whatever else is installed, and the fix is to build
+    where TensorRT is, not to install onnx."""
+    try:
+        import onnx  # noqa: F401
+    except ImportError as err:
+        import_tensorrt()
+        raise EngineBuildError(
+            "The onnx package is not installed here: `engines build` checks each config.pbtxt against its "
+            "graph (model.onnx) before building an engine from it. Install it with: pip install "
+            "'bionemo-export[engines]' (or pip install onnx)") from err
+
+
 def build_engines(repository: Path, *, precision: str | None = None, force: bool = False,
                   progress: Callable[[str], None] = lambda message: None) -> list[EngineResult]:
     """Build every missing or outdated engine of `repository` (see the module docstring)."""
@@ -102,6 +124,7 @@ def build_engines(repository: Path, *, precision: str | None = None, force: bool
     if not recipes:
         raise EngineBuildError(f"{repository} has no TensorRT models (no */1/{ENGINE_FILE}): build it with "
                                "`bionemo-export build repo --backend tensorrt`")
+    require_onnx()
     findings = check_repository(repository)
     if findings:
         raise EngineBuildError(f"{repository} is inconsistent; no engine built:\n  " + "\n  ".join(findings))
