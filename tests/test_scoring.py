@@ -49,7 +49,7 @@ def test_module_imports_only_the_standard_library_and_numpy():
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, "relative imports break the copy in a model folder"
             imported.add(node.module.split(".")[0])
-    assert imported <= {"__future__", "re", "dataclasses", "typing", "numpy"}, imported
+    assert imported <= {"__future__", "re", "collections", "dataclasses", "typing", "numpy"}, imported
 
 
 def test_scoring_error_is_a_value_error():

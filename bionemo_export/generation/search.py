@@ -64,13 +64,16 @@ class StepDecoder(Protocol):
     def start(self, hiddens: np.ndarray, mask: np.ndarray) -> Any:
         """hiddens float32 [B,S,H], mask bool [B,S] -> an opaque cache (cross-attention K/V,
         empty self-attention cache)."""
+        ...
 
     def step(self, cache: Any, tokens: np.ndarray) -> tuple[np.ndarray, Any]:
         """tokens int64 [B] (the last token of each row) -> (logits float32 [B, vocab], cache)."""
+        ...
 
     def select(self, cache: Any, rows: np.ndarray) -> Any:
         """The cache for batch rows `rows` (int64 indices, may repeat): beam expansion and
         reordering, dropping finished rows."""
+        ...
 
 
 # ---------------------------------------------------------------------------------- checks

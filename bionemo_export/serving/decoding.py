@@ -16,11 +16,13 @@ by the model and handed in).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
+# The type checker reads the package's imports: in the package, kv_decoder and search live in
+# generation/, so the top-level names of a generated model folder do not resolve here.
+if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
     from bionemo_export.generation.kv_decoder import KVCacheDecoder
     from bionemo_export.generation.search import (
         LIMITS,
@@ -151,7 +153,8 @@ class GreedyDecodes:
             raise RequestError(f"hiddens have length {hiddens.shape[1]}; the maximum is {longest} "
                                f"(the encoder's longest output)")
         validate_hiddens(hiddens, mask, self.settings["max_hidden_magnitude"])
-        check_decode_tokens(*hiddens.shape[:2], self.settings["max_decode_tokens"], "hiddens [batch, length] "
+        rows, length = hiddens.shape[:2]  # validate_hiddens checked: [batch, length, hidden]
+        check_decode_tokens(rows, length, self.settings["max_decode_tokens"], "hiddens [batch, length] "
                             f"{list(hiddens.shape[:2])}")
         return hiddens, mask
 

@@ -37,7 +37,7 @@ def label_names(logits: np.ndarray, labels: Sequence[str], problem_type: str) ->
     if problem_type == "single_label_classification":
         names = [labels[int(i)] for i in np.argmax(flat, axis=-1)]
     elif problem_type == "multi_label_classification":  # sigmoid(x) > 0.5 exactly when x > 0
-        names = [",".join(labels[i] for i in np.flatnonzero(row > 0)) for row in flat]
+        names = [",".join(labels[int(i)] for i in np.flatnonzero(row > 0)) for row in flat]
     else:
         names = [",".join(format(float(value), ".6g") for value in row) for row in flat]
     out = np.empty(len(names), dtype=np.object_)

@@ -71,6 +71,7 @@ class PositionwiseGraph:
 
     def run(self, flat: np.ndarray) -> np.ndarray:
         """The graph over `flat` [positions, width], in calls of at most token_budget positions."""
-        pieces = [self.session.run([self.output_name], {self.input_name: flat[start:start + self.token_budget][None]})[0][0]
+        pieces = [self.session.run([self.output_name],
+                                   {self.input_name: flat[start:start + self.token_budget][None]})[0][0]
                   for start in range(0, len(flat), self.token_budget)]
         return np.concatenate(pieces) if pieces else np.zeros((0, 0), dtype=np.float32)

@@ -12,11 +12,13 @@ only the standard library, numpy and its sibling modules.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
+# The type checker reads the package's imports: in the package, search lives in generation/, so
+# the top-level name of a generated model folder does not resolve here.
+if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
     from bionemo_export.generation.search import SAMPLING_DEFAULTS, check_sampling_arguments
     from bionemo_export.serving.responses import RequestError
 else:  # copied beside a generated model.py, where its siblings are top-level modules

@@ -25,7 +25,7 @@ TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired")
 
 def triton() -> Any:
     """The Python backend's `triton_python_backend_utils` (only importable inside a stub)."""
-    import triton_python_backend_utils as pb_utils
+    import triton_python_backend_utils as pb_utils  # pyright: ignore[reportMissingImports] - only in the stub
 
     return pb_utils
 

@@ -15,12 +15,14 @@ only the standard library, numpy and its sibling modules.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
+# The type checker reads the package's imports: in the package, search lives in generation/, so
+# the top-level name of a generated model folder does not resolve here.
+if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
     from bionemo_export.generation.search import (
         LIMITS,
         GenerationError,
@@ -55,6 +57,11 @@ else:  # copied beside a generated model.py, where its siblings are top-level mo
         validate_hiddens,
     )
 
+BatchKey = tuple[Literal["greedy", "beam"], int, int]
+"""Jobs with equal keys decode as one batch: (greedy or beam, beams, hypotheses kept per beam search)."""
+DecodeKey = BatchKey | tuple[Literal["alone"], int]
+"""A decode's key: its jobs' BatchKey, or ("alone", request index) for a job that decodes alone."""
+
 
 class Job:
     """One request: its sequences, tokens, sampling options, random generator, and what it became."""
@@ -83,7 +90,7 @@ class Job:
         hypotheses = hypotheses_per_sequence(self.method, self.parameters["num_samples"], self.parameters["beam_size"])
         return self.rows * hypotheses, self.encoded.residue_mask.shape[1]
 
-    def decode_key(self) -> tuple[str, int, int] | None:
+    def decode_key(self) -> BatchKey | None:
         """Jobs with equal keys decode as one batch: (greedy or beam, beams, hypotheses kept per
         beam search); None: this job decodes alone."""
         if self.method == "topkp-perturbate":
@@ -100,11 +107,18 @@ class Job:
                             f"perturbed hidden states of sequence(s) {rows} too large to decode: {reason}")
 
 
-def plan_decodes(jobs: Mapping[int, Job], max_decode_tokens: int) -> list[tuple[Hashable, list[int]]]:
+def _ready(array: np.ndarray | None) -> np.ndarray:
+    """A Job's hiddens or perturbed copies: Samplings._encode sets the hiddens of every job, and
+    _generate_together the perturbed copies of every job it decodes, before either is read."""
+    assert array is not None, "a job's hidden states were read before they were set"
+    return array
+
+
+def plan_decodes(jobs: Mapping[int, Job], max_decode_tokens: int) -> list[tuple[DecodeKey, list[int]]]:
     """The decodes that serve `jobs` (request index -> Job): (key, request indices) each, jobs of
     one Job.decode_key together (("alone", index) for a job that decodes alone) and within
     `max_decode_tokens` (the key/value caches' size)."""
-    groups: dict[Hashable, list[int]] = {}
+    groups: dict[DecodeKey, list[int]] = {}
     for index, job in jobs.items():
         groups.setdefault(job.decode_key() or ("alone", index), []).append(index)
     return [(key, [indices[i] for i in part]) for key, indices in groups.items()
@@ -196,7 +210,7 @@ class Samplings:
 
     def _generate_alone(self, job: Job):
         try:
-            return generate(self.decoder, job.hiddens, job.encoded.residue_mask, method=job.method, rng=job.rng,
+            return generate(self.decoder, _ready(job.hiddens), job.encoded.residue_mask, method=job.method, rng=job.rng,
                             max_magnitude=self.max_magnitude, **self.ids, **job.parameters)
         except TooLargeError as err:
             return job.too_large(err.rows, err.reason)
@@ -208,8 +222,8 @@ class Samplings:
         results: dict = {}
         for index, job in group.items():
             try:
-                validate_hiddens(job.hiddens, job.encoded.residue_mask)
-                job.perturbed = perturb(np.tile(job.hiddens, (job.copies, 1, 1)),
+                validate_hiddens(_ready(job.hiddens), job.encoded.residue_mask)
+                job.perturbed = perturb(np.tile(_ready(job.hiddens), (job.copies, 1, 1)),
                                         np.tile(job.encoded.residue_mask, (job.copies, 1)), job.rng,
                                         job.parameters["scaled_radius"], self.max_magnitude)
             except TooLargeError as err:
@@ -222,7 +236,7 @@ class Samplings:
             try:
                 outputs = self._decode([group[index] for index in pending], kind, beams, kept)
             except TooLargeError as err:
-                starts = np.cumsum([0] + [group[index].perturbed.shape[0] for index in pending])
+                starts = np.cumsum([0] + [_ready(group[index].perturbed).shape[0] for index in pending])
                 failed = []
                 for index, start, end in zip(pending, starts[:-1], starts[1:]):
                     entries = [row - start for row in err.rows if start <= row < end]
@@ -237,7 +251,7 @@ class Samplings:
 
     def _decode(self, group: list[Job], kind: str, beams: int, kept: int) -> list:
         """Decode every perturbed row of the jobs in `group` as one batch; per job, per row its outputs."""
-        hiddens = pad_and_join([job.perturbed for job in group])
+        hiddens = pad_and_join([_ready(job.perturbed) for job in group])
         mask = pad_and_join([np.tile(job.encoded.residue_mask, (job.copies, 1)) for job in group])
         if kind == "greedy":
             outputs = [[sequence] for sequence in greedy(self.decoder, hiddens, mask, **self.ids)]

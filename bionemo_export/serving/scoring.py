@@ -15,11 +15,12 @@ head is here, unit-tested without a server; the served model stays wiring:
 
 Methods (the conventions of ESM's examples/variant-prediction/predict.py and AntiBERTy's runner):
 
-| method | runs | a mutation's score / the result |
-|---|---|---|
-| `wt-marginal` (default with variants) | the unmasked wild type, once | log p(mutant) - log p(wild type) at its position |
-| `masked-marginal` | one copy per DISTINCT mutated position, that position masked | the same difference, read from the copy that masks the position |
-| `pll` (default without variants) | one copy per residue, that residue masked | MEAN over positions of log p(true residue) at the masked position |
+- `wt-marginal` (default with variants) runs the unmasked wild type, once; a mutation's score is
+  log p(mutant) - log p(wild type) at its position.
+- `masked-marginal` runs one copy per DISTINCT mutated position, that position masked; a mutation's
+  score is the same difference, read from the copy that masks the position.
+- `pll` (default without variants) runs one copy per residue, that residue masked; the result is the
+  MEAN over positions of log p(true residue) at the masked position.
 
 A variant's score is the SUM of its mutations' scores (ESM's predict.py; ProteinGym's
 multi-mutants). The PLL is the mean, not the sum (AntiBERTy's `pseudo_log_likelihood`).
@@ -56,7 +57,7 @@ INVALID_ARGUMENT with its message. A plain ValueError from `site_log_probs`, `sc
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -180,13 +181,14 @@ def _text(value: str | bytes, what: str) -> str:
     raise ScoringError(f"{what} must be a string, got {type(value).__name__}")
 
 
-def _describe_alphabet(alphabet: Sequence[str]) -> str:
+def _describe_alphabet(alphabet: Iterable[str]) -> str:
     return "".join(alphabet)
 
 
-def parse_variant(text: str | bytes, wild_type: str, alphabet: Sequence[str], *, index: int = 0,
+def parse_variant(text: str | bytes, wild_type: str, alphabet: Sequence[str] | dict[str, int], *, index: int = 0,
                   max_mutations: int | None = None) -> Variant:
-    """The variant `text` (`A42G`, or `A42G:L43P`) checked against `wild_type` and `alphabet`;
+    """The variant `text` (`A42G`, or `A42G:L43P`) checked against `wild_type` and `alphabet` (or
+    its index, character -> column, which parse_variants passes to index it once per request);
     `index` is its place in the request, for the error messages (see the module docstring for
     the rules). `max_mutations`: the server's max_mutations_per_variant (None: no limit)."""
     columns = alphabet if isinstance(alphabet, dict) else _alphabet_index(alphabet)

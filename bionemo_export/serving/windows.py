@@ -244,7 +244,8 @@ class WindowLayout:
         """Each row's residue string, the substring of its sequence the tokenizer encodes."""
         if len(sequences) != len(self.spans):
             raise ValueError(f"{len(sequences)} sequences for a layout of {len(self.spans)}")
-        return [sequences[s][a:b] for s, a, b in zip(self.sequence.tolist(), self.start.tolist(), self.end.tolist())]
+        return [sequences[int(s)][a:b]
+                for s, a, b in zip(self.sequence.tolist(), self.start.tolist(), self.end.tolist())]
 
     def sub_batches(self, *, bucket: int, token_budget: int, limit: int | None = None) -> list[SubBatch]:
         """The rows planned into graph calls by batching.plan_sub_batches: each call at most

@@ -149,7 +149,7 @@ class CharacterTokenizer:
         unused = set(self.aliases) - set(self.residues)
         if unused:
             raise ValueError(f"aliases {sorted(unused)} are not among the residues")
-        if self.mask_char is not None:
+        if self.mask_char is not None and self.mask_token is not None:  # both or neither: check_mask_setting
             table[ord(self.mask_char)] = self._ids[self.mask_token]
         return table
 
@@ -218,7 +218,7 @@ class CharacterTokenizer:
     def _mask_settings(self) -> dict[str, str]:
         """tokenizer.json's mask_token/mask_char, present only when the tokenizer has them (files
         written before they existed load without)."""
-        if self.mask_token is None:
+        if self.mask_token is None or self.mask_char is None:  # both or neither: check_mask_setting
             return {}
         return {"mask_token": self.mask_token, "mask_char": self.mask_char}
 

@@ -152,8 +152,9 @@ def _model_pieces(data: bytes, name: str) -> list[str]:
     try:
         pieces = []
         for number, wire, value in _fields(data):
-            if number == 1 and wire == 2:
-                piece = next((v for n, w, v in _fields(value) if n == 1 and w == 2), b"")
+            # Wire type 2 values are bytes (the isinstance checks say so to the type checker).
+            if number == 1 and wire == 2 and isinstance(value, bytes):
+                piece = next((v for n, w, v in _fields(value) if n == 1 and w == 2 and isinstance(v, bytes)), b"")
                 pieces.append(piece.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, struct.error) as err:
         raise ValueError(f"{name} is not a SentencePiece model ({err})") from None

@@ -149,7 +149,7 @@ class SmilesTokenizer:
             raise ValueError(f"mask_char {mask_char!r} is a token of the vocabulary")
         self._lookup = dict(self._ids)
         """Token -> id for encoding: the vocabulary, plus the mask character."""
-        if mask_char is not None:
+        if mask_char is not None and mask_token is not None:  # both or neither: check_mask_setting
             self._lookup[mask_char] = self._ids[mask_token]
 
     @property
