@@ -3,7 +3,7 @@ in the temporary folder.
 
 Each test runs the real `bionemo-export serve` on the hand-made tiny repository (two Python models
 that load in a second). The crash is a real one: Triton 2.51 aborts on an HTTP inference body of
-~100 KB whose `data` array is nested 50,000 deep (PLATFORM.md). Only processes the tests started
+~100 KB whose `data` array is nested 50,000 deep (docs/reference/platform.md). Only processes the tests started
 are signalled.
 """
 

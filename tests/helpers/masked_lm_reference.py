@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
-"""The 33 ESM token ids, written out (shared/reference/bionemo-serving.md)."""
+"""The 33 ESM token ids, written out (docs/reference/tokenizers.md)."""
 
 
 def reference_token_probs(reference, sequence: str, masked: int | None = None) -> torch.Tensor:

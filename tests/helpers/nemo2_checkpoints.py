@@ -1,7 +1,7 @@
 """Writing BioNeMo 2 / NeMo 2 ESM-2 checkpoint directories from small random transformers models,
 for tests.
 
-The converter applies the layout documented in shared/reference/checkpoints.md ("BioNeMo 2 / NeMo
+The converter applies the layout documented in docs/reference/checkpoint-layouts.md ("BioNeMo 2 / NeMo
 2 checkpoints") and in bionemo-esm2's `model/convert.py` (v2.x) in the forward direction
 (EsmForMaskedLM -> Megatron-core), written from that text and not from the reader, so a test that
 loads the directory and compares with the source model checks the reader against the documentation:

@@ -1,6 +1,6 @@
 """Writing BioNeMo `.nemo` archives from small random models, for tests.
 
-The converters apply the layouts documented in shared/reference/bionemo-serving.md in the forward
+The converters apply the layouts documented in docs/reference/checkpoint-layouts.md in the forward
 direction (plain model -> Megatron), written from that text and not from the importer, so a test
 that imports the archive and compares with the source model checks the importer against the
 documentation:

@@ -1,6 +1,6 @@
 """NVIDIA's TransformerEngine ESM-2 directories (`nv_esm`, bionemo-recipes) written from a random
 transformers `EsmForMaskedLM`, in the forward direction of NVIDIA's convert.py as
-shared/reference/checkpoints.md describes it and NVIDIA's source shows it: TransformerEngine
+docs/reference/checkpoint-layouts.md describes it and NVIDIA's source shows it: TransformerEngine
 names, the word embeddings padded with zero rows, the LM-head bias padded with the dtype's minimum,
 QKV fused per head, the config.json fields NVIDIA's export writes. Written from that description,
 independently of the package's reader, so that the tests compare two separate readings."""

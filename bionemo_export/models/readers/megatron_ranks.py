@@ -1,5 +1,5 @@
 """Megatron's ways of storing one model's weights in a NeMo 1 `.nemo` archive, brought to one
-canonical single-rank state dict, without NeMo or Megatron (shared/reference/checkpoints.md):
+canonical single-rank state dict, without NeMo or Megatron (docs/reference/checkpoint-layouts.md):
 
 - `megatron_amp_O2: true` wraps the model in a Float16Module: every key gains `.module.` after its
   top prefix (`model.module.language_model...`); it is taken out.
