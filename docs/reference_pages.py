@@ -97,6 +97,11 @@ def _type_of(param: Any, ctx: Any) -> str:
         label = str(param.display_type(ctx)).strip("<>")
     else:  # plain click
         label = getattr(param.type, "name", str(param.type))
+    low, high = getattr(param, "min", None), getattr(param, "max", None)
+    if label.endswith(" range") and (low is not None or high is not None):  # Typer's min=/max=
+        label = label.removesuffix(" range") + ", " + (
+            f"{low} to {high}" if low is not None and high is not None
+            else f"at least {low}" if low is not None else f"at most {high}")
     if getattr(param, "multiple", False):
         label += ", repeatable"
     return inline(label, in_table=True)
