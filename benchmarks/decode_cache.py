@@ -33,6 +33,7 @@ from bionemo_export.generation.search import greedy
 from bionemo_export.model_repository.manifest import package_versions
 from bionemo_export.models import get_family
 from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -73,7 +74,8 @@ def main() -> int:
     family = get_family("megamolbart")
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
-        checkpoint = family.save_random_checkpoint(work / "ckpt", seed=0, hidden_size=512, num_layers=6, num_heads=8)
+        checkpoint = save_random_checkpoint("megamolbart", work / "ckpt", seed=0, hidden_size=512, num_layers=6,
+                                            num_heads=8)
         loaded = family.load(checkpoint)
         seq2seq = loaded.seq2seq
         specs = seq2seq_graph_specs(seq2seq, loaded.hidden_size)

@@ -37,12 +37,11 @@ from bionemo_export.bench.inputs import STANDARD_AMINO_ACIDS, random_proteins
 from bionemo_export.bench.run import environment
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import RepositoryClient
-from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
-SIZE_35M = dict(hidden_size=480, num_layers=12, num_heads=20, intermediate_size=1920)
 
 
 def all_substitutions(protein: str) -> list[str]:
@@ -75,7 +74,7 @@ def main() -> int:
     variants = all_substitutions(protein)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bionemo-dms-") as work:
-        checkpoint = get_family("esm2").save_random_checkpoint(Path(work) / "esm2_35m", seed=0, **SIZE_35M)
+        checkpoint = save_random_checkpoint("esm2", Path(work) / "esm2_35m", seed=0, **ESM2_35M_SIZES)
         model = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2", out=Path(work) / "repo",
                                       backend="python", tasks=("logits", "scores")))

@@ -56,6 +56,7 @@ from bionemo_export.model_repository.manifest import package_versions
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.numerics import cosine_rows
+from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
@@ -69,8 +70,7 @@ def load_model(name: str, work: Path):
         return get_family("bert").load(antiberty_checkpoint())
     if name == "esm2-35m":
         family = get_family("esm2")
-        checkpoint = family.save_random_checkpoint(work / "esm2_35m", hidden_size=480, num_layers=12, num_heads=20,
-                                                   intermediate_size=1920)
+        checkpoint = save_random_checkpoint("esm2", work / "esm2_35m", **ESM2_35M_SIZES)
         return family.load(checkpoint)
     raise SystemExit(f"unknown model {name!r}: antiberty or esm2-35m")
 

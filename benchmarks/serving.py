@@ -50,6 +50,7 @@ from bionemo_export.model_repository.pbtxt import read_config, write_config
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime.server import free_ports
+from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HERE = Path(__file__).resolve().parent
@@ -196,9 +197,7 @@ def part_mixed(work: Path, args) -> dict:
     from bionemo_export.model_repository.options import ServingOptions
     from bionemo_export.runtime import TritonServer, find_tritonserver
 
-    family = get_family("esm2")
-    checkpoint = family.save_random_checkpoint(work / "esm2_35m", seed=0, hidden_size=480, num_layers=12,
-                                               num_heads=20, intermediate_size=1920)
+    checkpoint = save_random_checkpoint("esm2", work / "esm2_35m", seed=0, **ESM2_35M_SIZES)
     repos = {"buckets + token budget": (work / "esm2_buckets", ServingOptions()),
              "plain dynamic batching": (work / "esm2_plain", ServingOptions(length_bucket=0, token_budget=0))}
     for path, options in repos.values():
@@ -223,8 +222,8 @@ def part_decodes(work: Path, args) -> dict:
     from bionemo_export.generation.kv_decoder import OnnxRuntimeDecoder
     from bionemo_export.generation.search import greedy
 
-    family = get_family("megamolbart")
-    checkpoint = family.save_random_checkpoint(work / "mmb_ckpt", seed=0, hidden_size=512, num_layers=6, num_heads=8)
+    checkpoint = save_random_checkpoint("megamolbart", work / "mmb_ckpt", seed=0, hidden_size=512, num_layers=6,
+                                        num_heads=8)
     repo = work / "mmb_repo"
     build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name="mmb", out=repo,
                                   backend="python", max_decode_length=args.max_decode, tasks=("hiddens", "decodes")))

@@ -26,12 +26,11 @@ import transformers
 
 from bionemo_export.bench.inputs import random_proteins
 from bionemo_export.bench.run import environment
-from bionemo_export.models import get_family
 from bionemo_export.serving import windows
+from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
-SIZE_35M = dict(hidden_size=480, num_layers=12, num_heads=20, intermediate_size=1920)
 
 
 def run(model, residues: str) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +55,7 @@ def main() -> int:
     lengths = [args.window + 1, args.window + args.window // 2, 2 * args.window, 1022]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bionemo-windows-") as work:
-        checkpoint = get_family("esm2").save_random_checkpoint(Path(work) / "esm2_35m", seed=0, **SIZE_35M)
+        checkpoint = save_random_checkpoint("esm2", Path(work) / "esm2_35m", seed=0, **ESM2_35M_SIZES)
         model = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
         for length, protein in zip(lengths, random_proteins(np.array(lengths), np.random.default_rng(1))):
             spans = windows.plan_windows(length, args.window, overlap=overlap, max_residues=10000)

@@ -1,6 +1,9 @@
-"""Shared fixtures: one real tritonserver per test module, on free loopback ports."""
+"""Shared fixtures: one real tritonserver per test module, on free loopback ports; a tiny random
+checkpoint."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -8,9 +11,23 @@ from bionemo_export.runtime import TritonServer, find_tritonserver
 from tests.helpers.tiny_repository import tiny_repository
 
 
+@pytest.fixture(scope="module")
+def esm2_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random ESM-2 (Hugging Face folder, seed 0) for the module's tests, which only read it."""
+    from bionemo_export.testing.checkpoints import save_random_checkpoint  # torch: only where a test asks for it
+
+    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2") / "checkpoint", seed=0)
+
+
 @pytest.fixture(scope="session")
 def triton_install():
     return find_tritonserver()
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(tmp_path_factory) -> Path:
+    """The tiny hand-made repository (tests/helpers/tiny_repository.py), for the module's tests."""
+    return tiny_repository(tmp_path_factory.mktemp("tiny") / "models")
 
 
 @pytest.fixture(scope="module")

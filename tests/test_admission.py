@@ -21,8 +21,8 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import EncoderClient, ServerBusyError
 from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -34,7 +34,7 @@ CLIENTS = 30
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("admission")
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=5)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=5)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4, max_queue_size=2)))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as running:

@@ -27,7 +27,8 @@ from bionemo_export.model_repository.consistency import check_repository, graph_
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, write_config
-from bionemo_export.models import get_family, load_checkpoint
+from bionemo_export.models import load_checkpoint
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 runner = CliRunner()
 ORT_TO_TRITON = {"tensor(int64)": "INT64", "tensor(float)": "FP32", "tensor(bool)": "BOOL"}
@@ -36,7 +37,7 @@ ORT_TO_TRITON = {"tensor(int64)": "INT64", "tensor(float)": "FP32", "tensor(bool
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    return {family: get_family(family).save_random_checkpoint(root / family, seed=0)
+    return {family: save_random_checkpoint(family, root / family, seed=0)
             for family in ("esm2", "megamolbart")}
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from bionemo_export.bench.run import read_statistics
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import EncoderClient, InferenceError, Seq2SeqClient, TritonClient, strings_to_tensor
 from bionemo_export.model_repository.options import ServingOptions
@@ -20,6 +21,7 @@ from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
 from bionemo_export.serving.batching import SubBatch, padded_lengths, padding_counts, plan_sub_batches, stack_padded
 from bionemo_export.serving.host import available_cores, threads_per_instance
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
 
@@ -104,8 +106,9 @@ def _requests() -> list[list[str]]:
 
 
 def _stats(url: str, model: str) -> tuple[int, int]:
-    stats = grpcclient.InferenceServerClient(url).get_inference_statistics(model, as_json=True)["model_stats"][0]
-    return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+    """(inferences, executions) of `model` so far, as `bench` reads Triton's statistics."""
+    counters = read_statistics(grpcclient.InferenceServerClient(url))[model]
+    return counters["inferences"], counters["executions"]
 
 
 def _token_counts(server, model: str) -> dict[str, float]:
@@ -122,7 +125,7 @@ def _token_counts(server, model: str) -> dict[str, float]:
 def encoder_server(request, tmp_path_factory, triton_install):
     """A tiny random ESM-2 served with a queue delay long enough that concurrent requests batch."""
     work = tmp_path_factory.mktemp(f"batching-{request.param}")
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=3)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=3)
     build_repository(BuildRequest(
         family="esm2", checkpoint=checkpoint, name="tiny", out=work / "repo", backend="python",
         serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=50_000, layout=request.param,
@@ -193,7 +196,7 @@ def test_a_bad_sequence_fails_alone_inside_a_batch(encoder_server):
 def samplings_server(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("batching-samplings")
     family = get_family("megamolbart")
-    checkpoint = family.save_random_checkpoint(work / "checkpoint", seed=5)
+    checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=5)
     build_repository(BuildRequest(
         family="megamolbart", checkpoint=checkpoint, name="mmb", out=work / "repo", backend="python",
         tasks=("hiddens", "samplings"), max_decode_length=12,

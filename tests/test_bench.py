@@ -243,9 +243,9 @@ def test_report_files_and_ratios(tmp_path):
 @pytest.mark.e2e
 def test_bench_cli_measures_a_tiny_esm2_repository(tmp_path):
     from bionemo_export.build import BuildRequest, build_repository
-    from bionemo_export.models import get_family
+    from bionemo_export.testing.checkpoints import save_random_checkpoint
 
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint", seed=0)
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="benchtest", out=tmp_path / "repo",
                                   backend="python"))
     out = tmp_path / "report"

@@ -12,14 +12,8 @@ from bionemo_export.build import BuildError, BuildRequest, build_repository, res
 from bionemo_export.cli.main import app
 from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.model_repository.pbtxt import read_config
-from bionemo_export.models import get_family
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def esm2_checkpoint(tmp_path_factory):
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2") / "ckpt", seed=0)
 
 
 def _request(checkpoint, out, **kwargs) -> BuildRequest:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from bionemo_export.models import LoadedModel, get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB, rxnfp_checkpoint
 from bionemo_export.models.readers import CheckpointError
+from bionemo_export.testing.checkpoints import save_huggingface, save_random_checkpoint
 from tests.helpers.random_models import perturb
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
@@ -25,14 +26,6 @@ HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
 ATOL = 1e-4
 PROTEINS = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG", "EVQLVESGGGLVQ"]
 LABELS = {0: "binder", 1: "non-binder", 2: "unknown"}
-
-
-
-
-def save_hf(model: transformers.PreTrainedModel, out: Path, vocab: list[str]) -> Path:
-    model.save_pretrained(out)
-    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    return out
 
 
 def esm_config(**settings) -> transformers.EsmConfig:
@@ -62,7 +55,7 @@ def make(kind: str, out: Path, seed: int = 5, **settings) -> tuple[transformers.
     cls, config, vocab, _ = CLASSES[kind]
     torch.manual_seed(seed)
     model = perturb(cls(config(**settings)), seed)
-    return model, save_hf(model, out, vocab)
+    return model, save_huggingface(model, out, vocab)
 
 
 def served_logits(loaded: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, dict]:
@@ -170,7 +163,7 @@ def test_keys_decide_without_architectures(tmp_path):
 
 
 def test_masked_lm_and_base_checkpoints_have_no_classifier(tmp_path):
-    folder = get_family("esm2").save_random_checkpoint(tmp_path / "mlm")
+    folder = save_random_checkpoint("esm2", tmp_path / "mlm")
     loaded = get_family("esm2").load(folder)
     assert loaded.classifier is None and loaded.lm_head is not None
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -16,10 +15,10 @@ from typer.testing import CliRunner
 from bionemo_export import __version__
 from bionemo_export.cli.main import app
 from bionemo_export.runtime import free_ports
+from tests.helpers.cli import CLI
 from tests.helpers.tiny_repository import broken_repository, tiny_repository
 
 runner = CliRunner()
-CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 
 
 def test_help_lists_every_command_group_with_its_help():

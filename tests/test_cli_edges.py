@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,15 +25,10 @@ from bionemo_export.models import get_family
 from bionemo_export.numerics import cosine_rows, degenerate_rows
 from bionemo_export.runtime import free_ports
 from bionemo_export.verify import compare_outputs
+from tests.helpers.cli import CLI
 
-CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 runner = CliRunner()
 WIDE = {"COLUMNS": "1000"}  # rich wraps long lines (paths) at the terminal width
-
-
-@pytest.fixture(scope="module")
-def esm2_checkpoint(tmp_path_factory) -> Path:
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2") / "checkpoint", seed=0)
 
 
 def _one_line_error(result, *fragments: str) -> str:

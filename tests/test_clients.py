@@ -17,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from typer.testing import CliRunner
 
+from bionemo_export.bench.run import read_statistics
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import (
@@ -30,9 +31,9 @@ from bionemo_export.client import (
 from bionemo_export.client.files import read_hiddens, read_records, write_outputs
 from bionemo_export.client.repository import sampling_inputs
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
 from bionemo_export.runtime.server import free_ports
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 NAME = "tiny"
 MAX_BATCH = 32
@@ -45,7 +46,7 @@ WIDE = {"COLUMNS": "1000"}
 def server(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("clients")
     # hidden 64: 32 sequences of 600 residues answer 4.9 MB of hidden states, over gRPC's 4 MiB default.
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=2, hidden_size=64)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=2, hidden_size=64)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=MAX_BATCH)))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as running:
@@ -121,9 +122,8 @@ def test_raw_kserve_v2_json_request_with_bytes_data(server):
 
 # ---------------------------------------------------------------------- the Python client
 def _stats(server, model: str) -> int:
-    stats = grpcclient.InferenceServerClient(server.endpoints.grpc_url).get_inference_statistics(
-        model, as_json=True)["model_stats"][0]
-    return int(stats["inference_stats"]["success"].get("count", 0))
+    """The requests `model` has answered so far, as `bench` reads Triton's statistics."""
+    return read_statistics(grpcclient.InferenceServerClient(server.endpoints.grpc_url))[model]["requests"]
 
 
 @pytest.mark.e2e

@@ -22,7 +22,7 @@ from bionemo_export.cli.main import app
 from bionemo_export.deploy.kubernetes import DEPLOYMENT_FILE, KSERVE_FILE, MOUNT_PATH, VOLUME_FILE, read_repository
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.pbtxt import read_config
-from bionemo_export.models import get_family
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.manifest_validation import validate_inference_service, validate_kubernetes
 
 runner = CliRunner()
@@ -35,7 +35,7 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 def repository(tmp_path_factory) -> Path:
     """A tiny random ESM-2 repository (Python backend: tokenizer, encoder and the public ensembles)."""
     root = tmp_path_factory.mktemp("esm2")
-    checkpoint = get_family("esm2").save_random_checkpoint(root / "checkpoint", seed=0)
+    checkpoint = save_random_checkpoint("esm2", root / "checkpoint", seed=0)
     out = root / "repo"
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2nv", out=out, backend="python",
                                   serving=ServingOptions(max_batch_size=4)))

@@ -32,13 +32,14 @@ from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
 from bionemo_export.runtime.server import _die_with_parent, free_ports
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import SAMPLING_CHECKS, _expected_outputs, verify_repository
+from tests.helpers.cli import CLI
 
 pytestmark = pytest.mark.e2e
 
 NAME = "mmb"
 MAX_DECODE = 12
-CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 TASKS = ("embeddings", "hiddens", "decodes", "samplings")
 runner = CliRunner()
 WIDE = {"COLUMNS": "1000"}
@@ -77,7 +78,7 @@ def servers(tmp_path_factory, triton_install):
     """{"repository": url prefix, "dev": url prefix} plus the checkpoint, loaded model and repository."""
     work = tmp_path_factory.mktemp("dev-server")
     family = get_family("megamolbart")
-    checkpoint = family.save_random_checkpoint(work / "checkpoint", seed=5)
+    checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=5)
     build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", max_decode_length=MAX_DECODE,
                                   serving=ServingOptions(max_batch_size=16)))

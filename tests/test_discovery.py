@@ -67,3 +67,11 @@ def test_perf_analyzer_is_found_and_runs():
     pa = find_perf_analyzer()
     assert pa.version == "2.51.0"
     assert pa.binary.is_file()
+    # The binary found runs with the environment it was found with (its CUDA runtime library):
+    # it answers --version, and it parses a command line, refusing one without a model by name.
+    version = pa.run(["--version"], timeout=30)
+    assert version.returncode == 0, version.stderr
+    assert "Perf Analyzer Version 2.51.0" in version.stdout + version.stderr
+    usage = pa.run(["--concurrency-range", "1:2"], timeout=30)
+    assert usage.returncode != 0
+    assert "Failed to parse -m (model name)" in usage.stdout + usage.stderr

@@ -22,6 +22,7 @@ from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import cosine_rows, verify_repository
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +39,7 @@ def served(request, tmp_path_factory, triton_install):
     if request.param == "bert":
         checkpoint = antiberty_checkpoint()  # real pretrained weights from the antiberty wheel
     else:
-        checkpoint = family.save_random_checkpoint(work / "checkpoint", seed=1)
+        checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=1)
     name = f"{request.param}test"
     build_repository(BuildRequest(
         family=request.param, checkpoint=checkpoint, name=name, out=work / "repo", backend="python",
@@ -166,7 +167,7 @@ def test_verify_cli_passes_for_the_checkpoint_and_fails_for_another(served, tmp_
                            env={"COLUMNS": "200"})
     assert passed.exit_code == 0, passed.output
     assert "all checks passed" in passed.output and f"{name}_hiddens" in passed.output
-    other = family.save_random_checkpoint(tmp_path / "other", seed=7)
+    other = save_random_checkpoint(family.name, tmp_path / "other", seed=7)
     failed = runner.invoke(app, ["verify", repository, "--checkpoint", str(other), "--url", url],
                            env={"COLUMNS": "200"})
     assert failed.exit_code == 1, failed.output

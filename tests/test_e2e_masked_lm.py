@@ -17,6 +17,7 @@ from bionemo_export.build import BuildError, BuildRequest, build_repository
 from bionemo_export.client import InferenceError, RepositoryClient
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.masked_lm_reference import brute_force, brute_force_pll, reference_log_probs
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +30,7 @@ VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T", "I12L"]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("masked_lm")
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=11)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=11)
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                            backend="python"))
     reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
@@ -94,7 +95,7 @@ def test_scores_rest_on_the_config_limits(served):
 
 def test_logits_without_a_head_is_one_error_naming_the_checkpoint(tmp_path):
     family = get_family("esm2")
-    masked = family.save_random_checkpoint(tmp_path / "masked", seed=2)
+    masked = save_random_checkpoint(family.name, tmp_path / "masked", seed=2)
     plain = tmp_path / "plain"
     transformers.EsmModel.from_pretrained(masked, add_pooling_layer=False).save_pretrained(plain)
     (plain / "vocab.txt").write_text((masked / "vocab.txt").read_text())

@@ -21,6 +21,7 @@ from bionemo_export.models import get_family, load_checkpoint
 from bionemo_export.models.megamolbart import load_model
 from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.nemo_archives import (
     esm2_to_megatron,
     esm2nv_config,
@@ -43,7 +44,7 @@ MAX_DECODE = 24
 def esm2nv(tmp_path_factory, triton_install):
     """(HF source folder, server) for a repository built by the CLI from an ESM-2nv archive."""
     work = tmp_path_factory.mktemp("esm2nv")
-    source = get_family("esm2").save_random_checkpoint(work / "hf", seed=3)
+    source = save_random_checkpoint("esm2", work / "hf", seed=3)
     config = transformers.EsmConfig.from_pretrained(source)
     weights = esm2_to_megatron(load_file(source / "model.safetensors"), config.num_hidden_layers,
                                config.num_attention_heads)
@@ -88,7 +89,7 @@ def test_esm2nv_archive_served_equals_transformers(esm2nv):
 def megamolbart_nemo(tmp_path_factory, triton_install):
     """(source saved form, source MegaMolBart, imported model, server) for a repository built from a MegaMolBART archive."""
     work = tmp_path_factory.mktemp("megamolbart")
-    folder = get_family("megamolbart").save_random_checkpoint(work / "source", seed=4)
+    folder = save_random_checkpoint("megamolbart", work / "source", seed=4)
     model, vocab, _ = load_model(folder)
     config, artifacts = megamolbart_config(model.config, vocab, nested=True)
     weights = megamolbart_to_nemo(model.state_dict(), model.config)

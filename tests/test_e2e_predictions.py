@@ -14,6 +14,7 @@ from bionemo_export.client import InferenceError, RepositoryClient
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.test_classifier_head import make
 
 pytestmark = pytest.mark.e2e
@@ -98,7 +99,7 @@ def test_a_bad_sequence_is_invalid_argument_and_the_server_carries_on(served):
 
 
 def test_asking_for_predictions_without_a_fine_tuned_head_names_the_checkpoint(tmp_path):
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     with pytest.raises(BuildError, match=f"{checkpoint} has no fine-tuned head"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="x", out=tmp_path / "repo",
                                       backend="python", tasks=("predictions",)))

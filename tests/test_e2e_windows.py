@@ -14,8 +14,8 @@ import transformers
 from bionemo_export.build import BuildError, BuildRequest, build_repository
 from bionemo_export.client import InferenceError, RepositoryClient
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.masked_lm_reference import ESM_VOCAB
 from tests.helpers.window_reference import brute_merge
 
@@ -29,7 +29,7 @@ LONG = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQF"[:57
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("windows")
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=21)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=21)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", max_length=WINDOW + 2, tasks=("embeddings", "hiddens", "logits"),
                                   serving=ServingOptions(max_residues=MAX_RESIDUES, window_overlap=OVERLAP)))
@@ -91,7 +91,7 @@ def test_over_the_stated_maximum_is_the_requests_error_naming_length_and_limit(s
 
 
 def test_windows_need_the_fused_layout(tmp_path):
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint", seed=1)
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=1)
     with pytest.raises(BuildError, match="--max-residues .* use --backend python"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="x", out=tmp_path / "repo",
                                       backend="native", serving=ServingOptions(max_residues=100)))

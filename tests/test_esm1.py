@@ -29,6 +29,7 @@ from bionemo_export.models.base import infer_family
 from bionemo_export.models.esm1 import ESM1NV_PIECES, esm1nv_tokenizer
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers.character import TokenizationError
 from bionemo_export.verify import cosine_rows
 
@@ -315,7 +316,7 @@ def test_bad_archives_are_refused_naming_the_problem(hf_model, tmp_path, problem
 # ----------------------------------------------------------------------------- Hugging Face (ESM-1b style)
 @pytest.fixture(scope="module")
 def esm1b_dir(tmp_path_factory):
-    return get_family("esm1").save_random_checkpoint(tmp_path_factory.mktemp("esm1b"), seed=3)
+    return save_random_checkpoint("esm1", tmp_path_factory.mktemp("esm1b"), seed=3)
 
 
 def test_esm1b_directory_equals_transformers_own_esm(esm1b_dir):
@@ -345,7 +346,7 @@ def test_esm1b_directory_equals_transformers_own_esm(esm1b_dir):
 def test_rotary_and_absolute_directories_point_to_each_other(esm1b_dir, tmp_path):
     with pytest.raises(CheckpointError, match="use --model esm1"):
         get_family("esm2").load(esm1b_dir)
-    rotary = get_family("esm2").save_random_checkpoint(tmp_path, seed=3)
+    rotary = save_random_checkpoint("esm2", tmp_path, seed=3)
     with pytest.raises(CheckpointError, match="'rotary', not 'absolute': use --model esm2"):
         get_family("esm1").load(rotary)
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from bionemo_export.checkpoint_report import inspect_checkpoint
 from bionemo_export.cli.main import app
-from bionemo_export.models import get_family
 from bionemo_export.models.megamolbart import load_model
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.nemo_archives import (
     esm2_to_megatron,
     esm2nv_config,
@@ -33,7 +33,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def esm2_dir(tmp_path_factory):
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2"), seed=1)
+    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2"), seed=1)
 
 
 def test_a_hugging_face_directory(esm2_dir):
@@ -70,7 +70,7 @@ def test_a_tensor_parallel_esm2nv_archive_with_extra_state(esm2_dir, tmp_path):
 
 
 def test_a_megamolbart_archive_says_which_output_head(tmp_path):
-    folder = get_family("megamolbart").save_random_checkpoint(tmp_path / "mmb", seed=2)
+    folder = save_random_checkpoint("megamolbart", tmp_path / "mmb", seed=2)
     model, vocab, _ = load_model(folder)
     config, artifacts = megamolbart_config(model.config, vocab)
     archive = write_nemo(tmp_path / "mmb.nemo", config,

@@ -28,6 +28,7 @@ from bionemo_export.models import LoadedModel, get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB, antiberty_checkpoint, rxnfp_checkpoint
 from bionemo_export.models.esm1 import ESM1NV_PIECES, esm1nv_tokenizer
 from bionemo_export.models.readers import CheckpointError
+from bionemo_export.testing.checkpoints import save_huggingface, save_random_checkpoint
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, TokenizationError
 from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from bionemo_export.tokenizers.smiles import SmilesTokenizer
@@ -93,12 +94,6 @@ def esm_config(**settings) -> transformers.EsmConfig:
     return transformers.EsmConfig(**{**base, **settings})
 
 
-def save_hf(model: transformers.PreTrainedModel, out: Path, vocab: list[str]) -> Path:
-    model.save_pretrained(out)
-    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    return out
-
-
 # ------------------------------------------------------------------------------------ ESM-2
 @pytest.fixture(scope="module")
 def esm2_mlm() -> transformers.EsmForMaskedLM:
@@ -110,7 +105,7 @@ def esm2_mlm() -> transformers.EsmForMaskedLM:
 
 @pytest.fixture(scope="module")
 def esm2_dir(esm2_mlm, tmp_path_factory) -> Path:
-    return save_hf(esm2_mlm, tmp_path_factory.mktemp("esm2_mlm"), ESM_VOCAB)
+    return save_huggingface(esm2_mlm, tmp_path_factory.mktemp("esm2_mlm"), ESM_VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +192,7 @@ def test_unexpected_head_key_is_an_error(esm2_dir, tmp_path):
 
 def test_checkpoint_without_head_has_none(tmp_path):
     config = esm_config(position_embedding_type="rotary", emb_layer_norm_before=False, max_position_embeddings=1026)
-    out = save_hf(transformers.EsmModel(config, add_pooling_layer=False), tmp_path / "plain", ESM_VOCAB)
+    out = save_huggingface(transformers.EsmModel(config, add_pooling_layer=False), tmp_path / "plain", ESM_VOCAB)
     loaded = get_family("esm2").load(out)
     assert loaded.lm_head is None and loaded.alphabet == ()
     with pytest.raises(NoLMHeadError, match="plain has no masked-LM head"):
@@ -207,7 +202,7 @@ def test_checkpoint_without_head_has_none(tmp_path):
 
 def test_random_checkpoints_carry_a_head(tmp_path):
     for name, size in (("esm2", 25), ("esm1", 25), ("bert", 20)):
-        loaded = get_family(name).load(get_family(name).save_random_checkpoint(tmp_path / name, seed=1))
+        loaded = get_family(name).load(save_random_checkpoint(name, tmp_path / name, seed=1))
         assert loaded.lm_head is not None and len(loaded.alphabet) == size, name
 
 
@@ -217,7 +212,7 @@ def test_esm1b_huggingface_log_probs_match_esm_for_masked_lm(tmp_path):
                         max_position_embeddings=514)
     torch.manual_seed(5)
     model = perturb(transformers.EsmForMaskedLM(config), seed=5)
-    loaded = get_family("esm1").load(save_hf(model, tmp_path / "esm1b", ESM_VOCAB))
+    loaded = get_family("esm1").load(save_huggingface(model, tmp_path / "esm1b", ESM_VOCAB))
     assert loaded.alphabet == tuple("LAGVSERTIDPKQNFYMHWCXBUZO")
     log_probs, attention = served(loaded, PROTEINS)
     ids, hf_attention = token_ids(PROTEINS, ESM_VOCAB, "<cls>", "<eos>", "<pad>", "<mask>")
@@ -260,7 +255,7 @@ def test_bert_log_probs_match_bert_for_masked_lm(tmp_path):
                                      attention_probs_dropout_prob=0.0)
     torch.manual_seed(13)
     model = perturb(transformers.BertForMaskedLM(config), seed=13)
-    loaded = get_family("bert").load(save_hf(model, tmp_path / "bert", ANTIBERTY_VOCAB))
+    loaded = get_family("bert").load(save_huggingface(model, tmp_path / "bert", ANTIBERTY_VOCAB))
     assert loaded.alphabet == tuple("ACDEFGHIKLMNPQRSTVWY")
     log_probs, attention = served(loaded, ANTIBODIES)
     ids, hf_attention = token_ids(ANTIBODIES, ANTIBERTY_VOCAB, "[CLS]", "[SEP]", "[PAD]", "[MASK]")

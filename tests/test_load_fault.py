@@ -30,7 +30,8 @@ from tritonclient.utils import InferenceServerException
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.models import get_family, load_checkpoint
+from bionemo_export.models import load_checkpoint
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import serve_process as sp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -67,7 +68,7 @@ class Tally:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "esm2", seed=11)
+    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("ckpt") / "esm2", seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,12 @@ from bionemo_export.models.megamolbart_training import (
     train_copy_model,
     training_smiles,
 )
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    return get_family("megamolbart").save_random_checkpoint(tmp_path_factory.mktemp("megamolbart"), seed=3)
+    return save_random_checkpoint("megamolbart", tmp_path_factory.mktemp("megamolbart"), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_max_length_lowers_the_tokenizer_limit(checkpoint):
 
 
 def test_save_and_load_round_trip(model, checkpoint, tmp_path):
-    again = get_family("megamolbart").save_random_checkpoint(tmp_path / "again", seed=3)
+    again = save_random_checkpoint("megamolbart", tmp_path / "again", seed=3)
     first, second = load_file(checkpoint / "model.safetensors"), load_file(again / "model.safetensors")
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 

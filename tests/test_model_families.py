@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from bionemo_export.models import REGISTRY, LoadedModel, get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.models.esm2 import ALPHABET
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 FAMILIES = ("esm2", "bert")
 BACKBONES = {"esm2": transformers.EsmModel, "bert": transformers.BertModel}
@@ -26,7 +27,7 @@ BACKBONES = {"esm2": transformers.EsmModel, "bert": transformers.BertModel}
 def tiny(tmp_path_factory) -> dict[str, Path]:
     """A small random checkpoint per family."""
     return {
-        name: get_family(name).save_random_checkpoint(tmp_path_factory.mktemp(name), seed=7)
+        name: save_random_checkpoint(name, tmp_path_factory.mktemp(name), seed=7)
         for name in FAMILIES
     }
 
@@ -82,7 +83,7 @@ def test_random_checkpoint_loads(tiny, name):
 
 
 def test_the_same_seed_gives_the_same_checkpoint(tiny, tmp_path):
-    again = get_family("esm2").save_random_checkpoint(tmp_path, seed=7)
+    again = save_random_checkpoint("esm2", tmp_path, seed=7)
     first, second = load_file(tiny["esm2"] / "model.safetensors"), load_file(again / "model.safetensors")
     assert all(torch.equal(first[k], second[k]) for k in first)
 

@@ -20,6 +20,7 @@ from bionemo_export.models import get_family, load_checkpoint
 from bionemo_export.models.megamolbart import MegaMolBart, load_model
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.models.readers import nemo as nemo_reader
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.nemo_archives import (
     UUID,
     esm2_to_megatron,
@@ -36,8 +37,8 @@ PROTEINS = ["MKTAYIAKQRQISFVKSHFSRQ", "MSLKRKNIALIPAAGIGVRFG", "AC", "LAGVSERTID
 @pytest.fixture(scope="module")
 def esm2_source(tmp_path_factory) -> Path:
     """A random Hugging Face ESM-2 (EsmForMaskedLM) folder: the source of the archives."""
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2"), seed=5, hidden_size=64,
-                                                     num_layers=2, num_heads=4, intermediate_size=96)
+    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2"), seed=5, hidden_size=64,
+                                  num_layers=2, num_heads=4, intermediate_size=96)
 
 
 def esm2_archive(source: Path, path: Path, *, gzip: bool = False, weights_edit=None, **overrides) -> Path:
@@ -116,8 +117,8 @@ SMILES = ["CCO", "c1ccccc1O", "CC(=O)Oc1ccccc1C(=O)O", "CN1C=NC2=C1C(=O)N(C(=O)N
 
 @pytest.fixture(scope="module")
 def megamolbart_source(tmp_path_factory) -> tuple[MegaMolBart, list[str]]:
-    folder = get_family("megamolbart").save_random_checkpoint(tmp_path_factory.mktemp("mmb"), seed=11, hidden_size=32,
-                                                              num_layers=2, num_heads=4)
+    folder = save_random_checkpoint("megamolbart", tmp_path_factory.mktemp("mmb"), seed=11, hidden_size=32,
+                                    num_layers=2, num_heads=4)
     model, vocab, _ = load_model(folder)
     return model, vocab
 
@@ -189,7 +190,7 @@ def test_saved_form_with_a_padded_vocabulary_never_decodes_a_padded_id(tmp_path)
     """A saved-form model whose vocab_size exceeds its vocabulary: the extra output rows (biased to
     win every argmax) are cut, so decoding yields only real tokens."""
     family = get_family("megamolbart")
-    folder = family.save_random_checkpoint(tmp_path / "small", seed=2)
+    folder = save_random_checkpoint(family.name, tmp_path / "small", seed=2)
     model, vocab, _ = load_model(folder)
     padded = MegaMolBart(dataclasses.replace(model.config, vocab_size=128))
     state = padded.state_dict()

@@ -16,10 +16,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from bionemo_export.models import get_family, load_checkpoint
+from bionemo_export.models import load_checkpoint
 from bionemo_export.models.megamolbart import MegaMolBart, load_model
 from bionemo_export.models.megatron import fused_bias_gelu
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.nemo_archives import (
     amp_o2_keys,
     esm2_to_megatron,
@@ -43,8 +44,8 @@ SMILES = ["CCO", "c1ccccc1O", "CC(=O)Oc1ccccc1C(=O)O", "Clc1ccc(Br)cc1I"]
 # ------------------------------------------------------------------------------------ ESM-2nv
 @pytest.fixture(scope="module")
 def esm2_source(tmp_path_factory) -> Path:
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2"), seed=7, hidden_size=64,
-                                                     num_layers=LAYERS, num_heads=HEADS, intermediate_size=96)
+    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2"), seed=7, hidden_size=64,
+                                  num_layers=LAYERS, num_heads=HEADS, intermediate_size=96)
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +184,8 @@ def test_model_parallel_errors_name_the_rank_folder_and_key(esm2_megatron, tmp_p
 # -------------------------------------------------------------------------------- MegaMolBART
 @pytest.fixture(scope="module")
 def megamolbart_source(tmp_path_factory) -> tuple[MegaMolBart, list[str]]:
-    folder = get_family("megamolbart").save_random_checkpoint(tmp_path_factory.mktemp("mmb"), seed=3, hidden_size=32,
-                                                              num_layers=2, num_heads=HEADS)
+    folder = save_random_checkpoint("megamolbart", tmp_path_factory.mktemp("mmb"), seed=3, hidden_size=32,
+                                    num_layers=2, num_heads=HEADS)
     model, vocab, _ = load_model(folder)
     return model, vocab
 

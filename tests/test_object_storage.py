@@ -32,6 +32,7 @@ from bionemo_export.runtime import TritonServer, find_tritonserver, free_ports
 from bionemo_export.runtime.discovery import TritonInstall
 from bionemo_export.runtime.doctor import object_stores
 from bionemo_export.runtime.object_storage import S3RepositoryError, check_s3_repository, list_repository, parse_s3_uri
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import serve_process as sp
 
 NAME = "s3esm"
@@ -105,7 +106,7 @@ def esm2(tmp_path_factory):
     """(repository folder, loaded reference model) of a tiny random ESM-2 build."""
     family = get_family("esm2")
     work = tmp_path_factory.mktemp("esm2")
-    checkpoint = family.save_random_checkpoint(work / "checkpoint", seed=7)
+    checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=7)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4),
                                   tasks=("embeddings", "hiddens")))

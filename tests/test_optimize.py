@@ -26,6 +26,7 @@ from bionemo_export.exporters.signature import dynamic_axes
 from bionemo_export.exporters.verification import PRECISION_MIN_COSINE, precision_tolerances
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import precision_checks
 
 ENCODER_ONLY = ("embeddings", "hiddens")
@@ -51,7 +52,7 @@ def tiny(request, tmp_path_factory):
     """(family name, loaded tiny random model, its plain dynamo export)."""
     folder = tmp_path_factory.mktemp(request.param)
     family = get_family(request.param)
-    loaded = family.load(family.save_random_checkpoint(folder / "checkpoint", seed=1))
+    loaded = family.load(save_random_checkpoint(family.name, folder / "checkpoint", seed=1))
     exported = export_onnx(loaded.encoder, loaded.inputs, loaded.outputs, _batches(loaded)[0], folder / "model.onnx")
     return request.param, loaded, exported.path
 
@@ -115,7 +116,7 @@ def test_a_subgraph_whose_values_are_used_elsewhere_is_left_alone(tiny):
 
 def test_build_stores_the_optimized_graph_and_records_the_optimizations(tmp_path):
     family = get_family("esm2")
-    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint(family.name, tmp_path / "checkpoint")
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                            backend="python", tasks=ENCODER_ONLY))
     manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
@@ -149,7 +150,7 @@ def _no_fusion_verifies(monkeypatch):
 def test_an_optimized_graph_that_fails_verification_falls_back_to_the_plain_export(tmp_path, monkeypatch, caplog):
     _no_fusion_verifies(monkeypatch)
     family = get_family("bert")
-    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint(family.name, tmp_path / "checkpoint")
     messages = []
     build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="b", out=tmp_path / "repo",
                                   backend="python", tasks=("embeddings",)), progress=messages.append)
@@ -199,7 +200,7 @@ def test_a_build_with_external_data_stores_the_optimized_graph_and_one_weights_f
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
     monkeypatch.setattr(optimize_module, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", tasks=("embeddings",)))
     manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
@@ -264,7 +265,7 @@ def test_int8_build_of_antiberty_keeps_embeddings_within_cosine_0_999(tmp_path):
 
 def test_fp16_build_keeps_float32_inputs_and_outputs(tmp_path):
     family = get_family("esm2")
-    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint(family.name, tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", precision="fp16", tasks=("embeddings",)))
     manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
@@ -280,7 +281,7 @@ def test_fp16_build_keeps_float32_inputs_and_outputs(tmp_path):
 def test_a_precision_nothing_meets_fails_the_build_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(PRECISION_MIN_COSINE, "int8", {"embeddings": 1.01, "hiddens": 1.01})
     family = get_family("esm2")
-    checkpoint = family.save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint(family.name, tmp_path / "checkpoint")
     with pytest.raises(BuildError, match=r"no int8 graph of encoder meets .* --precision fp32"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                       backend="python", precision="int8", tasks=("embeddings",)))
@@ -309,7 +310,7 @@ def test_cli_build_accepts_precision_and_reports_the_tolerance(tmp_path):
 
     from bionemo_export.cli.main import app
 
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     result = CliRunner().invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(checkpoint),
                                       "--name", "esm", "--out", str(tmp_path / "repo"), "--backend", "python",
                                       "--tasks", "embeddings", "--precision", "int8"])
@@ -324,7 +325,7 @@ def test_verify_reports_the_served_int8_accuracy_cost(tmp_path):
     """An int8 repository served by the real tritonserver, checked by `verify` with int8's tolerance."""
     from bionemo_export.verify import verify_repository
 
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path / "checkpoint")
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", precision="int8", tasks=ENCODER_ONLY))
     checks = verify_repository(tmp_path / "repo", checkpoint)  # on the embedded tritonserver

@@ -28,6 +28,7 @@ from bionemo_export.models.megamolbart import MegaMolBart, MegaMolBartConfig
 from bionemo_export.models.prott5 import PROTT5_PIECES, nemo_vocabulary, sentencepiece_model
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import cosine_rows
 
 FAMILY = get_family("prott5")
@@ -63,12 +64,12 @@ def hf(tmp_path_factory, spm) -> dict[str, Path]:
     """Random ProtT5 folders: encoder-only with spiece.model; the same folder with tokenizer.json
     instead (written by transformers); a whole T5ForConditionalGeneration."""
     root = tmp_path_factory.mktemp("prott5_hf")
-    encoder = FAMILY.save_random_checkpoint(root / "encoder", seed=3)
+    encoder = save_random_checkpoint(FAMILY.name, root / "encoder", seed=3)
     as_json = root / "json"
     shutil.copytree(encoder, as_json)
     transformers.AutoTokenizer.from_pretrained(encoder).save_pretrained(as_json)
     (as_json / "spiece.model").unlink()
-    full = FAMILY.save_random_checkpoint(root / "full", seed=4, num_decoder_layers=2)
+    full = save_random_checkpoint(FAMILY.name, root / "full", seed=4, num_decoder_layers=2)
     return {"spiece": encoder, "json": as_json, "full": full}
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bionemo_export.models import get_family
 from bionemo_export.models.readers import READERS, CheckpointError, read_checkpoint
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers import CharacterTokenizer, SmilesTokenizer
 from bionemo_export.tokenizers.protocol import Tokenizer
 from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
@@ -19,7 +19,7 @@ from tests.helpers.nemo_archives import write_nemo
 
 @pytest.fixture(scope="module")
 def esm2_folder(tmp_path_factory):
-    return get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2"), seed=1)
+    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2"), seed=1)
 
 
 def test_the_three_forms_are_registered():
@@ -64,7 +64,7 @@ def test_huggingface_errors_name_the_file(esm2_folder, tmp_path, edit, message):
 
 
 def test_saved_form(tmp_path):
-    folder = get_family("megamolbart").save_random_checkpoint(tmp_path / "mmb", seed=1)
+    folder = save_random_checkpoint("megamolbart", tmp_path / "mmb", seed=1)
     checkpoint = read_checkpoint(folder)
     assert (checkpoint.form, checkpoint.model_class) == ("saved", "megamolbart")
     assert checkpoint.text("vocab.txt").splitlines()[:3] == ["<PAD>", "?", "^"]

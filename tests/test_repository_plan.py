@@ -15,6 +15,7 @@ from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import RoleOptions, ServingOptions
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan, Tensor
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers.character import CharacterTokenizer
 
 TOKENIZER = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "A", "C"], residues="AC", pad_token="<pad>",
@@ -174,7 +175,7 @@ def megamolbart(tmp_path_factory):
     from bionemo_export.models.base import seq2seq_graph_specs
 
     family = get_family("megamolbart")
-    loaded = family.load(family.save_random_checkpoint(tmp_path_factory.mktemp("mmb") / "ckpt", seed=0))
+    loaded = family.load(save_random_checkpoint(family.name, tmp_path_factory.mktemp("mmb") / "ckpt", seed=0))
     assert loaded.seq2seq is not None
     return loaded, seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
 

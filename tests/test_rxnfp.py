@@ -26,6 +26,7 @@ from bionemo_export.models.bert import (
     rxnfp_checkpoint,
 )
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers.character import CharacterTokenizer, TokenizationError
 from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 from bionemo_export.verify import cosine_rows, verify_repository
@@ -105,7 +106,7 @@ def test_samples_fit_the_loaded_checkpoint(rxnfp, tmp_path):
     assert rxnfp.family.name == "bert" and samples == list(SAMPLE_SMILES)
     assert any(">>" in s for s in samples) and any(">>" not in s for s in samples)
     assert rxnfp.tokenizer.encode(samples).residue_mask.sum() == sum(len(RXNFP_REGEX.findall(s)) for s in samples)
-    protein = get_family("bert").load(get_family("bert").save_random_checkpoint(tmp_path / "protein"))
+    protein = get_family("bert").load(save_random_checkpoint("bert", tmp_path / "protein"))
     assert isinstance(protein.tokenizer, CharacterTokenizer) and protein.family.sample_sequences()[0] == "EVQLV"
 
 

@@ -16,6 +16,7 @@ from bionemo_export.models import get_family
 from bionemo_export.serving.responses import Responder
 from bionemo_export.serving.scores import VariantScorer
 from bionemo_export.serving.scoring import ScoringLimits
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import fake_pb_utils
 from tests.helpers.masked_lm_reference import brute_force, brute_force_pll
 
@@ -25,7 +26,7 @@ VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T"]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    checkpoint = get_family("esm2").save_random_checkpoint(tmp_path_factory.mktemp("esm2") / "ckpt", seed=7)
+    checkpoint = save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2") / "ckpt", seed=7)
     loaded = get_family("esm2").load(checkpoint)
     reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
     return loaded, reference

@@ -413,18 +413,10 @@ ESM_MASK_ID = 32
 
 @pytest.fixture(scope="module")
 def tiny_esm():
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    from tests.helpers.random_models import tiny_esm_config
+    pytest.importorskip("transformers")
+    from tests.helpers.random_models import sharpened_tiny_esm
 
-    config = tiny_esm_config()
-    model = transformers.EsmForMaskedLM(config).eval()
-    # Random initialization leaves the head nearly flat; larger weights make the scores differ.
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.mul_(3.0)
-    return model
+    return sharpened_tiny_esm()  # a head less flat than random initialisation gives: scores differ
 
 
 def _esm_ids(text: str) -> list[int]:

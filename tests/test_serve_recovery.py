@@ -16,7 +16,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,14 +23,8 @@ import pytest
 from bionemo_export.client.triton import TritonClient
 from bionemo_export.runtime import free_ports
 from tests.helpers import serve_process as sp
-from tests.helpers.tiny_repository import tiny_repository
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def tiny_repo(tmp_path_factory) -> Path:
-    return tiny_repository(tmp_path_factory.mktemp("tiny") / "models")
 
 
 def _affine(http: int) -> list[float]:

@@ -66,10 +66,10 @@ def _ready(http: int, model: str) -> bool:
 def esm2_repo(tmp_path_factory) -> Path:
     """A tiny random ESM-2 repository with two encoder instances (one dead stub of two is a case)."""
     from bionemo_export.build import BuildRequest, build_repository
-    from bionemo_export.models import get_family
+    from bionemo_export.testing.checkpoints import save_random_checkpoint
 
     work = tmp_path_factory.mktemp("esm2")
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=3)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=3)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4, encoder_instances=2),
                                   tasks=("embeddings", "hiddens")))
@@ -85,11 +85,6 @@ def served(esm2_repo, tmp_path_factory):
                      "--max-kept-instances", "2", "--stub-memory-mb", "32")
     yield serve
     serve.stop()
-
-
-@pytest.fixture(scope="module")
-def tiny_repo(tmp_path_factory) -> Path:
-    return tiny_repository(tmp_path_factory.mktemp("tiny") / "models")
 
 
 # -- self-healing -------------------------------------------------------------------------------

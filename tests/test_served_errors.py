@@ -28,8 +28,8 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import Seq2SeqClient, strings_to_tensor
 from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
-from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ LONG_SMILES = "C" * 510  # the tiny MegaMolBART's longest input: 512 positions
 @pytest.fixture(scope="module")
 def esm(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("esm-errors")
-    checkpoint = get_family("esm2").save_random_checkpoint(work / "checkpoint", seed=1)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=1)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=8)))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
@@ -57,7 +57,7 @@ def mmb(tmp_path_factory, triton_install):
     and copies of the decodes model that call it, or a decoder step allowing no cached position
     (a BLS callee that fails with INTERNAL, and one that refuses its input)."""
     work = tmp_path_factory.mktemp("mmb-errors")
-    checkpoint = get_family("megamolbart").save_random_checkpoint(work / "checkpoint", seed=2)
+    checkpoint = save_random_checkpoint("megamolbart", work / "checkpoint", seed=2)
     repo = work / "repo"
     result = CliRunner().invoke(app, [  # the command line's limit flags reach the configs
         "build", "repo", "--model", "megamolbart", "--checkpoint", str(checkpoint), "--name", "mmb", "--out", str(repo),

@@ -17,6 +17,7 @@ from bionemo_export.generation.kv_decoder import CROSS_KV_OUTPUTS
 from bionemo_export.generation.search import LIMITS, SAMPLING_DEFAULTS, GenerationError
 from bionemo_export.serving import decoding, request_options, responses, sampling
 from bionemo_export.serving.parameters import flag_parameter, model_parameters, number_parameter
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers.smiles import SPECIAL_TOKENS, SmilesTokenizer
 from tests.helpers import fake_pb_utils
 
@@ -371,7 +372,7 @@ def test_every_generated_model_imports_from_its_own_folder(tmp_path, layout, bac
     from bionemo_export.models.base import seq2seq_graph_specs
 
     family = get_family("megamolbart")
-    loaded = family.load(family.save_random_checkpoint(tmp_path / "ckpt", seed=0))
+    loaded = family.load(save_random_checkpoint(family.name, tmp_path / "ckpt", seed=0))
     files = {}
     for graph in ("encoder", "cross_kv", "decoder_step"):
         (tmp_path / graph).mkdir()

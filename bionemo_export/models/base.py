@@ -251,11 +251,6 @@ class ModelFamily(ABC):
         """The PyTorch modules (eval mode, fp32) and tokenizer of a described checkpoint."""
 
     @abstractmethod
-    def save_random_checkpoint(self, out: Path, *, seed: int = 0, **sizes: int) -> Path:
-        """Write a small randomly initialised checkpoint of this architecture to `out` (for tests
-        and demos: no downloaded weights) in a form `load()` reads. Returns `out`."""
-
-    @abstractmethod
     def sample_sequences(self) -> list[str]:
         """Valid inputs of varied lengths (short and long) for export checks and verification."""
 

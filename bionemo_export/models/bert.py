@@ -25,7 +25,6 @@ from bionemo_export.models.base import LoadedModel, ModelDescription, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
     read_vocab,
-    save_random_model,
     token_limit,
 )
 from bionemo_export.models.lm_head import HeadWeights, huggingface_activation
@@ -164,32 +163,6 @@ class BertFamily(HuggingFaceEncoderFamily):
             max_length=token_limit(config.max_position_embeddings, max_length, "this BERT model"),
             aliases=aliases,
             **mask,
-        )
-
-    def save_random_checkpoint(
-        self,
-        out: Path,
-        *,
-        seed: int = 0,
-        hidden_size: int = 32,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        intermediate_size: int = 64,
-    ) -> Path:
-        # AntiBERTy's configuration and vocabulary layout, at a small size.
-        config = transformers.BertConfig(
-            vocab_size=len(ANTIBERTY_VOCAB),
-            pad_token_id=ANTIBERTY_VOCAB.index("[PAD]"),
-            hidden_size=hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            intermediate_size=intermediate_size,
-            max_position_embeddings=512,
-            type_vocab_size=2,
-            layer_norm_eps=1e-12,
-        )
-        return save_random_model(
-            lambda: transformers.BertForMaskedLM(config), out, seed=seed, vocab=ANTIBERTY_VOCAB
         )
 
     def sample_sequences(self) -> list[str]:

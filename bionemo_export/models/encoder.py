@@ -6,7 +6,6 @@
   Hugging Face backbones and the project's pre-LN transformer (Megatron layouts) alike;
   `HuggingFaceEncoderFamily` adds the Hugging Face directory form: a family supplies only its
   backbone class, key layout and tokenizer.
-- `save_random_model`: writing a small random checkpoint in the layout `load()` reads.
 
 A checkpoint that carries a masked-LM head (EsmForMaskedLM's `lm_head`, BERT's `cls.predictions`,
 a `.nemo`'s `lm_head`) gets it built as `LoadedModel.lm_head` (models/lm_head.py), loaded as
@@ -16,7 +15,7 @@ strictly as the encoder; one without gets None.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -315,17 +314,3 @@ def token_limit(architecture_limit: int, requested: int | None, family: str) -> 
             f"max_length {requested} exceeds what {family} supports ({architecture_limit} tokens)"
         )
     return requested
-
-
-def save_random_model(
-    build: Callable[[], Any], out: Path, *, seed: int, vocab: list[str]
-) -> Path:
-    """Build a transformers model with a fixed seed and save it with save_pretrained + vocab.txt."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with torch.random.fork_rng():  # seed the initialisation without disturbing the caller's RNG
-        torch.manual_seed(seed)
-        model = build()
-    model.save_pretrained(out)
-    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    return out

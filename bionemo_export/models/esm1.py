@@ -54,8 +54,6 @@ class Esm1Family(Esm2Family):
                    "or a Hugging Face ESM-1b-style EsmModel")
     nemo_targets = ("ESM1nvModel",)
     position_embedding_type = "absolute"
-    # The released ESM-1b config (esm1b_t33_650M_UR50S): what random checkpoints are written with.
-    released_settings = {"max_position_embeddings": ESM1B_MAX_POSITIONS, "emb_layer_norm_before": True}
     from_nemo2 = from_nv_esm = None
     """ESM-2-only forms (BioNeMo 2 and NVIDIA's TransformerEngine export): not inherited."""
 

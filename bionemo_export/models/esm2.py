@@ -16,7 +16,6 @@ from bionemo_export.models.base import ModelDescription, leave_out, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
     read_vocab,
-    save_random_model,
     token_limit,
 )
 from bionemo_export.models.lm_head import HeadWeights
@@ -65,8 +64,6 @@ class Esm2Family(HuggingFaceEncoderFamily):
 
     position_embedding_type = "rotary"
     """What config.json must say (ESM-1b-style directories say "absolute": the esm1 family)."""
-    released_settings: dict[str, Any] = {"max_position_embeddings": MAX_TOKENS + 2, "emb_layer_norm_before": False}
-    """What the released configs set beyond the sizes (random checkpoints are written with it)."""
 
     def huggingface_config(self, checkpoint: Checkpoint) -> Any:
         config = super().huggingface_config(checkpoint)
@@ -171,36 +168,6 @@ class Esm2Family(HuggingFaceEncoderFamily):
             for layer in backbone.encoder.layer:
                 layer.intermediate = _TanhGeluIntermediate(layer.intermediate.dense)
         return backbone
-
-    def save_random_checkpoint(
-        self,
-        out: Path,
-        *,
-        seed: int = 0,
-        hidden_size: int = 32,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        intermediate_size: int = 64,
-    ) -> Path:
-        # The settings of the released configs, at a small size.
-        config = transformers.EsmConfig(
-            vocab_size=len(ALPHABET),
-            pad_token_id=ALPHABET.index("<pad>"),
-            mask_token_id=ALPHABET.index("<mask>"),
-            hidden_size=hidden_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            intermediate_size=intermediate_size,
-            position_embedding_type=self.position_embedding_type,
-            token_dropout=True,
-            layer_norm_eps=1e-5,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **self.released_settings,
-        )
-        return save_random_model(
-            lambda: transformers.EsmForMaskedLM(config), out, seed=seed, vocab=ALPHABET
-        )
 
     def sample_sequences(self) -> list[str]:
         return [

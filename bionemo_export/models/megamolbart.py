@@ -42,7 +42,7 @@ from bionemo_export.models.transformer import (
     encode,
     initialize,
 )
-from bionemo_export.tokenizers.smiles import SmilesTokenizer, build_vocab
+from bionemo_export.tokenizers.smiles import SmilesTokenizer
 
 MODEL_TYPE = "megamolbart"
 
@@ -67,7 +67,8 @@ DEFAULT_VOCAB_SMILES = [
     "C0CC0.C%10CCCCC%10.C1CC2CC3CC4CC5CC6CC7CC8CC9CCC9C8C7C6C5C4C3C2C1",
     "[2H]C([2H])([2H])[13C@@H](O)[N+](=O)[O-]",
 ]
-"""What the default vocabulary of random checkpoints is built from: the common SMILES tokens."""
+"""What the default vocabulary of random checkpoints (bionemo_export/testing/checkpoints.py) and
+of trained copy models is built from: the common SMILES tokens."""
 
 
 @dataclass
@@ -351,25 +352,6 @@ class MegaMolBartFamily(ModelFamily):
             },
             seq2seq=seq2seq,
         )
-
-    def save_random_checkpoint(
-        self,
-        out: Path,
-        *,
-        seed: int = 0,
-        hidden_size: int = 32,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        vocab: Sequence[str] | None = None,
-    ) -> Path:
-        vocab = list(vocab) if vocab is not None else build_vocab(DEFAULT_VOCAB_SMILES)
-        config = MegaMolBartConfig(
-            vocab_size=len(vocab), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads
-        )
-        with torch.random.fork_rng():  # seed the initialisation without disturbing the caller's RNG
-            torch.manual_seed(seed)
-            model = MegaMolBart(config)
-        return save(model, vocab, out)
 
     def sample_sequences(self) -> list[str]:
         return list(SAMPLE_SMILES)

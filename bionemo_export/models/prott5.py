@@ -144,38 +144,6 @@ class ProtT5Family(HuggingFaceEncoderFamily):
             "vocabulary": f"{len(pieces)} tokens ({len(pieces) - added} from the artifact, {added} added as NeMo does)",
         })
 
-    # ------------------------------------------------------------------ tests and demos
-    def save_random_checkpoint(
-        self,
-        out: Path,
-        *,
-        seed: int = 0,
-        hidden_size: int = 32,
-        num_layers: int = 2,
-        num_heads: int = 4,
-        intermediate_size: int = 64,
-        num_decoder_layers: int = 0,
-    ) -> Path:
-        """A small random ProtT5 folder: config.json, model.safetensors and ProtTrans' spiece.model.
-        `num_decoder_layers` > 0 saves a whole T5ForConditionalGeneration (as Rostlab's
-        prot_t5_xl_uniref50), else a T5EncoderModel (as the `-enc` half-precision release)."""
-        config = transformers.T5Config(
-            vocab_size=len(PROTT5_PIECES) + T5_EXTRA_IDS,  # 128, as ProtT5's
-            d_model=hidden_size, d_kv=hidden_size // num_heads, d_ff=intermediate_size,
-            num_layers=num_layers, num_decoder_layers=num_decoder_layers or num_layers, num_heads=num_heads,
-            feed_forward_proj="relu", layer_norm_epsilon=1e-6, n_positions=DEFAULT_MAX_TOKENS,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, dropout_rate=0.0,
-        )
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        with torch.random.fork_rng():  # seed the initialisation without disturbing the caller's RNG
-            torch.manual_seed(seed)
-            cls = transformers.T5ForConditionalGeneration if num_decoder_layers else transformers.T5EncoderModel
-            model = cls(config)
-        model.save_pretrained(out)
-        (out / "spiece.model").write_bytes(sentencepiece_model(PROTT5_PIECES, unk="<unk>", pad="<pad>", eos="</s>"))
-        return out
-
     def sample_sequences(self) -> list[str]:
         return [
             "MKTAY",

@@ -118,12 +118,18 @@ def _t5_model(config: transformers.T5Config) -> torch.nn.Module:
         else transformers.T5EncoderModel(config)
 
 
-def _save_pretrained(vocab: Sequence[str]) -> Callable[[Any, Path], None]:
-    """Hugging Face's directory: save_pretrained's config.json and model.safetensors, and vocab.txt
-    (one token per line, the id being the line number)."""
+def save_huggingface(model: transformers.PreTrainedModel, out: Path, vocab: Sequence[str]) -> Path:
+    """A Hugging Face directory as ESM-2 and BERT checkpoints come: save_pretrained's config.json
+    and model.safetensors, and vocab.txt (one token per line, the id being the line number).
+    Returns `out`."""
+    model.save_pretrained(out)
+    (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    return out
+
+
+def _with_vocab(vocab: Sequence[str]) -> Callable[[Any, Path], None]:
     def write(model: Any, out: Path) -> None:
-        model.save_pretrained(out)
-        (out / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+        save_huggingface(model, out, vocab)
     return write
 
 
@@ -151,9 +157,9 @@ class TinyFamily:
 
 
 FAMILIES: dict[str, TinyFamily] = {
-    "esm2": TinyFamily(esm2_config, transformers.EsmForMaskedLM, _save_pretrained(ALPHABET)),
-    "esm1": TinyFamily(esm1_config, transformers.EsmForMaskedLM, _save_pretrained(ALPHABET)),
-    "bert": TinyFamily(bert_config, transformers.BertForMaskedLM, _save_pretrained(ANTIBERTY_VOCAB)),
+    "esm2": TinyFamily(esm2_config, transformers.EsmForMaskedLM, _with_vocab(ALPHABET)),
+    "esm1": TinyFamily(esm1_config, transformers.EsmForMaskedLM, _with_vocab(ALPHABET)),
+    "bert": TinyFamily(bert_config, transformers.BertForMaskedLM, _with_vocab(ANTIBERTY_VOCAB)),
     "prott5": TinyFamily(prott5_config, _t5_model, _save_prott5),
     "megamolbart": TinyFamily(megamolbart_config, MegaMolBart, _save_megamolbart),
 }

@@ -8,15 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bionemo_export.runtime import free_ports
-
-CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
-
+from tests.helpers.cli import CLI
 
 # -- processes, through /proc -------------------------------------------------------------------
 
