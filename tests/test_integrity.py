@@ -248,7 +248,7 @@ def test_repo_push_refuses_a_changed_repository_before_uploading(repo):
     assert f"error: {repo / ENCODER_ONNX} changed since the build" in result.stderr
 
 
-# -- TensorRT engines (exporters/tensorrt.py; TensorRT itself is not needed for the record) -------------
+# -- TensorRT engines (runtime/engines.py; TensorRT itself is not needed for the record) ---------------
 
 def _engine_repository(root: Path) -> tuple[Path, dict[str, Path]]:
     """A --backend tensorrt repository as `engines build` leaves it: model.onnx and engine.json from
@@ -268,7 +268,7 @@ def _engine_repository(root: Path) -> tuple[Path, dict[str, Path]]:
 
 
 def test_engines_build_records_the_plans_and_engine_records_it_wrote(tmp_path):
-    from bionemo_export.exporters.tensorrt import recorded_engines
+    from bionemo_export.runtime.engines import recorded_engines
 
     repository, recipes = _engine_repository(tmp_path / "repo")
     recorded = Manifest.read(repository).files[f"m_encoder/1/{ENGINE_FILE}"]["bytes"]
@@ -288,7 +288,7 @@ def test_engines_build_records_the_plans_and_engine_records_it_wrote(tmp_path):
 
 
 def test_engines_build_keeps_the_build_s_other_digests_and_adds_none_where_none_were(tmp_path):
-    from bionemo_export.exporters.tensorrt import recorded_engines
+    from bionemo_export.runtime.engines import recorded_engines
 
     repository, recipes = _engine_repository(tmp_path / "repo")
     (recipes["m_encoder"] / "model.onnx").write_bytes(b"changed graph")  # before the engine build

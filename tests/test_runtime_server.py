@@ -7,13 +7,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from bionemo_export import procfs
 from bionemo_export.runtime import TritonServer, TritonStartError, find_perf_analyzer, probe_server
 from tests.helpers.tiny_repository import broken_repository, tiny_repository
 
@@ -22,19 +22,7 @@ pytestmark = pytest.mark.e2e
 
 def _group_members(pgid: int) -> list[int]:
     """PIDs whose process group is `pgid` (the server and the Python-backend stubs it spawned)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command: state ppid pgrp ...
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+    return [stat.pid for stat in procfs.processes() if stat.pgrp == pgid and not stat.zombie]
 
 
 def test_http_inference_returns_the_right_numbers(tiny_server):

@@ -13,7 +13,7 @@ shared-memory region has grown (the Python backend grows a region to fit the lar
 never shrinks it).
 
 `runtime/supervisor.py` reads it to tell a dead instance from a busy one; `TritonServer` and the
-tests read it to find the stubs to end.
+tests read it to find the stubs to end. The process table itself is read by bionemo_export/procfs.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-PROC = Path("/proc")
+from bionemo_export import procfs
+
 SHARED_MEMORY_DIR = Path("/dev/shm")
 """Where the Python backend creates its shared-memory regions (shm_open names)."""
-STUB_BINARY = b"triton_python_backend_stub"
+STUB_BINARY = "triton_python_backend_stub"
 _MODEL_FILE, _REGION, _INSTANCE = 1, 2, 8
 """Positions in a stub's command line (python_backend's stub_launcher.cc, r24.10)."""
 
@@ -53,55 +54,40 @@ class Stub:
             return 0
 
 
-def _stat_fields(pid_folder: Path) -> list[str]:
-    """/proc/PID/stat after the parenthesised command: state, ppid, ... (fields 3 onwards)."""
-    return (pid_folder / "stat").read_text().rsplit(")", 1)[1].split()
-
-
 def reaped_children(server_pid: int) -> int:
     """What the kernel has added to `server_pid` from children it reaped (/proc/PID/stat's cminflt,
     cmajflt, cutime, cstime): it grows whenever a child process that ran at all ends and is waited
     for. A stub killed and reaped between two looks at /proc is seen only this way. 0 when the
     server is gone."""
-    try:
-        fields = _stat_fields(PROC / str(server_pid))
-    except OSError:
+    server = procfs.process_stat(server_pid)
+    if server is None:
         return 0
-    return sum(int(fields[index]) for index in (7, 9, 13, 14))  # stat fields 10, 12, 16, 17
+    return server.minflt + server.majflt + server.cutime + server.cstime  # stat fields 10, 12, 16, 17
 
 
 def server_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
     """The stub processes of a tritonserver (of `model` only, if given), zombies included."""
     stubs = []
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
+    for child in procfs.children(server_pid):
+        argv = procfs.command_line(child.pid)
+        if argv is None:  # gone meanwhile, or not ours to read
             continue
-        try:
-            fields = _stat_fields(entry)
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if int(fields[1]) != server_pid:
-            continue
-        zombie = fields[0] == "Z"
-        if zombie:  # a zombie's command line is empty: the stub is known by its name in stat
-            stub_name = (entry / "stat").read_text().split("(", 1)[1].rsplit(")", 1)[0]
-            if not STUB_BINARY.decode().startswith(stub_name):
+        if child.zombie:  # a zombie's command line is empty: the stub is known by its name in stat
+            if not STUB_BINARY.startswith(child.command):
                 continue
-            stubs.append(Stub(int(entry.name), "", "", "", True, 0))
+            stubs.append(Stub(child.pid, "", "", "", True, 0))
             continue
         if len(argv) <= _MODEL_FILE or not argv[0].endswith(STUB_BINARY):
             continue
-        folder = Path(argv[_MODEL_FILE].decode(errors="replace")).parent.parent.name
+        folder = Path(argv[_MODEL_FILE]).parent.parent.name
         if model is not None and folder != model:
             continue
-        text = [arg.decode(errors="replace") for arg in argv]
         stubs.append(Stub(
-            pid=int(entry.name), model=folder,
-            instance=text[_INSTANCE] if len(text) > _INSTANCE else "",
-            region=text[_REGION] if len(text) > _REGION else "",
+            pid=child.pid, model=folder,
+            instance=argv[_INSTANCE] if len(argv) > _INSTANCE else "",
+            region=argv[_REGION] if len(argv) > _REGION else "",
             zombie=False,
-            cpu_ticks=int(fields[11]) + int(fields[12]),  # utime, stime (stat fields 14 and 15)
+            cpu_ticks=child.cpu_ticks,
         ))
     if model is not None:  # a zombie's model cannot be told
         stubs = [stub for stub in stubs if not stub.zombie]
@@ -111,27 +97,3 @@ def server_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
 def live_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
     """The running (not zombie) stubs of a tritonserver, of `model` only if given."""
     return [stub for stub in server_stubs(server_pid, model) if not stub.zombie]
-
-
-def process_threads(pid: int) -> int:
-    """How many threads `pid` runs (0 when it is gone)."""
-    try:
-        for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def process_rss_bytes(pid: int, part: str = "VmRSS") -> int:
-    """Resident memory of `pid` in bytes (0 when it is gone): all of it (VmRSS), or one part of it:
-    RssAnon (its own heap and stacks), RssShmem (shared memory it maps: tritonserver maps every
-    stub's region, so a large request counts there until the region is given back), RssFile."""
-    try:
-        for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith(f"{part}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
