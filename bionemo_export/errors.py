@@ -1,44 +1,83 @@
-"""How an exception reads in a message for the user.
+"""The package's exceptions, and how one reads in a message for the user.
 
-Messages written for users name the input and the problem: those of the project's own exception
-classes, of the ValueErrors its code raises for bad input, and of an OSError that names its file.
-Anything else (a library's error, a bug in this code) is shown with its type, which is often the
-only clue to what went wrong.
+Every error this package raises on purpose is a `BionemoExportError`. Its `UserError` branch is
+what the user can act on (a bad input, a setting that cannot work, a file that is not what it
+should be, a server that refused): the message, written for them, names the input, the problem and
+the fix, and is shown as is. The class decides, not where the error was raised. Anything else (a
+library's error, a bug here) is shown with its type, which is often the only clue to what went
+wrong; so is an OSError, unless it names its file ("x: No such file or directory" explains itself).
+
+Error classes keep the built-in class callers catch (`class DeployError(UserError, ValueError)`),
+so that `except ValueError` around a library call goes on working.
+
+Settings in messages: a library error names the settings it is about by their field names
+(`ServingOptions.max_batch_size`, `BuildRequest.backend`), in backticks: "`backend` tensorrt runs
+on gpu, not cpu: pass `device` gpu". `str(err)` shows them so; a front end words them as its own
+with `reason(err, name_of)`: the command line turns them into its flags ("--backend tensorrt runs on
+gpu, not cpu: pass --device gpu", cli/__init__.py), in one place.
+
+Modules copied verbatim into generated repositories (tokenizers/, serving/, generation/search.py)
+import only the standard library and numpy, not this module: their errors for bad input are listed
+in `STANDALONE_USER_ERRORS` instead of deriving from `UserError`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from collections.abc import Callable
 
-PACKAGE = Path(__file__).resolve().parent
+FIELD = re.compile(r"`([a-z][a-z0-9_]*)`")
+"""A setting named in a message by its field name, in backticks."""
+
+STANDALONE_USER_ERRORS = frozenset({
+    ("bionemo_export.tokenizers.character", "TokenizationError"),
+    ("bionemo_export.serving.windows", "WindowError"),
+    ("bionemo_export.serving.scoring", "ScoringError"),
+    ("bionemo_export.generation.search", "GenerationError"),
+})
+"""(module, class) of the user errors of modules that cannot import this one (see the docstring)."""
+
+
+class BionemoExportError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class UserError(BionemoExportError):
+    """An error the user can act on: its message, written for them, is shown as is (settings named
+    by field, in backticks, are worded by the front end: `reason`)."""
+
+
+class InvalidInputError(UserError, ValueError):
+    """A value, name or file the user gave that cannot be used (an unknown family, a malformed
+    input file, a number out of range), where no more specific error class says more."""
 
 
 def user_facing(err: BaseException) -> bool:
     """Whether `err`'s message explains itself to a user (see the module's docstring)."""
-    return _ours(err) or _names_a_file(err)
+    return _for_user(err) or _names_a_file(err)
 
 
-def reason(err: BaseException) -> str:
-    """`err` as a clause for a message: its message if it explains itself, else `Type: message`."""
-    if _ours(err):
-        return str(err)
+def reason(err: BaseException, name_of: Callable[[str], str | None] | None = None) -> str:
+    """`err` as a clause for a message: its message if it explains itself, else `Type: message`.
+    `name_of` words the settings a user error names (a field name -> the front end's name for it,
+    None to leave one as it is)."""
+    if _for_user(err):
+        return worded(str(err), name_of) if name_of is not None else str(err)
     if _names_a_file(err):
+        assert isinstance(err, OSError)  # _names_a_file checked it
         return f"{err.filename}: {err.strerror}"
     return f"{type(err).__name__}: {err}"
 
 
-def _ours(err: BaseException) -> bool:
-    if type(err).__module__.split(".")[0] == PACKAGE.name:
-        return True
-    return isinstance(err, ValueError) and _raised_in_package(err)
+def worded(message: str, name_of: Callable[[str], str | None]) -> str:
+    """`message` with each setting it names in backticks (`max_batch_size`) replaced by
+    `name_of(field)`; one `name_of` does not know keeps its backticks."""
+    return FIELD.sub(lambda match: name_of(match.group(1)) or match.group(0), message)
 
 
-def _raised_in_package(err: BaseException) -> bool:
-    """Whether the innermost frame of `err`'s traceback is this package's code."""
-    frame = err.__traceback__
-    while frame is not None and frame.tb_next is not None:
-        frame = frame.tb_next
-    return frame is not None and Path(frame.tb_frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)
+def _for_user(err: BaseException) -> bool:
+    return isinstance(err, UserError) or any((cls.__module__, cls.__qualname__) in STANDALONE_USER_ERRORS
+                                             for cls in type(err).__mro__)
 
 
 def _names_a_file(err: BaseException) -> bool:

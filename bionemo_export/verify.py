@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bionemo_export.client import EncoderClient, Seq2SeqClient
-from bionemo_export.errors import reason
+from bionemo_export.errors import InvalidInputError, reason
 from bionemo_export.model_repository.integrity import require_intact
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.numerics import cosine_rows, degenerate_rows
@@ -306,7 +306,7 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
     try:
         loaded = family.load(checkpoint, max_length=manifest.max_length)
     except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
-        raise ValueError(f"cannot load {checkpoint} as {family.name}: {reason(err)}") from err
+        raise InvalidInputError(f"cannot load {checkpoint} as {family.name}: {reason(err)}") from err
     samples = loaded.family.sample_sequences()  # fits the checkpoint (bert: protein or SMILES)
     batches = [samples] + [[s] for s in sorted(samples, key=len)[:: max(1, len(samples) // 3)]]
     with ExitStack() as stack:

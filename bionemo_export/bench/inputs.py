@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bionemo_export.errors import UserError
+
 # Amino-acid composition of UniProtKB/Swiss-Prot (its release statistics, percent; rounded), the
 # 20 standard residues; normalized where used.
 AMINO_ACID_FREQUENCIES = {
@@ -53,7 +55,7 @@ DEFAULT_HIDDEN_LENGTHS = "smiles"
 _LOGNORMAL_BOUNDS = {"uniprot": (30, 1000), "smiles": (10, 120)}
 
 
-class InputError(ValueError):
+class InputError(UserError, ValueError):
     """Bad benchmark input: an unknown distribution, a bad file, or inputs we cannot generate."""
 
 

@@ -1,10 +1,53 @@
-"""The `bionemo-export` command line (cli/main.py assembles it)."""
+"""The `bionemo-export` command line (cli/main.py assembles it).
+
+Options take their defaults from the library's dataclasses (`ServingOptions.max_batch_size`) and
+their choices from its enums (bionemo_export/choices.py), so neither is repeated here. The library's
+errors name settings by field, in backticks (errors.py); `reason` words them as this command line's
+flags, from the options the commands declare (`option_flags`): the one place that knows both.
+"""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import typer
+
+
+@cache
+def option_flags() -> dict[str, str]:
+    """Each option's parameter name -> its long flag, over every command (`max_batch_size` ->
+    `--max-batch-size`, `family` -> `--model`). A command's parameter is named as the library field
+    it sets, so that a library error naming the field names the flag here (tests check that no name
+    means two flags)."""
+    from typer.main import get_command
+
+    from .main import app
+
+    flags: dict[str, str] = {}
+
+    def visit(command: object) -> None:
+        for param in getattr(command, "params", ()):
+            long = [opt for opt in param.opts if opt.startswith("--")]
+            if param.name and long:
+                flags.setdefault(param.name, long[0])
+        for sub in getattr(command, "commands", {}).values():
+            visit(sub)
+
+    visit(get_command(app))
+    return flags
+
+
+def flag(field: str) -> str | None:
+    """The command line's flag for the library field `field`, or None when no option sets it."""
+    return option_flags().get(field)
+
+
+def reason(err: BaseException) -> str:
+    """`err` as a clause for the user (errors.reason), the settings it names worded as flags."""
+    from bionemo_export.errors import reason as worded_reason
+
+    return worded_reason(err, flag)
 
 
 def debugging(ctx: typer.Context) -> bool:

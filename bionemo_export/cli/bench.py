@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 from bionemo_export.bench import (
     BenchError,
@@ -21,6 +22,7 @@ from bionemo_export.bench import (
     write_report,
 )
 from bionemo_export.bench.inputs import DEFAULT_LENGTHS, LENGTH_DISTRIBUTIONS
+from bionemo_export.choices import Protocol
 from bionemo_export.runtime import PerfAnalyzerNotFoundError, TritonNotFoundError, TritonStartError
 
 
@@ -28,7 +30,7 @@ class _RichProgress(ProgressHook):
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.overall = progress.add_task("starting", total=None)
-        self.current: int | None = None
+        self.current: TaskID | None = None
 
     def status(self, message: str) -> None:
         self.progress.update(self.overall, description=message)
@@ -85,13 +87,13 @@ def bench(
     compare: str | None = typer.Option(None, help="Second target (folder or URL) measured in the same run, "
                                           "interleaved; ratios B/A are reported."),
     compare_model: str | None = typer.Option(None, help="Model name on the --compare target (default: --model)."),
-    protocol: str = typer.Option("grpc", help="grpc or http (for folders and bare host:port URLs)."),
+    protocol: Protocol = typer.Option(Protocol.GRPC, help="grpc or http (for folders and bare host:port URLs)."),
     tritonserver: str | None = typer.Option(None, help="tritonserver binary for folders (default: search, "
                                                "then the one inside nvidia-pytriton)."),
 ) -> None:
     console = Console()
 
-    def fail(message: str, code: int = 2) -> None:
+    def fail(message: str, code: int = 2) -> NoReturn:
         console.print(f"[red]{message}[/red]", highlight=False)
         raise typer.Exit(code)
 

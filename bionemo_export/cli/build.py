@@ -8,9 +8,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.choices import Device, Exporter, Layout, Precision
+from bionemo_export.errors import UserError
+from bionemo_export.model_repository.backends import AUTO, BackendChoice, backend_help, device_help
+from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
 
-from . import debugging
+from . import debugging, reason
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
@@ -18,113 +21,114 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 @app.command("repo")
 def repo(
     ctx: typer.Context,
-    model: str | None = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
-                                        "megamolbart (see `bionemo-export build families`); optional for a .nemo "
-                                        "archive, a NeMo 2 or an nv_esm directory, which name it."),
+    family: str | None = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
+                                      "megamolbart (see `bionemo-export build families`); optional for a .nemo "
+                                      "archive, a NeMo 2 or an nv_esm directory, which name it."),
     checkpoint: Path = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo archive "
                                     "(model-parallel ones merged), a BioNeMo 2 / NeMo 2 directory (context/ + "
                                     "weights/), NVIDIA's nv_esm directory, or the project's saved form. "
                                     "`bionemo-export inspect` shows what is read.", exists=True, resolve_path=True),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
-    tasks: str | None = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that the checkpoint can: "
-                                       "logits and scores need a masked-LM head)."),
-    backend: str = typer.Option("auto", help="python (ONNX Runtime in the Python backend), native (Triton's "
-                                "onnxruntime_onnx), tensorrt (Triton's tensorrt_plan; then run `bionemo-export "
-                                "engines build` where TensorRT is installed), or auto (native when the found "
-                                "tritonserver can load it, else python)."),
-    device: str | None = typer.Option(None, help="cpu or gpu: where the models that run graphs are placed "
-                                         "(instance kind; the python backend then uses ONNX Runtime's CUDA provider). "
-                                         "Default: gpu for tensorrt, cpu otherwise."),
-    exporter: str = typer.Option("torch", help="ONNX exporter: torch (torch.onnx) or navigator (Triton Model Navigator)."),
-    precision: str = typer.Option("fp32", help="Encoder graph precision: fp32; int8 (dynamic quantization, for CPU "
-                                  "hosts; its accuracy cost against fp32 is measured and written in manifest.json); "
-                                  "fp16 (for GPU hosts)."),
+    tasks: str | None = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that "
+                                     "the checkpoint can: logits and scores need a masked-LM head)."),
+    backend: BackendChoice = typer.Option(AUTO, help=backend_help()),
+    device: Device | None = typer.Option(ServingOptions.device, help=device_help()),
+    exporter: Exporter = typer.Option(Exporter.TORCH, help="ONNX exporter: torch (torch.onnx) or navigator (Triton "
+                                      "Model Navigator)."),
+    precision: Precision = typer.Option(Precision.FP32, help="Encoder graph precision: fp32; int8 (dynamic "
+                                        "quantization, for CPU hosts; its accuracy cost against fp32 is measured and "
+                                        "written in manifest.json); fp16 (for GPU hosts)."),
     optimize: bool = typer.Option(True, help="Store the graphs optimized for ONNX Runtime (attention and transformer "
                                   "fusions, offline graph optimization), kept only if they verify against PyTorch."),
-    max_batch_size: int = typer.Option(32, help="Largest batch any model accepts (requests and dynamic batches)."),
+    max_batch_size: int = typer.Option(ServingOptions.max_batch_size, help="Largest batch any model accepts "
+                                       "(requests and dynamic batches)."),
     max_length: int | None = typer.Option(None, help="Maximum tokens per sequence, specials included "
-                                             "(default: the model's own limit)."),
-    truncate: bool = typer.Option(False, help="Truncate sequences over the maximum length instead of refusing them."),
-    tokenizer_instances: int = typer.Option(1, help="Instances of the tokenizer model (ensemble layout)."),
-    decode_instances: int = typer.Option(1, help="Instances of N_decodes (one joins every queued request into "
-                                         "one batch)."),
-    sampling_instances: int = typer.Option(2, help="Instances of N_samplings (a second answers while one runs a "
-                                           "long request)."),
-    encoder_instances: int = typer.Option(1, help="Instances of each graph model (encoder, cross_kv, decoder_step)."),
-    intra_op_threads: int = typer.Option(0, help="ONNX Runtime threads per graph-model instance (0: auto, the "
-                                         "serving host's cores divided among the instances, at load time)."),
-    queue_delay_us: int = typer.Option(0, help="Dynamic batcher's maximum queue delay in microseconds."),
+                                          "(default: the model's own limit)."),
+    truncate: bool = typer.Option(ServingOptions.truncate, help="Truncate sequences over the maximum length instead "
+                                  "of refusing them."),
+    tokenizer_instances: int = typer.Option(ServingOptions.tokenizer_instances, help="Instances of the tokenizer "
+                                            "model (ensemble layout)."),
+    decode_instances: int = typer.Option(ServingOptions.decode_instances, help="Instances of N_decodes (one joins "
+                                         "every queued request into one batch)."),
+    sampling_instances: int = typer.Option(ServingOptions.sampling_instances, help="Instances of N_samplings (a "
+                                           "second answers while one runs a long request)."),
+    encoder_instances: int = typer.Option(ServingOptions.encoder_instances, help="Instances of each graph model "
+                                          "(encoder, cross_kv, decoder_step)."),
+    intra_op_threads: int = typer.Option(ServingOptions.intra_op_threads, help="ONNX Runtime threads per graph-model "
+                                         "instance (0: auto, the serving host's cores divided among the instances, "
+                                         "at load time)."),
+    max_queue_delay_microseconds: int = typer.Option(ServingOptions.max_queue_delay_microseconds, "--queue-delay-us",
+                                                     help="Dynamic batcher's maximum queue delay in microseconds."),
     max_queue_size: int = typer.Option(ServingOptions.max_queue_size, help="Admission control: most requests "
                                        "waiting for each batched model; more are answered at once with "
                                        "UNAVAILABLE / HTTP 503 (0: no bound)."),
     queue_timeout_s: float = typer.Option(ServingOptions.queue_timeout_s, help="Admission control: most seconds "
                                           "a request waits in a queue before it is answered UNAVAILABLE / HTTP 503 "
                                           "(0: no bound)."),
-    layout: str = typer.Option("auto", help="fused (the encoder model tokenizes; python backend), ensemble "
-                               "(tokenizer model -> encoder model), or auto (fused with python, ensemble with native)."),
-    length_bucket: int = typer.Option(16, help="Encoder rows are padded to a multiple of this many tokens (1: each to its own length; 0: all to the longest, plain dynamic batching)."),
-    token_budget: int = typer.Option(8192, help="Most tokens (rows x padded length) in one encoder graph call "
-                                     "(0: no limit)."),
-    max_residues: int = typer.Option(0, min=0, help="Serve proteins up to this many residues (e.g. 10000) by "
-                                     "overlapping windows of the model's length, merged by a documented rule "
-                                     "(--backend python). 0: longer input stays an error."),
-    window_overlap: int = typer.Option(0, min=0, help="With --max-residues: residues consecutive windows share "
-                                       "at least (0: a quarter of the window)."),
-    response_cache: bool = typer.Option(False, help="Enable Triton's response cache on the public models "
-                                        "(serve with --response-cache-mb)."),
-    warmup: bool = typer.Option(True, help="Warm the encoder up when the server loads it."),
+    layout: Layout = typer.Option(ServingOptions.layout, help="fused (the encoder model tokenizes; python backend), "
+                                  "ensemble (tokenizer model -> encoder model), or auto (fused with python, ensemble "
+                                  "with native)."),
+    length_bucket: int = typer.Option(ServingOptions.length_bucket, help="Encoder rows are padded to a multiple of "
+                                      "this many tokens (1: each to its own length; 0: all to the longest, plain "
+                                      "dynamic batching)."),
+    token_budget: int = typer.Option(ServingOptions.token_budget, help="Most tokens (rows x padded length) in one "
+                                     "encoder graph call (0: no limit)."),
+    max_residues: int = typer.Option(ServingOptions.max_residues, min=0, help="Serve proteins up to this many "
+                                     "residues (e.g. 10000) by overlapping windows of the model's length, merged by "
+                                     "a documented rule (--backend python). 0: longer input stays an error."),
+    window_overlap: int = typer.Option(ServingOptions.window_overlap, min=0, help="With --max-residues: residues "
+                                       "consecutive windows share at least (0: a quarter of the window)."),
+    response_cache: bool = typer.Option(ServingOptions.response_cache, help="Enable Triton's response cache on the "
+                                        "public models (serve with --response-cache-mb)."),
+    warmup: bool = typer.Option(ServingOptions.warmup, help="Warm the encoder up when the server loads it."),
     max_decode_length: int | None = typer.Option(None, help="Decoding families: most tokens one decode "
-                                                    "produces (default: the model's limit)."),
-    max_num_samples: int | None = typer.Option(None, help="Samplings: most num_samples per request "
-                                                  "(default: GenerationLimits in model_repository/options.py)."),
-    max_beam_size: int | None = typer.Option(None, help="Samplings: most beam_size per request (default: "
-                                                "GenerationLimits)."),
-    max_samples_x_beams: int | None = typer.Option(None, help="Samplings: most hypotheses decoded per sequence, "
-                                                      "num_samples x beam_size (default: GenerationLimits)."),
-    max_decode_tokens: int | None = typer.Option(None, help="Decodes/samplings: most tokens of hidden states one "
-                                                    "decode attends to, rows x hypotheses x length (default: "
-                                                    "GenerationLimits)."),
+                                                 "produces (default: the model's limit)."),
+    max_num_samples: int = typer.Option(GenerationLimits.max_num_samples, help="Samplings: most num_samples per "
+                                        "request."),
+    max_beam_size: int = typer.Option(GenerationLimits.max_beam_size, help="Samplings: most beam_size per request."),
+    max_samples_x_beams: int = typer.Option(GenerationLimits.max_samples_x_beams, help="Samplings: most hypotheses "
+                                            "decoded per sequence, num_samples x beam_size."),
+    max_decode_tokens: int = typer.Option(GenerationLimits.max_decode_tokens, help="Decodes/samplings: most tokens "
+                                          "of hidden states one decode attends to, rows x hypotheses x length."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
 ) -> None:
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
-    from bionemo_export.build import BuildError, BuildInterrupted, BuildRequest, build_repository
-    from bionemo_export.errors import reason
-    from bionemo_export.exporters import ExportVerificationError
-    from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
+    from bionemo_export.build import BuildInterrupted, BuildRequest, build_repository
 
     console = Console()
     try:
         serving = ServingOptions(
             device=device, max_batch_size=max_batch_size, tokenizer_instances=tokenizer_instances,
-            encoder_instances=encoder_instances, max_queue_delay_microseconds=queue_delay_us,
+            encoder_instances=encoder_instances, max_queue_delay_microseconds=max_queue_delay_microseconds,
             max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
             layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,
             max_residues=max_residues, window_overlap=window_overlap,
             sampling_instances=sampling_instances,
-            limits=GenerationLimits(**{name: value for name, value in (
-                ("max_num_samples", max_num_samples), ("max_beam_size", max_beam_size),
-                ("max_samples_x_beams", max_samples_x_beams), ("max_decode_tokens", max_decode_tokens))
-                if value is not None}),
+            limits=GenerationLimits(max_num_samples=max_num_samples, max_beam_size=max_beam_size,
+                                    max_samples_x_beams=max_samples_x_beams, max_decode_tokens=max_decode_tokens),
         )
         request = BuildRequest(
-            family=model, checkpoint=checkpoint, name=name, out=out,
+            family=family, checkpoint=checkpoint, name=name, out=out,
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize,
         )
         with console.status("building") as status:
-            result = build_repository(request, progress=lambda message: (status.update(message),
-                                                                          console.log(message)))
-    except (BuildError, ValueError, ExportVerificationError) as err:
+            def progress(message: str) -> None:
+                status.update(message)
+                console.log(message)
+
+            result = build_repository(request, progress=progress)
+    except (UserError, ValueError) as err:  # a non-user ValueError is shown with its type (errors.reason)
         if debugging(ctx):
             raise
         console.print(f"[red]build failed:[/red] {reason(err)}", highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except BuildInterrupted as err:
         console.print(f"[red]{err}[/red]", highlight=False)
-        raise typer.Exit(128 + err.signum)  # the shell's status for "ended by this signal"
+        raise typer.Exit(128 + err.signum) from None  # the shell's status for "ended by this signal"
     manifest = result.manifest
     table = Table(title=f"ONNX vs PyTorch fp32 ({manifest.exporter} exporter, {manifest.precision})")
     for column in ("graph", "output", "max abs error", "min cosine", "tolerance", "ok"):

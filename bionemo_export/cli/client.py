@@ -190,9 +190,15 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
         raise typer.Exit(2)
     _check_output(console, output)
     with _reported(ctx, console):
-        records = read_records(input) if input else [Record(f"sequence {i}", s, 0) for i, s in enumerate(sequences)]
+        if input is not None:
+            records = read_records(input)
+        else:
+            assert sequences is not None  # one of the two, checked above
+            records = [Record(f"sequence {i}", s, 0) for i, s in enumerate(sequences)]
         if input is not None and not records:
-            raise ValueError(f"{input}: no sequences in the file")
+            from bionemo_export.errors import InvalidInputError
+
+            raise InvalidInputError(f"{input}: no sequences in the file")
         # Records with no sequence are not sent, unless the run stops at the first bad record: then
         # the server's refusal of it keeps the file's order of bad records.
         sent = [record for record in records if record.sequence] if input and not stop_on_error else records
@@ -249,7 +255,7 @@ def _reported(ctx: typer.Context, console: Console) -> Iterator[None]:
         if debugging(ctx):
             raise
         console.print(f"[red]{reason(err)}[/red]", highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
 
 @contextmanager

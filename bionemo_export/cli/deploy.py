@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from bionemo_export.choices import DeployTarget
+
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 
@@ -13,17 +15,20 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 def k8s(
     repository: Path = typer.Argument(..., help="The model repository folder (built by `bionemo-export build repo`): "
                                       "its model folders decide what Triton loads."),
-    image: str = typer.Option(..., help="Container image with tritonserver, e.g. nvcr.io/nvidia/tritonserver:24.10-py3."),
+    image: str = typer.Option(..., help="Container image with tritonserver, e.g. "
+                              "nvcr.io/nvidia/tritonserver:24.10-py3."),
     replicas: int = typer.Option(1, help="Replicas to run (the autoscalers' minimum)."),
     max_replicas: int | None = typer.Option(None, help="The autoscalers' maximum (default: --replicas, a fixed size)."),
     gpus: int = typer.Option(0, help="GPUs per replica (nvidia.com/gpu limits); 0: CPU only."),
-    storage_uri: str | None = typer.Option(None, help="Where the cluster reads the repository: s3://bucket/path, "
-                                              "gs://bucket/path or pvc://claim/path. Required for KServe; without it "
-                                              "the plain Deployment mounts a PersistentVolumeClaim written beside it."),
+    storage: str | None = typer.Option(None, "--storage-uri", help="Where the cluster reads the repository: "
+                                       "s3://bucket/path, gs://bucket/path or pvc://claim/path. Required for KServe; "
+                                       "without it the plain Deployment mounts a PersistentVolumeClaim written "
+                                       "beside it."),
     out: Path = typer.Option(Path("k8s"), help="Folder to write the manifests into."),
     name: str | None = typer.Option(None, help="Name of the Kubernetes objects (default: the repository's --name)."),
-    target: str = typer.Option("all", help="all: KServe and plain Kubernetes; kserve: the InferenceService only; "
-                               "plain: Deployment + Service + HorizontalPodAutoscaler only."),
+    target: DeployTarget = typer.Option(DeployTarget.ALL, help="all: KServe and plain Kubernetes; kserve: the "
+                                        "InferenceService only; plain: Deployment + Service + HorizontalPodAutoscaler "
+                                        "only."),
     cpu: str = typer.Option("2", help="CPU request per replica (the autoscaler scales on its use)."),
     memory: str = typer.Option("8Gi", help="Memory request and limit per replica (/dev/shm counts against it)."),
     shm_size: str = typer.Option("1Gi", help="Size of the in-memory /dev/shm the Python backend exchanges tensors "
@@ -39,14 +44,15 @@ def k8s(
         read_repository,
         write_manifests,
     )
+    from bionemo_export.model_repository.backends import deployment_note
 
     facts = read_repository(repository)
     settings = DeploySettings(
         name=name or default_name(facts), image=image, replicas=replicas, max_replicas=max_replicas, gpus=gpus,
-        storage=parse_storage_uri(storage_uri) if storage_uri else None, cpu=cpu, memory=memory, shm_size=shm_size)
+        storage=parse_storage_uri(storage) if storage else None, cpu=cpu, memory=memory, shm_size=shm_size)
     for path in write_manifests(facts, settings, out, target):
         typer.echo(f"wrote {path}")
     typer.echo(f"models loaded: {', '.join(facts.models)} (public: {', '.join(facts.public_models) or 'none'})")
-    if facts.backend == "python":
-        typer.echo("note: the repository uses the Python backend: the image needs the onnxruntime Python package "
-                   "(NVIDIA's tritonserver images lack it), or build with --backend native")
+    note = deployment_note(facts.backend)
+    if note:
+        typer.echo(f"note: {note}")

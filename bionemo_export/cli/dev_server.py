@@ -12,8 +12,8 @@ import typer
 def dev_server(
     checkpoint: Path = typer.Option(..., "--checkpoint", "-c", exists=True, resolve_path=True,
                                     help="Checkpoint (any form `build` reads)."),
-    model: str | None = typer.Option(None, "--model", "-m",
-                                        help="Model family (esm2, esm1, prott5, bert, megamolbart); optional for .nemo."),
+    family: str | None = typer.Option(None, "--model", "-m",
+                                      help="Model family (esm2, esm1, prott5, bert, megamolbart); optional for .nemo."),
     name: str = typer.Option(..., "--name", "-n", help="Model name prefix: NAME_embeddings, NAME_hiddens, "
                              "NAME_decodes, NAME_samplings (the last two for families that decode)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 to accept remote clients."),
@@ -31,7 +31,7 @@ def dev_server(
     free = iter(free_ports(3, host))
     ports = Ports(host, http_port or next(free), grpc_port or next(free), metrics_port or next(free))
     typer.echo(f"loading {checkpoint} ...")
-    models = DevModels(load_checkpoint(checkpoint, model), max_decode_length=max_decode_length)
+    models = DevModels(load_checkpoint(checkpoint, family), max_decode_length=max_decode_length)
 
     def ready(names: list[str]) -> None:
         # One line per fact, flushed: scripts and tests wait for "dev server ready".

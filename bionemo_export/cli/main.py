@@ -1,22 +1,28 @@
 """The `bionemo-export` command: a Typer app assembled from one module per command group.
 
-Errors end a command with one line on stderr and exit status 1: `error: <message>` for the
-project's own errors (their messages are written for users) and files that cannot be read or
-written, `error: <type>: <message> (run with --debug for the traceback)` for anything else.
-`--debug` (or BIONEMO_EXPORT_DEBUG=1) shows the traceback instead.
+Errors end a command with one line on stderr and exit status 1: `error: <message>` for user errors
+(errors.UserError: their messages are written for users, the settings they name worded as flags)
+and files that cannot be read or written, `error: <type>: <message> (run with --debug for the
+traceback)` for anything else. `--debug` (or BIONEMO_EXPORT_DEBUG=1) shows the traceback instead.
+A value that is none of an option's choices reads the same way: `error: --target helm: choose one
+of all, kserve, plain`.
 """
 
 from __future__ import annotations
 
+import re
+import typing
 import warnings
+from enum import Enum
 
 import typer
 from typer.core import TyperGroup
 
 from bionemo_export import __version__
-from bionemo_export.errors import reason, user_facing
+from bionemo_export.errors import user_facing
 
 from . import bench, build, client, deploy, dev_server, doctor, engines, health, inspect, repo, serve, verify
+from . import reason as _reason
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
 # command's output that the user can do nothing about.
@@ -24,17 +30,41 @@ warnings.filterwarnings("ignore", message="The pynvml package is deprecated", ca
 
 
 def error_line(err: BaseException) -> str:
-    """The line that reports `err` to the user (errors.reason: its type too when unexpected)."""
-    return f"error: {reason(err)}" + ("" if user_facing(err) else " (run with --debug for the traceback)")
+    """The line that reports `err` to the user (cli.reason: its type too when unexpected)."""
+    return f"error: {_reason(err)}" + ("" if user_facing(err) else " (run with --debug for the traceback)")
+
+
+def refused_choice(err: typer.BadParameter) -> str | None:
+    """`--target helm: choose one of all, kserve, plain` when `err` is Typer refusing a value of an
+    option typed by an enum (bionemo_export/choices.py), else None."""
+    param, ctx = err.param, err.ctx
+    callback = getattr(ctx.command, "callback", None) if ctx is not None else None
+    if param is None or not param.name or callback is None:
+        return None
+    hint = typing.get_type_hints(callback).get(param.name)  # Choice, or Choice | None
+    choices = next((t for t in (hint, *typing.get_args(hint)) if isinstance(t, type) and issubclass(t, Enum)), None)
+    if choices is None:
+        return None
+    option = next((opt for opt in param.opts if opt.startswith("--")), param.name)
+    # Typer words the refusal "'helm' is not one of 'all', ...": the value the user gave.
+    given = re.search(r"'([^']*)' is not one of", err.message)
+    return f"{option}{f' {given.group(1)}' if given else ''}: choose one of {', '.join(c.value for c in choices)}"
 
 
 class _ReportingGroup(TyperGroup):
     """The root command: an error escaping a command becomes `error_line(...)` and exit status 1,
-    unless --debug asks for the traceback. Typer's own exceptions (usage errors, exits) pass."""
+    unless --debug asks for the traceback; so does a value none of an option's choices
+    (`refused_choice`). Typer's other exceptions (usage errors, exits) pass."""
 
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
+        except typer.BadParameter as err:
+            line = refused_choice(err)
+            if line is None or ctx.params.get("debug"):
+                raise
+            typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(1) from None
         except (typer.Exit, typer.Abort, typer.TyperException):
             raise
         except Exception as err:

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import NO_CHECK_HELP, check_files, debugging
+from . import NO_CHECK_HELP, check_files, debugging, reason
 
 
 def verify(
@@ -22,7 +22,6 @@ def verify(
     tritonserver: str | None = typer.Option(None, help="tritonserver binary to start (default: search)."),
     no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
 ) -> None:
-    from bionemo_export.errors import reason
     from bionemo_export.verify import verify_repository
 
     console = Console()
@@ -33,7 +32,7 @@ def verify(
         if debugging(ctx):
             raise
         console.print(f"[red]verify failed:[/red] {reason(err)}", highlight=False)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     table = Table(title=f"served {repository.name} vs PyTorch")
     for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok", "note"):
         table.add_column(column)

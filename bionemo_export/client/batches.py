@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.batching import stack_padded
 
 from .triton import InferenceError, TritonClient
@@ -43,7 +44,7 @@ class RowResults:
 def plan_requests(count: int, batch_size: int) -> list[np.ndarray]:
     """Row indices of each request: consecutive runs of at most `batch_size` rows."""
     if batch_size < 1:
-        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+        raise InvalidInputError(f"batch size must be at least 1, got {batch_size}")
     return [np.arange(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
 
 
@@ -54,9 +55,9 @@ def batch_size_for(client: TritonClient, model: str, requested: int | None = Non
     if requested is None:
         return limit or 2**31 - 1  # 0: the model batches nothing itself; send everything at once
     if requested < 1:
-        raise ValueError(f"batch size must be at least 1, got {requested}")
+        raise InvalidInputError(f"batch size must be at least 1, got {requested}")
     if limit and requested > limit:
-        raise ValueError(f"batch size {requested} is over {model}'s max_batch_size {limit}")
+        raise InvalidInputError(f"batch size {requested} is over {model}'s max_batch_size {limit}")
     return requested
 
 

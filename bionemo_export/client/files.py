@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bionemo_export.errors import InvalidInputError
+
 
 @dataclass(frozen=True)
 class Record:
@@ -34,7 +36,7 @@ def read_records(path: Path) -> list[Record]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
+        raise InvalidInputError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
     lines = text.splitlines()
     data = [(number, line.strip()) for number, line in enumerate(lines, 1)
             if line.strip() and not line.lstrip().startswith("#")]
@@ -103,19 +105,19 @@ def read_hiddens(path: Path, in_name: str = "hiddens") -> tuple[np.ndarray, np.n
         try:
             document = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not JSON ({err})") from None
+            raise InvalidInputError(f"{path}: not JSON ({err})") from None
         if not isinstance(document, dict):
-            raise ValueError(f"{path}: expected a JSON object with {in_name!r} (and optionally 'mask')")
+            raise InvalidInputError(f"{path}: expected a JSON object with {in_name!r} (and optionally 'mask')")
     if in_name not in document:
-        raise ValueError(f"{path} has no {in_name!r} (it has {', '.join(map(repr, document)) or 'nothing'}); "
-                         f"name the hidden states with --in-name")
+        raise InvalidInputError(f"{path} has no {in_name!r} (it has {', '.join(map(repr, document)) or 'nothing'}); "
+                                f"name the hidden states with --in-name")
     hiddens = _array(path, in_name, document[in_name], np.float32)
     if hiddens.ndim != 3:
-        raise ValueError(f"{path}: {in_name!r} must be [batch, length, hidden], got shape {list(hiddens.shape)}")
+        raise InvalidInputError(f"{path}: {in_name!r} must be [batch, length, hidden], got shape {list(hiddens.shape)}")
     mask = _array(path, "mask", document["mask"], np.bool_) if document.get("mask") is not None else None
     if mask is not None and mask.shape != hiddens.shape[:2]:
-        raise ValueError(f"{path}: 'mask' shape {list(mask.shape)} does not match {in_name!r} [batch, length] "
-                         f"{list(hiddens.shape[:2])}")
+        raise InvalidInputError(f"{path}: 'mask' shape {list(mask.shape)} does not match {in_name!r} [batch, length] "
+                                f"{list(hiddens.shape[:2])}")
     ids = [str(item) for item in np.asarray(document["ids"]).tolist()] if "ids" in document else None
     return hiddens, mask, ids
 
@@ -124,4 +126,4 @@ def _array(path: Path, name: str, value: object, dtype: type) -> np.ndarray:
     try:
         return np.asarray(value, dtype=dtype)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{path}: {name!r} is not a rectangular array of numbers ({err})") from None
+        raise InvalidInputError(f"{path}: {name!r} is not a rectangular array of numbers ({err})") from None

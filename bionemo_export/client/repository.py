@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS, DType
 
 from .batches import DEFAULT_IN_FLIGHT, infer_rows
@@ -77,11 +78,11 @@ class RepositoryClient:
         is True on real tokens (all True when omitted)."""
         hiddens = to_numpy(hiddens, np.float32)
         if hiddens.ndim != 3:
-            raise ValueError(f"hiddens must be [batch, length, hidden], got shape {list(hiddens.shape)}")
+            raise InvalidInputError(f"hiddens must be [batch, length, hidden], got shape {list(hiddens.shape)}")
         mask = np.ones(hiddens.shape[:2], dtype=bool) if mask is None else to_numpy(mask).astype(bool)
         if mask.shape != hiddens.shape[:2]:
-            raise ValueError(f"mask shape {list(mask.shape)} does not match hiddens [batch, length] "
-                             f"{list(hiddens.shape[:2])}")
+            raise InvalidInputError(f"mask shape {list(mask.shape)} does not match hiddens [batch, length] "
+                                    f"{list(hiddens.shape[:2])}")
         if not len(hiddens):
             return []
         out = self._run("decodes", len(hiddens), lambda rows, _: {"hiddens": hiddens[rows], "mask": mask[rows]},

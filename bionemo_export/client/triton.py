@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from bionemo_export.errors import InvalidInputError, UserError
+
 DEFAULT_URL = "http://localhost:8000"
 
 GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
@@ -28,7 +30,7 @@ _NUMPY_TO_TRITON = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", n
                     np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES", np.dtype(np.float16): "FP16"}
 
 
-class InferenceError(RuntimeError):
+class InferenceError(UserError, RuntimeError):
     """The server refused or failed a request; the message is the server's."""
 
 
@@ -42,7 +44,7 @@ TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired")
 """How Triton words a rejection by a model's queue policy (its error code is UNAVAILABLE / 503)."""
 
 
-class ServerUnreachableError(ConnectionError):
+class ServerUnreachableError(UserError, ConnectionError):
     """No Triton server answers at the URL (refused, unresolvable, timed out); the message names the URL."""
 
 
@@ -58,7 +60,7 @@ class TritonUrl:
             if url.startswith(prefix):
                 return cls(protocol, url[len(prefix):].rstrip("/"))
         if "://" in url:
-            raise ValueError(f"unsupported URL scheme in {url!r}: use http://host:port or grpc://host:port")
+            raise InvalidInputError(f"unsupported URL scheme in {url!r}: use http://host:port or grpc://host:port")
         return cls("http", url)
 
     def __str__(self) -> str:

@@ -16,6 +16,8 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from bionemo_export.errors import InvalidInputError
+
 from .files import Record
 
 
@@ -41,20 +43,20 @@ def read_variant_table(path: Path, column: str = "mutant") -> VariantTable:
         with path.open(newline="", encoding="utf-8") as handle:
             lines = list(csv.reader(handle))
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
+        raise InvalidInputError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
     except csv.Error as err:
-        raise ValueError(f"{path}: not a CSV file ({err})") from None
+        raise InvalidInputError(f"{path}: not a CSV file ({err})") from None
     if not lines:
-        raise ValueError(f"{path}: empty; expected a header with a {column!r} column")
+        raise InvalidInputError(f"{path}: empty; expected a header with a {column!r} column")
     header, rows = lines[0], lines[1:]
     if column not in header:
-        raise ValueError(f"{path}: no {column!r} column (columns: {', '.join(header)}); name it with --column")
+        raise InvalidInputError(f"{path}: no {column!r} column (columns: {', '.join(header)}); name it with --column")
     index = header.index(column)
     for number, row in enumerate(rows, start=2):
         if len(row) != len(header):
-            raise ValueError(f"{path}, line {number}: {len(row)} cells, the header has {len(header)}")
+            raise InvalidInputError(f"{path}, line {number}: {len(row)} cells, the header has {len(header)}")
         if not row[index].strip():
-            raise ValueError(f"{path}, line {number}: the {column!r} cell is empty")
+            raise InvalidInputError(f"{path}, line {number}: the {column!r} cell is empty")
     return VariantTable(path, header, rows, index)
 
 
@@ -62,21 +64,21 @@ def wild_type_of_rows(table: VariantTable, records: list[Record], id_column: str
     """The wild-type sequence of each row: the FASTA's only record, else the record whose id is in
     the row's `id_column`. ValueError naming what is missing."""
     if not records:
-        raise ValueError("the FASTA file holds no sequence")
+        raise InvalidInputError("the FASTA file holds no sequence")
     if len(records) == 1 and id_column is None:
         return [records[0].sequence] * len(table.rows)
     if id_column is None:
-        raise ValueError(f"the FASTA file holds {len(records)} sequences: name the {table.path} column that "
-                         "says which one each row mutates with --id-column")
+        raise InvalidInputError(f"the FASTA file holds {len(records)} sequences: name the {table.path} column that "
+                                "says which one each row mutates with --id-column")
     if id_column not in table.header:
-        raise ValueError(f"{table.path}: no {id_column!r} column (columns: {', '.join(table.header)})")
+        raise InvalidInputError(f"{table.path}: no {id_column!r} column (columns: {', '.join(table.header)})")
     by_id = {record.id: record.sequence for record in records}
     index = table.header.index(id_column)
     sequences = []
     for number, row in enumerate(table.rows, start=2):
         if row[index] not in by_id:
-            raise ValueError(f"{table.path}, line {number}: {row[index]!r} is not a record of the FASTA file "
-                             f"(records: {', '.join(list(by_id)[:5])}{', ...' if len(by_id) > 5 else ''})")
+            raise InvalidInputError(f"{table.path}, line {number}: {row[index]!r} is not a record of the FASTA file "
+                                    f"(records: {', '.join(list(by_id)[:5])}{', ...' if len(by_id) > 5 else ''})")
         sequences.append(by_id[row[index]])
     return sequences
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,9 @@ from typing import Any
 
 import yaml
 
+from bionemo_export.choices import DeployTarget
+from bionemo_export.errors import UserError
+from bionemo_export.model_repository.backends import deployment_note
 from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest, ManifestError
 from bionemo_export.runtime.server import check_model_repository
 from bionemo_export.runtime.supervisor import is_public
@@ -58,10 +62,9 @@ _QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 KSERVE_FILE = "kserve-inferenceservice.yaml"
 DEPLOYMENT_FILE = "triton-deployment.yaml"
 VOLUME_FILE = "repository-volume.yaml"
-TARGETS = ("all", "kserve", "plain")
 
 
-class DeployError(ValueError):
+class DeployError(UserError, ValueError):
     """A deploy input that cannot give working manifests; the message names the input."""
 
 
@@ -125,34 +128,35 @@ class DeploySettings:
 # -- inputs ------------------------------------------------------------------------------------------
 
 def parse_storage_uri(uri: str) -> StorageLocation:
-    """Read `--storage-uri`; DeployError naming it when its scheme or form cannot work."""
+    """Read a storage URI (`DeploySettings.storage`); DeployError naming it when its scheme or form
+    cannot work."""
     scheme, sep, rest = uri.partition("://")
     if not sep or scheme not in STORAGE_SCHEMES:
-        raise DeployError(f"--storage-uri {uri}: unsupported location; use s3://bucket/path, gs://bucket/path "
+        raise DeployError(f"`storage` {uri}: unsupported location; use s3://bucket/path, gs://bucket/path "
                           "or pvc://claim/path (the repository's folder in object storage or on a "
                           "PersistentVolumeClaim)")
     first, _, path = rest.strip("/").partition("/")
     if not first:
-        raise DeployError(f"--storage-uri {uri}: names no {'claim' if scheme == 'pvc' else 'bucket'}")
+        raise DeployError(f"`storage` {uri}: names no {'claim' if scheme == 'pvc' else 'bucket'}")
     if scheme == "s3":
         _s3_location(uri)  # one Triton would misread is refused here, naming it
     if scheme != "pvc":
         return StorageLocation(uri, scheme)
     if not _CLAIM.fullmatch(first) or len(first) > 253:
-        raise DeployError(f"--storage-uri {uri}: '{first}' is not a PersistentVolumeClaim name "
+        raise DeployError(f"`storage` {uri}: '{first}' is not a PersistentVolumeClaim name "
                           "(lowercase letters, digits, '-' and '.')")
     return StorageLocation(uri, scheme, claim=first, path=path.strip("/"))
 
 
 def _s3_location(uri: str) -> Any:
     """The s3:// location as tritonserver reads it (runtime/object_storage.py); DeployError naming
-    --storage-uri when Triton would misread it."""
+    the storage URI when Triton would misread it."""
     from bionemo_export.runtime.object_storage import S3RepositoryError, parse_s3_uri
 
     try:
         return parse_s3_uri(uri)
     except S3RepositoryError as err:
-        raise DeployError(f"--storage-uri {uri}: {err}") from None
+        raise DeployError(f"`storage` {uri}: {err}") from None
 
 
 def read_repository(path: Path) -> RepositoryFacts:
@@ -160,7 +164,7 @@ def read_repository(path: Path) -> RepositoryFacts:
     NotAModelRepositoryError) naming the folder when it is not one Triton could serve."""
     if not path.is_dir():
         raise DeployError(f"{path} is not a folder: pass the local repository folder (where the cluster reads "
-                          "its copy is --storage-uri)")
+                          "its copy is `storage`)")
     check_model_repository(path)
     models = tuple(sorted(child.name for child in path.iterdir() if (child / "config.pbtxt").is_file()))
     if not models:
@@ -216,27 +220,28 @@ def default_name(repository: RepositoryFacts) -> str:
 
 
 def check_settings(settings: DeploySettings, target: str) -> None:
-    """DeployError naming the first option that cannot give valid manifests for `target`."""
-    if target not in TARGETS:
-        raise DeployError(f"--target {target}: choose one of {', '.join(TARGETS)}")
+    """DeployError naming the first setting that cannot give valid manifests for `target` (by its
+    field name, in backticks: errors.py)."""
+    if target not in tuple(DeployTarget):
+        raise DeployError(f"`target` {target}: choose one of {', '.join(DeployTarget)}")
     if not _NAME.fullmatch(settings.name) or len(settings.name) > 63:
-        raise DeployError(f"--name {settings.name}: a Kubernetes name is at most 63 lowercase letters, digits "
+        raise DeployError(f"`name` {settings.name}: a Kubernetes name is at most 63 lowercase letters, digits "
                           "and '-', starting with a letter and ending with a letter or digit")
     if not settings.image.strip() or any(c.isspace() for c in settings.image):
-        raise DeployError(f"--image {settings.image!r}: give a container image, e.g. "
+        raise DeployError(f"`image` {settings.image!r}: give a container image, e.g. "
                           "nvcr.io/nvidia/tritonserver:24.10-py3")
     if settings.replicas < 1:
-        raise DeployError(f"--replicas {settings.replicas}: at least 1")
+        raise DeployError(f"`replicas` {settings.replicas}: at least 1")
     if settings.ceiling < settings.replicas:
-        raise DeployError(f"--max-replicas {settings.max_replicas}: at least --replicas ({settings.replicas})")
+        raise DeployError(f"`max_replicas` {settings.max_replicas}: at least `replicas` ({settings.replicas})")
     if settings.gpus < 0:
-        raise DeployError(f"--gpus {settings.gpus}: 0 (CPU only) or more")
-    for option, value in (("--cpu", settings.cpu), ("--memory", settings.memory), ("--shm-size", settings.shm_size)):
+        raise DeployError(f"`gpus` {settings.gpus}: 0 (CPU only) or more")
+    for option, value in (("`cpu`", settings.cpu), ("`memory`", settings.memory), ("`shm_size`", settings.shm_size)):
         if not _QUANTITY.fullmatch(value):
             raise DeployError(f"{option} {value}: not a Kubernetes quantity (e.g. 2, 500m, 8Gi)")
-    if target in ("all", "kserve") and settings.storage is None:
-        raise DeployError("--storage-uri is required for the KServe InferenceService (s3://bucket/path, "
-                          "gs://bucket/path or pvc://claim/path); pass --target plain to write only the "
+    if target in (DeployTarget.ALL, DeployTarget.KSERVE) and settings.storage is None:
+        raise DeployError("`storage` is required for the KServe InferenceService (s3://bucket/path, "
+                          "gs://bucket/path or pvc://claim/path); pass `target` plain to write only the "
                           "Deployment, which then mounts a PersistentVolumeClaim")
 
 
@@ -492,13 +497,13 @@ def render(documents: Iterable[dict[str, Any]], header: str) -> str:
 
 def _header(repository: RepositoryFacts, settings: DeploySettings, what: str) -> str:
     lines = [f"{what}, written by `bionemo-export deploy k8s` for {repository.path.name}.",
-             f"Public models: {', '.join(repository.public_models) or '(none)'}; loaded: {', '.join(repository.models)}",
+             f"Public models: {', '.join(repository.public_models) or '(none)'}; "
+             f"loaded: {', '.join(repository.models)}",
              "(explicit model control: the public models call the others, some through BLS, which",
              "Triton would not load on its own)."]
-    if repository.backend == "python":
-        lines += ["The repository uses the Python backend: the image must have numpy and onnxruntime",
-                  "(NVIDIA's tritonserver images have no onnxruntime Python package; build one FROM it",
-                  "with `pip install onnxruntime`, or build the repository with --backend native)."]
+    note = deployment_note(repository.backend)
+    if note:
+        lines += textwrap.wrap(f"{note[0].upper()}{note[1:]}.", 100)
     return "\n".join(lines)
 
 
@@ -507,18 +512,18 @@ def plain_documents(repository: RepositoryFacts, settings: DeploySettings) -> li
 
 
 def write_manifests(repository: RepositoryFacts, settings: DeploySettings, out: Path,
-                    target: str = "all") -> list[Path]:
+                    target: str = DeployTarget.ALL) -> list[Path]:
     """Write the manifests of `target` (all, kserve, plain) into `out`; the files written."""
     check_settings(settings, target)
     if repository.device == "gpu" and settings.gpus < 1:
-        raise DeployError(f"--gpus {settings.gpus}: {repository.path} places its graph models on GPUs (built with "
-                          f"--backend {repository.backend} --device gpu); pass --gpus 1 or more, or rebuild it "
-                          "with --device cpu")
+        raise DeployError(f"`gpus` {settings.gpus}: {repository.path} places its graph models on GPUs (built with "
+                          f"`backend` {repository.backend} `device` gpu); pass `gpus` 1 or more, or rebuild it "
+                          "with `device` cpu")
     files: dict[str, str] = {}
-    if target in ("all", "kserve"):
+    if target in (DeployTarget.ALL, DeployTarget.KSERVE):
         files[KSERVE_FILE] = render([inference_service(repository, settings)],
                                     _header(repository, settings, "KServe InferenceService (Triton runtime)"))
-    if target in ("all", "plain"):
+    if target in (DeployTarget.ALL, DeployTarget.PLAIN):
         files[DEPLOYMENT_FILE] = render(plain_documents(repository, settings),
                                         _header(repository, settings, "Deployment, Service and autoscaler"))
         if settings.storage is None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bionemo_export.errors import UserError
 from bionemo_export.exporters.onnx_export import DEFAULT_OPSET, ExportResult, export_onnx
 from bionemo_export.exporters.verification import VerificationReport, verify_onnx
 from bionemo_export.models.base import LoadedModel
@@ -29,7 +30,7 @@ from bionemo_export.models.base import LoadedModel
 LM_HEAD_FILE = "lm_head.onnx"
 
 
-class NoLMHeadError(ValueError):
+class NoLMHeadError(UserError, ValueError):
     """The checkpoint has no masked-LM head to export."""
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 import torch
 
+from bionemo_export.errors import InvalidInputError, UserError
 from bionemo_export.exporters import navigator
 from bionemo_export.exporters.signature import (
     check_graph_signature,
@@ -49,7 +50,7 @@ lower one (17 worked for ESM-2 and BERT) goes through onnx's version converter, 
 EXPORTERS = ("torch", "navigator")
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """An export that did not produce a valid graph; the message says what to try next."""
 
 
@@ -259,7 +260,7 @@ def _decide_external_data(requested: bool | None, weight_bytes: int) -> bool:
     if requested is None:
         return weight_bytes > EXTERNAL_DATA_THRESHOLD_BYTES
     if not requested and weight_bytes >= PROTOBUF_LIMIT_BYTES:
-        raise ValueError(
+        raise InvalidInputError(
             f"the model has {weight_bytes / 2**30:.1f} GiB of weights, more than one ONNX file can "
             "hold (2 GiB); use external_data=True or leave it None"
         )

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import torch
 
+from bionemo_export.errors import UserError
 from bionemo_export.models.base import TensorSpec
 
 ONNX_DTYPES: dict[str, int] = {
@@ -26,7 +27,7 @@ ONNX_DTYPES: dict[str, int] = {
 """Triton dtype name -> ONNX element type, for the dtypes graph tensors may have."""
 
 
-class SignatureError(ValueError):
+class SignatureError(UserError, ValueError):
     """Sample inputs or an exported graph do not match the declared TensorSpecs."""
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from bionemo_export.errors import UserError
 from bionemo_export.numerics import cosine_rows
 
 DEFAULT_MASK_INPUT = "attention_mask"
@@ -136,7 +137,7 @@ class VerificationReport:
             raise ExportVerificationError(self)
 
 
-class ExportVerificationError(RuntimeError):
+class ExportVerificationError(UserError, RuntimeError):
     """The exported graph disagrees with PyTorch; `.report` has the figures."""
 
     def __init__(self, report: VerificationReport) -> None:

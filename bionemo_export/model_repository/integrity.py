@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from bionemo_export.errors import UserError
+
 from .manifest import MANIFEST_NAME, Manifest, ManifestError
 
 CHUNK_BYTES = 1 << 20
@@ -42,7 +44,7 @@ FIX = "rebuild the repository or pass --no-check"
 """What to do about any problem: the record is the build's, so only a build (or opting out) helps."""
 
 
-class IntegrityError(ValueError):
+class IntegrityError(UserError, ValueError):
     """A repository's files differ from the digests its manifest.json records; the message names
     each file and the problem, and says what to do."""
 

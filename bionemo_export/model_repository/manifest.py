@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bionemo_export.errors import UserError
+
 MANIFEST_NAME = "manifest.json"
 # Packages whose versions decide what a repository contains or how it runs.
 RECORDED_PACKAGES = ("torch", "transformers", "onnx", "onnxruntime", "triton-model-navigator",
@@ -47,7 +49,7 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """manifest.json cannot be read as a bionemo-export manifest; the message names the file."""
 
 

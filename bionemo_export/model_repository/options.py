@@ -4,21 +4,24 @@ A repository's models play a few roles; every setting that tunes one (instances,
 threads, dynamic batching, length buckets, token budget, response cache) is decided here, by
 `ServingOptions.role(name)`, and the planners (encoder.py, seq2seq.py) only read it:
 
-| role | model (for `--name N`) | what tunes it |
-|---|---|---|
-| `tokenizer` | `N_tokenizer` (ensemble layout only) | instances, dynamic batching |
-| `encoder` | `N_encoder`: the exported encoder graph (and, in the fused layout, the tokenizer) | instances, threads, dynamic batching, length buckets, token budget |
-| `embeddings`, `hiddens` | `N_embeddings`, `N_hiddens`: the public entry points (ensembles) | response cache |
-| `cross_kv`, `decoder_step` | the decoding graphs, called by BLS (not batched by Triton) | instances, threads |
-| `decodes`, `samplings` | the decode loops (Python, BLS) | instances, dynamic batching; `limits` (samplings) |
-| `lm_head` | `N_lm_head`: the masked-LM head graph (hiddens -> log_probs) | as the encoder: instances, threads, dynamic batching, token budget |
-| `logits` | `N_logits`: public ensemble (encoder steps, then N_lm_head) | response cache |
-| `scores` | `N_scores`: masked copies and scores (Python, BLS to N_logits) | instances (sampling_instances), dynamic batching |
-| `classifier` | `N_classifier`: the fine-tuned head graph (hiddens -> logits) | as the encoder: instances, threads, dynamic batching |
-| `labels` | `N_labels`: logits -> label names (Python) | instances, dynamic batching |
-| `predictions` | `N_predictions`: public ensemble (encoder steps, N_classifier, N_labels) | response cache |
+Each role (the model it is, for `--name N`): what tunes it.
+- `tokenizer` (`N_tokenizer`, ensemble layout only): instances, dynamic batching.
+- `encoder` (`N_encoder`: the exported encoder graph and, in the fused layout, the tokenizer):
+  instances, threads, dynamic batching, length buckets, token budget.
+- `embeddings`, `hiddens` (`N_embeddings`, `N_hiddens`: the public entry points, ensembles): response cache.
+- `cross_kv`, `decoder_step` (the decoding graphs, called by BLS, not batched by Triton): instances, threads.
+- `decodes`, `samplings` (the decode loops: Python, BLS): instances, dynamic batching; `limits` (samplings).
+- `lm_head` (`N_lm_head`: the masked-LM head graph, hiddens -> log_probs): as the encoder: instances,
+  threads, dynamic batching, token budget.
+- `logits` (`N_logits`: public ensemble, encoder steps then N_lm_head): response cache.
+- `scores` (`N_scores`: masked copies and scores, Python, BLS to N_logits): instances
+  (sampling_instances), dynamic batching.
+- `classifier` (`N_classifier`: the fine-tuned head graph, hiddens -> logits): as the encoder:
+  instances, threads, dynamic batching.
+- `labels` (`N_labels`: logits -> label names, Python): instances, dynamic batching.
+- `predictions` (`N_predictions`: public ensemble, encoder steps, N_classifier, N_labels): response cache.
 
-Defaults and why (measured on 2-core CPU hosts; see the README's performance section):
+Defaults and why (measured on 2-core CPU hosts; see docs/benchmarks.md):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
   ("fused": one Python model behind the public ensembles, no tokenizer hop); with
   `--backend native` or `tensorrt` Triton's own runtime runs the graph, so a Python tokenizer
@@ -70,13 +73,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from .backends import ServingBackend, get_backend
+from bionemo_export.choices import Device, Layout
+from bionemo_export.errors import UserError
+
+from .backends import BACKENDS, ServingBackend, get_backend
 from .plan import DynamicBatching
 
-LAYOUTS = ("auto", "fused", "ensemble")
 ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings",
          "lm_head", "logits", "scores", "classifier", "labels", "predictions")
 AUTO_THREADS = "auto"
+
+
+class OptionsError(UserError, ValueError):
+    """Serving options that cannot work together or are out of range; the message names the fields
+    (in backticks: errors.py) and what to change."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +114,10 @@ class RoleOptions:
     def __post_init__(self) -> None:
         for name in ("instances",):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise OptionsError(f"`{name}` must be at least 1")
         for name in ("threads", "length_bucket", "token_budget"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 or more")
+                raise OptionsError(f"`{name}` must be 0 or more")
 
     def session_parameters(self) -> dict[str, str]:
         """Config `parameters` that templates/_onnx_session.py.j2 reads to open an ONNX Runtime session."""
@@ -151,7 +161,7 @@ class GenerationLimits:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value >= 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+                raise OptionsError(f"`{name}` must be at least 1, got {value}")
 
     def parameters(self, *names: str) -> dict[str, str]:
         """Config `parameters`: the limits `names` (all of them when none is named)."""
@@ -169,7 +179,7 @@ class ServingOptions:
     backend: str = "python"
     """Where the graphs run (backends.py): python (ONNX Runtime inside a Python-backend model),
     native (Triton's onnxruntime_onnx), tensorrt (Triton's tensorrt_plan)."""
-    device: str | None = None
+    device: Device | None = None
     """cpu or gpu: the instance kind of the models that run graphs (None: the backend's default,
     gpu for tensorrt, cpu otherwise)."""
     max_batch_size: int = 32
@@ -203,7 +213,7 @@ class ServingOptions:
     intra_op_threads: int = 0
     """ONNX Runtime threads per graph-model instance (0: auto, from the serving host's cores)."""
     warmup: bool = True
-    layout: str = "auto"
+    layout: Layout = Layout.AUTO
     """fused: the encoder model tokenizes (python backend); ensemble: tokenizer model -> encoder
     model; auto: fused with the python backend, ensemble with native."""
     length_bucket: int = 16
@@ -221,28 +231,31 @@ class ServingOptions:
     """Per-role overrides of what the fields above decide."""
 
     def __post_init__(self) -> None:
+        # Plain strings are accepted (library callers, manifests): stored as the choices they name.
+        if self.device is not None:
+            object.__setattr__(self, "device", Device.parse(self.device, "device"))
+        object.__setattr__(self, "layout", Layout.parse(self.layout, "layout"))
         backend = self.serving_backend  # checks the backend's name and device
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.layout == "fused" and not backend.runs_python:
-            raise ValueError("the fused layout runs the graph in a Python-backend model: use --backend python")
+        if self.layout == Layout.FUSED and not backend.runs_python:
+            raise OptionsError(f"the fused layout runs the graph in a Python-backend model: use `backend` "
+                               f"{_python_backends()}")
         if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be at least 1")
+            raise OptionsError("`max_batch_size` must be at least 1")
         for name in ("tokenizer_instances", "encoder_instances", "decode_instances", "sampling_instances"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise OptionsError(f"`{name}` must be at least 1")
         if self.max_residues and not self.fused:
-            raise ValueError("--max-residues runs windows inside the encoder model, which the fused layout has: "
-                             "use --backend python")
+            raise OptionsError("`max_residues` runs windows inside the encoder model, which the fused layout has: "
+                               f"use `backend` {_python_backends()}")
         if self.window_overlap and not self.max_residues:
-            raise ValueError("window_overlap needs max_residues (windows are off)")
+            raise OptionsError("`window_overlap` needs `max_residues` (windows are off)")
         for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget",
                      "max_queue_size", "queue_timeout_s", "max_residues", "window_overlap"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be 0 or more")
+                raise OptionsError(f"`{name}` must be 0 or more")
         unknown = set(self.roles) - set(ROLES)
         if unknown:
-            raise ValueError(f"unknown roles {sorted(unknown)}; roles are {ROLES}")
+            raise OptionsError(f"unknown roles {sorted(unknown)} in `roles`; roles are {ROLES}")
 
     @property
     def serving_backend(self) -> ServingBackend:
@@ -252,7 +265,7 @@ class ServingOptions:
     @property
     def fused(self) -> bool:
         """True when the encoder model tokenizes itself (no separate tokenizer model)."""
-        return self.layout == "fused" or (self.layout == "auto" and self.serving_backend.runs_python)
+        return self.layout == Layout.FUSED or (self.layout == Layout.AUTO and self.serving_backend.runs_python)
 
     def preferred_batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({s for s in (8, 16, 32, 64) if s < self.max_batch_size} | {self.max_batch_size}))
@@ -264,7 +277,7 @@ class ServingOptions:
     def role(self, name: str) -> RoleOptions:
         """The settings of the model playing role `name`."""
         if name not in ROLES:
-            raise ValueError(f"unknown role {name!r}; roles are {ROLES}")
+            raise OptionsError(f"unknown role {name!r}; roles are {ROLES}")
         if name in self.roles:
             return self.roles[name]
         if name == "encoder":
@@ -289,3 +302,8 @@ class ServingOptions:
     def with_role(self, name: str, **changes) -> ServingOptions:
         """A copy whose role `name` has `changes` applied on top of its current settings."""
         return replace(self, roles={**self.roles, name: replace(self.role(name), **changes)})
+
+
+def _python_backends() -> str:
+    """The backends whose graphs run in Python-backend models (the fused layout's, windows')."""
+    return " or ".join(name for name, cls in BACKENDS.items() if cls.runs_python)

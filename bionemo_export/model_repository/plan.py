@@ -15,12 +15,13 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from bionemo_export.errors import UserError
 from bionemo_export.tasks import DType
 
 from .pbtxt import write_config
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The repository plan is inconsistent; the message names the model and tensor."""
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from bionemo_export.errors import InvalidInputError
+
 ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
@@ -46,9 +48,9 @@ class TransformerConfig:
         self.ffn_size = self.ffn_size or 4 * self.hidden_size
         self.num_decoder_layers = self.num_decoder_layers or self.num_layers
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+            raise InvalidInputError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+            raise InvalidInputError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
 
     @property
     def head_dim(self) -> int:

@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bionemo_export.errors import UserError
+
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 
 # Backends a model repository built by this tool may ask for, keyed by the platform / backend
@@ -29,7 +31,7 @@ CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 KNOWN_BACKENDS = ("python", "onnxruntime", "tensorrt", "pytorch")
 
 
-class TritonNotFoundError(RuntimeError):
+class TritonNotFoundError(UserError, RuntimeError):
     """No usable tritonserver could be found or prepared."""
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import ENGINE_FILE, engine_json
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.integrity import update_records
@@ -48,7 +49,7 @@ WORKSPACE_BYTES = 4 << 30
 """TensorRT's scratch memory limit while it times tactics (4 GiB)."""
 
 
-class EngineBuildError(RuntimeError):
+class EngineBuildError(UserError, RuntimeError):
     """An engine could not be built; the message says which and what to do."""
 
 

@@ -16,8 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bionemo_export.errors import UserError
 
-class PerfAnalyzerNotFoundError(RuntimeError):
+
+class PerfAnalyzerNotFoundError(UserError, RuntimeError):
     """No runnable perf_analyzer; the message says what is missing and how to install it."""
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from bionemo_export.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,7 +24,7 @@ MAX_SIDE_FILE_BYTES = 64 << 20
 """Side files (vocabularies, tokenizer models, configs) larger than this are not read into memory."""
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be read; the message names the file (and key) and the problem."""
 
 

@@ -1,0 +1,96 @@
+"""The fixed choices of builds and deployments, one enum each, shared by every layer.
+
+Each is a `StrEnum`: a member equals its value ("fp32" == Precision.FP32), formats and serializes
+as it (f-strings, json, manifest.json), so library callers may pass plain strings; the command
+line declares its options with these types, so Typer lists and checks the choices. The serving
+backends' names are not here: each backend is a class (model_repository/backends.py), and their
+choice is generated from those classes (`backends.BackendChoice`).
+
+Only the standard library (and errors.py) is imported: the planners, the exporters, the runtime and the command
+line all import this module.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from bionemo_export.errors import UserError
+
+
+class ChoiceError(UserError, ValueError):
+    """A value that is none of a setting's choices; the message names the setting and the choices."""
+
+
+class Choice(StrEnum):
+    """A StrEnum that reads a user's value with a message naming the setting and its choices."""
+
+    @classmethod
+    def parse(cls, value: str, field: str) -> Choice:
+        """`value` as a member; a ChoiceError naming `field` (in backticks: errors.py) when it is none."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ChoiceError(f"`{field}` {value!r}: choose one of {', '.join(cls)}") from None
+
+
+class Precision(Choice):
+    """The encoder graph's numeric precision (exporters/optimize)."""
+
+    FP32 = "fp32"
+    INT8 = "int8"
+    """Dynamic quantization: ONNX Runtime's CPU kernels."""
+    FP16 = "fp16"
+    """Half precision, for GPU hosts."""
+
+
+class EnginePrecision(Choice):
+    """The precision TensorRT builds an engine in (runtime/engines.py)."""
+
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class Device(Choice):
+    """Where the models that run graphs are placed (Triton's instance kind)."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class Layout(Choice):
+    """How the encoder is served: fused (the encoder model tokenizes, Python backend only),
+    ensemble (a tokenizer model feeds the encoder model), auto (fused where the backend runs Python)."""
+
+    AUTO = "auto"
+    FUSED = "fused"
+    ENSEMBLE = "ensemble"
+
+
+class Exporter(Choice):
+    """What writes the ONNX graphs: torch.onnx or Triton Model Navigator."""
+
+    TORCH = "torch"
+    NAVIGATOR = "navigator"
+
+
+class OptimizationLevel(Choice):
+    """ONNX Runtime's offline graph optimization applied to a stored graph (exporters/optimize)."""
+
+    NONE = "none"
+    BASIC = "basic"
+    EXTENDED = "extended"
+
+
+class DeployTarget(Choice):
+    """Which Kubernetes manifests `deploy k8s` writes (deploy/kubernetes.py)."""
+
+    ALL = "all"
+    KSERVE = "kserve"
+    PLAIN = "plain"
+
+
+class Protocol(Choice):
+    """The protocol a client speaks to Triton."""
+
+    GRPC = "grpc"
+    HTTP = "http"
