@@ -9,6 +9,7 @@ decoded. Every expectation is computed independently of the cache, by brute forc
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -379,7 +380,7 @@ LIMITS = {"max_num_samples": 32, "max_beam_size": 16, "max_samples_x_beams": 64}
     ("beam-search-perturbate-sample", 5, 13, "max_samples_x_beams is 64"),
 ])
 def test_limits_bound_one_requests_work_and_name_the_limit(method, num_samples, beam_size, message):
-    arguments = dict(scaled_radius=1.0, top_k=0, top_p=0.9, temperature=1.0)
+    arguments: dict[str, Any] = dict(scaled_radius=1.0, top_k=0, top_p=0.9, temperature=1.0)
     with pytest.raises(GenerationError) as error:
         check_sampling_arguments(method, num_samples, beam_size, limits=LIMITS, **arguments)
     assert message in str(error.value)
