@@ -6,9 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-# Generated protobuf code defines its classes and enum values at import time and tritonclient ships
-# no stubs for it, so the type checker sees none of its names: hence the ignores on `mc.` below.
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.model_repository.encoder import plan_encoder_repository
@@ -47,12 +44,12 @@ def test_encoder_plan_has_the_public_models_and_valid_configs(tmp_path):
         text = to_pbtxt(model.to_config())
         assert parse_pbtxt(text) == model.to_config()
     encoder = plan.model("esm2nv_encoder").to_config()
-    assert [i.name for i in encoder.input] == ["sequences"] and encoder.input[0].data_type == mc.TYPE_STRING  # pyright: ignore[reportAttributeAccessIssue]
+    assert [i.name for i in encoder.input] == ["sequences"] and encoder.input[0].data_type == mc.TYPE_STRING
     assert [o.name for o in encoder.output] == ["hiddens", "embeddings", "mask"]
     hiddens = plan.model("esm2nv_hiddens").to_config()
     assert hiddens.platform == "ensemble"
     assert [o.name for o in hiddens.output] == ["hiddens", "mask"]
-    assert hiddens.output[1].data_type == mc.TYPE_BOOL  # pyright: ignore[reportAttributeAccessIssue]
+    assert hiddens.output[1].data_type == mc.TYPE_BOOL
     assert [s.model_name for s in hiddens.ensemble_scheduling.step] == ["esm2nv_encoder"]
     assert dict(hiddens.ensemble_scheduling.step[0].output_map) == {"hiddens": "hiddens", "mask": "mask"}
 
@@ -236,8 +233,7 @@ def test_every_batched_model_bounds_its_queue(tmp_path):
             policy = plan.model(name).to_config().dynamic_batching.default_queue_policy
             assert policy.max_queue_size == ServingOptions.max_queue_size == 64
             assert policy.default_timeout_microseconds == 30_000_000
-            assert policy.timeout_action == mc.ModelQueuePolicy.REJECT  # pyright: ignore[reportAttributeAccessIssue]
-            assert policy.allow_timeout_override
+            assert policy.timeout_action == mc.ModelQueuePolicy.REJECT and policy.allow_timeout_override
         assert not plan.model("esm2nv_embeddings").to_config().HasField("dynamic_batching")
     (tmp_path / "tight").mkdir()
     (tmp_path / "off").mkdir()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-# Generated protobuf code defines its classes and enum values at import time and tritonclient ships
-# no stubs for it, so the type checker sees none of its names: hence the ignores on `mc.` below.
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.model_repository.pbtxt import write_config
@@ -61,45 +59,45 @@ class TritonPythonModel:
 '''
 
 
-def _tensor(name: str, dtype: int, dims: list[int]) -> mc.ModelInput:  # pyright: ignore[reportAttributeAccessIssue]
-    return mc.ModelInput(name=name, data_type=dtype, dims=dims)  # pyright: ignore[reportAttributeAccessIssue]
+def _tensor(name: str, dtype: int, dims: list[int]) -> mc.ModelInput:
+    return mc.ModelInput(name=name, data_type=dtype, dims=dims)
 
 
-def _output(name: str, dtype: int, dims: list[int]) -> mc.ModelOutput:  # pyright: ignore[reportAttributeAccessIssue]
-    return mc.ModelOutput(name=name, data_type=dtype, dims=dims)  # pyright: ignore[reportAttributeAccessIssue]
+def _output(name: str, dtype: int, dims: list[int]) -> mc.ModelOutput:
+    return mc.ModelOutput(name=name, data_type=dtype, dims=dims)
 
 
-def _python_model(repo: Path, name: str, code: str, config: mc.ModelConfig) -> None:  # pyright: ignore[reportAttributeAccessIssue]
+def _python_model(repo: Path, name: str, code: str, config: mc.ModelConfig) -> None:
     model_dir = repo / name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "1" / "model.py").write_text(textwrap.dedent(code))
     config.name = name
     config.backend = "python"
-    config.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))  # pyright: ignore[reportAttributeAccessIssue]
+    config.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
     write_config(model_dir, config)
 
 
 def tiny_repository(repo: Path) -> Path:
     """Write the `affine` and `reverse` models into `repo` and return it."""
-    _python_model(repo, "affine", AFFINE_MODEL_PY, mc.ModelConfig(  # pyright: ignore[reportAttributeAccessIssue]
+    _python_model(repo, "affine", AFFINE_MODEL_PY, mc.ModelConfig(
         max_batch_size=8,
-        input=[_tensor("x", mc.TYPE_FP32, [-1])],  # pyright: ignore[reportAttributeAccessIssue]
-        output=[_output("y", mc.TYPE_FP32, [-1])],  # pyright: ignore[reportAttributeAccessIssue]
-        dynamic_batching=mc.ModelDynamicBatching(),  # pyright: ignore[reportAttributeAccessIssue]
+        input=[_tensor("x", mc.TYPE_FP32, [-1])],
+        output=[_output("y", mc.TYPE_FP32, [-1])],
+        dynamic_batching=mc.ModelDynamicBatching(),
     ))
-    _python_model(repo, "reverse", REVERSE_MODEL_PY, mc.ModelConfig(  # pyright: ignore[reportAttributeAccessIssue]
+    _python_model(repo, "reverse", REVERSE_MODEL_PY, mc.ModelConfig(
         max_batch_size=8,
-        input=[_tensor("sequences", mc.TYPE_STRING, [1])],  # pyright: ignore[reportAttributeAccessIssue]
-        output=[_output("reversed", mc.TYPE_STRING, [1])],  # pyright: ignore[reportAttributeAccessIssue]
+        input=[_tensor("sequences", mc.TYPE_STRING, [1])],
+        output=[_output("reversed", mc.TYPE_STRING, [1])],
     ))
     return repo
 
 
 def broken_repository(repo: Path) -> Path:
     """Write a repository whose only model, `broken`, fails in initialize()."""
-    _python_model(repo, "broken", BROKEN_MODEL_PY, mc.ModelConfig(  # pyright: ignore[reportAttributeAccessIssue]
+    _python_model(repo, "broken", BROKEN_MODEL_PY, mc.ModelConfig(
         max_batch_size=1,
-        input=[_tensor("x", mc.TYPE_FP32, [1])],  # pyright: ignore[reportAttributeAccessIssue]
-        output=[_output("y", mc.TYPE_FP32, [1])],  # pyright: ignore[reportAttributeAccessIssue]
+        input=[_tensor("x", mc.TYPE_FP32, [1])],
+        output=[_output("y", mc.TYPE_FP32, [1])],
     ))
     return repo
