@@ -17,8 +17,10 @@ from safetensors.torch import load_file, save_file
 
 from bionemo_export.models import LoadedModel, get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB, rxnfp_checkpoint
+from bionemo_export.models.classifier import ClassifierHead
 from bionemo_export.models.readers import CheckpointError
 from bionemo_export.testing.checkpoints import save_huggingface, save_random_checkpoint
+from bionemo_export.tokenizers import Encoded
 from tests.helpers.random_models import perturb
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
@@ -58,13 +60,20 @@ def make(kind: str, out: Path, seed: int = 5, **settings) -> tuple[transformers.
     return model, save_huggingface(model, out, vocab)
 
 
-def served_logits(loaded: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, dict]:
+def head_of(loaded: LoadedModel) -> ClassifierHead:
+    """The fine-tuned head of a checkpoint that carries one."""
+    assert loaded.classifier is not None, f"{loaded.checkpoint} loaded without a classifier head"
+    return loaded.classifier
+
+
+def served_logits(loaded: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, Encoded]:
     """The repository's computation: encoder, then the fine-tuned head."""
+    head = head_of(loaded)
     encoded = loaded.tokenizer.encode(sequences)
     with torch.inference_mode():
         hiddens, _ = loaded.encoder(*(torch.from_numpy(a) for a in
                                       (encoded.input_ids, encoded.attention_mask, encoded.residue_mask)))
-        return loaded.classifier(hiddens), encoded
+        return head(hiddens), encoded
 
 
 def reference_logits(model, encoded) -> torch.Tensor:
@@ -97,7 +106,7 @@ def test_logits_match_transformers(kind, tmp_path):
 def test_regression_head_returns_its_values(tmp_path):
     model, folder = make("bert-sequence", tmp_path / "reg", num_labels=1, problem_type="regression")
     loaded = get_family("bert").load(folder)
-    assert loaded.classifier.problem_type == "regression" and loaded.classifier.labels == ("LABEL_0",)
+    assert head_of(loaded).problem_type == "regression" and head_of(loaded).labels == ("LABEL_0",)
     logits, encoded = served_logits(loaded, PROTEINS)
     assert logits.shape == (3, 1)
     assert float((logits - reference_logits(model, encoded)).abs().max()) <= ATOL
@@ -105,15 +114,15 @@ def test_regression_head_returns_its_values(tmp_path):
 
 def test_problem_type_defaults_like_transformers(tmp_path):
     _, folder = make("esm-sequence", tmp_path / "one", num_labels=1)
-    assert get_family("esm2").load(folder).classifier.problem_type == "regression"
+    assert head_of(get_family("esm2").load(folder)).problem_type == "regression"
     _, folder = make("esm-token", tmp_path / "multi", num_labels=4, problem_type="multi_label_classification")
-    assert get_family("esm2").load(folder).classifier.problem_type == "multi_label_classification"
+    assert head_of(get_family("esm2").load(folder)).problem_type == "multi_label_classification"
 
 
 def test_real_rxnfp_bert_ft_10k_25s_matches_bert_for_sequence_classification():
     folder = rxnfp_checkpoint("bert_ft_10k_25s")
     loaded = get_family("bert").load(folder)
-    head = loaded.classifier
+    head = head_of(loaded)
     config = json.loads((folder / "config.json").read_text())
     assert config["num_labels"] == 50 and len(config["id2label"]) == 2
     assert head.labels == tuple(f"LABEL_{i}" for i in range(50))
@@ -140,7 +149,7 @@ def test_labels_fill_unnamed_ids(tmp_path):
         get_family("bert").load(folder)
     config["num_labels"] = 3
     (folder / "config.json").write_text(json.dumps(config))
-    assert get_family("bert").load(folder).classifier.labels == ("LABEL_0", "helix", "LABEL_2")
+    assert head_of(get_family("bert").load(folder)).labels == ("LABEL_0", "helix", "LABEL_2")
 
 
 def test_missing_and_unexpected_head_keys_are_errors(tmp_path):
@@ -159,7 +168,7 @@ def test_keys_decide_without_architectures(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config.pop("architectures", None)
     (folder / "config.json").write_text(json.dumps(config))
-    assert get_family("esm2").load(folder).classifier.per_token
+    assert head_of(get_family("esm2").load(folder)).per_token
 
 
 def test_masked_lm_and_base_checkpoints_have_no_classifier(tmp_path):
@@ -176,9 +185,9 @@ def test_classifier_onnx_matches_pytorch(kind, tmp_path):
     _, folder = make(kind, tmp_path / kind, num_labels=3)
     loaded = get_family(CLASSES[kind][3]).load(folder)
     batches = lm_head_check_batches(loaded)
-    exported = export_onnx(loaded.classifier, loaded.lm_head_inputs, loaded.classifier_outputs, batches[0],
+    exported = export_onnx(head_of(loaded), loaded.lm_head_inputs, loaded.classifier_outputs, batches[0],
                            tmp_path / "classifier.onnx")
-    report = verify_onnx(loaded.classifier, exported.path, batches, atol=ATOL, min_cosine=0.9999,
+    report = verify_onnx(head_of(loaded), exported.path, batches, atol=ATOL, min_cosine=0.9999,
                          output_names=["logits"], mask_input="attention_mask")
     report.raise_for_tolerance()
     assert np.isfinite(report.outputs[0].max_abs_error)

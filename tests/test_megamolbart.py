@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from bionemo_export.exporters import export_onnx
 from bionemo_export.models import REGISTRY, LoadedModel, get_family
-from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.models.base import Seq2SeqModules, seq2seq_graph_specs
 from bionemo_export.models.megamolbart import load_model, save
 from bionemo_export.models.megamolbart_training import (
     DRUGS,
@@ -26,6 +26,7 @@ from bionemo_export.models.megamolbart_training import (
     training_smiles,
 )
 from bionemo_export.testing.checkpoints import save_random_checkpoint
+from bionemo_export.tokenizers.smiles import SmilesTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,12 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def model(checkpoint) -> LoadedModel:
     return get_family("megamolbart").load(checkpoint)
+
+
+def decoding(model: LoadedModel) -> Seq2SeqModules:
+    """The decoder graphs of a MegaMolBART model (every megamolbart checkpoint loads with them)."""
+    assert model.seq2seq is not None, f"{model.checkpoint} loaded without its decoder graphs"
+    return model.seq2seq
 
 
 def encode(model: LoadedModel, smiles: list[str]) -> tuple[torch.Tensor, ...]:
@@ -57,7 +64,7 @@ def step_by_step(
     model: LoadedModel, tokens: torch.Tensor, hiddens: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """decoder_step's logits [B, T, V] over every position of `tokens`, starting from an empty cache."""
-    s = model.seq2seq
+    s = decoding(model)
     cross_k, cross_v = s.cross_kv(hiddens)
     past_k = past_v = torch.zeros(s.num_layers, len(tokens), s.num_heads, 0, s.head_dim)
     logits = []
@@ -70,7 +77,7 @@ def step_by_step(
 @torch.no_grad()
 def greedy_decode(model: LoadedModel, smiles: list[str]) -> list[str]:
     """Reconstruct `smiles` from their hidden states: greedy decoding with decoder_full (no cache)."""
-    s = model.seq2seq
+    s = decoding(model)
     hiddens, mask = hiddens_of(model, smiles)
     tokens = torch.full((len(smiles), 1), s.begin_id)
     for _ in range(hiddens.shape[1] + 1):  # a copy is as long as the input, plus its end token
@@ -78,6 +85,7 @@ def greedy_decode(model: LoadedModel, smiles: list[str]) -> list[str]:
         tokens = torch.cat([tokens, following], dim=1)
         if (tokens == s.end_id).any(dim=1).all():
             break
+    assert isinstance(model.tokenizer, SmilesTokenizer)  # MegaMolBART's tokenizer, the one that decodes
     return model.tokenizer.decode_batch(tokens.numpy())
 
 
@@ -85,7 +93,7 @@ def random_tokens(model: LoadedModel, batch: int, length: int, seed: int = 0) ->
     """A decoder input: the begin token, then random SMILES tokens."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(6, model.tokenizer.vocab_size, (batch, length), generator=generator)
-    tokens[:, 0] = model.seq2seq.begin_id
+    tokens[:, 0] = decoding(model).begin_id
     return tokens
 
 
@@ -131,8 +139,8 @@ def test_save_and_load_round_trip(model, checkpoint, tmp_path):
     tokens = random_tokens(model, len(smiles), 5)
     hiddens, mask = hiddens_of(model, smiles)
     with torch.no_grad():
-        assert torch.equal(model.seq2seq.decoder_full(tokens, hiddens, mask),
-                           reloaded.seq2seq.decoder_full(tokens, hiddens, mask))
+        assert torch.equal(decoding(model).decoder_full(tokens, hiddens, mask),
+                           decoding(reloaded).decoder_full(tokens, hiddens, mask))
 
 
 def edited_copy(src: Path, dst: Path, *, weights=None, config=None, vocab=None) -> Path:
@@ -239,7 +247,7 @@ def graph_inputs(
 ) -> dict[str, np.ndarray]:
     """Inputs of one graph: `src` is the encoder's length, `length` the past length (decoder_step)
     or the target length (decoder_full); the encoder gets the first `batch` sample sequences."""
-    s, rng = model.seq2seq, np.random.default_rng(seed)
+    s, rng = decoding(model), np.random.default_rng(seed)
     mask = np.arange(src) < rng.integers(1, src + 1, size=(batch, 1))
     mask[0] = True  # the longest sequence of the batch
 
@@ -277,6 +285,7 @@ def test_graphs_export_to_onnx_with_dynamic_axes(model, tmp_path, graph):
         with torch.no_grad():
             expected = module(*(torch.from_numpy(feed[spec.name]) for spec in inputs))
         for spec, ours, theirs in zip(outputs, got, expected if isinstance(expected, tuple) else (expected,)):
+            assert isinstance(ours, np.ndarray), f"{graph} {spec.name}: {type(ours).__name__}"
             np.testing.assert_allclose(
                 ours, theirs.numpy(), rtol=0, atol=1e-5, err_msg=f"{graph} {spec.name}"
             )

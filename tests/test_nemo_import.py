@@ -8,16 +8,19 @@ import dataclasses
 import io
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
+from transformers.models.esm.modeling_esm import EsmLayer
 
 from bionemo_export.generation.reference import reference_greedy
-from bionemo_export.models import get_family, load_checkpoint
-from bionemo_export.models.megamolbart import MegaMolBart, load_model
+from bionemo_export.models import LoadedModel, get_family, load_checkpoint
+from bionemo_export.models.encoder import PooledEncoder
+from bionemo_export.models.megamolbart import DecoderFull, MegaMolBart, MegaMolBartEncoder, load_model
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.models.readers import nemo as nemo_reader
 from bionemo_export.testing.checkpoints import save_random_checkpoint
@@ -53,10 +56,12 @@ def esm2_archive(source: Path, path: Path, *, gzip: bool = False, weights_edit=N
 def hf_reference(source: Path, sequences: list[str], *, tanh: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(hiddens, residue-mean embeddings) from transformers' own EsmModel and EsmTokenizer."""
     model = transformers.EsmModel.from_pretrained(source, add_pooling_layer=False).eval()
-    if tanh:  # what Megatron's fused bias-GELU computes
+    if tanh:  # what Megatron's fused bias-GELU computes, in place of each intermediate's exact GELU
         for layer in model.encoder.layer:
-            layer.intermediate.forward = lambda x, dense=layer.intermediate.dense: torch.nn.functional.gelu(
-                dense(x), approximate="tanh")
+            assert isinstance(layer, EsmLayer)
+            layer.intermediate.register_forward_hook(
+                lambda _module, inputs, _exact, dense=layer.intermediate.dense: torch.nn.functional.gelu(
+                    dense(inputs[0]), approximate="tanh"))
     tokenizer = transformers.EsmTokenizer(vocab_file=str(source / "vocab.txt"))
     batch = tokenizer(sequences, padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -64,6 +69,13 @@ def hf_reference(source: Path, sequences: list[str], *, tanh: bool = False) -> t
     lengths = np.array([len(s) for s in sequences])
     embeddings = np.stack([hiddens[i, 1:1 + n].mean(axis=0) for i, n in enumerate(lengths)])
     return hiddens, embeddings
+
+
+def esm_backbone(loaded: LoadedModel) -> transformers.EsmModel:
+    """The transformers EsmModel an ESM-2 checkpoint loads into (inside the pooling encoder)."""
+    assert isinstance(loaded.encoder, PooledEncoder), loaded.encoder
+    assert isinstance(loaded.encoder.backbone, transformers.EsmModel), loaded.encoder.backbone
+    return loaded.encoder.backbone
 
 
 def run_encoder(loaded, sequences):
@@ -79,7 +91,8 @@ def test_esm2nv_archive_equals_the_hugging_face_model(esm2_source, tmp_path, gzi
     archive = esm2_archive(esm2_source, tmp_path / "esm2nv.nemo", gzip=gzip)
     loaded = load_checkpoint(archive)  # no family named: the archive's target says esm2
     assert loaded.family.name == "esm2"
-    assert loaded.description["checkpoint_form"] == ".nemo archive (bionemo.model.protein.esm1nv.esm1nv_model.ESM2nvModel)"
+    assert loaded.description["checkpoint_form"] == (
+        ".nemo archive (bionemo.model.protein.esm1nv.esm1nv_model.ESM2nvModel)")
     assert loaded.tokenizer.vocab_size == 33 and loaded.tokenizer.max_length == 1024
     hiddens, embeddings, encoded = run_encoder(loaded, PROTEINS)
     expected_hiddens, expected_embeddings = hf_reference(esm2_source, PROTEINS)
@@ -93,7 +106,7 @@ def test_esm2nv_token_dropout_scaling_follows_the_config(esm2_source, tmp_path):
     changes the fraction, so with and without the setting the outputs differ."""
     with_scaling = load_checkpoint(esm2_archive(esm2_source, tmp_path / "a.nemo"))
     without = load_checkpoint(esm2_archive(esm2_source, tmp_path / "b.nemo", embedding_token_dropout=False))
-    assert with_scaling.encoder.backbone.config.token_dropout and not without.encoder.backbone.config.token_dropout
+    assert esm_backbone(with_scaling).config.token_dropout and not esm_backbone(without).config.token_dropout
     a, _, _ = run_encoder(with_scaling, PROTEINS[:1])
     b, _, _ = run_encoder(without, PROTEINS[:1])
     assert np.abs(a - b).max() > 1e-4  # scaled by 0.88 / 1: clearly different
@@ -154,6 +167,7 @@ def test_megamolbart_archive_equals_the_source_model(megamolbart_source, tmp_pat
         expected = model.encode(torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask))
         torch.testing.assert_close(hiddens, expected, atol=1e-5, rtol=0)
         tokens = torch.tensor([[2, 7, 8, 9], [2, 10, 11, 12], [2, 6, 6, 6], [2, 9, 8, 7], [2, 13, 14, 15]])
+        assert loaded.seq2seq is not None
         logits = loaded.seq2seq.decoder_full(tokens, hiddens, mask)
         source_logits = model.decode(tokens, mask, *model.cross_kv(hiddens))[0]
     # The source's vocabulary is the tokenizer's: the import keeps exactly those rows.
@@ -171,6 +185,7 @@ def test_megamolbart_decodes_equal_the_source_and_never_a_padded_id(megamolbart_
 
     loaded = load_checkpoint(megamolbart_archive(model, vocab, tmp_path / "mmb.nemo", weights_edit=poison_padding))
     hiddens, _, mask = seq2seq_outputs(loaded, SMILES)
+    assert loaded.seq2seq is not None
     decoded = reference_greedy(loaded.seq2seq, hiddens.numpy(), mask.numpy(), max_length=12)
     source = get_family("megamolbart").load  # the source, through its saved form
     del source
@@ -201,7 +216,7 @@ def test_saved_form_with_a_padded_vocabulary_never_decodes_a_padded_id(tmp_path)
     from bionemo_export.models.megamolbart import save
 
     loaded = family.load(save(padded, vocab, tmp_path / "padded"))
-    assert loaded.seq2seq.vocab_size == len(vocab)
+    assert loaded.seq2seq is not None and loaded.seq2seq.vocab_size == len(vocab)
     hiddens, _, mask = seq2seq_outputs(loaded, SMILES)
     decoded = reference_greedy(loaded.seq2seq, hiddens.numpy(), mask.numpy(), max_length=8)
     assert all(0 <= t < len(vocab) for row in decoded for t in row)
@@ -212,6 +227,7 @@ def test_megamolbart_tied_head_uses_the_token_embeddings(megamolbart_source, tmp
     archive = megamolbart_archive(model, vocab, tmp_path / "tied.nemo", head="bias",
                                   share_decoder_tokens_head_embeddings=True)
     loaded = load_checkpoint(archive)
+    assert loaded.seq2seq is not None and isinstance(loaded.seq2seq.decoder_full, DecoderFull)
     head = loaded.seq2seq.decoder_full.model.tokens_head.weight
     torch.testing.assert_close(head, model.embedding.word_embeddings.weight[: len(vocab)])
 
@@ -225,7 +241,7 @@ def test_megamolbart_reads_the_archive_regex_and_fused_gelu(megamolbart_source, 
     loaded = load_checkpoint(megamolbart_archive(model, vocab, tmp_path / "r.nemo", artifacts_edit=narrow_regex,
                                                  bias_gelu_fusion=True))
     assert loaded.description["activation"] == "gelu_tanh"
-    assert loaded.encoder.model.config.activation == "gelu_tanh"
+    assert isinstance(loaded.encoder, MegaMolBartEncoder) and loaded.encoder.model.config.activation == "gelu_tanh"
     # "Cl" splits into "C" + "l" under the archive's regex; "l" is not a vocabulary token.
     with pytest.raises(ValueError, match="token 'l' at character 1 is not in the vocabulary"):
         loaded.tokenizer.encode(["Cl"])
@@ -350,6 +366,7 @@ def test_unsupported_megatron_settings_are_named(megamolbart_source, tmp_path):
     for key, value, message in [("activation", "swiglu", "activation 'swiglu' is not supported"),
                                 ("position_embedding_type", "relative", "position_embedding_type is 'relative'"),
                                 ("transformer_block_type", "post_ln", "transformer_block_type is 'post_ln'")]:
-        archive = megamolbart_archive(model, vocab, tmp_path / f"{key}.nemo", **{key: value})
+        setting: dict[str, Any] = {key: value}
+        archive = megamolbart_archive(model, vocab, tmp_path / f"{key}.nemo", **setting)
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(archive)
