@@ -48,6 +48,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from bionemo_export import procfs
 from bionemo_export.build import _sample_batches as build_sample_batches
 from bionemo_export.exporters import export_onnx, optimize_and_verify, verify_onnx
 from bionemo_export.exporters.optimize import fused_operators, optimize_onnx
@@ -153,9 +154,9 @@ def build_variants(loaded, sample, folder: Path) -> list[tuple[str, Path, str, s
                                          hidden_size=hidden, atol=family.atol, min_cosine=family.min_cosine,
                                          output_names=["hiddens", "embeddings"], mask_input="attention_mask",
                                          precision="int8", log=lambda message: None)
-            kept = len(chosen.record["quantization"]["kept_fp32"])
-            variants.append((f"{base}+pipeline int8 (as built: {kept} fp32)", chosen.path, "basic",
-                             f"build repo --precision int8; kept fp32: {chosen.record['quantization']['kept_fp32']}"))
+            kept_fp32 = chosen.record.to_dict()["quantization"]["kept_fp32"]
+            variants.append((f"{base}+pipeline int8 (as built: {len(kept_fp32)} fp32)", chosen.path, "basic",
+                             f"build repo --precision int8; kept fp32: {kept_fp32}"))
     return variants
 
 
@@ -242,10 +243,9 @@ def main() -> int:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    extensions = [f for f in ("avx512f", "avx512_vnni", "amx_int8", "amx_tile") if f" {f}" in flags]
+    cpu = procfs.cpu_model() or platform.processor()
+    flags = procfs.cpu_flags()
+    extensions = [f for f in ("avx512f", "avx512_vnni", "amx_int8", "amx_tile") if f in flags]
     return (f"{platform.platform()}, {os.cpu_count()} CPU cores ({cpu}; {', '.join(extensions) or 'no AVX-512'}), "
             f"shared")
 

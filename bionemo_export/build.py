@@ -1,37 +1,35 @@
 """Build a model repository from a checkpoint: load -> export -> verify -> plan -> write, atomically.
 
-Everything a build writes lives in one folder it owns beside the destination,
-`.NAME.building-PID-XXXX/`: `repository/` (the staged repository, renamed into place only when
-everything succeeded, so an existing repository is replaced with `force` in one rename), `tmp/`
-(every temporary file: ONNX exports, optimized graphs, Model Navigator's workspace, whatever
-torch or onnxruntime write to the temp folder) and, during a `force` swap, `replaced/`. The folder
-is removed when the build ends, however it ends: failures and SIGTERM, SIGINT or SIGHUP (turned
-into `BuildInterrupted`, so the cleanup runs). A build killed outright (SIGKILL, power loss)
-cannot clean up; the next build into the same place removes its folder, knowing it stale from the
-PID in its name.
+Everything a build writes lives in one folder it owns beside the destination, renamed into place
+only when everything succeeded and removed however the build ends, SIGTERM, SIGINT and SIGHUP
+included (build_staging.py). What the build verified and optimized is recorded in manifest.json
+through typed records (build_records.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import re
-import shutil
-import signal
-import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bionemo_export import __version__
-from bionemo_export.errors import reason
+from bionemo_export.build_records import AccuracyRecord, GraphRecord, GraphVerification
+from bionemo_export.build_staging import (
+    BuildInterrupted,
+    StagingError,
+    remove_stale_builds,
+    signals_interrupt_the_build,
+    staged_directory,
+)
+from bionemo_export.choices import Exporter, Precision
+from bionemo_export.errors import UserError, reason
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
-from bionemo_export.model_repository.backends import BACKENDS
+from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
 from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.encoder import plan_encoder_repository
@@ -39,6 +37,7 @@ from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.model_repository.plan import RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
@@ -46,26 +45,15 @@ from bionemo_export.tasks import get_task
 
 Progress = Callable[[str], None]
 LOG = logging.getLogger(__name__)
-PRECISIONS = ("fp32", "int8", "fp16")
 
 
-class BuildError(RuntimeError):
+class BuildError(UserError, RuntimeError):
     """The build cannot go on; the message says why and what to do."""
 
 
-class BuildInterrupted(BaseException):
-    """A signal (SIGTERM, SIGINT, SIGHUP) stopped the build. A BaseException, like
-    KeyboardInterrupt, so that no `except Exception` on the way (exporter fallbacks) swallows it
-    and the build's cleanup runs."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(f"build interrupted by {signal.Signals(signum).name}; its files were removed")
-
-
-INTERRUPTING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP")
-                             if hasattr(signal, name))
-"""The signals a build turns into BuildInterrupted (SIGHUP: the terminal closed)."""
+# BuildInterrupted and remove_stale_builds are build_staging's, named here too for a build's callers.
+__all__ = ["BuildError", "BuildInterrupted", "BuildRequest", "BuildResult", "build_repository", "remove_stale_builds",
+           "resolve_backend", "servable_tasks"]
 
 
 @dataclass(frozen=True)
@@ -77,8 +65,9 @@ class BuildRequest:
     out: Path
     tasks: tuple[str, ...] | None = None
     """Public tasks to serve; None: every task the family supports."""
-    exporter: str = "torch"
-    backend: str = "auto"
+    exporter: str = Exporter.TORCH
+    backend: str = AUTO
+    """A serving backend's name (model_repository/backends.py), or auto: `resolve_backend`."""
     max_length: int | None = None
     force: bool = False
     serving: ServingOptions = field(default_factory=ServingOptions)
@@ -86,10 +75,10 @@ class BuildRequest:
     """Server whose backends decide `--backend auto`."""
     max_decode_length: int | None = None
     """Decoding families: most tokens a decode produces (default: the model's limit)."""
-    precision: str = "fp32"
+    precision: str = Precision.FP32
     """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); fp16 (GPU hosts)."""
     optimize: bool = True
-    """Store the graphs optimized (exporters/optimize.py); False: the plain export."""
+    """Store the graphs optimized (exporters/optimize/); False: the plain export."""
 
 
 @dataclass(frozen=True)
@@ -100,44 +89,47 @@ class BuildResult:
 
 
 def resolve_backend(backend: str, tritonserver: str | None = None) -> str:
-    """`auto` -> `native` when the target tritonserver has the onnxruntime backend, else `python`."""
-    if backend != "auto":
+    """`auto` -> the backend the target tritonserver can load that `auto` prefers (backends.py's
+    `resolve_auto`: native when it has the onnxruntime backend, else python)."""
+    if backend != AUTO:
         if backend not in BACKENDS:
-            raise BuildError(f"--backend {backend!r}: choose one of auto, {', '.join(BACKENDS)}")
+            raise BuildError(f"`backend` {backend!r}: choose one of {AUTO}, {', '.join(BACKENDS)}")
         return backend
     from bionemo_export.runtime import TritonNotFoundError, find_tritonserver
 
     try:
         install = find_tritonserver(tritonserver)
     except TritonNotFoundError:
-        return "python"
-    return "native" if install.can_load("onnxruntime") else "python"
+        return resolve_auto(None)
+    return resolve_auto(install.can_load)
 
 
 def _check_request(request: BuildRequest) -> None:
     if not request.name.replace("_", "").replace("-", "").isalnum():
-        raise BuildError(f"--name {request.name!r}: use letters, digits, '_' or '-' (it prefixes model names)")
+        raise BuildError(f"`name` {request.name!r}: use letters, digits, '_' or '-' (it prefixes model names)")
     _check_out(request.out)
     if request.out.exists() and not request.force:
-        raise BuildError(f"{request.out} already exists; pass --force to replace it")
+        raise BuildError(f"{request.out} already exists; pass `force` to replace it")
     if not request.checkpoint.exists():
         raise BuildError(f"checkpoint not found: {request.checkpoint}")
-    if request.precision not in PRECISIONS:
-        raise BuildError(f"--precision {request.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if request.precision not in tuple(Precision):
+        raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}")
+    if request.exporter not in tuple(Exporter):
+        raise BuildError(f"`exporter` {request.exporter!r}: choose one of {', '.join(Exporter)}")
 
 
 def _check_out(out: Path) -> None:
     """`out` must be a folder (or not exist yet) whose nearest existing ancestor is a folder we
     can write in: checked before the (slow) checkpoint load."""
     if out.exists() and not out.is_dir():
-        raise BuildError(f"--out {out}: a file is there, not a repository folder")
+        raise BuildError(f"`out` {out}: a file is there, not a repository folder")
     ancestor = out.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise BuildError(f"--out {out}: {ancestor} is a file, not a folder")
+        raise BuildError(f"`out` {out}: {ancestor} is a file, not a folder")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise BuildError(f"--out {out}: cannot write in {ancestor} (permission denied)")
+        raise BuildError(f"`out` {out}: cannot write in {ancestor} (permission denied)")
 
 
 def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -175,8 +167,8 @@ class ExportedGraph:
 
     name: str
     files: dict[str, Path]
-    record: dict
-    verification: dict
+    record: GraphRecord
+    verification: GraphVerification
 
 
 def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
@@ -214,17 +206,10 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                                  num_heads=num_heads, hidden_size=hidden_size, atol=family.atol,
                                  min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
                                  precision=precision, optimize=optimize, log=log)
-    record = exported.to_dict()
-    # The export happened in a temporary folder: record the names the files have in the repository.
-    record["path"] = exported.path.name
-    record["data_path"] = exported.data_path.name if exported.data_path else None
-    record["optimization"] = chosen.record
-    verification = {**chosen.report.to_dict(), "onnx_path": exported.path.name,
-                    "precision": chosen.record["precision"], "optimized": chosen.path != exported.path}
-    if chosen.path != exported.path:
-        verification["unoptimized"] = {"outputs": [check.to_dict() for check in report.outputs]}
+    verification = GraphVerification(chosen.report, exported.path, chosen.record.precision,
+                                     unoptimized=report if chosen.path != exported.path else None)
     files = {p.name: p for p in chosen.path.parent.iterdir() if p.is_file()}
-    return ExportedGraph(name, files, record, verification)
+    return ExportedGraph(name, files, GraphRecord(exported, chosen.record), verification)
 
 
 def _log_tail(workspace: Path | None, lines: int = 20) -> str:
@@ -278,13 +263,17 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
     every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
     they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse)."""
-    family, exporter = loaded.family, request.exporter
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
-    sizes = dict(optimize=request.optimize and cpu_optimized, num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size)
+
+    def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
+               precision: str = "fp32", optimize: bool = False) -> ExportedGraph:
+        return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
+                             loaded.family, progress, mask_input, precision=precision, optimize=optimize,
+                             num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size)
+
     # Reduced precision applies to the encoder; decoder graphs stay fp32 (greedy decodes are exact).
-    graphs = {"encoder": _export_graph("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
-                                       export_dir, exporter, family, progress, precision=request.precision,
-                                       **sizes)}
+    graphs = {"encoder": export("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
+                                precision=request.precision, optimize=request.optimize and cpu_optimized)}
     if loaded.seq2seq is not None and {"decodes", "samplings"} & set(tasks):
         specs = seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
         cross_batches, step_batches = decoder_check_batches(loaded, batches)
@@ -295,19 +284,16 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
             # Decoder graphs are stored as exported: the fused attention of decoder_step passed the
             # export check but failed when served at batch > 1 (its attention_bias broadcast over the
             # batch instead of the heads), so they are not optimized until that is fixed and tested.
-            graphs[name] = _export_graph(name, module, inputs, outputs, graph_batches, export_dir, exporter,
-                                         family, progress, mask_input="", **{**sizes, "optimize": False})
+            graphs[name] = export(name, module, inputs, outputs, graph_batches, mask_input="")
     if loaded.lm_head is not None and "logits" in tasks:
         # Small and position-wise: stored as exported, in fp32 whatever the encoder's precision.
-        graphs["lm_head"] = _export_graph("lm_head", loaded.lm_head, loaded.lm_head_inputs, loaded.lm_head_outputs,
-                                          lm_head_check_batches(loaded), export_dir, exporter, family, progress,
-                                          **{**sizes, "optimize": False})
+        graphs["lm_head"] = export("lm_head", loaded.lm_head, loaded.lm_head_inputs, loaded.lm_head_outputs,
+                                   lm_head_check_batches(loaded))
     if loaded.classifier is not None and "predictions" in tasks:
         # Small: stored as exported, in fp32 whatever the encoder's precision. A sequence head reads
         # position 0 only: the check batches' padding mask applies to token heads' [B, L, C] logits.
-        graphs["classifier"] = _export_graph("classifier", loaded.classifier, loaded.lm_head_inputs,
-                                             loaded.classifier_outputs, lm_head_check_batches(loaded), export_dir,
-                                             exporter, family, progress, **{**sizes, "optimize": False})
+        graphs["classifier"] = export("classifier", loaded.classifier, loaded.lm_head_inputs,
+                                      loaded.classifier_outputs, lm_head_check_batches(loaded))
     return graphs
 
 
@@ -315,7 +301,7 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     """Build the repository described by `request`; raises BuildError (or the exporter's
     verification error, or BuildInterrupted on SIGTERM, SIGINT or SIGHUP) and leaves nothing on
     disk when anything fails."""
-    with _signals_interrupt_the_build():
+    with signals_interrupt_the_build():
         return _build(request, progress)
 
 
@@ -329,8 +315,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     except ValueError as err:  # a device or layout the backend cannot serve
         raise BuildError(str(err)) from err
     if request.precision == "int8" and not serving.serving_backend.stores_cpu_optimized_graphs:
-        raise BuildError("--precision int8 is ONNX Runtime's CPU quantization; on --device gpu use fp16 "
-                         "(--backend tensorrt builds fp16 engines by default)")
+        raise BuildError("`precision` int8 is ONNX Runtime's CPU quantization; on `device` gpu use fp16 "
+                         "(`backend` tensorrt builds fp16 engines by default)")
 
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     try:
@@ -338,85 +324,70 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
         raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
                          f"{reason(err)}") from err
-    family = loaded.family
-    tasks = servable_tasks(loaded, _check_tasks(family, request.tasks), asked=request.tasks is not None)
+    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks), asked=request.tasks is not None)
 
     try:
-        request.out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_builds(request.out, progress)
-        folder = Path(tempfile.mkdtemp(prefix=f".{request.out.name}.building-{os.getpid()}-",
-                                       dir=request.out.parent))
-    except OSError as err:
-        raise BuildError(f"cannot write beside {request.out}: {reason(err)}") from err
-    try:
-        staging = folder / "repository"
-        staging.mkdir()
-        with _temporary_files_in(folder / "tmp") as temporary:
-            export_dir = temporary / "onnx"
-            export_dir.mkdir()
-            try:
-                graphs = _export_all(loaded, tasks, export_dir, request, progress,
-                                     cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs)
-            except PrecisionError as err:
-                raise BuildError(str(err)) from err
-            progress(f"writing the repository ({backend} backend)")
-            plan = _plan(request, loaded, tasks, serving, graphs)
-            plan.write(staging)
-        manifest = Manifest(
-            tool={"name": "bionemo-export", "version": __version__},
-            name=request.name,
-            family=family.name,
-            tasks=list(tasks),
-            public_models=[get_task(task).model(request.name) for task in tasks],
-            models={m.name: m.description for m in plan.models},
-            checkpoint={"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
-                        **loaded.description},
-            precision=request.precision,
-            backend=backend,
-            device=serving.serving_backend.device,
-            exporter=request.exporter,
-            export={name: graph.record for name, graph in graphs.items()},
-            serving=dataclasses.asdict(serving),
-            max_length=loaded.tokenizer.max_length,
-            max_decode_length=request.max_decode_length or (loaded.seq2seq.max_decode_length
-                                                            if loaded.seq2seq else None),
-            verification={"passed": True, "graphs": {name: graph.verification for name, graph in graphs.items()}},
-            accuracy=_accuracy(request.precision, graphs["encoder"]),
-            versions=package_versions(),
-            # Last, once every other file is written: serve and verify compare the files with these.
-            files=record_files(staging),
-        ).write(staging)
-        findings = check_repository(staging)
-        if findings:  # a planner bug: what a server would refuse at load time, or fail on later
-            raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))
-        _move_into_place(staging, request.out, request.force, retired=folder / "replaced")
-    finally:
-        _discard_build_folder(folder, request.out, progress)
+        # Published at request.out when the block ends normally; removed however it ends.
+        with staged_directory(request.out, force=request.force, log=progress) as stage:
+            with stage.temporary_files() as temporary:
+                export_dir = temporary / "onnx"
+                export_dir.mkdir()
+                try:
+                    graphs = _export_all(loaded, tasks, export_dir, request, progress,
+                                         cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs)
+                except PrecisionError as err:
+                    raise BuildError(str(err)) from err
+                progress(f"writing the repository ({backend} backend)")
+                plan = _plan(request, loaded, tasks, serving, graphs)
+                plan.write(stage.repository)
+            manifest = _manifest(request, loaded, tasks, backend, serving, graphs, plan, stage.repository)
+            findings = check_repository(stage.repository)
+            if findings:  # a planner bug: what a server would refuse at load time, or fail on later
+                raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))
+    except StagingError as err:  # no folder beside `out`, or `out` appeared during the build
+        raise BuildError(str(err)) from err
     progress(f"built {request.out}")
     return BuildResult(request.out, manifest, [m.name for m in plan.models])
 
 
-def _accuracy(precision: str, encoder: ExportedGraph) -> dict:
-    """The stored encoder graph against the PyTorch fp32 model: what `precision` costs."""
-    return {
-        "precision": precision,
-        "reference": "PyTorch fp32",
-        "graph": "encoder",
-        "batch_shapes": encoder.verification["batch_shapes"],
-        "outputs": {check["name"]: {"max_abs_error": check["max_abs_error"], "min_cosine": check["min_cosine"],
-                                    "tolerance": check.get("tolerance") or {"atol": encoder.verification["atol"],
-                                                                            "min_cosine": encoder.verification["min_cosine"]}}
-                    for check in encoder.verification["outputs"]},
-    }
+def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], backend: str,
+              serving: ServingOptions, graphs: dict[str, ExportedGraph], plan: RepositoryPlan,
+              staging: Path) -> Manifest:
+    """Write manifest.json into `staging`, where the rest of the repository is written already."""
+    return Manifest(
+        tool={"name": "bionemo-export", "version": __version__},
+        name=request.name,
+        family=loaded.family.name,
+        tasks=list(tasks),
+        public_models=[get_task(task).model(request.name) for task in tasks],
+        models={m.name: m.description for m in plan.models},
+        checkpoint={"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
+                    **loaded.description},
+        precision=request.precision,
+        backend=backend,
+        device=serving.serving_backend.device,
+        exporter=request.exporter,
+        export={name: graph.record.to_dict() for name, graph in graphs.items()},
+        serving=dataclasses.asdict(serving),
+        max_length=loaded.tokenizer.max_length,
+        max_decode_length=request.max_decode_length or (loaded.seq2seq.max_decode_length
+                                                        if loaded.seq2seq else None),
+        verification={"passed": True,
+                      "graphs": {name: graph.verification.to_dict() for name, graph in graphs.items()}},
+        accuracy=AccuracyRecord(request.precision, graphs["encoder"].verification).to_dict(),
+        versions=package_versions(),
+        # Last, once every other file is written: serve and verify compare the files with these.
+        files=record_files(staging),
+    ).write(staging)
 
 
 def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-          graphs: dict[str, ExportedGraph]):
-    common = dict(family=loaded.family.name, hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
-                  tasks=tasks, options=serving, graph_optimization_level=graphs["encoder"].record["optimization"][
-                      "serving_graph_optimization_level"])
+          graphs: dict[str, ExportedGraph]) -> RepositoryPlan:
+    level = graphs["encoder"].record.optimization.serving_graph_optimization_level
     if loaded.seq2seq is None:
-        plan = plan_encoder_repository(request.name, onnx_files=graphs["encoder"].files, **common)
+        plan = plan_encoder_repository(request.name, family=loaded.family.name, hidden_size=loaded.hidden_size,
+                                       tokenizer=loaded.tokenizer, onnx_files=graphs["encoder"].files, tasks=tasks,
+                                       options=serving, graph_optimization_level=level)
         if "lm_head" in graphs:
             plan.models += plan_masked_lm_models(request.name, hidden_size=loaded.hidden_size,
                                                  head=_head(loaded, graphs["lm_head"].files["model.onnx"]),
@@ -424,6 +395,7 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
             plan.validate()
         if "classifier" in graphs:
             head = loaded.classifier
+            assert head is not None  # a classifier graph is exported only for a checkpoint with one
             plan.models += plan_classifier_models(
                 request.name, hidden_size=loaded.hidden_size, tasks=tasks, options=serving,
                 head=ClassifierGraph(graphs["classifier"].files["model.onnx"], head.labels, head.problem_type,
@@ -434,117 +406,5 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
     return plan_seq2seq_repository(
         request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
         onnx_files={name: graph.files for name, graph in graphs.items()},
-        max_decode_length=request.max_decode_length, **common)
-
-
-def _move_into_place(staging: Path, out: Path, force: bool, retired: Path) -> None:
-    """Rename `staging` to `out`; with `force` an existing `out` is first renamed to `retired`
-    (inside the build's folder, so the build's cleanup removes it)."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    if not force:
-        raise BuildError(f"{out} appeared during the build; pass --force to replace it")
-    # Swap with two renames so `out` is never a half-written folder.
-    out.rename(retired)
-    staging.rename(out)
-
-
-# -- what a build owns, and what a killed build left behind ------------------------------------------------------
-
-def _build_folder_owner(out: Path, folder: Path) -> int | None:
-    """The PID in the name of a build folder of `out` (`.NAME.building-PID-XXXX`), else None."""
-    match = re.fullmatch(rf"\.{re.escape(out.name)}\.building-(\d+)-.+", folder.name)
-    return int(match.group(1)) if match else None
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process `pid` still runs on this host (a zombie, killed but not yet reaped, does not)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
-
-
-def remove_stale_builds(out: Path, log: Progress = lambda message: None) -> list[Path]:
-    """Remove the folders that builds into `out` left beside it when they were killed (their
-    process no longer runs); returns them. A build killed in the middle of a `force` swap leaves
-    the previous repository in its `replaced/` folder: it is put back at `out` first. Builds of
-    other hosts sharing the folder are not told apart (PIDs are per host)."""
-    if not out.parent.is_dir():
-        return []
-    removed = []
-    for folder in sorted(out.parent.iterdir()):
-        pid = _build_folder_owner(out, folder)
-        if pid is None or _process_alive(pid):
-            continue
-        _discard_build_folder(folder, out, log)
-        _log_warning(log, f"removed {folder}, left by build process {pid}, which no longer runs")
-        removed.append(folder)
-    return removed
-
-
-def _discard_build_folder(folder: Path, out: Path, log: Progress) -> None:
-    """Remove a build's folder. A build stopped between the two renames of a `force` swap has
-    the previous repository in `replaced/` and none at `out`: it is put back first."""
-    previous = folder / "replaced"
-    if previous.is_dir() and not out.exists():
-        previous.rename(out)
-        _log_warning(log, f"restored {out} from {folder.name}: its build stopped while replacing it")
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _log_warning(log: Progress, message: str) -> None:
-    LOG.warning(message)
-    log(message)
-
-
-@contextlib.contextmanager
-def _temporary_files_in(folder: Path) -> Iterator[Path]:
-    """Make `folder` the temp folder of this process (tempfile's default directory) and of the
-    processes it starts (TMPDIR: Model Navigator's workers) while the block runs, so that every
-    temporary file of the build, ours and the libraries' (torch.onnx, onnxruntime's quantizer,
-    Model Navigator), lands in the build's own folder and goes when it goes."""
-    folder.mkdir()
-    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = os.environ["TMPDIR"] = str(folder)
-    try:
-        yield folder
-    finally:
-        tempfile.tempdir = saved_tempdir
-        if saved_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved_env
-
-
-@contextlib.contextmanager
-def _signals_interrupt_the_build() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP raise BuildInterrupted while the block runs, so the build's
-    cleanup runs (their default actions kill the process without it). Further signals are ignored
-    until the block has exited, so that they cannot interrupt the cleanup. Only the main thread
-    can set signal handlers; elsewhere the block runs with the process's handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        for number in INTERRUPTING_SIGNALS:
-            signal.signal(number, signal.SIG_IGN)
-        raise BuildInterrupted(signum)
-
-    previous = {number: signal.signal(number, interrupt) for number in INTERRUPTING_SIGNALS}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+        max_decode_length=request.max_decode_length, family=loaded.family.name, hidden_size=loaded.hidden_size,
+        tokenizer=loaded.tokenizer, tasks=tasks, options=serving, graph_optimization_level=level)

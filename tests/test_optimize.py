@@ -1,4 +1,4 @@
-"""Stored optimized graphs (exporters/optimize.py): fusions that keep the graph equal to PyTorch, the
+"""Stored optimized graphs (exporters/optimize/): fusions that keep the graph equal to PyTorch, the
 fallback to the plain export, reduced precision (int8, fp16) with its accuracy cost recorded, and
 `verify`'s precision-aware tolerance."""
 
@@ -18,6 +18,8 @@ from bionemo_export.exporters import optimize as optimize_module
 from bionemo_export.exporters.optimize import (
     SERVING_GRAPH_OPTIMIZATION_LEVEL,
     OptimizationError,
+    attention,
+    candidates,
     fuse_attention,
     fused_operators,
     optimize_onnx,
@@ -138,13 +140,13 @@ def test_build_stores_the_optimized_graph_and_records_the_optimizations(tmp_path
 
 def _no_fusion_verifies(monkeypatch):
     """Corrupt the attention fusion (a wrong scale): the optimized graph no longer verifies."""
-    original = optimize_module._fused_nodes
+    original = attention._fused_nodes
 
     def wrong_scale(match, *args):
         match.scale *= 1.5
         return original(match, *args)
 
-    monkeypatch.setattr(optimize_module, "_fused_nodes", wrong_scale)
+    monkeypatch.setattr(attention, "_fused_nodes", wrong_scale)
 
 
 def test_an_optimized_graph_that_fails_verification_falls_back_to_the_plain_export(tmp_path, monkeypatch, caplog):
@@ -172,7 +174,7 @@ def test_an_optimizer_error_falls_back_with_its_reason(tiny, tmp_path, monkeypat
     def broken(model, num_heads):
         raise KeyError("unexpected pattern")
 
-    monkeypatch.setattr(optimize_module, "fuse_attention", broken)
+    monkeypatch.setattr(candidates, "fuse_attention", broken)
     with pytest.raises(OptimizationError, match="attention fusion failed: KeyError"):
         optimize_onnx(plain, tmp_path / "model.onnx", num_heads=4, hidden_size=loaded.hidden_size)
     report = _verify(loaded, plain)
@@ -181,7 +183,7 @@ def test_an_optimizer_error_falls_back_with_its_reason(tiny, tmp_path, monkeypat
         hidden_size=loaded.hidden_size, atol=1e-4, min_cosine=0.9999, output_names=["hiddens", "embeddings"],
         mask_input="attention_mask", log=lambda message: None)
     assert chosen.path == plain and chosen.report is report
-    assert "attention fusion failed: KeyError" in chosen.record["fallback"]
+    assert "attention fusion failed: KeyError" in (chosen.record.fallback or "")
 
 
 def test_external_data_graphs_are_optimized_into_one_weights_file(tiny, tmp_path):
@@ -199,7 +201,7 @@ def test_a_build_with_external_data_stores_the_optimized_graph_and_one_weights_f
     from bionemo_export.exporters import onnx_export
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
-    monkeypatch.setattr(optimize_module, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
+    monkeypatch.setattr(candidates, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
     checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", tasks=("embeddings",)))
@@ -214,7 +216,7 @@ def test_a_build_with_external_data_stores_the_optimized_graph_and_one_weights_f
 
 def test_a_graph_too_large_for_the_free_memory_is_not_optimized(tiny, tmp_path, monkeypatch):
     _, loaded, plain = tiny
-    monkeypatch.setattr(optimize_module, "available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(candidates, "available_memory_bytes", lambda: 1000)
     with pytest.raises(OptimizationError, match="needs about .* GiB of free memory"):
         optimize_onnx(plain, tmp_path / "model.onnx", num_heads=4, hidden_size=loaded.hidden_size)
     assert not (tmp_path / "model.onnx").exists()
@@ -228,9 +230,10 @@ def test_int8_keeps_the_share_of_feed_forward_outputs_asked_in_fp32(tiny, tmp_pa
     for fraction in (0.0, 0.25, 1.0):
         result = optimize_onnx(plain, tmp_path / f"{fraction}.onnx", num_heads=heads, hidden_size=loaded.hidden_size,
                                precision="int8", keep_fp32=fraction, calibration=calibration)
-        kept[fraction] = result.quantization["kept_fp32"]
-        assert result.quantization["matmuls_fp32"] == len(kept[fraction])
-        assert result.quantization["matmuls_int8"] == 6 * layers - len(kept[fraction])
+        quantization = result.to_dict()["quantization"]
+        kept[fraction] = quantization["kept_fp32"]
+        assert quantization["matmuls_fp32"] == len(kept[fraction])
+        assert quantization["matmuls_int8"] == 6 * layers - len(kept[fraction])
     assert (len(kept[0.0]), len(kept[0.25]), len(kept[1.0])) == (0, 1, layers)
     assert set(kept[0.25]) < set(kept[1.0])
     with pytest.raises(ValueError, match="fraction"):
@@ -286,7 +289,7 @@ def test_a_precision_nothing_meets_fails_the_build_and_leaves_nothing(tmp_path, 
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                       backend="python", precision="int8", tasks=("embeddings",)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
-    with pytest.raises(BuildError, match="--precision 'int4'"):
+    with pytest.raises(BuildError, match="`precision` 'int4'"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                       precision="int4"))
 
@@ -333,4 +336,5 @@ def test_verify_reports_the_served_int8_accuracy_cost(tmp_path):
     assert {check.model for check in checks} == {"esm_embeddings", "esm_hiddens"}
     assert all(check.note.startswith("int8 vs fp32 PyTorch: min cosine >= ") and "build: min cosine" in check.note
                for check in checks)
-    assert all(check.min_cosine < 1.0 - 1e-7 for check in checks)  # the int8 graph is what was served
+    # the int8 graph is what was served
+    assert all(check.min_cosine is not None and check.min_cosine < 1.0 - 1e-7 for check in checks)

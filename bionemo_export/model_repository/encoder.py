@@ -31,11 +31,12 @@ import json
 from pathlib import Path
 
 from bionemo_export import __version__
-from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
 from .backends import BACKENDS, GraphModel, ShapeRange
+from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import RoleOptions, ServingOptions
 from .plan import EnsembleStep, ModelPlan, RepositoryPlan, Tensor
 
@@ -261,12 +262,12 @@ def plan_encoder_repository(
     """Plan the repository for an encoder family; `onnx_files` maps version-folder names
     (model.onnx, and its external data file if any) to the exported files.
     `graph_optimization_level`: the ONNX Runtime level the stored graph is opened at (a graph
-    stored optimized needs only the basic rewrites at load; see exporters/optimize.py)."""
+    stored optimized needs only the basic rewrites at load; see graph_files.py)."""
     # The masked-LM and fine-tuned heads' models (masked_lm.py, classifier.py) are added to this plan by the build.
     unknown = {t for t in tasks if t not in ENCODER_TASKS
                and (t not in TASKS or TASKS[t].requires not in ("lm_head", "classifier"))}
     if unknown:
-        raise ValueError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
+        raise InvalidInputError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
     models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
     for task in (TASKS[t] for t in ENCODER_TASKS if t in tasks):  # the public models, as tasks.py declares them

@@ -40,9 +40,8 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export import __version__
-from bionemo_export.exporters.optimize import UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import TensorSpec
-from bionemo_export.runtime.supervisor import BLS_MODELS
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
@@ -56,7 +55,9 @@ from .encoder import (
     serving_files,
     tokenizer_files,
 )
+from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import ServingOptions
+from .parameters import BLS_MODELS
 from .plan import ModelPlan, RepositoryPlan, Tensor
 
 SEQ2SEQ_TASKS = (*ENCODER_TASKS, "decodes", "samplings")
@@ -146,11 +147,11 @@ def plan_seq2seq_repository(
     exported files of each graph ("encoder", "cross_kv", "decoder_step")."""
     unknown = set(tasks) - set(SEQ2SEQ_TASKS)
     if unknown:
-        raise ValueError(f"encoder-decoder models serve {SEQ2SEQ_TASKS}; not {sorted(unknown)}")
+        raise InvalidInputError(f"encoder-decoder models serve {SEQ2SEQ_TASKS}; not {sorted(unknown)}")
     limit = seq2seq.max_decode_length
     if max_decode_length is not None:
         if not 1 <= max_decode_length <= limit:
-            raise ValueError(f"max decode length must be between 1 and the model's {limit}")
+            raise InvalidInputError(f"max decode length must be between 1 and the model's {limit}")
         limit = max_decode_length
     encoder_tasks = tuple(t for t in tasks if t in ENCODER_TASKS)
     plan = plan_encoder_repository(name, family=family, hidden_size=hidden_size, tokenizer=tokenizer,

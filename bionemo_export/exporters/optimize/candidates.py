@@ -1,0 +1,328 @@
+"""One candidate graph: the exported graph optimized for ONNX Runtime (and converted to a reduced
+precision) with one set of options, written once at build time.
+
+    result = optimize_onnx(src, dst, num_heads=8, hidden_size=512)                    # fp32
+    result = optimize_onnx(src, dst, num_heads=8, hidden_size=512, precision="int8")  # CPU int8
+
+The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBERTy and ESM-2):
+
+1. **Attention fusion** (attention.py): each attention subgraph becomes one MultiHeadAttention node.
+2. **ONNX Runtime's transformer fusions** (`onnxruntime.transformers.optimizer.optimize_model`,
+   model_type "bert", opt_level 0): Gelu/BiasGelu and LayerNormalization, which the runtime's own
+   optimizer misses on the dynamo graph (its Erf-based GELU stays 5 nodes). Its attention fusion is
+   off (step 1 does it) and so is SkipLayerNormalization: its CPU kernel measured ~3x slower than
+   Add + LayerNormalization here (onnxruntime 1.31).
+3. **Reduced precision**, when asked (quantization.py): int8 for CPUs, fp16 for GPU hosts.
+4. **ONNX Runtime's offline graph optimization** at the extended level (constant folding,
+   MatMul+scale/transpose -> FusedMatMul, the int8 MatMul fusions, redundant nodes), saved with
+   `SessionOptions.optimized_model_filepath`. Extended, not "all": "all" adds layout
+   transformations specific to this CPU, which a repository copied to another host must not carry.
+   Skipped for fp16 (the GPU host's runtime optimizes for its own execution provider).
+
+A server then opens the stored graph at `ORT_ENABLE_BASIC` (SERVING_GRAPH_OPTIMIZATION_LEVEL):
+the expensive rewrites are already in the file, and "all" measured no faster.
+
+Models with more than ~1.8 GB of weights are read and written with external data (one
+`<name>.onnx.data` file next to the graph, as the exporter writes them); step 2, which needs the
+whole graph in one protobuf, is skipped for them (recorded in `skipped`).
+
+A graph whose weights times MEMORY_FACTOR exceed the free memory is not optimized (the step
+raises, the build keeps the plain export and says why).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from bionemo_export.errors import UserError
+from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.procfs import available_memory_bytes
+
+from .attention import fuse_attention
+from .graph import remove_unused
+from .quantization import Fp16Conversion, Int8Quantization, convert_fp16, quantize_int8
+
+OPTIMIZATION_LEVELS = ("none", "basic", "extended")
+DEFAULT_LEVEL = "extended"
+PRECISIONS = ("fp32", "int8", "fp16")
+EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
+"""Same rule as the exporter: weights above this are written as external data."""
+DISABLED_RUNTIME_FUSIONS = ("SkipLayerNormFusion",)
+"""ONNX Runtime optimizers left out of the offline optimization (see step 2 above)."""
+
+
+class OptimizationError(UserError, RuntimeError):
+    """An optimization step failed; the build keeps the unoptimized graph and logs this."""
+
+
+@dataclass(frozen=True)
+class OptimizationResult:
+    """What `optimize_onnx` wrote and which rewrites it applied, for manifest.json."""
+
+    path: Path
+    precision: str
+    level: str
+    """ONNX Runtime's offline level applied: "none", "basic" or "extended"."""
+    applied: tuple[str, ...]
+    """The steps that changed the graph, in order."""
+    fused: dict[str, int]
+    """Fused / contrib operator -> count in the written graph."""
+    skipped: tuple[str, ...]
+    """Steps left out, each with its reason."""
+    nodes_before: int
+    nodes_after: int
+    external_data: bool
+    bytes: int
+    """Size of the graph file plus its external data."""
+    seconds: float
+    versions: dict[str, str]
+    serving_graph_optimization_level: str
+    quantization: Int8Quantization | Fp16Conversion | None = None
+    """int8: the method and the MatMuls kept in fp32; fp16: the method; fp32: None."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """manifest.json's form: the file's name, lists, and the quantization as an object ({} for fp32)."""
+        result = dataclasses.asdict(self)
+        result["path"] = self.path.name
+        result["applied"] = list(self.applied)
+        result["skipped"] = list(self.skipped)
+        result["quantization"] = self.quantization.to_dict() if self.quantization is not None else {}
+        return result
+
+
+def optimize_onnx(
+    src: Path,
+    dst: Path,
+    *,
+    num_heads: int | None,
+    hidden_size: int | None,
+    precision: str = "fp32",
+    level: str = DEFAULT_LEVEL,
+    fuse: bool = True,
+    keep_fp32: float = 0.0,
+    calibration: dict[str, np.ndarray] | None = None,
+    external_data: bool | None = None,
+) -> OptimizationResult:
+    """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
+
+    `num_heads`/`hidden_size` (the model's attention heads and width) enable the attention and
+    transformer fusions; None skips them. `precision`: "fp32", "int8" or "fp16". `keep_fp32`
+    (int8): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
+    to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
+    inputs) is largest; without `calibration`, the last ones. `external_data`: None decides by the
+    weights' size. Raises OptimizationError when a step fails (dst is then not written).
+    """
+    if level not in OPTIMIZATION_LEVELS:
+        raise ValueError(f"unknown optimization level {level!r}; choose one of {', '.join(OPTIMIZATION_LEVELS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if not 0.0 <= keep_fp32 <= 1.0:
+        raise ValueError(f"keep_fp32 is a fraction between 0 and 1, not {keep_fp32}")
+    import onnxruntime as ort
+
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise ValueError("optimize_onnx writes a new file: dst must differ from src")
+    start = time.perf_counter()
+    applied: list[str] = []
+    skipped: list[str] = []
+    quantization: Int8Quantization | Fp16Conversion | None = None
+    _check_memory(src)
+    try:
+        model = onnx.load(str(src))  # with its external data
+    except Exception as err:
+        raise OptimizationError(f"cannot load {src}: {err}") from err
+    nodes_before = len(model.graph.node)
+    external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD_BYTES if external_data is None else external_data
+    if fuse and num_heads:
+        fused = _step("attention fusion", lambda: fuse_attention(model, num_heads))
+        if fused:
+            applied.append(f"attention_fusion(MultiHeadAttention x{fused})")
+        else:
+            skipped.append("attention_fusion: no attention subgraph recognized")
+    elif fuse:
+        skipped.append("attention_fusion: number of heads unknown")
+    remove_unused(model.graph)
+    if fuse and num_heads and hidden_size:
+        if external:
+            skipped.append("transformer_fusions: the graph needs external data (over 2 GiB in one protobuf)")
+        else:
+            model, stats = _step("transformer fusions", lambda: _transformer_fusions(model, num_heads, hidden_size))
+            if stats:
+                applied.append("transformer_fusions(" + ", ".join(f"{op} x{n}" for op, n in stats.items()) + ")")
+    if precision == "int8":
+        model, quantization = _step("int8 quantization",
+                                    lambda: quantize_int8(model, keep_fp32, calibration, external))
+        applied.append("quantize_dynamic(int8)")
+    elif precision == "fp16":
+        model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
+        applied.append("float16(keep_io_types)")
+    if precision == "fp16" and level != "none":
+        skipped.append(f"onnxruntime_{level}: fp16 graphs are for GPU hosts, whose runtime optimizes for its own "
+                       "execution provider")
+        level = "none"
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_file(dst)
+    with tempfile.TemporaryDirectory(prefix=".bionemo-export-opt-", dir=dst.parent) as work:
+        if level == "none":
+            _save(model, dst, external)
+        else:
+            staged = Path(work) / "staged.onnx"
+            _save(model, staged, external)
+            del model
+            _step(f"ONNX Runtime {level} optimization", lambda: _runtime_optimize(staged, dst, level, external))
+            applied.append(f"onnxruntime_{level}")
+    written = onnx.load(str(dst), load_external_data=False)
+    size = dst.stat().st_size + (_data_path(dst).stat().st_size if _data_path(dst).exists() else 0)
+    return OptimizationResult(
+        path=dst,
+        precision=precision,
+        level=level,
+        applied=tuple(applied),
+        fused=fused_operators(written),
+        skipped=tuple(skipped),
+        nodes_before=nodes_before,
+        nodes_after=len(written.graph.node),
+        external_data=external,
+        bytes=size,
+        seconds=round(time.perf_counter() - start, 3),
+        versions={"onnxruntime": ort.__version__, "onnx": onnx.__version__},
+        serving_graph_optimization_level=(SERVING_GRAPH_OPTIMIZATION_LEVEL if level != "none"
+                                          else UNOPTIMIZED_SERVING_LEVEL),
+        quantization=quantization,
+    )
+
+
+MEMORY_FACTOR = 2.5
+"""Free memory an optimization needs, in multiples of the graph's weights: the graph in memory,
+ONNX Runtime's copy while it optimizes, and the quantizer's or converter's working copies."""
+
+
+def _check_memory(src: Path) -> None:
+    """Refuse (OptimizationError, so the build keeps the plain graph) when the graph's weights
+    times MEMORY_FACTOR exceed the memory available: a 3B-parameter model (12 GB of fp32 weights)
+    would otherwise be killed mid-build on a 24 GB host that held the export."""
+    weights = src.stat().st_size + (_data_path(src).stat().st_size if _data_path(src).exists() else 0)
+    available = available_memory_bytes()
+    if available is not None and weights * MEMORY_FACTOR > available:
+        raise OptimizationError(
+            f"skipped: optimizing {weights / 2**30:.1f} GiB of weights needs about "
+            f"{weights * MEMORY_FACTOR / 2**30:.1f} GiB of free memory; {available / 2**30:.1f} GiB is available")
+
+
+_T = TypeVar("_T")
+
+
+def _step(what: str, run: Callable[[], _T]) -> _T:
+    """Run one step; any failure becomes an OptimizationError naming the step."""
+    try:
+        return run()
+    except OptimizationError:
+        raise
+    except Exception as err:  # a pattern we mis-read or a runtime refusal must not fail the build
+        raise OptimizationError(f"{what} failed: {type(err).__name__}: {err}") from err
+
+
+FUSED_OPERATORS = ("MultiHeadAttention", "Attention", "SkipLayerNormalization", "LayerNormalization",
+                   "BiasGelu", "FastGelu", "Gelu", "RotaryEmbedding", "FusedMatMul", "FusedGemm",
+                   "EmbedLayerNormalization", "MatMulInteger", "DynamicQuantizeMatMul",
+                   "MatMulIntegerToFloat", "DynamicQuantizeLinear")
+
+
+def fused_operators(model: onnx.ModelProto) -> dict[str, int]:
+    """Counts of the fused / contrib operators in `model` (those present only)."""
+    counts = collections.Counter(node.op_type for node in model.graph.node)
+    return {op: counts[op] for op in FUSED_OPERATORS if counts[op]}
+
+
+def _transformer_fusions(model: onnx.ModelProto, num_heads: int, hidden_size: int
+                         ) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """onnxruntime.transformers' BERT fusions without attention and SkipLayerNormalization."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    options = FusionOptions("bert")
+    options.enable_attention = False  # fuse_attention did it
+    options.enable_skip_layer_norm = False
+    options.enable_bias_skip_layer_norm = False
+    options.enable_embed_layer_norm = False  # needs BERT's exact embedding layout; ESM differs
+    quiet = logging.getLogger("onnxruntime.transformers")
+    previous = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        optimized = optimize_model(model, model_type="bert", num_heads=num_heads, hidden_size=hidden_size,
+                                   optimization_options=options, opt_level=0, use_gpu=False)
+    finally:
+        quiet.setLevel(previous)
+    stats = {op: n for op, n in optimized.get_fused_operator_statistics().items()
+             if n and op not in ("LayerNormalization", "MultiHeadAttention", "Attention")}
+    return optimized.model, stats
+
+
+def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
+    """ONNX Runtime's offline optimization of `src`, written to `dst` (+ its external data)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = {
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    }[level]
+    options.log_severity_level = 3
+    written = src.with_name("optimized.onnx")
+    options.optimized_model_filepath = str(written)
+    if external:
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         _data_path(dst).name)
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"],
+                         disabled_optimizers=list(DISABLED_RUNTIME_FUSIONS))
+    # ONNX Runtime stamps every domain it knows (ai.onnx.ml 5, com.microsoft.nchwc, training, ...):
+    # keep those the nodes use, so an older runtime (a Triton container's) is not asked for more.
+    graph = onnx.load(str(written), load_external_data=False)
+    used = {node.domain or "" for node in graph.graph.node}
+    kept = [opset for opset in graph.opset_import if (opset.domain or "") in used | {""}]
+    del graph.opset_import[:]
+    graph.opset_import.extend(kept)
+    onnx.save_model(graph, str(dst))  # the external data references stay as they are
+    written.unlink()
+    if external:
+        _data_path(dst).unlink(missing_ok=True)
+        (written.parent / _data_path(dst).name).rename(_data_path(dst))
+        _data_path(dst).chmod(dst.stat().st_mode & 0o777)
+
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(init.raw_data) if init.raw_data else numpy_helper.to_array(init).nbytes
+               for init in model.graph.initializer)
+
+
+def _data_path(path: Path) -> Path:
+    return path.with_name(path.name + ".data")
+
+
+def _remove_file(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _data_path(path).unlink(missing_ok=True)
+
+
+def _save(model: onnx.ModelProto, path: Path, external: bool) -> None:
+    _remove_file(path)
+    onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
+                    location=_data_path(path).name, size_threshold=1024)
+    if external:
+        _data_path(path).chmod(path.stat().st_mode & 0o777)

@@ -1,0 +1,218 @@
+"""What a build stores for one graph: candidate graphs made in order, each checked against PyTorch,
+the first that passes kept.
+
+    chosen = optimize_and_verify(module, plain, plain_report, work, batches, num_heads=8,
+                                 hidden_size=512, atol=1e-4, min_cosine=0.9999,
+                                 output_names=["hiddens", "embeddings"], mask_input="attention_mask")
+    chosen.path, chosen.report, chosen.record.to_dict()   # the graph, its check, manifest.json's entry
+
+Candidates come from `optimize_onnx` (candidates.py) with the options of ATTEMPTS, in order; each is
+checked with the precision's tolerance (exporters/verification.py). For fp32 the plain export is
+kept, with the reason logged and recorded, when no optimized graph verifies. For int8 the
+candidates keep a growing share of the feed-forward output MatMuls (the most sensitive to int8,
+ranked by their simulated int8 error on the build's sample batch) in fp32; when none passes, the
+build fails with the figures rather than silently shipping another precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bionemo_export.errors import UserError
+from bionemo_export.model_repository.graph_files import UNOPTIMIZED_SERVING_LEVEL
+
+from .candidates import DEFAULT_LEVEL, OptimizationError, OptimizationResult, optimize_onnx
+
+if TYPE_CHECKING:
+    from bionemo_export.exporters.verification import VerificationReport
+
+LOG = logging.getLogger(__name__)
+
+
+class PrecisionError(UserError, RuntimeError):
+    """No reduced-precision graph met its tolerance; the message has the figures."""
+
+
+@dataclass(frozen=True)
+class CandidateFigures:
+    """How one output of a rejected candidate compared with PyTorch."""
+
+    max_abs_error: float
+    min_cosine: float
+    required_min_cosine: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RejectedCandidate:
+    """A candidate graph that was tried and not kept: it was not produced or does not run
+    (`error`), or it ran outside tolerance (`applied`, `figures`)."""
+
+    options: dict[str, Any]
+    """The optimize_onnx options it was made with (the calibration batch left out)."""
+    error: str | None = None
+    applied: tuple[str, ...] = ()
+    figures: dict[str, CandidateFigures] = field(default_factory=dict)
+    """Output name -> its figures, when it ran."""
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.error is not None:
+            return {"options": self.options, "error": self.error}
+        return {"options": self.options, "applied": list(self.applied),
+                "figures": {name: figures.to_dict() for name, figures in self.figures.items()}}
+
+    def text(self) -> str:
+        """One clause for a log line or an error message."""
+        what = _options_text(self.options)
+        if self.error is not None:
+            return f"{what}: {self.error}"
+        return f"{what}: " + ", ".join(f"{name} min cosine {f.min_cosine:.6f}, max abs error {f.max_abs_error:.3g}"
+                                       for name, f in self.figures.items())
+
+
+@dataclass(frozen=True)
+class OptimizationRecord:
+    """manifest.json's `optimization` entry for one graph: the optimized graph kept (`result`), or
+    the plain export and why (`fallback`), with the candidates rejected on the way."""
+
+    result: OptimizationResult | None
+    """The candidate kept; None: the plain export was kept."""
+    fallback: str | None = None
+    """Why the plain export was kept; None when an optimized graph was."""
+    rejected: tuple[RejectedCandidate, ...] | None = None
+    """The candidates tried and not kept, in order; None when none was tried (optimization not asked)."""
+
+    @property
+    def precision(self) -> str:
+        return self.result.precision if self.result is not None else "fp32"
+
+    @property
+    def serving_graph_optimization_level(self) -> str:
+        """The ONNX Runtime session level the stored graph is to be opened at."""
+        return self.result.serving_graph_optimization_level if self.result is not None else UNOPTIMIZED_SERVING_LEVEL
+
+    def to_dict(self) -> dict[str, Any]:
+        rejected = [candidate.to_dict() for candidate in self.rejected or ()]
+        if self.result is not None:
+            return {**self.result.to_dict(), "fallback": None, "rejected": rejected}
+        record: dict[str, Any] = {"precision": "fp32", "applied": [], "fused": {}, "level": "none",
+                                  "serving_graph_optimization_level": UNOPTIMIZED_SERVING_LEVEL,
+                                  "fallback": self.fallback}
+        if self.rejected is not None:
+            record["rejected"] = rejected
+        return record
+
+
+@dataclass(frozen=True)
+class VerifiedGraph:
+    """The graph a build stores for one model, and how it got there."""
+
+    path: Path
+    """The optimized graph, or the plain export when optimization failed or was not asked."""
+    report: VerificationReport
+    """Its check against PyTorch (fp32)."""
+    record: OptimizationRecord
+    """manifest.json's `optimization` entry: precision, steps applied, fused operators, the
+    serving level, and `fallback` (why the plain export was kept) or None."""
+
+
+ATTEMPTS: dict[str, tuple[dict[str, Any], ...]] = {
+    "fp32": ({},),
+    # int8: everything, then a growing share of the feed-forward output MatMuls in fp32 (the most
+    # sensitive: AntiBERTy's embeddings went from min cosine 0.9987 to 0.9990 / 0.9992 / 0.9995 with
+    # 1/4, 1/2, all of them kept), then without the fusions in case they are what disagrees.
+    "int8": ({}, {"keep_fp32": 0.25}, {"keep_fp32": 0.5}, {"keep_fp32": 1.0}, {"fuse": False, "keep_fp32": 1.0}),
+    "fp16": ({}, {"fuse": False}),
+}
+"""The optimize_onnx options tried in order for each precision; the first that verifies is kept."""
+
+
+def optimize_and_verify(
+    module: Any,
+    plain: Path,
+    plain_report: VerificationReport,
+    work: Path,
+    batches: Sequence[Any],
+    *,
+    num_heads: int | None,
+    hidden_size: int | None,
+    atol: float,
+    min_cosine: float,
+    output_names: Sequence[str],
+    mask_input: str,
+    precision: str = "fp32",
+    optimize: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> VerifiedGraph:
+    """Optimize the verified plain export `plain` (and convert it to `precision`), check each
+    candidate against `module` on `batches` with the precision's tolerance (fp32: the family's
+    `atol`/`min_cosine`), and return the first that passes.
+
+    fp32: when nothing passes (or optimize is False) the plain export is kept, with the reason
+    logged and recorded. int8/fp16: raises PrecisionError when no candidate meets the tolerance.
+    """
+    from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
+
+    log = log or LOG.warning
+    tolerances = precision_tolerances(precision, output_names, atol, min_cosine)
+    if precision == "fp32" and not optimize:
+        return VerifiedGraph(plain, plain_report, OptimizationRecord(None, fallback="not asked (--no-optimize)"))
+    failures: list[RejectedCandidate] = []
+    for index, options in enumerate(ATTEMPTS[precision]):
+        options = dict(options)
+        if not optimize:
+            options.update(fuse=False, level="none" if precision != "int8" else DEFAULT_LEVEL)
+        destination = Path(work) / f"{precision}-{index}" / plain.name
+        if precision == "int8":
+            options.setdefault("calibration", {name: np.asarray(value) for name, value in batches[0].items()})
+        try:
+            result = optimize_onnx(plain, destination, num_heads=num_heads, hidden_size=hidden_size,
+                                   precision=precision, **options)
+        except OptimizationError as err:
+            failures.append(RejectedCandidate(_options_record(options), error=str(err)))
+            log(f"{plain.parent.name}: {precision} optimization {_options_text(options)} failed: {err}")
+            continue
+        try:
+            report = verify_onnx(module, result.path, batches, atol=atol, min_cosine=min_cosine,
+                                 output_names=output_names, mask_input=mask_input,
+                                 tolerances=tolerances if precision != "fp32" else None)
+        except Exception as err:  # ONNX Runtime refusing to run the rewritten graph
+            failures.append(RejectedCandidate(_options_record(options), error=f"{type(err).__name__}: {err}"))
+            log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} does not run: {err}")
+            continue
+        if report.passed:
+            return VerifiedGraph(result.path, report, OptimizationRecord(result, rejected=tuple(failures)))
+        figures = {check.name: CandidateFigures(check.max_abs_error, check.min_cosine,
+                                                tolerances[check.name].min_cosine)
+                   for check in report.outputs}
+        failures.append(RejectedCandidate(_options_record(options), applied=result.applied, figures=figures))
+        log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} is outside tolerance: "
+            + "; ".join(f"{name} min cosine {f.min_cosine:.6f} (required {f.required_min_cosine:g}), "
+                        f"max abs error {f.max_abs_error:.3g}" for name, f in figures.items()))
+    if precision == "fp32":
+        reason = "the optimized graph " + ("; ".join(failure.text() for failure in failures) or "was not produced")
+        log(f"{plain.parent.name}: keeping the unoptimized graph: {reason}")
+        return VerifiedGraph(plain, plain_report, OptimizationRecord(None, fallback=reason, rejected=tuple(failures)))
+    raise PrecisionError(
+        f"no {precision} graph of {plain.parent.name} meets the {precision} tolerance against PyTorch fp32 ("
+        + ", ".join(f"{name} min cosine {t.min_cosine:g}" for name, t in tolerances.items()) + "): "
+        + "; ".join(failure.text() for failure in failures)
+        + f". Build with --precision fp32{' or fp16' if precision == 'int8' else ''}.")
+
+
+def _options_record(options: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in options.items() if key != "calibration"}
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    record = _options_record(options)
+    return f"with {record}" if record else "with all steps"

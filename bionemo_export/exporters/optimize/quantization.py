@@ -1,0 +1,162 @@
+"""Reduced precision for a stored graph: int8 (ONNX Runtime's dynamic quantization, for CPUs) and
+fp16 (float16 weights and compute, for GPU hosts).
+
+    model, record = quantize_int8(model, keep_fp32=0.25, calibration=batch, external=False)
+    model, record = convert_fp16(model, external=False)
+
+int8 = `onnxruntime.quantization.quantize_dynamic`: int8 weights per output channel for MatMul with
+constant weights; activations quantized per tensor at run time, which VNNI/AMX CPUs run fast.
+`keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, the most
+sensitive to int8) in fp32: those whose simulated int8 error on a calibration batch is largest.
+fp16 = `onnxruntime.transformers.float16` with float32 graph inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .graph import GraphView
+
+INT8_METHOD = ("onnxruntime.quantization.quantize_dynamic: int8 weights per output channel (symmetric), "
+               "MatMuls with constant weights; uint8 activations quantized per tensor at run time")
+FP16_METHOD = "onnxruntime.transformers.float16: float16 weights and compute; float32 graph inputs and outputs"
+
+
+
+@dataclass(frozen=True)
+class Int8Quantization:
+    """How an int8 graph was quantized (manifest.json's `optimization.quantization`)."""
+
+    method: str
+    keep_fp32: float
+    """The share of the feed-forward output MatMuls asked to stay in fp32."""
+    kept_fp32: list[str]
+    """The MatMul nodes left in fp32, in the order they were chosen."""
+    kept_fp32_chosen_by: str | None
+    """How they were ranked; None when none was kept."""
+    matmuls_int8: int
+    matmuls_fp32: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Fp16Conversion:
+    """How an fp16 graph was converted (manifest.json's `optimization.quantization`)."""
+
+    method: str = FP16_METHOD
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def quantize_int8(model: onnx.ModelProto, keep_fp32: float, calibration: dict[str, np.ndarray] | None,
+                  external: bool) -> tuple[onnx.ModelProto, Int8Quantization]:
+    """`model` with int8 MatMuls, a share `keep_fp32` of its feed-forward output MatMuls left in fp32
+    (ranked on `calibration`, one batch of graph inputs, when given and the graph has no external
+    data; else the last layers first), and how it was done."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    ranked, ranking = _ffn_outputs_by_error(model, calibration if keep_fp32 and not external else None)
+    excluded = ranked[:math.ceil(keep_fp32 * len(ranked))]
+    with tempfile.TemporaryDirectory(prefix="bionemo-export-int8-") as work:
+        out = Path(work) / "int8.onnx"
+        quantize_dynamic(
+            model, str(out), op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, reduce_range=False,
+            weight_type=QuantType.QInt8, nodes_to_exclude=excluded, use_external_data_format=external,
+            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+        quantized = onnx.load(str(out))
+    counts = collections.Counter(node.op_type for node in quantized.graph.node)
+    return quantized, Int8Quantization(
+        method=INT8_METHOD, keep_fp32=keep_fp32, kept_fp32=excluded,
+        kept_fp32_chosen_by=ranking if excluded else None,
+        matmuls_int8=counts["MatMulInteger"], matmuls_fp32=counts["MatMul"])
+
+
+def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndarray] | None
+                          ) -> tuple[list[str], str]:
+    """The feed-forward output MatMuls (input from a GELU, weights constant), largest simulated
+    int8 error first: relative error of (uint8 per-tensor input) x (int8 per-column weights)
+    against fp32 on the calibration batch. Without a calibration batch: last layers first."""
+    view = GraphView(model.graph)
+    nodes = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type != "MatMul" or node.input[1] not in view.initializers:
+            continue
+        producer = view.producer.get(node.input[0])
+        if producer is not None and (producer.op_type in ("Gelu", "BiasGelu", "FastGelu", "QuickGelu")
+                                     or _is_erf_gelu(view, producer)):
+            node.name = node.name or f"matmul_{index}"
+            nodes.append(node)
+    if calibration is None or not nodes:
+        return [node.name for node in reversed(nodes)], "position (last layers first)"
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    names = list(dict.fromkeys(node.input[0] for node in nodes))
+    probe.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    inputs = {value.name: calibration[value.name] for value in session.get_inputs()}
+    # ONNX Runtime returns these outputs as arrays (its stubs allow lists and sparse tensors).
+    activations = {name: np.asarray(value) for name, value in zip(names, session.run(names, inputs))}
+    errors: dict[str, float] = {}
+    for node in nodes:
+        x = activations[node.input[0]].reshape(-1, activations[node.input[0]].shape[-1]).astype(np.float64)
+        w = numpy_helper.to_array(view.initializers[node.input[1]]).astype(np.float64)
+        exact = x @ w
+        errors[node.name] = float(np.linalg.norm(_fake_quantize_activations(x) @ _fake_quantize_weights(w) - exact)
+                                  / max(np.linalg.norm(exact), 1e-30))
+    ranked = sorted(errors, key=lambda name: errors[name], reverse=True)
+    return ranked, "simulated int8 error on the build's sample batch"
+
+
+def _fake_quantize_activations(x: np.ndarray) -> np.ndarray:
+    """What DynamicQuantizeLinear does: uint8, asymmetric, one scale for the tensor."""
+    low, high = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    scale = (high - low) / 255 or 1.0
+    zero = np.round(-low / scale)
+    return (np.clip(np.round(x / scale) + zero, 0, 255) - zero) * scale
+
+
+def _fake_quantize_weights(w: np.ndarray) -> np.ndarray:
+    """int8 symmetric, one scale per output column (per_channel=True)."""
+    scale = np.abs(w).max(axis=0, keepdims=True) / 127
+    scale[scale == 0] = 1.0
+    return np.round(w / scale) * scale
+
+
+def _is_erf_gelu(view: GraphView, node: onnx.NodeProto) -> bool:
+    """Whether `node` ends an unfused erf GELU (x * 0.5 * (1 + erf(x / sqrt 2)) in some order)."""
+    if node.op_type != "Mul":
+        return False
+    frontier, seen = [node], 0
+    while frontier and seen < 6:
+        current = frontier.pop()
+        seen += 1
+        if current.op_type == "Erf":
+            return True
+        frontier += [view.producer[name] for name in current.input if name in view.producer]
+    return False
+
+
+def convert_fp16(model: onnx.ModelProto, external: bool) -> tuple[onnx.ModelProto, Fp16Conversion]:
+    """`model` with float16 weights and compute, its inputs and outputs still float32, and how it was done."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=external), Fp16Conversion()
+
