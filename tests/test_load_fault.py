@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from bionemo_export import procfs
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
@@ -166,15 +167,7 @@ def _round(serve: sp.Serve, sequences, expected, healing: bool = False) -> Tally
 def _server_rss_mb(serve: sp.Serve) -> float:
     """Resident memory of tritonserver and every stub it runs, MiB."""
     server = sp.tritonserver_of(serve.process.pid)
-    total = 0
-    for pid in [server, *sp.stubs(server)]:
-        try:
-            for line in (Path("/proc") / str(pid) / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total / 1024
+    return sum(procfs.memory_bytes(pid) for pid in [server, *sp.stubs(server)]) / 2**20
 
 
 def test_load_mixed_valid_and_invalid_requests_over_http_and_grpc(served, sequences, expected):

@@ -22,6 +22,7 @@ import torch
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
+from bionemo_export import procfs
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient
@@ -190,7 +191,7 @@ def test_push_marks_the_empty_folders_of_an_older_repository(esm2, object_store,
 def test_tritonserver_reads_the_location_itself(served, pushed):
     """The server process was given the s3:// location, not a local copy."""
     server = sp.tritonserver_of(served.process.pid)
-    arguments = (Path("/proc") / str(server) / "cmdline").read_bytes().decode().split("\0")
+    arguments = procfs.command_line(server) or []
     assert f"--model-repository={pushed}" in arguments
 
 

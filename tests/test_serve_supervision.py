@@ -23,12 +23,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from bionemo_export import procfs
 from bionemo_export.client import EncoderClient
 from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
-from bionemo_export.runtime.stubs import Stub, process_rss_bytes, process_threads, server_stubs
+from bionemo_export.runtime.stubs import Stub, server_stubs
 from bionemo_export.runtime.supervisor import (
     Observation,
     ProbeResult,
@@ -92,7 +93,7 @@ def served(esm2_repo, tmp_path_factory):
 def _server_state(server: int, prefix: str) -> tuple[int, int, int]:
     """(zombie stubs, shared-memory regions, threads) of a tritonserver."""
     return (sum(stub.zombie for stub in server_stubs(server)), len(list(SHARED_MEMORY_DIR.glob(f"{prefix}*"))),
-            process_threads(server))
+            procfs.threads(server))
 
 
 @pytest.mark.e2e
@@ -203,7 +204,7 @@ def test_refused_oversized_requests_leave_memory_flat(served):
         tensor.set_data_from_numpy(big)
         with pytest.raises(Exception, match="residues"):
             client.infer(f"{NAME}_embeddings", [tensor])
-        sizes.append(process_rss_bytes(server, "RssAnon") >> 20)
+        sizes.append(procfs.memory_bytes(server, "RssAnon") >> 20)
     client.close()
     assert sizes[-1] <= sizes[0] + 100, f"tritonserver's heap grew: {sizes} MiB"
     served.wait_for(f"health: {NAME}_encoder's shared memory grew", timeout=30, since=earlier)
@@ -212,7 +213,7 @@ def test_refused_oversized_requests_leave_memory_flat(served):
         assert time.monotonic() < deadline, [s.region_bytes() for s in server_stubs(server)]
         time.sleep(0.5)
     assert "health: reloaded" in served.text()[earlier:]
-    shared = process_rss_bytes(server, "RssShmem") >> 20
+    shared = procfs.memory_bytes(server, "RssShmem") >> 20
     assert shared <= 100, f"tritonserver still maps {shared} MiB of the stubs' shared memory"
     assert EncoderClient(NAME, f"grpc://127.0.0.1:{served.grpc}").seqs_to_embedding(SEQUENCES).shape == (2, 32)
     print(f"tritonserver's heap after each refused 50 MB request: {sizes} MiB; shared memory after: {shared} MiB")

@@ -12,33 +12,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bionemo_export import procfs
 from bionemo_export.runtime import free_ports
 from tests.helpers.cli import CLI
 
 # -- processes, through /proc -------------------------------------------------------------------
 
 def children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the live children of `pid`."""
+    """(pid, command line with its arguments joined by spaces) of the live children of `pid`."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append((int(entry.name), cmdline))
+    for child in procfs.children(pid):
+        arguments = procfs.command_line(child.pid)
+        if arguments is not None and not child.zombie:
+            found.append((child.pid, " ".join(arguments)))
     return found
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for a reaper that never comes counts as gone)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+alive = procfs.alive
+"""Running (a zombie waiting for a reaper that never comes counts as gone)."""
 
 
 def tritonserver_of(serve_pid: int) -> int:
@@ -62,8 +53,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def shm_prefix(server_pid: int) -> str:
-    cmdline = (Path("/proc") / str(server_pid) / "cmdline").read_bytes().decode().split("\0")
-    option = next(arg for arg in cmdline if "shm-region-prefix-name=" in arg)
+    option = next(arg for arg in procfs.command_line(server_pid) or () if "shm-region-prefix-name=" in arg)
     return option.split("shm-region-prefix-name=", 1)[1]
 
 
