@@ -37,8 +37,8 @@ from bionemo_export.model_repository.backends import (
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.options import RoleOptions
-from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan, Tensor
 from bionemo_export.model_repository.pbtxt import read_config, write_config
+from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan, Tensor
 
 MAX_LENGTH = 64
 

@@ -41,7 +41,10 @@ def refused_choice(err: typer.BadParameter) -> str | None:
     callback = getattr(ctx.command, "callback", None) if ctx is not None else None
     if param is None or not param.name or callback is None:
         return None
-    hint = typing.get_type_hints(callback).get(param.name)  # Choice, or Choice | None
+    try:
+        hint = typing.get_type_hints(callback).get(param.name)  # Choice, or Choice | None
+    except (NameError, TypeError):  # an annotation only a type checker resolves: not a choice of ours
+        return None
     choices = next((t for t in (hint, *typing.get_args(hint)) if isinstance(t, type) and issubclass(t, Enum)), None)
     if choices is None:
         return None

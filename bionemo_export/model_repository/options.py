@@ -179,9 +179,9 @@ class ServingOptions:
     backend: str = "python"
     """Where the graphs run (backends.py): python (ONNX Runtime inside a Python-backend model),
     native (Triton's onnxruntime_onnx), tensorrt (Triton's tensorrt_plan)."""
-    device: Device | None = None
-    """cpu or gpu: the instance kind of the models that run graphs (None: the backend's default,
-    gpu for tensorrt, cpu otherwise)."""
+    device: str | None = None
+    """cpu or gpu (a `Device`; a plain string is read as one): the instance kind of the models that
+    run graphs (None: the backend's default, gpu for tensorrt, cpu otherwise)."""
     max_batch_size: int = 32
     tokenizer_instances: int = 1
     """Instances of the tokenizer model (ensemble layout)."""
@@ -213,7 +213,7 @@ class ServingOptions:
     intra_op_threads: int = 0
     """ONNX Runtime threads per graph-model instance (0: auto, from the serving host's cores)."""
     warmup: bool = True
-    layout: Layout = Layout.AUTO
+    layout: str = Layout.AUTO
     """fused: the encoder model tokenizes (python backend); ensemble: tokenizer model -> encoder
     model; auto: fused with the python backend, ensemble with native."""
     length_bucket: int = 16
