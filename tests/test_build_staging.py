@@ -1,0 +1,100 @@
+"""build_staging.py without a model: a staged folder is published whole or not at all, and whatever
+ends the block (an error, a signal, the destination appearing meanwhile) leaves nothing behind.
+The builds that use it are tested in test_build.py and test_cli_edges.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bionemo_export.build_staging import (
+    BuildInterrupted,
+    StagingError,
+    signals_interrupt_the_build,
+    staged_directory,
+)
+
+
+def _beside(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir())
+
+
+def test_a_finished_block_is_published_and_its_folder_removed(tmp_path):
+    out = tmp_path / "repo"
+    with staged_directory(out, force=False) as stage:
+        assert stage.folder.parent == tmp_path and stage.folder.name.startswith(f".repo.building-{os.getpid()}-")
+        (stage.repository / "model.txt").write_text("new")
+        assert not out.exists()  # nothing at the destination until the block ends
+    assert (out / "model.txt").read_text() == "new"
+    assert _beside(out) == ["repo"]
+
+
+def test_temporary_files_go_to_the_build_folder_while_the_block_runs(tmp_path):
+    out = tmp_path / "repo"
+    before = tempfile.gettempdir(), os.environ.get("TMPDIR")
+    with staged_directory(out, force=False) as stage:
+        with stage.temporary_files() as temporary:
+            assert temporary == stage.folder / "tmp"
+            assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(temporary)
+            with tempfile.NamedTemporaryFile() as handle:
+                assert Path(handle.name).parent == temporary
+        assert (tempfile.gettempdir(), os.environ.get("TMPDIR")) == before
+    assert _beside(out) == ["repo"]
+
+
+def test_an_error_in_the_block_leaves_nothing_and_the_previous_repository_as_it_was(tmp_path):
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "model.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="export failed"):
+        with staged_directory(out, force=True) as stage:
+            (stage.repository / "model.txt").write_text("new")
+            raise RuntimeError("export failed")
+    assert (out / "model.txt").read_text() == "old"
+    assert _beside(out) == ["repo"]
+
+
+def test_force_replaces_the_previous_repository_whole(tmp_path):
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "old_only.txt").write_text("old")
+    with staged_directory(out, force=True) as stage:
+        (stage.repository / "model.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["model.txt"]
+    assert _beside(out) == ["repo"]
+
+
+def test_a_destination_that_appeared_meanwhile_is_kept_without_force(tmp_path):
+    out = tmp_path / "repo"
+    with pytest.raises(StagingError, match="appeared during the build; pass `force`"):
+        with staged_directory(out, force=False) as stage:
+            (stage.repository / "model.txt").write_text("new")
+            out.mkdir()  # another process wrote it while this one built
+            (out / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    assert _beside(out) == ["repo"]
+
+
+def test_a_folder_that_cannot_be_made_is_named(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StagingError, match=f"cannot write beside {blocker / 'repo'}"):
+        with staged_directory(blocker / "repo", force=False):
+            pytest.fail("the block must not run")
+
+
+def test_a_signal_interrupts_the_block_and_its_folder_is_removed(tmp_path):
+    out = tmp_path / "repo"
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(BuildInterrupted, match="interrupted by SIGTERM") as raised:
+        with signals_interrupt_the_build(), staged_directory(out, force=False) as stage:
+            (stage.repository / "model.txt").write_text("new")
+            os.kill(os.getpid(), signal.SIGTERM)
+            pytest.fail("SIGTERM must interrupt the block")
+    assert raised.value.signum == signal.SIGTERM
+    assert _beside(out) == []
+    assert signal.getsignal(signal.SIGTERM) == previous  # the process's own handler is back
