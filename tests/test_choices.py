@@ -65,7 +65,7 @@ def test_no_parameter_name_means_two_flags():
     assert option_flags()["family"] == "--model" and option_flags()["storage"] == "--storage-uri"
 
 
-def test_library_errors_name_fields_and_the_command_line_words_them_as_flags():
+def test_library_errors_name_fields_and_the_command_line_words_them_as_flags(tmp_path):
     with pytest.raises(ChoiceError) as refused:
         get_backend("tensorrt", "cpu")
     assert str(refused.value) == "`backend` tensorrt runs on gpu, not cpu: pass `device` gpu"
@@ -73,6 +73,12 @@ def test_library_errors_name_fields_and_the_command_line_words_them_as_flags():
     with pytest.raises(ValueError) as small:  # still a ValueError for callers that catch those
         ServingOptions(max_batch_size=0)
     assert error_line(small.value) == "error: --max-batch-size must be at least 1"
+    from bionemo_export.client.variants import read_variant_table
+
+    (tmp_path / "v.csv").write_text("variant\nM1A\n")
+    with pytest.raises(ValueError) as column:
+        read_variant_table(tmp_path / "v.csv")
+    assert error_line(column.value).endswith("no 'mutant' column (columns: variant); name it with --column")
     # A field no option sets keeps its name; a library error's text outside backticks is left alone.
     assert reason(UserError("`roles` and --debug"), option_flags().get) == "`roles` and --debug"
 

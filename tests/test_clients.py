@@ -324,7 +324,7 @@ def test_hiddens_files_are_checked_and_npz_needs_no_pickle(tmp_path):
     got, got_mask, ids = read_hiddens(tmp_path / "h.npz")
     assert got_mask is None and ids == ["x", "y"]
     (tmp_path / "other.json").write_text(json.dumps({"embeddings": [[1.0]]}))
-    with pytest.raises(ValueError, match="has no 'hiddens' .*--in-name"):
+    with pytest.raises(ValueError, match="has no 'hiddens' .*`in_name`"):
         read_hiddens(tmp_path / "other.json")
     (tmp_path / "ragged.json").write_text(json.dumps({"hiddens": [[[1.0]], [[1.0], [2.0]]]}))
     with pytest.raises(ValueError, match="not a rectangular array"):

@@ -32,7 +32,7 @@ def test_a_proteingym_table_is_read_and_written_back_with_a_score_column(tmp_pat
 
 
 def test_bad_tables_are_named_with_the_line(tmp_path):
-    with pytest.raises(ValueError, match=r"no 'mutant' column \(columns: variant, score\); name it with --column"):
+    with pytest.raises(ValueError, match=r"no 'mutant' column \(columns: variant, score\); name it with `column`"):
         read_variant_table(_csv(tmp_path / "a.csv", [["variant", "score"], ["M1A", "1"]]))
     with pytest.raises(ValueError, match=r"b.csv, line 3: 1 cells, the header has 2"):
         read_variant_table(_csv(tmp_path / "b.csv", [["mutant", "score"], ["M1A", "1"], ["K2R"]]))
@@ -54,7 +54,7 @@ def test_rows_find_their_wild_type_in_the_fasta(tmp_path):
     assert wild_type_of_rows(table, read_records(one), None) == ["MKTAY"] * 3
     two = tmp_path / "two.fasta"
     two.write_text(">P1\nMKTAY\n>P2\nMSLK\n")
-    with pytest.raises(ValueError, match="holds 2 sequences: name the .* column .* with --id-column"):
+    with pytest.raises(ValueError, match="holds 2 sequences: name the .* column .* with `id_column`"):
         wild_type_of_rows(table, read_records(two), None)
     wild_types = wild_type_of_rows(table, read_records(two), "target")
     assert wild_types == ["MSLK", "MKTAY", "MSLK"]

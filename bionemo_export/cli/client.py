@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import debugging
+from . import debugging, reason
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
@@ -247,7 +247,6 @@ def _reported(ctx: typer.Context, console: Console) -> Iterator[None]:
     """Errors a user can act on (the server's refusal, an unreachable server, a bad input file)
     as one red line and exit status 1; --debug re-raises them with the traceback."""
     from bionemo_export.client import InferenceError
-    from bionemo_export.errors import reason
 
     try:
         yield

@@ -110,7 +110,7 @@ def read_hiddens(path: Path, in_name: str = "hiddens") -> tuple[np.ndarray, np.n
             raise InvalidInputError(f"{path}: expected a JSON object with {in_name!r} (and optionally 'mask')")
     if in_name not in document:
         raise InvalidInputError(f"{path} has no {in_name!r} (it has {', '.join(map(repr, document)) or 'nothing'}); "
-                                f"name the hidden states with --in-name")
+                                f"name the hidden states with `in_name`")
     hiddens = _array(path, in_name, document[in_name], np.float32)
     if hiddens.ndim != 3:
         raise InvalidInputError(f"{path}: {in_name!r} must be [batch, length, hidden], got shape {list(hiddens.shape)}")

@@ -50,7 +50,7 @@ def read_variant_table(path: Path, column: str = "mutant") -> VariantTable:
         raise InvalidInputError(f"{path}: empty; expected a header with a {column!r} column")
     header, rows = lines[0], lines[1:]
     if column not in header:
-        raise InvalidInputError(f"{path}: no {column!r} column (columns: {', '.join(header)}); name it with --column")
+        raise InvalidInputError(f"{path}: no {column!r} column (columns: {', '.join(header)}); name it with `column`")
     index = header.index(column)
     for number, row in enumerate(rows, start=2):
         if len(row) != len(header):
@@ -69,7 +69,7 @@ def wild_type_of_rows(table: VariantTable, records: list[Record], id_column: str
         return [records[0].sequence] * len(table.rows)
     if id_column is None:
         raise InvalidInputError(f"the FASTA file holds {len(records)} sequences: name the {table.path} column that "
-                                "says which one each row mutates with --id-column")
+                                "says which one each row mutates with `id_column`")
     if id_column not in table.header:
         raise InvalidInputError(f"{table.path}: no {id_column!r} column (columns: {', '.join(table.header)})")
     by_id = {record.id: record.sequence for record in records}
