@@ -53,7 +53,7 @@ def test_an_existing_repository_needs_force_and_is_replaced_whole(esm2_checkpoin
     out = tmp_path / "repo"
     out.mkdir()
     (out / "user-file.txt").write_text("keep me")
-    with pytest.raises(BuildError, match="already exists; pass --force"):
+    with pytest.raises(BuildError, match="already exists; pass `force`"):
         build_repository(_request(esm2_checkpoint, out))
     assert (out / "user-file.txt").read_text() == "keep me"
     build_repository(_request(esm2_checkpoint, out, force=True, tasks=("embeddings",)))

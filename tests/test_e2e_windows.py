@@ -92,6 +92,6 @@ def test_over_the_stated_maximum_is_the_requests_error_naming_length_and_limit(s
 
 def test_windows_need_the_fused_layout(tmp_path):
     checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=1)
-    with pytest.raises(BuildError, match="--max-residues .* use --backend python"):
+    with pytest.raises(BuildError, match="`max_residues` .* use `backend` python"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="x", out=tmp_path / "repo",
                                       backend="native", serving=ServingOptions(max_residues=100)))
