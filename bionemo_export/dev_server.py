@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.generation.reference import TorchDecoder, encode_hiddens
 from bionemo_export.generation.search import LIMITS, generate, greedy
 from bionemo_export.model_repository.options import GenerationLimits
@@ -85,6 +86,7 @@ class DevModels:
                 raise ValueError(f"max decode length must be between 1 and the model's {limit}, "
                                  f"got {self.max_decode_length}")
             self.max_decode_length = self.max_decode_length or limit
+            self._decoding_tokenizer = self.loaded.decoding()[1]
             self._decoder = TorchDecoder(seq2seq)
             self._ids = dict(begin_id=seq2seq.begin_id, end_id=seq2seq.end_id, max_length=self.max_decode_length)
 
@@ -114,13 +116,17 @@ class DevModels:
 
     def logits(self, requests: Requests) -> list[dict[str, np.ndarray]]:
         """The masked-LM head's log-probabilities over the alphabet, rows laid out like hiddens."""
-        return [{"log_probs": self._head(self.loaded.lm_head, hiddens), "mask": mask}
+        return [{"log_probs": self._head(self._lm_head(), hiddens), "mask": mask}
                 for hiddens, _, mask in self._encode(requests)]
 
     def scores(self, requests: Requests) -> list[dict[str, np.ndarray]]:
         """Variant scores or PLLs, planned by the repository's own module (serving/scoring.py: the
         same checks and messages), each copy's log-probabilities from the PyTorch encoder and head."""
         answers = []
+        mask_char = self.loaded.tokenizer.mask_char
+        if mask_char is None:  # serves_scores: no scores model is bound then
+            raise InvalidInputError(f"{self.loaded.checkpoint}: its tokenizer has no mask character, so it scores "
+                                    "no variants")
         for request in requests:
             rows = []
             variants = np.asarray(request["variants"]) if "variants" in request else None
@@ -128,11 +134,11 @@ class DevModels:
             for row, wild_type in enumerate(_column(request, "sequences")):
                 plan = plan_request(wild_type, None if variants is None else variants.reshape(len(variants), -1)[row]
                                     .tolist(), None if methods is None else methods[row],
-                                    alphabet=self.loaded.alphabet, mask_char=self.loaded.tokenizer.mask_char)
-                sequences = plan.inputs(self.loaded.tokenizer.mask_char)
+                                    alphabet=self.loaded.alphabet, mask_char=mask_char)
+                sequences = plan.inputs(mask_char)
                 answer = self._encode([{"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_)}])
                 hiddens, _, mask = answer[0]
-                log_probs = self._head(self.loaded.lm_head, hiddens)
+                log_probs = self._head(self._lm_head(), hiddens)
                 residues = log_probs[mask].reshape(len(sequences), len(plan.wild_type), -1)
                 rows.append(plan.scores(plan.site_log_probs(residues)))
             answers.append({"scores": np.stack(rows).astype(np.float32)})
@@ -141,6 +147,8 @@ class DevModels:
     def predictions(self, requests: Requests) -> list[dict[str, np.ndarray]]:
         """The fine-tuned head's logits and labels (serving/labels.py names them, as N_labels does)."""
         head = self.loaded.classifier
+        if head is None:  # no predictions model is bound then
+            raise InvalidInputError(f"{self.loaded.checkpoint} has no fine-tuned head, so it serves no predictions")
         answers = []
         for hiddens, _, mask in self._encode(requests):
             logits = self._head(head, hiddens)
@@ -149,6 +157,13 @@ class DevModels:
                 answer["mask"] = mask
             answers.append(answer)
         return answers
+
+    def _lm_head(self) -> torch.nn.Module:
+        """The masked-LM head (logits and scores are bound only where the checkpoint has one)."""
+        if self.loaded.lm_head is None:
+            raise InvalidInputError(f"{self.loaded.checkpoint} has no masked-LM head, so it serves no logits or "
+                                    "scores")
+        return self.loaded.lm_head
 
     @staticmethod
     def _head(head: torch.nn.Module, hiddens: np.ndarray) -> np.ndarray:
@@ -209,7 +224,7 @@ class DevModels:
 
     def _strings(self, ids: list[list[list[int]]]) -> np.ndarray:
         """Token ids [batch][outputs] -> BYTES [batch, outputs]."""
-        decode = self.loaded.tokenizer.decode
+        decode = self._decoding_tokenizer.decode
         return np.array([[decode(sample).encode("utf-8") for sample in row] for row in ids], dtype=np.object_)
 
     # --------------------------------------------------------------------------- bindings
@@ -224,7 +239,8 @@ class DevModels:
         bindings = []
         for task in (TASKS[t] for t in self.tasks):
             outputs = [(t.name, _dtype(t.dtype), t.shape(sizes)) for t in task.outputs]
-            if task.name == "predictions" and classifier.per_token:  # per token: rows laid out like hiddens
+            # A per-token head's rows are laid out like hiddens.
+            if task.name == "predictions" and classifier is not None and classifier.per_token:
                 outputs = [("logits", np.float32, (-1, sizes["C"])), ("mask", np.bool_, (-1,)),
                            ("label", bytes, (-1,))]
             bindings.append(Binding(task.model(name), getattr(self, task.name),
@@ -268,13 +284,15 @@ def serve(models: DevModels, name: str, ports: Ports = Ports(), *, max_batch_siz
     # environment and libpython (PLATFORM.md), as the project's own server runner does.
     for key, value in _python_stub_env().items():
         os.environ[key] = value + (os.pathsep + os.environ[key] if os.environ.get(key) else "")
-    config = TritonConfig(http_address=ports.host, http_port=ports.http, grpc_address=ports.host,
-                          grpc_port=ports.grpc, metrics_port=ports.metrics)
-    stop = stop or threading.Event()
+    # pytriton's @kwonly_dataclass hides TritonConfig's dataclass fields from type checkers.
+    config = TritonConfig(http_address=ports.host, http_port=ports.http,  # pyright: ignore[reportCallIssue]
+                          grpc_address=ports.host, grpc_port=ports.grpc,  # pyright: ignore[reportCallIssue]
+                          metrics_port=ports.metrics)  # pyright: ignore[reportCallIssue]
+    stopping = stop or threading.Event()
     previous = {}
     if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
         # Our own handlers whatever we inherited: a script's `dev-server &` starts us with SIGINT ignored.
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, lambda *_: stopping.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with Triton(config=config, security_config=TritonSecurityConfig(restricted_endpoints=[])) as triton:
             batching = ModelConfig(max_batch_size=max_batch_size, batcher=DynamicBatcher())
@@ -286,7 +304,7 @@ def serve(models: DevModels, name: str, ports: Ports = Ports(), *, max_batch_siz
             triton.run()
             if on_ready is not None:
                 on_ready([binding.name for binding in bindings])
-            stop.wait()
+            stopping.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -284,7 +284,8 @@ def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: in
             shape_ok = [len(row) for row in served] == [_expected_outputs(method, parameters)] * len(batch)
             exact = precision == "fp32"
             note = (f"{method}: {'same as' if served == expected else 'DIFFERS from'} the seeded reference"
-                    f"{'' if exact else f' (not required: {precision} encoder)'}; shape {'ok' if shape_ok else 'WRONG'}")
+                    f"{'' if exact else f' (not required: {precision} encoder)'}; "
+                    f"shape {'ok' if shape_ok else 'WRONG'}")
             checks.append(TaskCheck(f"{client.name}_samplings", described, None, None, None,
                                     shape_ok and (served == expected or not exact), note))
     return checks

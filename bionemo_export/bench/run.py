@@ -98,11 +98,12 @@ class LiveTarget:
 
 
 def _client(protocol: str, address: str) -> Any:
+    # From-imports: pyright does not see the names of tritonclient.grpc as the module's attributes.
     if protocol == "grpc":
-        import tritonclient.grpc as module
+        from tritonclient.grpc import InferenceServerClient
     else:
-        import tritonclient.http as module
-    return module.InferenceServerClient(address)
+        from tritonclient.http import InferenceServerClient
+    return InferenceServerClient(address)
 
 
 def _model_config(client: Any, model: str) -> dict:
@@ -223,7 +224,7 @@ def read_statistics(client: Any) -> dict[str, dict[str, int]]:
     for entry in raw.get("model_stats", []):
         stats = entry.get("inference_stats", {})
 
-        def get(key: str, part: str) -> int:
+        def get(key: str, part: str, stats: dict = stats) -> int:  # this entry's stats, bound now
             return int(stats.get(key, {}).get(part, 0) or 0)
 
         counters = {

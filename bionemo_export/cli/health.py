@@ -22,13 +22,13 @@ def health(
         client = ControlClient(url, timeout_s=timeout)
     except ValueError as err:  # a URL scheme other than http/grpc
         typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     with client:
         try:
             names = models or public_models(client)
         except Exception as err:  # refused, timed out, not a Triton server
             typer.echo(f"FAIL  {url}: cannot list the models: {' '.join(str(err).split())}")
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
         if not names:
             typer.echo(f"FAIL  {url}: no public model (a name ending in {', '.join(PUBLIC_SUFFIXES)}); "
                        "name one with --model")

@@ -34,6 +34,6 @@ def push(
         files = upload_repository(repository, location, replace=replace)
     except (NotAModelRepositoryError, S3RepositoryError) as err:
         typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     typer.echo(f"uploaded {len(files)} objects to {location}")
     typer.echo(f"serve it with: bionemo-export serve {location}")

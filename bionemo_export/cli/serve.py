@@ -107,13 +107,13 @@ def serve(
         check_model_repository(model_repository)
     except (NotAModelRepositoryError, S3RepositoryError) as err:
         typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     check_files(model_repository, skip=no_check)
     try:
         install = find_tritonserver(tritonserver)
     except TritonNotFoundError as err:
         console.print(f"[red]{err}[/red]")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     server = TritonServer(
         model_repository,
         install=install,
@@ -136,7 +136,7 @@ def serve(
             server.start(timeout=timeout)
         except TritonStartError as err:
             console.print(f"[red]{err}[/red]", highlight=False)
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
         _print_status(console, server)
         console.print("Serving. Press Ctrl-C to stop.")
         while True:

@@ -20,5 +20,6 @@ from .triton import (
            strings_to_tensor,
 )
 
-__all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "RepositoryClient", "ServerBusyError", "RowResults", "Seq2SeqClient",
-           "ServerUnreachableError", "TritonClient", "TritonUrl", "infer_rows", "masked_mean", "strings_to_tensor"]
+__all__ = ["DEFAULT_URL", "EncoderClient", "InferenceError", "RepositoryClient", "ServerBusyError", "RowResults",
+           "Seq2SeqClient", "ServerUnreachableError", "TritonClient", "TritonUrl", "infer_rows", "masked_mean",
+           "strings_to_tensor"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -28,6 +28,17 @@ accepts up to this size."""
 
 _NUMPY_TO_TRITON = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32",
                     np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES", np.dtype(np.float16): "FP16"}
+
+
+class Pending(Protocol):
+    """A request in flight (`TritonClient.submit`): a gRPC Future, or an HTTP request in flight."""
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Wait for the outputs; raises InferenceError or ServerUnreachableError as `infer` does."""
+        ...
+
+
+Client = TypeVar("Client", bound="TritonClient")
 
 
 class InferenceError(UserError, RuntimeError):
@@ -107,16 +118,18 @@ class TritonClient:
             kwargs = {"network_timeout": timeout_s, "connection_timeout": timeout_s,
                       "concurrency": max(1, concurrency)}
         self._module: Any = module
-        self._client = module.InferenceServerClient(self.url.address, **kwargs)
+        # tritonclient's gRPC or HTTP client: their calls take protocol-specific arguments.
+        self._client: Any = module.InferenceServerClient(self.url.address, **kwargs)
         self._configs: dict[str, dict] = {}
 
-    def infer(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    def infer(self, model: str, inputs: dict[str, np.ndarray],
+              outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Send `inputs` (name -> array with the batch axis first) to `model`; return the outputs."""
         return self.submit(model, inputs, outputs).result()
 
     def submit(self, model: str, inputs: dict[str, np.ndarray],
-               outputs: list[str] | None = None) -> Future[dict[str, np.ndarray]]:
-        """Send a request without waiting: a Future of `infer`'s answer (its `result()` raises
+               outputs: list[str] | None = None) -> Pending:
+        """Send a request without waiting: `result()` gives `infer`'s answer (or raises
         InferenceError or ServerUnreachableError as `infer` does)."""
         infer_inputs = []
         for name, array in inputs.items():
@@ -205,7 +218,7 @@ class TritonClient:
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> TritonClient:
+    def __enter__(self: Client) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -33,7 +33,7 @@ class TorchDecoder(KVCacheDecoder):
         return [tensor.float().numpy() for tensor in result]
 
 
-def encode_hiddens(loaded: LoadedModel, sequences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_hiddens(loaded: LoadedModel, sequences: Sequence[str | bytes]) -> tuple[np.ndarray, np.ndarray]:
     """(hiddens [B,S,H], mask [B,S]) from the PyTorch encoder."""
     encoded = loaded.tokenizer.encode(list(sequences))
     with torch.inference_mode():
@@ -69,27 +69,28 @@ def reference_greedy(seq2seq: Seq2SeqModules, hiddens: np.ndarray, mask: np.ndar
 def reference_decode(loaded: LoadedModel, hiddens: np.ndarray, mask: np.ndarray,
                      max_length: int | None = None) -> list[str]:
     """Strings decoded greedily from hidden states by the reference."""
-    return [loaded.tokenizer.decode(row) for row in reference_greedy(loaded.seq2seq, hiddens, mask, max_length)]
+    seq2seq, tokenizer = loaded.decoding()
+    return [tokenizer.decode(row) for row in reference_greedy(seq2seq, hiddens, mask, max_length)]
 
 
 def reference_sample(loaded: LoadedModel, sequences: Sequence[str], *, seed: int, method: str = "greedy-perturbate",
                      max_length: int | None = None, **parameters) -> list[list[str]]:
     """What N_samplings answers for `sequences` with `seed`, computed with PyTorch."""
-    seq2seq = loaded.seq2seq
+    seq2seq, tokenizer = loaded.decoding()
     hiddens, mask = encode_hiddens(loaded, sequences)
     options = {**SAMPLING_DEFAULTS, "sampling_method": method, **parameters}
     method = options.pop("sampling_method")
     ids = generate(TorchDecoder(seq2seq), hiddens, mask, method=method, rng=np.random.default_rng(seed),
                    begin_id=seq2seq.begin_id, end_id=seq2seq.end_id,
                    max_length=max_length or seq2seq.max_decode_length, **options)
-    return [[loaded.tokenizer.decode(sample) for sample in row] for row in ids]
+    return [[tokenizer.decode(sample) for sample in row] for row in ids]
 
 
 def decoder_check_batches(loaded: LoadedModel, encoder_batches: list[dict]) -> tuple[list[dict], list[dict]]:
     """Inputs for checking the exported cross_kv and decoder_step graphs against PyTorch: the
     reference encoder's hidden states of the encoder check batches, and decoder steps both on an
     empty cache (first step) and on a cache of a few steps (later steps)."""
-    seq2seq = loaded.seq2seq
+    seq2seq, _ = loaded.decoding()
     decoder = TorchDecoder(seq2seq)
     cross_batches, step_batches = [], []
     for batch in encoder_batches:

@@ -20,4 +20,5 @@ from bionemo_export.models.base import (
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["REGISTRY", "LoadedModel", "ModelDescription", "ModelFamily", "get_family", "infer_family", "load_checkpoint"]
+__all__ = ["REGISTRY", "LoadedModel", "ModelDescription", "ModelFamily", "get_family", "infer_family",
+           "load_checkpoint"]

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     from bionemo_export.models.classifier import ClassifierHead, ClassifierWeights
     from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
-    from bionemo_export.tokenizers.protocol import Tokenizer
+    from bionemo_export.tokenizers.protocol import DecodingTokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,16 @@ class LoadedModel:
         return (self.lm_head is not None and getattr(self.tokenizer, "mask_char", None) is not None
                 and all(len(token) == 1 for token in self.alphabet))
 
+    def decoding(self) -> tuple[Seq2SeqModules, DecodingTokenizer]:
+        """The decoder graphs and the tokenizer that turns their token ids into text, for decoding
+        and sampling; ValueError for a model that does not decode."""
+        from bionemo_export.tokenizers.protocol import DecodingTokenizer
+
+        if self.seq2seq is None or not isinstance(self.tokenizer, DecodingTokenizer):
+            raise ValueError(f"{self.checkpoint} ({self.family.name}) has no decoder, so it serves no decodes or "
+                             "samplings: those need a checkpoint of an encoder-decoder family")
+        return self.seq2seq, self.tokenizer
+
     @property
     def classifier_outputs(self) -> tuple[TensorSpec, ...]:
         """The fine-tuned head graph's output: logits [B, C] or, per token, [B, L, C]."""
@@ -233,7 +243,8 @@ class ModelFamily(ABC):
 
         convert = getattr(self, f"from_{checkpoint.form}", None)
         if convert is None:
-            said = checkpoint.model_class if checkpoint.form in CONFIG_FILES else f"model_type {checkpoint.model_class!r}"
+            said = (checkpoint.model_class if checkpoint.form in CONFIG_FILES
+                    else f"model_type {checkpoint.model_class!r}")
             what = f" ({said})" if checkpoint.model_class else ""
             raise CheckpointError(f"{checkpoint.path} is a {checkpoint.form} checkpoint{what}; "
                                   f"the {self.name} family reads {', '.join(self.forms())} checkpoints")
@@ -258,7 +269,10 @@ class ModelFamily(ABC):
 REGISTRY: dict[str, type[ModelFamily]] = {}
 
 
-def register(cls: type[ModelFamily]) -> type[ModelFamily]:
+FamilyClass = TypeVar("FamilyClass", bound="type[ModelFamily]")
+
+
+def register(cls: FamilyClass) -> FamilyClass:
     """Class decorator: make a family available under `cls.name`."""
     if cls.name in REGISTRY:
         raise ValueError(f"model family {cls.name!r} is registered twice")
@@ -327,7 +341,8 @@ def get_family(name: str) -> ModelFamily:
         raise ValueError(f"unknown model family {name!r}; known families: {known}") from None
 
 
-def seq2seq_graph_specs(seq2seq: Seq2SeqModules, hidden_size: int) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
+def seq2seq_graph_specs(seq2seq: Seq2SeqModules, hidden_size: int
+                        ) -> dict[str, tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]]:
     """(inputs, outputs) of each decoder graph, as Seq2SeqModules documents them. Key/value
     tensors are [layers, batch, heads, length, head_dim]: their batch is not the first axis."""
 

@@ -114,7 +114,7 @@ class BertFamily(HuggingFaceEncoderFamily):
         embeddings unless `tie_word_embeddings` is false. Its `decoder.bias` is tied to
         `cls.predictions.bias` (old files hold both): the latter is used, the former when alone."""
         decoder_bias = weights.pop("decoder.bias", None)
-        decoder_bias_name = names.pop("decoder.bias", None)
+        decoder_bias_name = names.pop("decoder.bias", "decoder.bias")
         if "bias" not in weights and decoder_bias is not None:
             weights["bias"], names["bias"] = decoder_bias, decoder_bias_name
         activation = huggingface_activation(config.hidden_act, str(checkpoint.path / "config.json"))

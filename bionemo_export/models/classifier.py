@@ -64,6 +64,7 @@ class ClassifierHead(torch.nn.Module):
         hiddens = hiddens.float()
         if self.per_token:
             return self.out(hiddens)
+        assert self.dense is not None  # a sequence head has its dense layer (__init__)
         return self.out(torch.tanh(self.dense(hiddens[:, 0])))
 
 
@@ -105,7 +106,10 @@ def build_classifier(head: ClassifierWeights, hidden_size: int, source: str) -> 
     """The head from its weights, checked strictly: every key of its kind present, nothing else,
     shapes [H, H] / [H] for dense and [C, H] / [C] for out, C = len(labels). CheckpointError
     naming `source` otherwise."""
-    shown = lambda key: head.names.get(key, key)  # noqa: E731 - a one-line lookup
+    def shown(key: str) -> str:
+        """`key` as the checkpoint names it."""
+        return head.names.get(key, key)
+
     keys = TOKEN_KEYS if head.per_token else SEQUENCE_KEYS
     weights, count = head.weights, len(head.labels)
     problems = []

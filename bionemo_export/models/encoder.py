@@ -17,7 +17,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from transformers.initialization import no_init_weights
@@ -37,6 +37,9 @@ from bionemo_export.models.readers.base import some as _some
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
 from bionemo_export.models.transformer import TransformerConfig
 from bionemo_export.tokenizers.protocol import Tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class PooledEncoder(torch.nn.Module):
@@ -137,7 +140,10 @@ def word_embeddings(backbone: torch.nn.Module) -> torch.Tensor:
     transformer.Encoder (what tied masked-LM heads project onto)."""
     if isinstance(backbone, TransformerEncoder):
         return backbone.embedding.word_embeddings.weight.detach()
-    return backbone.get_input_embeddings().weight.detach()
+    # Any other backbone is a transformers model (EncoderFamily.backbone_class), whose input
+    # embeddings are an nn.Embedding; torch's Module.__getattr__ types neither.
+    embeddings = cast("PreTrainedModel", backbone).get_input_embeddings()
+    return cast(torch.nn.Embedding, embeddings).weight.detach()
 
 
 class HuggingFaceEncoderFamily(EncoderFamily):
@@ -208,7 +214,8 @@ class HuggingFaceEncoderFamily(EncoderFamily):
         architecture: None (no head) unless a family knows better."""
         return None
 
-    def huggingface_head(self, checkpoint: Checkpoint, config: Any) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
+    def huggingface_head(self, checkpoint: Checkpoint, config: Any
+                         ) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
         """(the checkpoint's other weights, its masked-LM head or None): the keys under
         head_prefix taken out before the unused heads are dropped."""
         if self.head_prefix is None:

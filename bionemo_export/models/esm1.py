@@ -54,7 +54,8 @@ class Esm1Family(Esm2Family):
                    "or a Hugging Face ESM-1b-style EsmModel")
     nemo_targets = ("ESM1nvModel",)
     position_embedding_type = "absolute"
-    from_nemo2 = from_nv_esm = None
+    from_nemo2: None = None
+    from_nv_esm: None = None
     """ESM-2-only forms (BioNeMo 2 and NVIDIA's TransformerEngine export): not inherited."""
 
     # ------------------------------------------------------------- Hugging Face directory

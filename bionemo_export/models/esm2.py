@@ -7,7 +7,7 @@ Hugging Face's names as shared/reference/bionemo-serving.md documents). The mask
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import transformers
@@ -25,6 +25,9 @@ from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
 from bionemo_export.models.transformer_engine_esm import check_tokenizer_json, nv_esm_config, nv_esm_weights
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
+
+if TYPE_CHECKING:
+    from transformers.models.esm.modeling_esm import EsmIntermediate
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
 ALPHABET = ["<cls>", "<pad>", "<eos>", "<unk>", *RESIDUES, ".", "-", "<null_1>", "<mask>"]
@@ -165,8 +168,10 @@ class Esm2Family(HuggingFaceEncoderFamily):
     def make_backbone(self, config: Any) -> torch.nn.Module:
         backbone = super().make_backbone(config)
         if getattr(config, "gelu_approximate", "none") == "tanh":
-            for layer in backbone.encoder.layer:
-                layer.intermediate = _TanhGeluIntermediate(layer.intermediate.dense)
+            # A transformers EsmModel: gelu_approximate is set on the EsmConfigs of Megatron checkpoints.
+            for layer in cast(transformers.EsmModel, backbone).encoder.layer:
+                dense = cast("EsmIntermediate", layer.intermediate).dense
+                layer.intermediate = _TanhGeluIntermediate(dense)
         return backbone
 
     def sample_sequences(self) -> list[str]:
@@ -210,7 +215,8 @@ def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmCon
     inv_freq = weights.pop("language_model.rotary_pos_emb.inv_freq", None)
     _check_rotary(inv_freq, config, source)
     if inv_freq is not None:
-        leave_out("model.language_model.rotary_pos_emb.inv_freq", "the rotary table: checked, and computed from the config")
+        leave_out("model.language_model.rotary_pos_emb.inv_freq",
+                  "the rotary table: checked, and computed from the config")
     weights = split_fused(weights, config.num_attention_heads, source)
     table = [("language_model.embedding.word_embeddings.", "embeddings.word_embeddings."),
              ("language_model.encoder.final_layernorm.", "encoder.emb_layer_norm_after.")]
@@ -227,8 +233,9 @@ def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmCon
     weights = rename(weights, table, drop=("lm_head.", "language_model.pooler.", "binary_head."))
     key = "embeddings.word_embeddings.weight"
     if key in weights:
-        weights[key] = cut_vocab(weights[key], config.vocab_size, "model.language_model.embedding.word_embeddings.weight",
-                                 source)
+        assert config.vocab_size is not None  # the caller's config sets it (len(ALPHABET))
+        weights[key] = cut_vocab(weights[key], config.vocab_size,
+                                 "model.language_model.embedding.word_embeddings.weight", source)
     return weights, head
 
 

@@ -87,7 +87,11 @@ def build_lm_head(weights: Mapping[str, torch.Tensor], word_embeddings: torch.Te
     Raises CheckpointError naming `source` for missing, unexpected or mis-shaped keys.
     """
     names = dict(names or {})
-    shown = lambda key: names.get(key, key)  # noqa: E731 - a one-line lookup
+
+    def shown(key: str) -> str:
+        """`key` as the checkpoint names it."""
+        return names.get(key, key)
+
     vocab, hidden = word_embeddings.shape
     problems = []
     if missing := [shown(key) for key in HEAD_KEYS if key not in weights]:
@@ -117,6 +121,7 @@ def build_lm_head(weights: Mapping[str, torch.Tensor], word_embeddings: torch.Te
         head.layer_norm.weight.copy_(weights["layer_norm.weight"].float())
         head.layer_norm.bias.copy_(weights["layer_norm.bias"].float())
         head.decoder.weight.copy_(output.float()[rows])
+        assert bias is not None  # one of HEAD_KEYS, so a missing bias raised above
         head.decoder.bias.copy_(bias.float()[:vocab][rows])
     return head.eval()
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import save_file
@@ -114,7 +114,8 @@ class MegaMolBart(nn.Module):
     def cross_kv(self, hiddens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer's cross-attention keys and values of the encoder's hidden states,
         each [layers, batch, heads, src_length, head_dim]: computed once per decode."""
-        pairs = [layer.inter_attention.keys_values(hiddens) for layer in self.decoder.layers]
+        layers = cast("Iterable[DecoderLayer]", self.decoder.layers)  # Stack(config, DecoderLayer, ...)
+        pairs = [layer.inter_attention.keys_values(hiddens) for layer in layers]
         return torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs])
 
     def decode(
@@ -322,6 +323,9 @@ class MegaMolBartFamily(ModelFamily):
     def build(self, description: ModelDescription) -> LoadedModel:
         model = self.build_model(description)
         config, tokenizer = model.config, description.tokenizer
+        # describe made it (_tokenizer): a SmilesTokenizer with MegaMolBART's begin and end tokens.
+        assert isinstance(tokenizer, SmilesTokenizer) and tokenizer.begin_id is not None, tokenizer
+        assert tokenizer.end_id is not None, tokenizer
         seq2seq = Seq2SeqModules(
             cross_kv=CrossKV(model).eval(),
             decoder_step=DecoderStep(model).eval(),

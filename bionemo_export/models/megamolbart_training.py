@@ -196,6 +196,8 @@ def _teacher_forcing(
     input_ids: torch.Tensor, lengths: torch.Tensor, tokenizer: SmilesTokenizer
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(decoder input `^` + tokens, target tokens + `&`), padded like `input_ids` plus one column."""
+    if tokenizer.end_id is None:
+        raise ValueError(f"teacher forcing needs an end token; the tokenizer's end_token is {tokenizer.end_token!r}")
     target = torch.nn.functional.pad(input_ids, (0, 1), value=tokenizer.pad_id)
     target[torch.arange(len(lengths)), lengths] = tokenizer.end_id
     decoder_in = torch.nn.functional.pad(input_ids, (1, 0), value=tokenizer.begin_id)

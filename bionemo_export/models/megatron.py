@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bionemo_export.models.base import leave_out
-from bionemo_export.models.readers import CheckpointError
+from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.megatron_ranks import FUSED
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ MEGATRON_HEAD_RENAMES = {"layernorm.weight": "layer_norm.weight", "layernorm.bia
 """NeMo BertLMHead's names (after `lm_head.`) -> lm_head.HEAD_KEYS (`dense.*` and `bias` agree)."""
 
 
-def megatron_lm_head(weights: Mapping[str, torch.Tensor], checkpoint) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
+def megatron_lm_head(weights: Mapping[str, torch.Tensor], checkpoint: Checkpoint
+                     ) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
     """(the other weights, the masked-LM head or None) of a NeMo Megatron BERT (ESM-2nv, ESM-1nv)
     state dict without its `model.` prefix: `lm_head.dense`, `lm_head.layernorm`, `lm_head.bias`
     (vocabulary-padded), output weights shared with the word embeddings. NeMo's BertLMHead applies
@@ -219,5 +220,5 @@ def transformer_config(checkpoint, vocab_size: int, sections: tuple[str | None, 
         if differing:
             raise CheckpointError(f"{source}: the {name} differs from the {sections[0]} in {', '.join(differing)}; "
                                   "only the number of layers may differ")
-    return TransformerConfig(vocab_size=vocab_size, num_decoder_layers=stacks[-1]["num_layers"] if len(stacks) > 1 else 0,
-                             **first)
+    decoder_layers = stacks[-1]["num_layers"] if len(stacks) > 1 else 0
+    return TransformerConfig(vocab_size=vocab_size, num_decoder_layers=decoder_layers, **first)

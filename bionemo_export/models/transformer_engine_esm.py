@@ -275,6 +275,7 @@ def nv_esm_weights(checkpoint: Checkpoint, config: transformers.EsmConfig) -> Nv
     layout = qkv_layout(raw, str(checkpoint.path / "config.json"))
     prefix = find_prefix(weights, source)
     padded = raw.get("padded_vocab_size") or config.vocab_size
+    assert padded is not None  # nv_esm_config set the config's vocab_size
     classifier_keys = {key: weights.pop(key) for key in list(weights) if key.startswith("classifier.")}
     _check_keys(weights, *_layout_shapes(weights, config, prefix, layout, padded), source)
     inv_freq = f"{prefix}encoder.rotary_embeddings.inv_freq"
@@ -335,6 +336,7 @@ def _head(weights: Mapping[str, torch.Tensor], config: transformers.EsmConfig, r
     for name in ("bias", "decoder.weight"):
         if name in found:
             found[name] = found[name][:config.vocab_size].contiguous()
+    assert config.layer_norm_eps is not None  # nv_esm_config set it (NVEsmConfig's default when absent)
     return HeadWeights(found, {new: old for old, new in HEAD_RENAMES.items()}, activation="gelu",
                        layer_norm_eps=float(config.layer_norm_eps), tied=bool(raw.get("tie_word_embeddings", True)))
 

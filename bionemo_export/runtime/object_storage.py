@@ -93,12 +93,12 @@ def s3_client(location: S3Location) -> Any:
     Raises ImportError without boto3. Path-style addressing, as Triton uses for an explicit
     endpoint; short timeouts, so that an unreachable store is reported in seconds, not minutes.
     """
-    import boto3
+    from boto3.session import Session
     from botocore.config import Config
 
     config = Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2},
                     s3={"addressing_style": "path"} if location.endpoint_url else {})
-    return boto3.session.Session().client("s3", endpoint_url=location.endpoint_url, config=config)
+    return Session().client("s3", endpoint_url=location.endpoint_url, config=config)
 
 
 def _relative_keys(client: Any, location: S3Location) -> Iterator[str]:
@@ -175,7 +175,8 @@ def check_s3_repository(uri: str) -> bool:
     folders = sorted({name.split("/", 1)[0] for name in files if "/" in name})
     inside = [folder for folder in folders if _holds_models(
         [name[len(folder) + 1:] for name in files if name.startswith(folder + "/")])]
-    hint = f"did you mean {location.child(inside[0])}?" if inside else "upload a repository built by `bionemo-export build repo`."
+    hint = (f"did you mean {location.child(inside[0])}?" if inside
+            else "upload a repository built by `bionemo-export build repo`.")
     raise S3RepositoryError(f"{uri} is not a model repository (no folder in it has a config.pbtxt); {hint}")
 
 

@@ -442,7 +442,8 @@ class TritonServer:
     def _log_excerpt(self, lines: int = 15) -> str:
         errors = self.log_errors()
         if errors:
-            return "Errors in the server log:\n" + "\n".join("  " + e.replace("\n", "\n    ") for e in errors) + f"\n(full log: {self.log_file})"
+            shown = "\n".join("  " + e.replace("\n", "\n    ") for e in errors)
+            return f"Errors in the server log:\n{shown}\n(full log: {self.log_file})"
         return f"Last lines of {self.log_file}:\n{self.log_tail(lines)}"
 
     def _get_json(self, path: str) -> dict | list:

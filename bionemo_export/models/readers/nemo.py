@@ -29,7 +29,7 @@ import posixpath
 import tarfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from yaml.composer import Composer
@@ -111,7 +111,7 @@ class _BoundedTarInfo(tarfile.TarInfo):
         else:
             archive.headers_in_a_row = 0
         try:
-            member = super()._proc_member(archive)
+            member = super()._proc_member(archive)  # pyright: ignore[reportAttributeAccessIssue] - tarfile's private hook
         except (ValueError, IndexError) as err:  # tarfile's parsers assume well-formed numbers and maps
             reason = " ".join(str(err).split())[:200]
             raise _RefusedArchive(f"malformed tar header near byte {self.offset} ({reason})") from None
@@ -122,7 +122,7 @@ class _BoundedTarInfo(tarfile.TarInfo):
         if len(pax_headers) > MAX_PAX_RECORDS:
             raise _RefusedArchive(f"member {_shown_name(self.name)} has {len(pax_headers)} pax records "
                                   f"(the most a member may have is {MAX_PAX_RECORDS})")
-        super()._apply_pax_info(pax_headers, encoding, errors)
+        super()._apply_pax_info(pax_headers, encoding, errors)  # pyright: ignore[reportAttributeAccessIssue] - private
 
     def _refuse_sparse(self, next_member: tarfile.TarInfo, *args: Any) -> None:
         raise _RefusedArchive(f"member {_shown_name(next_member.name)} is a sparse file (pax GNU.sparse records)")
@@ -259,8 +259,8 @@ def _canonical(weights: dict[str, Any], config: dict[str, Any], tensor_size: int
             section = next((name for name in sections if f".{name}." in f".{key}"), None)
             heads = config_setting(config, "num_attention_heads", section, None)
             if not isinstance(heads, int) or heads < 1:
-                raise CheckpointError(f"{archive}:{CONFIG_NAME}: num_attention_heads is {heads!r}; megatron_legacy's fused "
-                                      "QKV is regrouped per head, so the number of heads is needed")
+                raise CheckpointError(f"{archive}:{CONFIG_NAME}: num_attention_heads is {heads!r}; megatron_legacy's "
+                                      "fused QKV is regrouped per head, so the number of heads is needed")
             if heads % tensor_size:
                 raise CheckpointError(f"{source}: {heads} attention heads do not divide among {tensor_size} "
                                       "tensor-parallel ranks")
@@ -308,7 +308,8 @@ class NemoReader(CheckpointReader):
         try:
             with _open_archive(path) as tar:
                 members = _safe_members(tar, path)
-                config_member = next((m for name, m in members.items() if posixpath.basename(name) == CONFIG_NAME), None)
+                config_member = next((m for name, m in members.items() if posixpath.basename(name) == CONFIG_NAME),
+                                     None)
                 if config_member is None:
                     raise CheckpointError(f"{path} has no {CONFIG_NAME}; a .nemo checkpoint holds "
                                           f"{CONFIG_NAME} and {WEIGHTS_NAME}")
@@ -318,7 +319,8 @@ class NemoReader(CheckpointReader):
                 files = {
                     posixpath.basename(name): _read(tar, member)
                     for name, member in members.items()
-                    if posixpath.basename(name) not in (CONFIG_NAME, WEIGHTS_NAME) and member.size <= MAX_SIDE_FILE_BYTES
+                    if posixpath.basename(name) not in (CONFIG_NAME, WEIGHTS_NAME)
+                    and member.size <= MAX_SIDE_FILE_BYTES
                 }
         except _RefusedArchive as err:
             raise CheckpointError(f"{path}: {err}; refusing the archive") from None
@@ -348,6 +350,12 @@ class _BoundedComposer(Composer):
         """Expanded size of each composed node that has an anchor, by id."""
         self.values = 0
         """Values composed so far with aliases expanded."""
+
+    if TYPE_CHECKING:  # what the Parser (or CParser) this composer is mixed with provides
+
+        def check_event(self, *choices: type[yaml.Event]) -> bool: ...
+
+        def peek_event(self) -> Any: ...  # a yaml.NodeEvent where compose_node peeks
 
     def _count(self, size: int) -> None:
         self.values += size
@@ -398,7 +406,8 @@ class _BoundedPythonYaml(Reader, Scanner, Parser, _BoundedComposer, SafeConstruc
         Resolver.__init__(self)
 
 
-_BoundedPythonYaml.add_constructor("tag:yaml.org,2002:int", _construct_bounded_int)
+# typeshed's add_constructor takes constructors of yaml's own Loader classes only.
+_BoundedPythonYaml.add_constructor("tag:yaml.org,2002:int", _construct_bounded_int)  # pyright: ignore[reportArgumentType]
 _BoundedYaml: type = _BoundedPythonYaml
 """The loader `_parse_config` uses: libyaml's parser where PyYAML has it (yaml.CSafeLoader's own
 composer is C code that no hook reaches, so only its parser is used), the pure-Python one otherwise."""
@@ -416,7 +425,7 @@ if yaml.__with_libyaml__:
             SafeConstructor.__init__(self)
             Resolver.__init__(self)
 
-    _BoundedLibyaml.add_constructor("tag:yaml.org,2002:int", _construct_bounded_int)
+    _BoundedLibyaml.add_constructor("tag:yaml.org,2002:int", _construct_bounded_int)  # pyright: ignore[reportArgumentType]
     _BoundedYaml = _BoundedLibyaml
 
 

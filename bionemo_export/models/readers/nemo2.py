@@ -33,6 +33,7 @@ import json
 import math
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,7 +103,8 @@ class _MetadataUnpickler(pickle._Unpickler):
     `_allowed_globals` (any other is refused, by name), and state is set on instances only (a
     BUILD on a class would set attributes of torch's own classes for the whole process)."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch: dict[int, Callable[[Any], None]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]  # the unpickler's stack (set by load(); typeshed does not declare it)
 
     def __init__(self, file: Any) -> None:
         super().__init__(file)
@@ -117,7 +119,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     def load_build(self) -> None:
         if isinstance(self.stack[-2], type):
             raise _Refused(f"state for the class {self.stack[-2].__qualname__}")
-        super().load_build()
+        super().load_build()  # pyright: ignore[reportAttributeAccessIssue] - pickle's private opcode handler
 
     dispatch[pickle.BUILD[0]] = load_build
 
@@ -220,7 +222,8 @@ def _check_storage(metadata: Any, tensors: dict[str, tuple[tuple[int, ...], Any]
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     source = weights / METADATA
-    stored = {(getattr(index, "fqn", None), tuple(getattr(index, "offset", None) or ())) for index in metadata.storage_data}
+    stored = {(getattr(index, "fqn", None), tuple(getattr(index, "offset", None) or ()))
+              for index in metadata.storage_data}
     for key in tensors:
         for chunk in metadata.state_dict_metadata[key].chunks:
             if (key, tuple(chunk.offsets)) not in stored:
@@ -236,8 +239,9 @@ def _check_storage(metadata: Any, tensors: dict[str, tuple[tuple[int, ...], Any]
             raise CheckpointError(f"{source}: where {index.fqn} is stored is not a file of {weights} with an offset "
                                   f"and a length ({info!r:.200}); refusing the checkpoint")
         if info.transform_descriptors:
-            raise CheckpointError(f"{source}: {index.fqn} is stored with transforms {info.transform_descriptors!r:.100} "
-                                  "(compression); only plain torch_dist checkpoints are read")
+            raise CheckpointError(f"{source}: {index.fqn} is stored with transforms "
+                                  f"{info.transform_descriptors!r:.100} (compression); only plain torch_dist "
+                                  "checkpoints are read")
         if name not in files:
             path = weights / name
             if not path.is_file():
@@ -257,14 +261,15 @@ def load_distributed(weights: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     """(the model's tensors at their global shapes, entries skipped) of a torch distributed
     checkpoint folder, read in this process with torch.distributed.checkpoint."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     metadata = _read_metadata(weights / METADATA)
     tensors, skipped = _select(metadata, weights / METADATA)
     _check_storage(metadata, tensors, weights)
 
-    class CheckedReader(dcp.FileSystemReader):
+    class CheckedReader(FileSystemReader):
         """torch's reader, given the metadata read and checked above instead of unpickling it."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -274,7 +279,7 @@ def load_distributed(weights: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore")
-            dcp.load(state, storage_reader=CheckedReader(weights), no_dist=True)
+            load(state, storage_reader=CheckedReader(weights), no_dist=True)
     except CheckpointException as err:  # torch wraps what failed, per rank
         cause = next((failure[0] for failure in err.failures.values()), err) if isinstance(err.failures, dict) else err
         raise weights_error(f"{weights} (a record of its .distcp files)", cause) from None
