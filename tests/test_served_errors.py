@@ -24,6 +24,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 from typer.testing import CliRunner
 
+from bionemo_export import procfs
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import Seq2SeqClient, strings_to_tensor
@@ -94,7 +95,8 @@ def _client(server, protocol):
     return httpclient, httpclient.InferenceServerClient(server.endpoints.http_url, network_timeout=300)
 
 
-def infer(server, model: str, inputs: dict[str, np.ndarray], protocol: str = "grpc", **options):
+def infer(server, model: str, inputs: dict[str, np.ndarray], protocol: str = "grpc",
+          **options) -> dict[str, np.ndarray]:
     """The outputs of a plain tritonclient request (raises InferenceServerException)."""
     module, client = _client(server, protocol)
     tensors = []
@@ -104,8 +106,15 @@ def infer(server, model: str, inputs: dict[str, np.ndarray], protocol: str = "gr
         tensors.append(tensor)
     try:
         result = client.infer(model, tensors, **options)
-        response = result.get_response(as_json=True) if protocol == "grpc" else result.get_response()
-        return {output["name"]: result.as_numpy(output["name"]) for output in response["outputs"]}
+        if isinstance(result, grpcclient.InferResult):
+            response = result.get_response(as_json=True)
+        else:
+            assert isinstance(result, httpclient.InferResult), result
+            response = result.get_response()
+        outputs = {output["name"]: result.as_numpy(output["name"]) for output in response["outputs"]}
+        arrays = {name: array for name, array in outputs.items() if array is not None}
+        assert arrays.keys() == outputs.keys(), f"{model} sent no data for outputs {outputs.keys() - arrays.keys()}"
+        return arrays
     finally:
         client.close()
 
@@ -193,9 +202,10 @@ def test_sampling_method_must_be_known_utf8_and_one_per_request(mmb):
 # ----------------------------------------------------------------------------------- limits
 def test_limits_are_declared_in_the_configs(mmb):
     client = grpcclient.InferenceServerClient(mmb.endpoints.grpc_url)
-    samplings = client.get_model_config("mmb_samplings", as_json=True)["config"]
-    decodes = client.get_model_config("mmb_decodes", as_json=True)["config"]
+    answers = [client.get_model_config(model, as_json=True) for model in ("mmb_samplings", "mmb_decodes")]
     client.close()
+    assert all(isinstance(answer, dict) for answer in answers), answers  # as_json: parsed JSON, not a protobuf
+    samplings, decodes = (answer["config"] for answer in answers if isinstance(answer, dict))
     parameters = {key: value["string_value"] for key, value in samplings["parameters"].items()}
     assert {key: parameters[key] for key in ("max_num_samples", "max_beam_size", "max_samples_x_beams")} == {
         "max_num_samples": str(LIMITS.max_num_samples), "max_beam_size": str(LIMITS.max_beam_size),
@@ -270,7 +280,7 @@ def test_an_overflowing_request_fails_alone_in_a_batch(mmb):
     mask = np.ones(hiddens.shape[:2], dtype=bool)
     expected = infer(mmb, "mmb_decodes", {"hiddens": hiddens, "mask": mask})["sequences"]
     barrier = threading.Barrier(8)
-    results = [None] * 8
+    results: list[dict[str, np.ndarray] | InferenceServerException | None] = [None] * 8
 
     def send(index):
         scale = 1e38 if index % 2 else 1.0
@@ -289,6 +299,7 @@ def test_an_overflowing_request_fails_alone_in_a_batch(mmb):
         if index % 2:
             assert isinstance(result, InferenceServerException) and "max_hidden_magnitude" in result.message()
         else:
+            assert isinstance(result, dict), result
             np.testing.assert_array_equal(result["sequences"], expected)
 
 
@@ -383,19 +394,16 @@ def test_a_clients_deadline_ends_the_decode_and_frees_the_model(mmb):
 def stub_memory_mb(server, model: str) -> dict[str, dict[str, float]]:
     """Per Python-backend stub process serving `model` (pid -> figures in MiB): VmRSS, and its
     heap part RssAnon (the Python backend's shared-memory pool is the rest)."""
-    script = f"{server.model_repository}/{model}/1/model.py".encode()
+    script = f"{server.model_repository}/{model}/1/model.py"
     stubs = {}
-    for process in Path("/proc").iterdir():
-        if not process.name.isdigit():
+    for pid in procfs.pids():
+        if script not in (procfs.command_line(pid) or []):
             continue
-        try:
-            if script not in (process / "cmdline").read_bytes().split(b"\0"):
-                continue
-            status = (process / "status").read_text()
-        except OSError:
-            continue
-        stubs[process.name] = {key: int(re.search(rf"^{key}:\s+(\d+) kB", status, re.M).group(1)) / 1024
-                               for key in ("VmRSS", "RssAnon")}
+        figures = {key: procfs.status_value(pid, key) for key in ("VmRSS", "RssAnon")}
+        if not any(figures.values()):
+            continue  # gone meanwhile
+        assert all(figures.values()), f"/proc/{pid}/status lacks VmRSS or RssAnon: {figures}"
+        stubs[str(pid)] = {key: int(value.split()[0]) / 1024 for key, value in figures.items() if value}
     assert stubs, f"no stub process found for {model}"
     return stubs
 
