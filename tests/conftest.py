@@ -1,14 +1,18 @@
 """Shared fixtures: one real tritonserver per test module, on free loopback ports; a tiny random
-checkpoint."""
+checkpoint; the real AntiBERTy loaded."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from bionemo_export.runtime import TritonServer, find_tritonserver
 from tests.helpers.tiny_repository import tiny_repository
+
+if TYPE_CHECKING:  # torch and transformers load only in the modules that ask for a model
+    from bionemo_export.models import LoadedModel
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +21,15 @@ def esm2_checkpoint(tmp_path_factory) -> Path:
     from bionemo_export.testing.checkpoints import save_random_checkpoint  # torch: only where a test asks for it
 
     return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2") / "checkpoint", seed=0)
+
+
+@pytest.fixture(scope="module")
+def antiberty() -> LoadedModel:
+    """The real AntiBERTy (shipped in the antiberty wheel) loaded as the bert family."""
+    from bionemo_export.models import get_family  # torch: only where a test asks for it
+    from bionemo_export.models.bert import antiberty_checkpoint
+
+    return get_family("bert").load(antiberty_checkpoint())
 
 
 @pytest.fixture(scope="session")

@@ -268,11 +268,6 @@ def test_bert_without_head_has_none():
     assert loaded.lm_head is None and loaded.alphabet == ()
 
 
-@pytest.fixture(scope="module")
-def antiberty() -> LoadedModel:
-    return get_family("bert").load(antiberty_checkpoint())
-
-
 def test_real_antiberty_head_matches_bert_for_masked_lm(antiberty):
     """AntiBERTy's cls.predictions in transformers' BertForMaskedLM (its species/chain/graft heads
     are not part of it) against the package's head."""

@@ -32,11 +32,6 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.fixture(scope="module")
-def antiberty() -> LoadedModel:
-    return get_family("bert").load(antiberty_checkpoint())
-
-
 def run(model: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """hiddens, embeddings and residue_mask for a batch, as the exported graph would see it."""
     encoded = model.tokenizer.encode(sequences)
