@@ -98,7 +98,6 @@ class LiveTarget:
 
 
 def _client(protocol: str, address: str) -> Any:
-    # From-imports: pyright does not see the names of tritonclient.grpc as the module's attributes.
     if protocol == "grpc":
         from tritonclient.grpc import InferenceServerClient
     else:
