@@ -27,10 +27,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from bionemo_export.models.base import TensorSpec
+from bionemo_export.errors import UserError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: importing the models package imports every family, and torch
     import torch
+
+    from bionemo_export.models.base import TensorSpec
 
 ONNX_MODEL_KEY = "onnx"
 """Navigator's key (and workspace folder) for the ONNX format."""
@@ -42,11 +44,11 @@ INSTALL_HINT = (
 )
 
 
-class NavigatorUnavailableError(RuntimeError):
+class NavigatorUnavailableError(UserError, RuntimeError):
     """Model Navigator was asked for but does not import here."""
 
 
-class NavigatorExportError(RuntimeError):
+class NavigatorExportError(UserError, RuntimeError):
     """Model Navigator ran but produced no valid ONNX model; the message names its log."""
 
 

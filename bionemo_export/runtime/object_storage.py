@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bionemo_export.errors import UserError
+from bionemo_export.model_repository.manifest import MANIFEST_NAME
+
 S3_SCHEME = "s3://"
 
 # Triton's own pattern for a location on an explicit endpoint (triton-inference-server/core,
@@ -34,7 +37,7 @@ _CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_D
                      "AWS_PROFILE: tritonserver reads the same variables")
 
 
-class S3RepositoryError(ValueError):
+class S3RepositoryError(UserError, ValueError):
     """An s3:// location that tritonserver could not serve; the message names it and says why."""
 
 
@@ -135,8 +138,6 @@ def list_repository(uri: str) -> list[str]:
 
 def _holds_models(files: list[str]) -> bool:
     """A model folder (a top-level folder with config.pbtxt) or bionemo-export's manifest is there."""
-    from bionemo_export.model_repository.manifest import MANIFEST_NAME  # not at import: protobuf
-
     return any(re.fullmatch(r"[^/]+/config\.pbtxt", name) or name == MANIFEST_NAME for name in files)
 
 

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from bionemo_export.errors import UserError
+from bionemo_export.model_repository.manifest import Manifest
+
 from .discovery import TritonInstall, find_tritonserver
 from .object_storage import check_s3_repository, is_s3_uri
 from .stubs import SHARED_MEMORY_DIR, live_stubs
@@ -49,18 +52,16 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SIG_DFL = 0  # signal.h
 
 
-class TritonStartError(RuntimeError):
+class TritonStartError(UserError, RuntimeError):
     """The server exited or did not become ready; the message carries its log's last lines."""
 
 
-class NotAModelRepositoryError(ValueError):
+class NotAModelRepositoryError(UserError, ValueError):
     """The folder holds no model Triton could serve; the message says what to pass instead."""
 
 
 def _is_repository(folder: Path) -> bool:
     """A model folder (a subfolder with config.pbtxt) is present, or bionemo-export built it."""
-    from bionemo_export.model_repository.manifest import Manifest  # not at import: protobuf
-
     try:
         if any((child / "config.pbtxt").is_file() for child in folder.iterdir() if child.is_dir()):
             return True

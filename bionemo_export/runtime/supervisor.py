@@ -55,6 +55,8 @@ from bionemo_export.client.triton import (
     TritonClient,
     strings_to_tensor,
 )
+from bionemo_export.errors import InvalidInputError
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.parameters import BLS_MODELS  # written by the planners
 from bionemo_export.tasks import DType, public_suffixes, task_of
 
@@ -185,7 +187,7 @@ def probe_inputs(config: dict, metadata: dict) -> dict[str, np.ndarray]:
     name = metadata.get("name", "")
     task = task_of(name)
     if task is None:
-        raise ValueError(f"{name}: not a public model (a name ending in {', '.join(PUBLIC_SUFFIXES)})")
+        raise InvalidInputError(f"{name}: not a public model (a name ending in {', '.join(PUBLIC_SUFFIXES)})")
     served = {tensor["name"]: tensor for tensor in metadata.get("inputs", ())}
     probe: dict[str, np.ndarray] = {}
     for tensor in task.required_inputs:
@@ -220,8 +222,6 @@ def public_models(client: ControlClient, repository: Path | None = None) -> list
     """The public models: the `public_models` of the repository's manifest.json when there is one,
     else every model of the server's index named like a public one."""
     if repository is not None:
-        from bionemo_export.model_repository.manifest import Manifest
-
         try:
             listed = Manifest.read(repository).public_models
         except (OSError, ValueError):  # no manifest, or not one: ask the server
