@@ -8,10 +8,11 @@ import re
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
+from tritonclient.grpc import InferenceServerClient
 
 from bionemo_export.bench.run import read_statistics
 from bionemo_export.build import BuildRequest, build_repository
@@ -107,7 +108,7 @@ def _requests() -> list[list[str]]:
 
 def _stats(url: str, model: str) -> tuple[int, int]:
     """(inferences, executions) of `model` so far, as `bench` reads Triton's statistics."""
-    counters = read_statistics(grpcclient.InferenceServerClient(url))[model]
+    counters = read_statistics(InferenceServerClient(url))[model]
     return counters["inferences"], counters["executions"]
 
 
@@ -188,7 +189,8 @@ def test_a_bad_sequence_fails_alone_inside_a_batch(encoder_server):
         results = list(pool.map(send, batches))
     assert "invalid character 'J' at position 5" in str(results[1]) and "empty" in str(results[3])
     for index in (0, 2, 4, 5):
-        assert isinstance(results[index], np.ndarray) and np.isfinite(results[index]).all()
+        embeddings = results[index]
+        assert isinstance(embeddings, np.ndarray) and np.isfinite(embeddings).all(), embeddings
 
 
 # --------------------------------------------------------------------------- served samplings
@@ -216,9 +218,10 @@ def test_samplings_batched_across_requests_keep_each_seeded_result(samplings_ser
         ("beam-search-perturbate-sample", 2, 2), ("topkp-perturbate", 1, 5), ("greedy-perturbate", 2, 5),
         ("beam-search-perturbate", 2, 2), ("beam-search-single-sample", 2, 5),
     ]
-    requests = [(smiles[i % 5:i % 5 + 1 + i % 3], dict(seed=i, sampling_method=method, num_samples=samples,
-                                                      beam_size=beams, top_k=3, scaled_radius=0.5 + i / 10))
-                for i, (method, samples, beams) in enumerate(settings)]
+    requests: list[tuple[list[str], dict[str, Any]]] = [
+        (smiles[i % 5:i % 5 + 1 + i % 3], dict(seed=i, sampling_method=method, num_samples=samples, beam_size=beams,
+                                               top_k=3, scaled_radius=0.5 + i / 10))
+        for i, (method, samples, beams) in enumerate(settings)]
     with Seq2SeqClient("mmb", url) as client:
         alone = [client.sample_seqs(sequences, **parameters) for sequences, parameters in requests]
     before = _stats(server.endpoints.grpc_url, "mmb_samplings")

@@ -42,7 +42,9 @@ def te_gelu(model: transformers.EsmForMaskedLM) -> transformers.EsmForMaskedLM:
     """A copy of `model` computing what NVIDIA's TransformerEngine model computes."""
     model = copy.deepcopy(model)
     for layer in model.esm.encoder.layer:
-        layer.intermediate = TanhGeluIntermediate(layer.intermediate.dense)
+        dense = layer.get_submodule("intermediate.dense")
+        assert isinstance(dense, torch.nn.Linear)
+        layer.intermediate = TanhGeluIntermediate(dense)
     return model.eval()
 
 
@@ -110,7 +112,7 @@ def test_outputs_equal_transformers(esm, exported, prefix):
     weights = torch.from_numpy(encoded.residue_mask).float().unsqueeze(-1)
     torch.testing.assert_close(embeddings, (expected * weights).sum(1) / weights.sum(1), rtol=0, atol=TOLERANCE)
     alphabet_ids = [ESM_VOCAB.index(token) for token in loaded.alphabet]
-    assert len(alphabet_ids) == 25
+    assert len(alphabet_ids) == 25 and log_probs is not None
     assert max_error(log_probs, torch.log_softmax(logits[..., alphabet_ids], dim=-1), mask) < TOLERANCE
     assert loaded.description["checkpoint_form"] == ("NVIDIA TransformerEngine ESM-2 directory "
                                                      "(nv_esm, model.safetensors)")
@@ -152,6 +154,7 @@ def test_stored_decoder_weight_is_cut_like_the_embeddings(esm, tmp_path):
     encoded, _, _, log_probs = outputs(loaded)
     _, logits = reference(te_gelu(esm), encoded)
     ids = [ESM_VOCAB.index(token) for token in loaded.alphabet]
+    assert log_probs is not None
     assert max_error(log_probs, torch.log_softmax(logits[..., ids], dim=-1), encoded.attention_mask) < TOLERANCE
 
 
@@ -172,7 +175,7 @@ def test_token_classifier(esm, tmp_path):
     """NVEsmForTokenClassification: `classifier` on every token, labels from id2label."""
     weight, bias = torch.randn(3, 32), torch.randn(3)
     loaded = load_checkpoint(write_nv_esm(esm, tmp_path / "token", classifier=(weight, bias)), "esm2")
-    assert loaded.lm_head is None and loaded.classifier.per_token
+    assert loaded.lm_head is None and loaded.classifier is not None and loaded.classifier.per_token
     assert loaded.classifier.labels == ("class_0", "class_1", "class_2")
     _, hiddens, _, _ = outputs(loaded)
     with torch.no_grad():

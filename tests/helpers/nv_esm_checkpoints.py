@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import transformers
 from safetensors.torch import save_file
+from transformers.models.esm.modeling_esm import EsmLayer
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
 AUTO_MAP = {"AutoConfig": "esm_nv.NVEsmConfig", "AutoModel": "esm_nv.NVEsmModel",
@@ -47,9 +48,12 @@ def nv_esm_state_dict(model: transformers.EsmForMaskedLM, *, prefix: str = "mode
     embeddings = padded(esm.embeddings.word_embeddings.weight, padded_vocab_size, 0.0)  # zero rows
     out = {f"{prefix}embeddings.word_embeddings.weight": embeddings}
     if config.emb_layer_norm_before:
-        out[f"{prefix}embeddings.layer_norm.weight"] = esm.embeddings.layer_norm.weight
-        out[f"{prefix}embeddings.layer_norm.bias"] = esm.embeddings.layer_norm.bias
+        layer_norm = esm.embeddings.layer_norm
+        assert layer_norm is not None  # EsmEmbeddings has one exactly when emb_layer_norm_before is set
+        out[f"{prefix}embeddings.layer_norm.weight"] = layer_norm.weight
+        out[f"{prefix}embeddings.layer_norm.bias"] = layer_norm.bias
     for i, layer in enumerate(esm.encoder.layer):
+        assert isinstance(layer, EsmLayer)
         te = f"{prefix}encoder.layers.{i}."
         attention, parts = layer.attention.self, ("query", "key", "value")
         for leaf in ("weight", "bias"):
@@ -122,7 +126,9 @@ def write_nv_esm(model: transformers.EsmForMaskedLM, out: Path, *, prefix: str =
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     old = prefix == "esm."
-    weights = nv_esm_state_dict(model, prefix=prefix, padded_vocab_size=padded_vocab_size or model.config.vocab_size,
+    vocab_size = padded_vocab_size or model.config.vocab_size
+    assert vocab_size is not None  # an EsmForMaskedLM is built with a vocab_size
+    weights = nv_esm_state_dict(model, prefix=prefix, padded_vocab_size=vocab_size,
                                 layout=layout, head=head and classifier is None, decoder_weight=decoder_weight,
                                 inv_freq=old if inv_freq is None else inv_freq,
                                 extra_state=old if extra_state is None else extra_state)
