@@ -14,7 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
+from tritonclient.grpc import InferenceServerClient
 from typer.testing import CliRunner
 
 from bionemo_export.bench.run import read_statistics
@@ -123,7 +123,7 @@ def test_raw_kserve_v2_json_request_with_bytes_data(server):
 # ---------------------------------------------------------------------- the Python client
 def _stats(server, model: str) -> int:
     """The requests `model` has answered so far, as `bench` reads Triton's statistics."""
-    return read_statistics(grpcclient.InferenceServerClient(server.endpoints.grpc_url))[model]["requests"]
+    return read_statistics(InferenceServerClient(server.endpoints.grpc_url))[model]["requests"]
 
 
 @pytest.mark.e2e
