@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 import yaml
 from typer.testing import CliRunner
 
-from bionemo_export.models import get_family, load_checkpoint
+from bionemo_export.models import LoadedModel, get_family, load_checkpoint
+from bionemo_export.models.encoder import PooledEncoder
+from bionemo_export.models.lm_head import MaskedLMHead
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from tests.helpers.nemo2_checkpoints import (
     esm2_model_yaml,
@@ -52,6 +55,12 @@ def run(loaded, sequences):
     return hiddens, embeddings, log_probs, mask.bool(), ids, residues
 
 
+def head_alphabet_ids(loaded: LoadedModel) -> tuple[int, ...]:
+    """The vocabulary ids whose log-probabilities the loaded masked-LM head returns, in order."""
+    assert isinstance(loaded.lm_head, MaskedLMHead), loaded.lm_head
+    return loaded.lm_head.alphabet_ids
+
+
 def reference(model, ids, mask, residues, alphabet_ids, *, tanh: bool = False):
     """(hiddens, residue-mean embeddings, log_softmax of the logits over the alphabet) from the
     transformers EsmForMaskedLM itself (its MLP's GELU swapped for the tanh one when asked)."""
@@ -76,9 +85,10 @@ def reference(model, ids, mask, residues, alphabet_ids, *, tanh: bool = False):
 
 def assert_equals_source(loaded, model, *, tanh: bool = False, sequences=PROTEINS):
     hiddens, embeddings, log_probs, mask, ids, residues = run(loaded, sequences)
-    expected = reference(model, ids, mask, residues, loaded.lm_head.alphabet_ids, tanh=tanh)
+    expected = reference(model, ids, mask, residues, head_alphabet_ids(loaded), tanh=tanh)
     assert (hiddens[mask] - expected[0][mask]).abs().max() < 1e-5
     assert (embeddings - expected[1]).abs().max() < 1e-5
+    assert log_probs is not None
     assert (log_probs[mask] - expected[2][mask]).abs().max() < 1e-5
     return hiddens, mask
 
@@ -150,7 +160,9 @@ def test_bionemos_esm_gelu_func_is_exact_gelu(source, tmp_path):
 
 def test_token_dropout_follows_the_config(source, tmp_path):
     without = load_checkpoint(write_esm2_nemo2(tmp_path / "off", source, token_dropout=False, **EXACT))
-    assert not without.encoder.backbone.config.token_dropout
+    encoder = without.encoder
+    assert isinstance(encoder, PooledEncoder) and isinstance(encoder.backbone, transformers.EsmModel)
+    assert not encoder.backbone.config.token_dropout
     with_it = load_checkpoint(write_esm2_nemo2(tmp_path / "on", source, **EXACT))
     masked = ["MKT_YIAKQRQ"]
     assert (run(without, masked)[0] - run(with_it, masked)[0]).abs().max() > 1e-4
@@ -172,13 +184,14 @@ def test_layers_stored_one_by_one_and_an_untied_output_layer(source, tmp_path):
                             share_embeddings_and_output_weights=False, **EXACT)
     loaded = load_checkpoint(path)
     hiddens, _, log_probs, mask, ids, residues = run(loaded, PROTEINS)
-    expected_hiddens, _, _ = reference(source, ids, mask, residues, loaded.lm_head.alphabet_ids)
+    expected_hiddens, _, _ = reference(source, ids, mask, residues, head_alphabet_ids(loaded))
     assert (hiddens[mask] - expected_hiddens[mask]).abs().max() < 1e-5
     head = source.lm_head
     with torch.no_grad():
         features = head.layer_norm(torch.nn.functional.gelu(head.dense(hiddens)))
         logits = features @ untied.T + head.bias
-    expected = torch.log_softmax(logits[..., list(loaded.lm_head.alphabet_ids)], dim=-1)
+    expected = torch.log_softmax(logits[..., list(head_alphabet_ids(loaded))], dim=-1)
+    assert log_probs is not None
     assert (log_probs[mask] - expected[mask]).abs().max() < 1e-5
 
 
@@ -237,7 +250,8 @@ def test_a_wrong_shape_is_named(source, tmp_path):
                                               r"expected \(96,\)"):
         load_checkpoint(path)
     path = write_esm2_nemo2(tmp_path / "layers", source, num_layers=3, **EXACT)
-    with pytest.raises(CheckpointError, match=r"module\.encoder\.layers\.\S+ has shape \(2, .*config\.num_layers \(3\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"module\.encoder\.layers\.\S+ has shape \(2, .*config\.num_layers \(3\)"):
         load_checkpoint(path)
 
 
@@ -337,7 +351,8 @@ def test_a_pickled_global_in_a_distcp_record_is_refused(exact_dir, tmp_path):
     index = next(i for i in metadata.storage_data if i.fqn == "module.encoder.final_layernorm.weight")
     metadata.storage_data[index] = _StorageInfo(record.name, 0, record.stat().st_size)
     _write_metadata(path, metadata)
-    with pytest.raises(CheckpointError, match=r"weights \(a record of its \.distcp files\): it holds pickled code or objects other than tensors"):
+    with pytest.raises(CheckpointError, match=r"weights \(a record of its \.distcp files\): it holds pickled code or "
+                                              "objects other than tensors"):
         read_checkpoint(path)
     assert not sentinel.exists()
 

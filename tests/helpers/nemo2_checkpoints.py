@@ -70,9 +70,9 @@ def esm2_to_megatron_core(model: transformers.EsmForMaskedLM) -> dict[str, torch
     for i in range(config.num_hidden_layers):
         src = f"encoder.layer.{i}."
         for leaf in ("weight", "bias"):
-            parts = [hf[f"{src}attention.self.{p}.{leaf}"] for p in ("query", "key", "value")]
+            query, key, value = (hf[f"{src}attention.self.{p}.{leaf}"] for p in ("query", "key", "value"))
             layer = {
-                f"self_attention.linear_qkv.{leaf}": _interleave_qkv(*parts, config.num_attention_heads),
+                f"self_attention.linear_qkv.{leaf}": _interleave_qkv(query, key, value, config.num_attention_heads),
                 f"self_attention.linear_qkv.layer_norm_{leaf}": hf[f"{src}attention.LayerNorm.{leaf}"],
                 f"self_attention.linear_proj.{leaf}": hf[f"{src}attention.output.dense.{leaf}"],
                 f"mlp.linear_fc1.layer_norm_{leaf}": hf[f"{src}LayerNorm.{leaf}"],
@@ -150,11 +150,15 @@ def _chunked_per_layer(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     is made for it and destroyed again (none is left behind)."""
     import torch.distributed as dist
     from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.shard import Shard
 
     if dist.is_initialized():  # someone else's group: leave it alone and save plain tensors
         return dict(weights)
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    # HashStore is public (torch.distributed.HashStore) but imported there from torch._C without a
+    # re-export marker, which pyright reads as private.
+    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
     try:
         out: dict[str, Any] = {}
         for key, tensor in weights.items():
@@ -184,7 +188,8 @@ def write_nemo2(path: Path, model_yaml: dict[str, Any], weights: dict[str, torch
                 common: Any = None) -> Path:
     """A NeMo 2 checkpoint directory at `path`: context/ (model.yaml, io.json) and weights/ (a torch
     distributed checkpoint in two .distcp files, common.pt, metadata.json)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     context, weights_dir = path / "context", path / "weights"
     context.mkdir(parents=True)
@@ -201,10 +206,10 @@ def write_nemo2(path: Path, model_yaml: dict[str, Any], weights: dict[str, torch
         for key, tensor in list(weights.items())[:3]:
             state[f"optimizer.state.exp_avg.{key}"] = torch.zeros_like(tensor)
             state[f"optimizer.state.fp32_param.{key}"] = tensor.float().clone()
-    writer = dcp.FileSystemWriter(str(weights_dir), thread_count=2)
+    writer = FileSystemWriter(str(weights_dir), thread_count=2)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=writer, no_dist=True)
+        save(state, storage_writer=writer, no_dist=True)
     torch.save(common if common is not None else {"epoch": 0, "global_step": 10, "optimizer": [{"lr": 1e-4}]},
                weights_dir / "common.pt")
     (weights_dir / "metadata.json").write_text(json.dumps(
