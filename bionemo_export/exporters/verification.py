@@ -195,7 +195,9 @@ def verify_onnx(
     for index, batch in enumerate(batches):
         if missing := [name for name in input_names if name not in batch]:
             raise ValueError(f"batch {index} lacks the graph inputs {missing}")
-        onnx_values = dict(zip(graph_outputs, session.run(None, {n: batch[n] for n in input_names})))
+        # Tensor outputs come back as arrays (ONNX Runtime's stubs also allow lists and sparse tensors).
+        onnx_values = {name: np.asarray(value)
+                       for name, value in zip(graph_outputs, session.run(None, {n: batch[n] for n in input_names}))}
         torch_values = _run_reference(reference_module, [batch[n] for n in input_names], graph_outputs)
         valid = np.asarray(batch[mask_input]) != 0 if mask_input in batch else None
         for name in names:
