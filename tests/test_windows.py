@@ -252,17 +252,21 @@ def _served(model, sequences, *, window, max_residues, token_budget):
     run the sub-batches under the token budget, map rows back and merge each sequence."""
     layout = layout_windows([len(s) for s in sequences], window=window, max_residues=max_residues)
     texts = layout.texts(sequences)
-    hidden_rows, log_prob_rows = [None] * layout.rows, [None] * layout.rows
+    hidden_rows: dict[int, np.ndarray] = {}
+    log_prob_rows: dict[int, np.ndarray] = {}
     for batch in layout.sub_batches(bucket=8, token_budget=token_budget, limit=window + 2):
         assert batch.tokens <= token_budget
         hiddens, log_probs = _esm_run(model, [texts[r] for r in batch.rows])
         for row, h, p in zip(batch.rows.tolist(), hiddens, log_probs):
             hidden_rows[row], log_prob_rows[row] = h, p[1:-1]  # log-probs: N_scores' layout, no BOS/EOS
+    # every row was run by one sub-batch: a row left out is a KeyError here
+    row_hiddens = [hidden_rows[row] for row in range(layout.rows)]
+    row_log_probs = [log_prob_rows[row] for row in range(layout.rows)]
     results = []
     for i, sequence in enumerate(sequences):
         spans = layout.spans[i]
-        merged = merge_rows(layout.outputs_of(i, hidden_rows), spans, has_bos=True, has_eos=True)
-        log_probs = merge_rows(layout.outputs_of(i, log_prob_rows), spans, has_bos=False, has_eos=False)
+        merged = merge_rows(layout.outputs_of(i, row_hiddens), spans, has_bos=True, has_eos=True)
+        log_probs = merge_rows(layout.outputs_of(i, row_log_probs), spans, has_bos=False, has_eos=False)
         mask = residue_mask(len(sequence), has_bos=True, has_eos=True)
         results.append((merged, mask, log_probs, mean_embedding(merged, mask)))
     return results
@@ -318,6 +322,7 @@ def test_distance_from_a_single_pass_is_measured(tiny_esm):
         cos = _cosines(merged[mask], full_hiddens[0][1:-1])
         embedding_cos = float(_cosines(embedding, full_hiddens[0][1:-1].mean(axis=0)))
         windows = len(plan_windows(n, WINDOW, max_residues=200))
-        print(f"{n:4d}  {windows:7d}  {cos.min():8.4f} / {cos.mean():.4f}  {np.abs(merged - full_hiddens[0]).max():7.4f}"
+        print(f"{n:4d}  {windows:7d}  {cos.min():8.4f} / {cos.mean():.4f}"
+              f"  {np.abs(merged - full_hiddens[0]).max():7.4f}"
               f"  {embedding_cos:13.5f}  {np.abs(log_probs - full_log_probs[0][1:-1]).max():17.4f}")
         assert np.isfinite(merged).all() and cos.min() > 0 and embedding_cos > 0.9

@@ -4,15 +4,17 @@ independent reference the windows' tests compare the served and module merges wi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def brute_owner(n, spans, p):
+def brute_owner(n: int, spans: Sequence[tuple[int, int]], p: int) -> tuple[int, float]:
     """The documented rule for residue p, with plain loops: among the windows containing p, the
     one with the largest min(left, right) context (a side at the sequence's end is unlimited),
-    ties to the earlier window."""
-    best_window, best_score = None, None
+    ties to the earlier window. (window index, its context)."""
+    best_window: int | None = None
+    best_score: float | None = None
     for index, (start, end) in enumerate(spans):
         if not start <= p < end:
             continue
@@ -21,6 +23,7 @@ def brute_owner(n, spans, p):
         score = min(left, right)
         if best_score is None or score > best_score:
             best_window, best_score = index, score
+    assert best_window is not None and best_score is not None, f"residue {p} lies in no window of {spans}"
     return best_window, best_score
 
 
