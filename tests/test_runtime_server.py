@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,12 +26,20 @@ def _group_members(pgid: int) -> list[int]:
     return [stat.pid for stat in procfs.processes() if stat.pgrp == pgid and not stat.zombie]
 
 
+def output(result: httpclient.InferResult | grpcclient.InferResult | None, name: str) -> np.ndarray:
+    """Output `name` of a tritonclient result, checked to be there."""
+    assert result is not None, "tritonclient returned no result"
+    array = result.as_numpy(name)
+    assert array is not None, f"the response has no output {name!r}"
+    return array
+
+
 def test_http_inference_returns_the_right_numbers(tiny_server):
     client = httpclient.InferenceServerClient(tiny_server.endpoints.http_url)
     x = np.array([[0.0, 1.5, -2.0], [3.0, 4.0, 5.0]], dtype=np.float32)
     inp = httpclient.InferInput("x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
-    result = client.infer("affine", [inp]).as_numpy("y")
+    result = output(client.infer("affine", [inp]), "y")
     np.testing.assert_array_equal(result, 2 * x + 1)
 
 
@@ -39,12 +48,12 @@ def test_grpc_inference_returns_the_right_numbers_and_strings(tiny_server):
     x = np.linspace(-1, 1, 7, dtype=np.float32)[None, :]
     inp = grpcclient.InferInput("x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
-    np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("y"), 2 * x + 1)
+    np.testing.assert_array_equal(output(client.infer("affine", [inp]), "y"), 2 * x + 1)
 
     words = np.array([[b"MKTAYIAK"], ["ΑΒΓ".encode()]], dtype=np.object_)
     sinp = grpcclient.InferInput("sequences", list(words.shape), "BYTES")
     sinp.set_data_from_numpy(words)
-    out = client.infer("reverse", [sinp]).as_numpy("reversed")
+    out = output(client.infer("reverse", [sinp]), "reversed")
     assert [row[0].decode() for row in out] == ["KAIYATKM", "ΓΒΑ"]
 
 
@@ -130,6 +139,7 @@ def test_the_server_dies_with_the_process_that_started_it(tmp_path, triton_insta
     )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
+        assert parent.stdout is not None  # stdout=PIPE
         server_pid = int(parent.stdout.readline())
         members = _group_members(server_pid)
         assert len(members) >= 3  # the server and a stub per model
@@ -189,9 +199,10 @@ def test_a_repository_whose_path_has_spaces_is_served(tmp_path, triton_install):
     folder with a space in its path crashed tritonserver ("stol"). The server is given a link."""
     repo = tiny_repository(tmp_path / "my models" / "repo one")
     with TritonServer(repo, install=triton_install, log_file=tmp_path / "tritonserver.log") as server:
+        assert isinstance(server.served_path, Path)  # a local folder: a path (a link to it), not a URL
         assert " " not in str(server.served_path) and server.served_path.resolve() == repo.resolve()
         client = httpclient.InferenceServerClient(server.endpoints.http_url)
         x = np.array([[1.0, 2.0, 3.0]], dtype=np.float32)
         inp = httpclient.InferInput("x", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
-        np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("y"), 2 * x + 1)
+        np.testing.assert_array_equal(output(client.infer("affine", [inp]), "y"), 2 * x + 1)
