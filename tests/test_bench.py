@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,7 +170,7 @@ def test_optional_inputs_are_left_out_and_unsupported_inputs_refused():
     with pytest.raises(InputError, match="cannot generate inputs.*input_ids INT64"):
         generate_inputs([TensorSpec("input_ids", "INT64", (-1,))], InputSpec())
     with pytest.raises(InputError, match="use --lengths"):
-        generate_inputs(HIDDENS, InputSpec(file=__file__))
+        generate_inputs(HIDDENS, InputSpec(file=Path(__file__)))
 
 
 # -- targets, statistics, report ---------------------------------------------------------------
@@ -199,10 +200,10 @@ def test_server_batch_size_comes_from_counter_differences_and_prefers_the_encode
     ran = statistics_delta(before, after)
     assert {m.name for m in ran} == {"n_embeddings", "n_tokenizer", "n_encoder"}  # n_hiddens was idle
     encoder = primary_batch_model("n_embeddings", ["n_tokenizer", "n_encoder"], ran)
-    assert encoder.name == "n_encoder" and encoder.batch_size == pytest.approx(4.0)
+    assert encoder is not None and encoder.name == "n_encoder" and encoder.batch_size == pytest.approx(4.0)
     assert encoder.queue_us == pytest.approx(2.0)
     plain = primary_batch_model("n_decodes", [], [ModelStats("n_decodes", 30, 10, 30, 0, 1.0, 2.0)])
-    assert plain.batch_size == pytest.approx(3.0)
+    assert plain is not None and plain.batch_size == pytest.approx(3.0)
 
 
 def test_repository_max_residues_reads_the_character_tokenizer(tmp_path):
@@ -288,7 +289,9 @@ def test_a_scores_model_gets_random_single_substitutions_of_each_sequence():
         variants = entry["variants"]["content"]
         assert entry["variants"]["shape"] == [5] and len(variants) == 5 and "method" not in entry
         for variant in variants:
-            wild, position, mutant = re.fullmatch(r"([A-Z])(\d+)([A-Z])", variant).groups()
+            substitution = re.fullmatch(r"([A-Z])(\d+)([A-Z])", variant)
+            assert substitution, variant
+            wild, position, mutant = substitution.groups()
             assert sequence[int(position) - 1] == wild != mutant
     assert data.notes == ["optional input(s) left out: method"] and "5 random single substitutions" in data.description
     plain = generate_inputs(scores, InputSpec(lengths="uniform:20-40", count=2, variants=0))
