@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bionemo_export import procfs
+from bionemo_export.errors import InvalidInputError, UserError
 from bionemo_export.runtime import PerfAnalyzer, TritonServer, find_perf_analyzer, find_tritonserver
 
 from .inputs import InputData, InputSpec, TensorSpec, generate_inputs
@@ -34,7 +36,7 @@ TOO_SLOW = "No valid requests recorded within time interval"
 """perf_analyzer's message when no request finished inside a measurement window."""
 
 
-class BenchError(RuntimeError):
+class BenchError(UserError, RuntimeError):
     """The benchmark could not run (target unreachable, perf_analyzer failed, ...)."""
 
 
@@ -53,14 +55,14 @@ class Target:
 
     def __post_init__(self) -> None:
         if (self.repository is None) == (self.url is None):
-            raise ValueError("a target is either a repository folder or a URL")
+            raise InvalidInputError("a target is either a repository folder or a URL")
         if self.url is not None and "://" in self.url:
             scheme, _, address = self.url.partition("://")
             if scheme not in ("grpc", "http"):
-                raise ValueError(f"unsupported URL scheme in {self.url!r}: use grpc://host:port or http://host:port")
+                raise InvalidInputError(f"unsupported URL scheme in {self.url!r}: use grpc://host:port or http://host:port")
             self.protocol, self.url = scheme, address.rstrip("/")
         if self.protocol not in ("grpc", "http"):
-            raise ValueError(f"protocol must be grpc or http, not {self.protocol!r}")
+            raise InvalidInputError(f"protocol must be grpc or http, not {self.protocol!r}")
         if self.repository is not None:
             self.repository = Path(self.repository).resolve()
 
@@ -70,7 +72,7 @@ class Target:
         if Path(text).is_dir():
             return cls(model=model, repository=Path(text), protocol=protocol, label=label)
         if "://" not in text and ":" not in text:
-            raise ValueError(f"{text!r} is neither a repository folder nor a URL (grpc://host:port)")
+            raise InvalidInputError(f"{text!r} is neither a repository folder nor a URL (grpc://host:port)")
         return cls(model=model, url=text, protocol=protocol, label=label)
 
     @property
@@ -441,10 +443,10 @@ def run_benchmarks(
     written to `out_dir` (a temporary folder when None).
     """
     if not targets:
-        raise ValueError("nothing to measure")
+        raise InvalidInputError("nothing to measure")
     concurrencies = [int(c) for c in concurrencies]
     if not concurrencies or min(concurrencies) < 1:
-        raise ValueError("concurrencies must be positive integers")
+        raise InvalidInputError("concurrencies must be positive integers")
     inputs = inputs or InputSpec()
     progress = progress or ProgressHook()
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="bionemo-export-bench-"))
@@ -452,7 +454,7 @@ def run_benchmarks(
     pa = perf_analyzer or find_perf_analyzer()
     labels = [t.label for t in targets]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"target labels must differ: {labels}")
+        raise InvalidInputError(f"target labels must differ: {labels}")
 
     with contextlib.ExitStack() as stack:
         live_targets = []
@@ -516,20 +518,10 @@ def environment() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": _cpu_model() or platform.processor(),
+        "processor": procfs.cpu_model() or platform.processor(),
         "cores": os.cpu_count(),
         "python": sys.version.split()[0],
         "onnxruntime": version("onnxruntime"),
         "tritonclient": version("tritonclient"),
         "nvidia-pytriton": version("nvidia-pytriton"),
     }
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
