@@ -552,3 +552,16 @@ def test_reaped_children_grows_when_a_child_ends_and_is_waited_for():
     subprocess.run([sys.executable, "-c", "pass"], check=True)  # a child that ran, ended, was waited for
     assert reaped_children(os.getpid()) > before
     assert reaped_children(2 ** 22 + 7) == 0  # no such process
+
+
+def test_reaped_children_stays_still_while_the_server_itself_works():
+    """A load makes the server fault in pages of its own: that must not read as a dead stub (the
+    counter once summed the process's own minflt/majflt, so any load longer than the 5 s grace
+    restarted tritonserver)."""
+    from bionemo_export.runtime.stubs import reaped_children
+
+    before = reaped_children(os.getpid())
+    pages = bytearray(64 << 20)  # fresh memory, touched page by page: thousands of minor faults
+    for offset in range(0, len(pages), 4096):
+        pages[offset] = 1
+    assert reaped_children(os.getpid()) == before

@@ -62,7 +62,7 @@ def reaped_children(server_pid: int) -> int:
     server = procfs.process_stat(server_pid)
     if server is None:
         return 0
-    return server.minflt + server.majflt + server.cutime + server.cstime  # stat fields 10, 12, 16, 17
+    return server.cminflt + server.cmajflt + server.cutime + server.cstime  # stat fields 11, 13, 16, 17
 
 
 def server_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
