@@ -48,8 +48,9 @@ def test_doctor_reports_tritonserver_python_backend_and_perf_analyzer():
     assert any("perf_analyzer" in line and "ok" in line and "2.51.0" in line for line in lines)
 
 
-def _read_until(process: subprocess.Popen, marker: str, timeout: float = 120) -> str:
+def _read_until(process: subprocess.Popen[str], marker: str, timeout: float = 120) -> str:
     """Read the CLI's output until a line contains `marker`; return everything read."""
+    assert process.stdout is not None, "the process was started without stdout=PIPE"
     seen = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -77,7 +78,9 @@ def test_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
         x = np.arange(4, dtype=np.float32)[None, :]
         inp = httpclient.InferInput("x", [1, 4], "FP32")
         inp.set_data_from_numpy(x)
-        np.testing.assert_array_equal(client.infer("affine", [inp]).as_numpy("y"), 2 * x + 1)
+        y = client.infer("affine", [inp]).as_numpy("y")
+        assert y is not None, "affine answered without output y"
+        np.testing.assert_array_equal(y, 2 * x + 1)
         client.close()
         process.send_signal(signal.SIGTERM)
         rest, _ = process.communicate(timeout=60)

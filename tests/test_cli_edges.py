@@ -44,7 +44,7 @@ def _one_line_error(result, *fragments: str) -> str:
 
 # -- interrupted builds --------------------------------------------------------------------------------------------
 
-def _start_build(checkpoint: Path, out: Path, system_tmp: Path) -> subprocess.Popen:
+def _start_build(checkpoint: Path, out: Path, system_tmp: Path) -> subprocess.Popen[str]:
     """`build repo` of the tiny ESM-2 in a subprocess whose temp folder (TMPDIR) is `system_tmp`,
     so that any temporary file outside the build's own folder shows up there."""
     system_tmp.mkdir(exist_ok=True)
@@ -63,9 +63,10 @@ def _escaped(system_tmp: Path) -> list[Path]:
     return [p for p in system_tmp.rglob("*") if p.suffix == ".onnx" or "bionemo" in p.name]
 
 
-def _wait_for_export(process: subprocess.Popen, root: Path, timeout: float = 300) -> list[Path]:
+def _wait_for_export(process: subprocess.Popen[str], root: Path, timeout: float = 300) -> list[Path]:
     """Wait until the build has a staging folder beside its output and has written an ONNX file
     (it is exporting); return the ONNX files found under `root`."""
+    assert process.stdout is not None, "the build was started without stdout=PIPE"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         staging = list(root.glob(".repo.building-*"))
@@ -86,6 +87,7 @@ def test_a_build_killed_with_sigkill_leaves_one_folder_that_the_next_build_remov
     exported = _wait_for_export(process, tmp_path)
     process.kill()
     process.wait(timeout=60)
+    assert process.stdout is not None  # _start_build pipes it
     process.stdout.close()
 
     # The debris of a killed build: one folder beside the output, named with the build's PID,
@@ -361,13 +363,14 @@ def test_an_all_zero_served_output_fails_whatever_the_tolerance():
     reference = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
     zeros = compare_outputs(np.zeros_like(reference), reference)
     assert zeros.min_cosine == 0.0
-    assert "3 of 3 rows are all zeros" in zeros.problem
+    assert zeros.problem is not None and "3 of 3 rows are all zeros" in zeros.problem
     assert not zeros.within(atol=float("inf"), min_cosine=-1.0)
     nan = compare_outputs(np.full_like(reference, np.nan), reference)
-    assert not nan.within(atol=float("inf"), min_cosine=-1.0) and "NaN" in nan.problem
+    assert not nan.within(atol=float("inf"), min_cosine=-1.0) and nan.problem is not None and "NaN" in nan.problem
     same = compare_outputs(reference.copy(), reference)
     assert same.problem is None and same.within(atol=0.0, min_cosine=0.999999)
-    assert "served shape [3, 7]" in compare_outputs(reference[:, :7], reference).problem
+    narrower = compare_outputs(reference[:, :7], reference).problem
+    assert narrower is not None and "served shape [3, 7]" in narrower
 
 
 def _zero_float_outputs(path: Path) -> None:

@@ -18,6 +18,7 @@ from bionemo_export.models import REGISTRY, LoadedModel, get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.models.esm2 import ALPHABET
 from bionemo_export.testing.checkpoints import save_random_checkpoint
+from bionemo_export.tokenizers import CharacterTokenizer
 
 FAMILIES = ("esm2", "bert")
 BACKBONES = {"esm2": transformers.EsmModel, "bert": transformers.BertModel}
@@ -150,7 +151,7 @@ def test_esm2_reads_unprefixed_keys_from_pytorch_model_bin(tiny, tmp_path):
     """An EsmModel saved on its own (no `esm.` prefix) as pytorch_model.bin gives the same model."""
     model = get_family("esm2").load(tiny["esm2"])
     shutil.copy(tiny["esm2"] / "config.json", tmp_path)
-    torch.save(model.encoder.backbone.state_dict(), tmp_path / "pytorch_model.bin")
+    torch.save(model.encoder.get_submodule("backbone").state_dict(), tmp_path / "pytorch_model.bin")
     again = get_family("esm2").load(tmp_path)
     assert again.description["checkpoint_form"] == "huggingface directory (pytorch_model.bin)"
     sequences = model.family.sample_sequences()
@@ -178,7 +179,8 @@ def test_max_length_may_be_lowered_not_raised(tiny, name):
     family = get_family(name)
     limit = {"esm2": 1024, "bert": 512}[name]
     assert family.load(tiny[name]).tokenizer.max_length == limit
-    assert family.load(tiny[name], max_length=100).tokenizer.max_residues == 98
+    lowered = family.load(tiny[name], max_length=100).tokenizer
+    assert isinstance(lowered, CharacterTokenizer) and lowered.max_residues == 98
     with pytest.raises(ValueError, match=f"max_length {limit + 1} exceeds .* \\({limit} tokens\\)"):
         family.load(tiny[name], max_length=limit + 1)
 

@@ -87,7 +87,9 @@ class InferenceResponse:
 
     def output(self, name: str) -> np.ndarray:
         """This fake's shortcut: output `name` as an array."""
-        return get_output_tensor_by_name(self, name).as_numpy()
+        tensor = get_output_tensor_by_name(self, name)
+        assert tensor is not None, f"the response has no output {name!r}"
+        return tensor.as_numpy()
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
