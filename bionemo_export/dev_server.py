@@ -20,7 +20,7 @@ so a bad option gets the same message from both. Limits of the mode (PyTriton 0.
 traceback around its message, and fails every request the batcher handed over with it.
 
 PyTriton 0.7 protects Triton's statistics endpoint with a token, which perf_analyzer over gRPC
-cannot pass (PLATFORM.md): the endpoints are left unprotected, as tritonserver's own are.
+cannot pass (docs/reference/platform.md): the endpoints are left unprotected, as tritonserver's own are.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class DevModels:
         if seq2seq is not None:
             limit = seq2seq.max_decode_length
             if self.max_decode_length is not None and not 1 <= self.max_decode_length <= limit:
-                raise ValueError(f"max decode length must be between 1 and the model's {limit}, "
-                                 f"got {self.max_decode_length}")
+                raise InvalidInputError(f"max decode length must be between 1 and the model's {limit}, "
+                                        f"got {self.max_decode_length}")
             self.max_decode_length = self.max_decode_length or limit
             self._decoding_tokenizer = self.loaded.decoding()[1]
             self._decoder = TorchDecoder(seq2seq)
@@ -279,9 +279,9 @@ def serve(models: DevModels, name: str, ports: Ports = Ports(), *, max_batch_siz
     from bionemo_export.runtime.discovery import _python_stub_env
 
     if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        raise InvalidInputError(f"max_batch_size must be at least 1, got {max_batch_size}")
     # PyTriton starts its tritonserver from this process: give its Python stubs this interpreter's
-    # environment and libpython (PLATFORM.md), as the project's own server runner does.
+    # environment and libpython (docs/reference/platform.md), as the project's own server runner does.
     for key, value in _python_stub_env().items():
         os.environ[key] = value + (os.pathsep + os.environ[key] if os.environ.get(key) else "")
     # pytriton's @kwonly_dataclass hides TritonConfig's dataclass fields from type checkers.

@@ -3,8 +3,9 @@
 In the manner of optimum's task -> outputs table: a task is one `Task` entry in `TASKS`. For a
 repository built with `--name N`, task `t` is served as the public model `N_t`. Everything that
 needs to know a task's tensors reads them here: the planners (config.pbtxt), the dev server,
-`RepositoryClient`, `verify`, the supervisor's probes, `bench`'s input generation and the README's
-served-API table (`served_api_table()`; a test keeps the README in step).
+`RepositoryClient`, `verify`, the supervisor's probes, `bench`'s input generation, the README's
+served-API table (`served_api_table()`; a test keeps the README in step) and the docs site's Served
+API page (docs/reference_pages.py writes it from this table when the site is built).
 
 Dims exclude the batch axis (every public model is batched) and may name a size the repository
 fixes when it is built: `H` (hidden size), `A` (the residue alphabet of a masked-LM head), `C`
@@ -21,6 +22,8 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+
+from bionemo_export.errors import InvalidInputError
 
 
 class DType(str, Enum):
@@ -132,7 +135,7 @@ class Task:
     """What the checkpoint must have: encoder, decoder (encoder-decoder families), lm_head
     (a masked-LM head), classifier (a fine-tuned head)."""
     notes: tuple[str, ...] = field(default=())
-    """Further lines of documentation (the README's list under the table)."""
+    """Further lines of documentation (under the task on the docs site's Served API page)."""
 
     def model(self, prefix: str) -> str:
         """The public model's name in a repository built with `--name prefix`."""
@@ -234,7 +237,7 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASKS)}") from None
+        raise InvalidInputError(f"unknown task {name!r}; tasks are {', '.join(TASKS)}") from None
 
 
 def public_suffixes() -> tuple[str, ...]:

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from bionemo_export.errors import InvalidInputError
+
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
 
@@ -153,7 +155,7 @@ class LoadedModel:
     def classifier_outputs(self) -> tuple[TensorSpec, ...]:
         """The fine-tuned head graph's output: logits [B, C] or, per token, [B, L, C]."""
         if self.classifier is None:
-            raise ValueError(f"{self.checkpoint} has no fine-tuned head")
+            raise InvalidInputError(f"{self.checkpoint} has no fine-tuned head")
         return classifier_outputs(self.classifier.num_labels, self.classifier.per_token)
 
     @property
@@ -338,7 +340,7 @@ def get_family(name: str) -> ModelFamily:
         return REGISTRY[name]()
     except KeyError:
         known = ", ".join(sorted(REGISTRY)) or "none"
-        raise ValueError(f"unknown model family {name!r}; known families: {known}") from None
+        raise InvalidInputError(f"unknown model family {name!r}; known families: {known}") from None
 
 
 def seq2seq_graph_specs(seq2seq: Seq2SeqModules, hidden_size: int

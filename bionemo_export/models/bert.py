@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import transformers
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import LoadedModel, ModelDescription, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
@@ -128,7 +129,7 @@ class BertFamily(HuggingFaceEncoderFamily):
         vocab = read_vocab(vocab_file)
         missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
         if missing:
-            raise ValueError(f"{vocab_file} lacks the special tokens {missing}")
+            raise InvalidInputError(f"{vocab_file} lacks the special tokens {missing}")
         mask_token = find_mask_token(vocab)
         mask = {"mask_token": mask_token, "mask_char": MASK_CHAR if mask_token else None}
         if is_smiles_vocab(vocab):
@@ -148,7 +149,7 @@ class BertFamily(HuggingFaceEncoderFamily):
             )
         residues = "".join(t for t in vocab if len(t) == 1 and t.isascii() and t.isalpha())
         if not residues:
-            raise ValueError(f"{vocab_file} has no single-letter residue tokens")
+            raise InvalidInputError(f"{vocab_file} has no single-letter residue tokens")
         aliases = {}
         if "X" in vocab:
             aliases = {rare: "X" for rare in RARE_RESIDUES}
@@ -186,7 +187,7 @@ def _find_vocab(checkpoint: Path) -> Path:
     for folder in (checkpoint, checkpoint.parent):
         if (folder / "vocab.txt").is_file():
             return folder / "vocab.txt"
-    raise ValueError(f"no vocab.txt in {checkpoint} or its parent folder")
+    raise InvalidInputError(f"no vocab.txt in {checkpoint} or its parent folder")
 
 
 def antiberty_checkpoint() -> Path:
@@ -217,7 +218,7 @@ def rxnfp_checkpoint(variant: str = "bert_pretrained") -> Path:
     Python 3.11, and only the files are needed).
     """
     if variant not in RXNFP_VARIANTS:
-        raise ValueError(f"unknown rxnfp model {variant!r}; the rxnfp wheel ships {', '.join(RXNFP_VARIANTS)}")
+        raise InvalidInputError(f"unknown rxnfp model {variant!r}; the rxnfp wheel ships {', '.join(RXNFP_VARIANTS)}")
     spec = importlib.util.find_spec("rxnfp")  # finds the package without running it
     locations = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
     for location in locations:

@@ -1,7 +1,7 @@
 """Fine-tuned heads: the classification or regression layer a checkpoint fine-tuned on a task puts
 on top of the encoder (served as `N_predictions`).
 
-Two computations cover the four Hugging Face classes (shared/reference/scoring.md, "Fine-tuned
+Two computations cover the four Hugging Face classes (docs/reference/scoring.md, "Fine-tuned
 heads"), dropout being the identity at inference:
 
     sequence heads  logits = out(tanh(dense(hiddens[:, 0])))       [batch, C]
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.readers import CheckpointError
 from bionemo_export.models.readers.base import some as _some
 
@@ -47,9 +48,9 @@ class ClassifierHead(torch.nn.Module):
     def __init__(self, hidden_size: int, labels: Sequence[str], *, problem_type: str, per_token: bool) -> None:
         super().__init__()
         if problem_type not in PROBLEM_TYPES:
-            raise ValueError(f"problem_type {problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}")
+            raise InvalidInputError(f"problem_type {problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}")
         if not labels:
-            raise ValueError("a classifier head needs at least one label")
+            raise InvalidInputError("a classifier head needs at least one label")
         self.labels = tuple(labels)
         self.problem_type = problem_type
         self.per_token = bool(per_token)

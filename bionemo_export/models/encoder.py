@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 from transformers.initialization import no_init_weights
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, leave_out
 from bionemo_export.models.classifier import (
     ClassifierWeights,
@@ -317,7 +318,7 @@ def token_limit(architecture_limit: int, requested: int | None, family: str) -> 
     if requested is None:
         return architecture_limit
     if requested > architecture_limit:
-        raise ValueError(
+        raise InvalidInputError(
             f"max_length {requested} exceeds what {family} supports ({architecture_limit} tokens)"
         )
     return requested

@@ -36,7 +36,7 @@ from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
 ESM1NV_RESIDUES = "LASGVERTDIPKNFQYHMCWXBZUO"
 ESM1NV_PIECES = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *ESM1NV_RESIDUES]
-"""The 30 ESM-1nv token ids, in order (shared/reference/bionemo-serving.md); the archive's own
+"""The 30 ESM-1nv token ids, in order (docs/reference/tokenizers.md); the archive's own
 tokenizer artifact is what the importer reads."""
 ESM1NV_MAX_TOKENS = 512
 """ESM-1nv's length limit: <s> + 510 residues + </s>."""
@@ -49,7 +49,7 @@ class Esm1Family(Esm2Family):
     name = "esm1"
     tasks = ("embeddings", "hiddens", "logits", "scores")
     classifier_renames = {}
-    """No fine-tuned heads read for ESM-1 (DESIGN.md's family table); classifier keys are dropped."""
+    """No fine-tuned heads read for ESM-1 (docs/models.md's family table); classifier keys are dropped."""
     description = ("ESM-1 protein language model (learned absolute positions, pre-LN): ESM-1nv .nemo, "
                    "or a Hugging Face ESM-1b-style EsmModel")
     nemo_targets = ("ESM1nvModel",)

@@ -1,6 +1,6 @@
 """ESM-2 (rotary positions, pre-LN), read into transformers' `EsmModel` from a Hugging Face
 directory or from a BioNeMo ESM-2nv `.nemo` archive (Megatron BERT layout, mapped key by key to
-Hugging Face's names as shared/reference/bionemo-serving.md documents). The masked-LM head
+Hugging Face's names as docs/reference/checkpoint-layouts.md documents). The masked-LM head
 (`EsmForMaskedLM`'s `lm_head`, the archive's `model.lm_head`) becomes `LoadedModel.lm_head`.
 """
 
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import transformers
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import ModelDescription, leave_out, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
 ALPHABET = ["<cls>", "<pad>", "<eos>", "<unk>", *RESIDUES, ".", "-", "<null_1>", "<mask>"]
-"""The 33 ESM-2 token ids, in order (shared/reference/bionemo-serving.md)."""
+"""The 33 ESM-2 token ids, in order (docs/reference/tokenizers.md)."""
 MAX_TOKENS = 1024
 """ESM-2's length limit: <cls> + 1022 residues + <eos>."""
 
@@ -259,9 +260,9 @@ def _check_alphabet(vocab_file: Path) -> None:
         return
     for line, (got, want) in enumerate(zip(vocab, ALPHABET), start=1):
         if got != want:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{vocab_file} is not the ESM-2 alphabet: line {line} is {got!r}, expected {want!r}"
             )
-    raise ValueError(
+    raise InvalidInputError(
         f"{vocab_file} has {len(vocab)} tokens; the ESM-2 alphabet has {len(ALPHABET)}"
     )

@@ -3,7 +3,7 @@ states into log-probabilities over the residue alphabet (served as `N_logits`, a
 `N_scores`).
 
 Every family's head is the same computation, only named differently in its checkpoints
-(shared/reference/scoring.md, "Masked-LM heads in checkpoints"):
+(docs/reference/scoring.md, "Masked-LM heads in checkpoints"):
 
     logits    = decoder(layer_norm(act(dense(hiddens)))) + bias     over the whole vocabulary
     log_probs = log_softmax(logits[..., alphabet ids])               over the alphabet only
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.readers import CheckpointError
 from bionemo_export.models.readers.base import some as _some
 
@@ -59,10 +60,10 @@ class MaskedLMHead(torch.nn.Module):
                  layer_norm_eps: float, activation: str = "gelu") -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+            raise InvalidInputError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
         if len(alphabet) != len(alphabet_ids) or not alphabet:
-            raise ValueError(f"alphabet ({len(alphabet)}) and alphabet_ids ({len(alphabet_ids)}) must be as long, "
-                             "and not empty")
+            raise InvalidInputError(f"alphabet ({len(alphabet)}) and alphabet_ids ({len(alphabet_ids)}) must be as "
+                                    "long, and not empty")
         self.alphabet = tuple(alphabet)
         self.alphabet_ids = tuple(int(i) for i in alphabet_ids)
         self.activation = activation

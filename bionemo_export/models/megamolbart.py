@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, Seq2SeqModules, register
 from bionemo_export.models.encoder import describe_form, load_strict, masked_mean, token_limit
 from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
@@ -85,13 +86,13 @@ class MegaMolBartConfig(TransformerConfig):
         settings = {key: value for key, value in d.items() if key != "model_type"}
         known = {f.name for f in dataclasses.fields(cls)}
         if unknown := sorted(settings.keys() - known):
-            raise ValueError(f"{source} has unknown fields {unknown}; known: {sorted(known)}")
+            raise InvalidInputError(f"{source} has unknown fields {unknown}; known: {sorted(known)}")
         if "vocab_size" not in settings:
-            raise ValueError(f"{source} lacks vocab_size")
+            raise InvalidInputError(f"{source} lacks vocab_size")
         try:
             return cls(**settings)
         except ValueError as err:
-            raise ValueError(f"{source}: {err}") from None
+            raise InvalidInputError(f"{source}: {err}") from None
 
 
 class MegaMolBart(nn.Module):
@@ -207,7 +208,7 @@ def save(model: MegaMolBart, vocab: Sequence[str], out: Path) -> Path:
     """Write `model` and its vocabulary in the saved form (config.json, model.safetensors,
     vocab.txt) to the directory `out`. Returns `out`."""
     if len(vocab) > model.config.vocab_size:
-        raise ValueError(
+        raise InvalidInputError(
             f"the vocabulary has {len(vocab)} tokens, the model only {model.config.vocab_size}"
         )
     out = Path(out)

@@ -13,7 +13,7 @@ The two forms are different models that share a name, and they are served the wa
   is read, into the project's own `transformer.Encoder`. The vocabulary is the archive's
   SentencePiece artifact (ESM-1nv's 30 bare pieces) extended the way NeMo's T5 extends it
   (`<cls>`, `<sep>`, then the `<extra_id_N>` sentinels); no BOS/EOS, so `mask` is the padding mask
-  and embeddings are the mean over every non-pad position (shared/reference/bionemo-serving.md).
+  and embeddings are the mean over every non-pad position (docs/reference/tokenizers.md).
 """
 
 from __future__ import annotations

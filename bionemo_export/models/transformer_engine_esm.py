@@ -3,7 +3,7 @@ of transformers' `EsmModel`, from its config.json and weights only (its own mode
 by config.json's `auto_map`, is never imported or run).
 
 The layout, as NVIDIA's `convert.py` writes it and `modeling_esm_te.py` reads it
-(NVIDIA/bionemo-framework, bionemo-recipes/models/esm2; shared/reference/checkpoints.md):
+(NVIDIA/bionemo-framework, bionemo-recipes/models/esm2; docs/reference/checkpoint-layouts.md):
 
     P = "model."  exports since 2026-03-20 (commit f437be05e, base_model_prefix "model")
         "esm."    2025 exports
