@@ -313,7 +313,8 @@ def test_push_refuses_a_folder_that_is_not_a_repository(object_store, tmp_path):
 
 def test_doctor_reads_object_storage_support_from_the_servers_library(tmp_path):
     """The embedded tritonserver's library has Triton's S3 file system; a library without it does not."""
-    assert "s3://" in object_stores(find_tritonserver())
+    stores = object_stores(find_tritonserver())
+    assert stores is not None and "s3://" in stores, stores
     (tmp_path / "bin").mkdir()
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libtritonserver.so").write_bytes(b"\x7fELF no file systems here")
