@@ -16,12 +16,13 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from typing import cast
 
 import numpy as np
 import pytest
 
 from bionemo_export.client.triton import TritonClient
-from bionemo_export.runtime import free_ports
+from bionemo_export.runtime import TritonServer, free_ports
 from tests.helpers import serve_process as sp
 
 pytestmark = pytest.mark.e2e
@@ -144,6 +145,8 @@ def test_a_server_that_dies_while_the_supervisor_starts_is_a_crash_not_an_error(
 
     (port,) = free_ports(1)  # nothing listens there
     supervisor = Supervisor(f"grpc://127.0.0.1:{port}", timeout=2)
-    assert _start_supervisor(_DeadServer(), None, supervisor, grace=1) is None
+    # _start_supervisor asks its server only whether it is running: these two answer that alone
+    dead, deaf = cast(TritonServer, _DeadServer()), cast(TritonServer, _LiveButDeafServer())
+    assert _start_supervisor(dead, None, supervisor, grace=1) is None
     with pytest.raises(ServerUnreachableError):
-        _start_supervisor(_LiveButDeafServer(), None, supervisor, grace=0.2)
+        _start_supervisor(deaf, None, supervisor, grace=0.2)
