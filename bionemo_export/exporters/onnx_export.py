@@ -95,7 +95,7 @@ def tensorrt_available() -> bool:
     """Whether TensorRT engines can be built here: the `tensorrt` package imports and an NVIDIA
     GPU is visible. (The PyPI `tensorrt` stubs without their downloaded libraries fail to import.)"""
     try:
-        import tensorrt  # noqa: F401
+        import tensorrt  # noqa: F401  # pyright: ignore[reportMissingImports]  (optional, GPU hosts only)
     except Exception:  # ImportError, or OSError/RuntimeError from a stub without its libraries
         return False
     return torch.cuda.is_available()
@@ -189,6 +189,7 @@ def _export_with_torch(
             "typical length, or make that code independent of the size. Otherwise the forward "
             "does something torch.export cannot capture (data-dependent Python control flow)."
         ) from err
+    assert program is not None, "torch.onnx.export(dynamo=True) returns the exported program"
     # Drop the per-node debugging metadata (source stack traces with this machine's paths): it
     # serves nothing at run time and makes the file depend on where the code was installed.
     for node in program.model.graph.all_nodes():

@@ -28,6 +28,7 @@ Python step after the encoder. Every model's settings come from its role in opti
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from bionemo_export import __version__
@@ -67,7 +68,7 @@ def tokenizer_files(tokenizer) -> tuple[str, str, dict[str, Path]]:
     return module, type(tokenizer).__name__, files
 
 
-def serving_files(*modules: str) -> dict[str, Path]:
+def serving_files(*modules: str) -> dict[str, Path | str]:
     """Version-folder files for the serving modules a generated model imports (serving/*.py)."""
     return {f"{module}.py": SERVING_DIR / f"{module}.py" for module in modules}
 
@@ -141,8 +142,9 @@ def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: lis
             token_inputs=token_inputs or {},
         )
 
+    python_files = serving_files(*RUNS_GRAPH, "graph_model")
     return options.serving_backend.plan_graph(GraphModel(
-        plan, role, what, dict(onnx_files), shapes, python_model, python_files=serving_files(*RUNS_GRAPH, "graph_model")))
+        plan, role, what, dict(onnx_files), shapes, python_model, python_files=python_files))
 
 
 GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
@@ -212,7 +214,7 @@ the model for want of a version.
 
 
 def ensemble_model(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
-                   encoder_outputs: dict[str, str], after: list[EnsembleStep] = ()) -> ModelPlan:
+                   encoder_outputs: dict[str, str], after: Sequence[EnsembleStep] = ()) -> ModelPlan:
     """The public ensemble N_<task>: sequences through the encoder's steps (tokenizer first in the
     ensemble layout), whose `encoder_outputs` (encoder output -> ensemble tensor) go on to the
     steps `after` (e.g. the masked-LM head) or out as the ensemble's `outputs`."""

@@ -389,8 +389,9 @@ class Supervisor:
         config = self.config_of(model) or {}
         if config.get("backend") != "python":
             return set()
+        groups = config.get("instance_group") or []
         return {f"{group.get('name') or f'{model}_{g}'}_{i}"
-                for g, group in enumerate(config.get("instance_group") or []) for i in range(int(group.get("count", 1)))}
+                for g, group in enumerate(groups) for i in range(int(group.get("count", 1)))}
 
     def watch(self) -> Observation:
         """The quick check: reload every model one of whose instances lost its stub process; ask
@@ -453,7 +454,7 @@ class Supervisor:
     def _judge_idle(self, public: str, group: list[str]) -> tuple[ProbeResult, list[str]]:
         """Probe an idle public model; the models to reload ([] when it answered, was turned away
         by admission control, or other work progressed meanwhile: busy, not dead)."""
-        for attempt in (1, 2):
+        for _attempt in (1, 2):
             before = self.observe()
             result = probe_model(self.probe_client, public)
             if result.ok or result.turned_away:
@@ -473,7 +474,8 @@ class Supervisor:
             group = self._group(public)
             if set(reloaded) & set(group) and not any(seen.pending.get(m, 0) for m in group):
                 result = probe_model(self.probe_client, public)
-                state = "answers again" if result.ok or result.turned_away else f"still does not answer ({result.error})"
+                answers = result.ok or result.turned_away
+                state = "answers again" if answers else f"still does not answer ({result.error})"
                 self.log(f"health: {public} {state} ({result.seconds:.2f} s)")
 
     def _due(self, public: str, now: float) -> bool:
