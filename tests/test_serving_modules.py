@@ -305,7 +305,8 @@ def test_samplings_answers_each_request_and_fails_bad_ones_alone(pb):
 
 def test_decodes_checks_each_request_then_decodes_the_rest_together(pb):
     graphs = StandInGraphs()
-    model = decoding.GreedyDecodes(TOKENIZER, graphs, _settings(), responses.Responder("mmb_decodes", (GenerationError,)))
+    responder = responses.Responder("mmb_decodes", (GenerationError,))
+    model = decoding.GreedyDecodes(TOKENIZER, graphs, _settings(), responder)
     good = np.ones((2, 3, 4), dtype=np.float32)
     bad = good.copy()
     bad[1, 0, 0] = np.inf
@@ -316,7 +317,8 @@ def test_decodes_checks_each_request_then_decodes_the_rest_together(pb):
     answers = model.responder.answer_all(requests, model.execute)
     assert answers[0].output("sequences").tolist() == [[b"CC"], [b"CC"]]
     assert answers[3].output("sequences").tolist() == [[b"CC"]]
-    assert answers[1].error().code() == pb.TritonError.INVALID_ARG and "batch row(s) [1]" in answers[1].error().message()
+    assert answers[1].error().code() == pb.TritonError.INVALID_ARG
+    assert "batch row(s) [1]" in answers[1].error().message()
     assert answers[2].error().message() == ("mmb_decodes: hiddens have length 33; the maximum is 32 "
                                             "(the encoder's longest output)")
     assert graphs.calls == 4  # one cross_kv and three steps for both good requests together
@@ -378,6 +380,7 @@ def test_every_generated_model_imports_from_its_own_folder(tmp_path, layout, bac
         (tmp_path / graph).mkdir()
         (tmp_path / graph / "model.onnx").write_bytes(b"not really onnx")
         files[graph] = {"model.onnx": tmp_path / graph / "model.onnx"}
+    assert loaded.seq2seq is not None  # megamolbart loads with its decoder graphs
     plan = plan_seq2seq_repository(
         "mmb", family="megamolbart", hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
         seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
