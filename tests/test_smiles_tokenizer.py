@@ -165,6 +165,7 @@ def test_module_runs_beside_character_with_numpy_alone(tokenizer, tmp_path):
     """Copied next to character.py and imported as top-level modules, as a generated model.py
     does, with torch, transformers and bionemo_export blocked."""
     for module in (character, smiles):
+        assert module.__file__ is not None  # imported from its file
         (tmp_path / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
     tokenizer.save_json(tmp_path / "tokenizer.json")
     script = f"""
@@ -305,6 +306,7 @@ def test_bert_settings_round_trip_and_old_dicts_keep_megamolbarts_defaults(react
 
 def test_bert_module_runs_beside_character_with_numpy_alone(reaction_tokenizer, tmp_path):
     for module in (character, smiles):
+        assert module.__file__ is not None  # imported from its file
         (tmp_path / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
     reaction_tokenizer.save_json(tmp_path / "tokenizer.json")
     script = f"""

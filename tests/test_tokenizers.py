@@ -30,7 +30,9 @@ def esm2(tmp_path_factory) -> CharacterTokenizer:
 def antiberty() -> CharacterTokenizer:
     folder = antiberty_checkpoint()
     config = transformers.BertConfig.from_json_file(folder / "config.json")
-    return BertFamily().build_tokenizer(folder, config, None)
+    tokenizer = BertFamily().build_tokenizer(folder, config, None)
+    assert isinstance(tokenizer, CharacterTokenizer)  # a protein vocabulary, not a SMILES one
+    return tokenizer
 
 
 def bert_reference(vocab_dir: Path, vocab_size: int) -> transformers.PreTrainedTokenizerBase:
