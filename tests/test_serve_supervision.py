@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -183,7 +184,8 @@ def test_a_busy_model_is_never_reloaded_and_overload_is_answered(served):
     assert sorted(sp.stubs(server)) == stubs
     # The condition of the finding held: requests waited longer than a probe may (1 s).
     assert max(latencies) > 1.0, f"the load never queued a request past the health timeout: {max(latencies):.2f} s"
-    print(f"slowest answer {max(latencies):.1f} s; {len(outcomes)} requests: {outcomes.count('ok')} right, {outcomes.count('busy')} turned away")
+    print(f"slowest answer {max(latencies):.1f} s; {len(outcomes)} requests: {outcomes.count('ok')} right, "
+          f"{outcomes.count('busy')} turned away")
 
 
 @pytest.mark.e2e
@@ -270,16 +272,18 @@ def test_a_stub_dying_while_its_model_loads_asks_for_a_restart_at_once(esm2_repo
     the supervisor, waiting on it, healed nothing more. Now it watches the new stubs while a load
     runs and asks serve for a tritonserver restart within seconds."""
     with TritonServer(esm2_repo, install=triton_install, log_file=tmp_path / "server.log") as server:
+        server_pid = server.pid
+        assert server_pid is not None  # a started server has a process
         lines: list[str] = []
-        supervisor = Supervisor(f"grpc://{server.endpoints.grpc_url}", server_pid=server.pid, load_timeout=120,
+        supervisor = Supervisor(f"grpc://{server.endpoints.grpc_url}", server_pid=server_pid, load_timeout=120,
                                 log=lines.append)
-        old = set(sp.stubs(server.pid, f"{NAME}_encoder"))
+        old = set(sp.stubs(server_pid, f"{NAME}_encoder"))
         killed: list[int] = []
 
         def kill_a_new_stub() -> None:
             deadline = time.monotonic() + 30
             while not killed and time.monotonic() < deadline:
-                for pid in sp.stubs(server.pid, f"{NAME}_encoder"):
+                for pid in sp.stubs(server_pid, f"{NAME}_encoder"):
                     if pid not in old:
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
@@ -315,6 +319,7 @@ def test_health_exits_1_when_a_model_cannot_answer(esm2_repo, tmp_path, triton_i
     with TritonServer(esm2_repo, install=triton_install, log_file=tmp_path / "server.log") as server:
         url = f"http://{server.endpoints.http_url}"
         assert _health(url, "--model", f"{NAME}_hiddens").returncode == 0
+        assert server.pid is not None  # a started server has a process
         stubs = sp.stubs(server.pid, f"{NAME}_encoder")
         for stub in stubs:
             os.kill(stub, signal.SIGKILL)
@@ -418,13 +423,14 @@ def _configs(plan) -> dict[str, dict]:
 
 def _seq2seq_configs(tmp_path: Path, **options) -> dict[str, dict]:
     from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
-    from bionemo_export.models.base import seq2seq_graph_specs
+    from bionemo_export.models.base import Seq2SeqModules, seq2seq_graph_specs
     from bionemo_export.tokenizers.character import CharacterTokenizer
 
     tokenizer = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "C", "O"], residues="CO", pad_token="<pad>",
                                    bos_token="<cls>", eos_token="<eos>", unk_token=None, max_length=16)
-    shapes = SimpleNamespace(num_layers=1, num_heads=2, head_dim=4, vocab_size=5, begin_id=0, end_id=2,
-                             max_decode_length=8)
+    # the planner and seq2seq_graph_specs read only these shape fields of a Seq2SeqModules
+    shapes = cast(Seq2SeqModules, SimpleNamespace(num_layers=1, num_heads=2, head_dim=4, vocab_size=5, begin_id=0,
+                                                  end_id=2, max_decode_length=8))
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"not really onnx")
     plan = plan_seq2seq_repository(
@@ -471,7 +477,8 @@ def test_probe_requests_are_tiny_and_valid():
 # -- telling dead from busy, and when to restart (no server) -----------------------------------
 
 def test_probe_results_tell_turned_away_and_dead_instances():
-    busy = ProbeResult("m_embeddings", False, 0.01, "m_embeddings: in ensemble 'm_embeddings', Exceeds maximum queue size")
+    busy = ProbeResult("m_embeddings", False, 0.01,
+                       "m_embeddings: in ensemble 'm_embeddings', Exceeds maximum queue size")
     assert busy.turned_away and busy.dead_instance is None and busy.line().startswith("busy")
     dead = ProbeResult("m_samplings", False, 0.2, "m_samplings: Stub process 'm_decoder_step_0_1' is not healthy.")
     assert not dead.turned_away and dead.dead_instance == "m_decoder_step_0_1"
@@ -511,7 +518,8 @@ def test_pending_requests_are_read_from_tritons_metrics(tmp_path):
     thread = threading.Thread(target=server.handle_request)
     thread.start()
     try:
-        assert pending_requests(f"http://127.0.0.1:{server.server_port}/metrics") == {"m_encoder": 12, "m_embeddings": 0}
+        pending = pending_requests(f"http://127.0.0.1:{server.server_port}/metrics")
+        assert pending == {"m_encoder": 12, "m_embeddings": 0}
     finally:
         thread.join(10)
         server.server_close()
