@@ -104,7 +104,8 @@ def test_the_validators_reject_what_a_cluster_would_reject(repository, tmp_path)
     documents = _deploy(repository, tmp_path / "k8s", *VARIANTS["s3"])
     isvc, deployment = _one(documents, "InferenceService"), _one(documents, "Deployment")
     model_broken = copy.deepcopy(isvc)
-    model_broken["spec"]["predictor"]["model"]["storageURI"] = model_broken["spec"]["predictor"]["model"].pop("storageUri")
+    broken_model = model_broken["spec"]["predictor"]["model"]
+    broken_model["storageURI"] = broken_model.pop("storageUri")
     port_broken = copy.deepcopy(isvc)
     port_broken["spec"]["predictor"]["model"]["ports"][0]["containerPort"] = "8080"
     replicas_broken = copy.deepcopy(isvc)

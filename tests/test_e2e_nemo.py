@@ -1,6 +1,7 @@
 """`.nemo` archives end to end: built with `bionemo-export build repo` (family inferred from the
-archive; the ESM-2nv one tensor-parallel, merged on import), served by the real tritonserver, compared with references independent of the import
-(transformers' EsmModel for ESM-2nv; the source MegaMolBart for MegaMolBART, decodes included)."""
+archive; the ESM-2nv one tensor-parallel, merged on import), served by the real tritonserver,
+compared with references independent of the import (transformers' EsmModel for ESM-2nv; the
+source MegaMolBart for MegaMolBART, decodes included)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def test_esm2nv_archive_served_equals_transformers(esm2nv):
 
 @pytest.fixture(scope="module")
 def megamolbart_nemo(tmp_path_factory, triton_install):
-    """(source saved form, source MegaMolBart, imported model, server) for a repository built from a MegaMolBART archive."""
+    """(source saved form, source MegaMolBart, imported model, server) for a repository built from a
+    MegaMolBART archive."""
     work = tmp_path_factory.mktemp("megamolbart")
     folder = save_random_checkpoint("megamolbart", work / "source", seed=4)
     model, vocab, _ = load_model(folder)

@@ -95,7 +95,8 @@ def test_what_would_stop_a_build_is_reported_not_raised(esm2_dir, tmp_path):
                          lambda weights: weights.pop("esm.encoder.layer.0.attention.self.query.weight"))
     result = runner.invoke(app, ["inspect", str(broken)])
     assert result.exit_code == 1
-    assert "problem     " in result.output and "missing keys: encoder.layer.0.attention.self.query.weight" in result.output
+    assert "problem     " in result.output
+    assert "missing keys: encoder.layer.0.attention.self.query.weight" in result.output
     assert "  missing: 1: encoder.layer.0.attention.self.query.weight" in result.output
     assert "build with" not in result.output
     report = json.loads(runner.invoke(app, ["inspect", str(broken), "--json"]).output)

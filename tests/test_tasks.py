@@ -72,14 +72,17 @@ def test_the_readme_shows_the_tables_served_api():
     text = README.read_text(encoding="utf-8")
     block = re.search(r"<!-- served-api:[^>]*-->\n(.*?)<!-- /served-api -->", text, re.S)
     assert block, "the README lost its served-api markers"
-    assert block.group(1) == served_api_table(), "README's served-API table differs from tasks.py: paste served_api_table()"
+    assert block.group(1) == served_api_table(), (
+        "README's served-API table differs from tasks.py: paste served_api_table()")
 
 
 def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones():
     from bionemo_export.build import BuildError, _check_tasks
     from bionemo_export.models import get_family
 
-    with pytest.raises(BuildError, match=r"unknown task 'fold'; tasks are embeddings, hiddens, decodes, samplings, logits, scores"):
+    with pytest.raises(BuildError,
+                       match=r"unknown task 'fold'; tasks are embeddings, hiddens, decodes, samplings, logits, scores"):
         _check_tasks(get_family("esm2"), ("embeddings", "fold"))
-    with pytest.raises(BuildError, match=r"family 'esm2' serves embeddings, hiddens, logits, scores, predictions; not samplings"):
+    with pytest.raises(BuildError,
+                       match=r"family 'esm2' serves embeddings, hiddens, logits, scores, predictions; not samplings"):
         _check_tasks(get_family("esm2"), ("samplings",))

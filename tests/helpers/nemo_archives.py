@@ -78,7 +78,8 @@ def esm2_to_megatron(hf_state: dict[str, torch.Tensor], num_layers: int, heads: 
     out["model.lm_head.bias"] = pad_rows(hf["lm_head.bias"])
     hidden = out["model.language_model.embedding.word_embeddings.weight"].shape[1]
     head_dim = hidden // heads
-    out["model.language_model.rotary_pos_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2).float() / head_dim
+    out["model.language_model.rotary_pos_emb.inv_freq"] = 1.0 / (10000 ** exponents)
     return out
 
 
@@ -105,7 +106,8 @@ def esm2nv_config(hf_config, **overrides) -> dict:
 
 
 # -------------------------------------------------------------------------------- MegaMolBART
-def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *, head: str = "weight and bias") -> dict[str, torch.Tensor]:
+def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *,
+                        head: str = "weight and bias") -> dict[str, torch.Tensor]:
     """A `MegaMolBart` state dict (separate q/k/v) in NeMo's Megatron encoder-decoder layout. The
     output head as a NeMo version saved it (checkpoints.md): "weight and bias", "weight" (NeMo
     1.11-1.12, and >= 1.13 with share_decoder_tokens_head_embeddings false: no bias) or "bias"
