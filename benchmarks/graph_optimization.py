@@ -265,8 +265,9 @@ def report(results: dict) -> str:
         "processes were running: the absolute times include their share, the ratios less so).",
         "",
         f"{results['threads']} intra-op threads, sequential execution; random protein sequences of {results['length']} "
-        f"residues (no padding); median per-call time over {results['rounds']} interleaved rounds ({2 * results['rounds']} "
-        "at batch 1), the fastest round in brackets. 'vs TS': the plain TorchScript export's time divided by the "
+        f"residues (no padding); median per-call time over {results['rounds']} interleaved rounds "
+        f"({2 * results['rounds']} at batch 1), the fastest round in brackets. 'vs TS': the plain TorchScript "
+        "export's time divided by the "
         "variant's, median of per-round ratios (above 1: faster); 'vs dynamo' likewise against the plain dynamo "
         "export. Level: the session's graph_optimization_level. Error/cosine: embeddings against PyTorch fp32 "
         "on the largest batch.",
@@ -275,8 +276,8 @@ def report(results: dict) -> str:
         d = data["description"]
         rows = data["variants"]
         dynamo = next(r for r in rows if r["variant"] == "dynamo")
-        lines += ["", f"## {model} ({d['architecture']}, {d['layers']} layers, hidden {d['hidden']}, {d['heads']} heads, "
-                  f"{d['parameters'] / 1e6:.0f}M parameters)", ""]
+        lines += ["", f"## {model} ({d['architecture']}, {d['layers']} layers, hidden {d['hidden']}, "
+                  f"{d['heads']} heads, {d['parameters'] / 1e6:.0f}M parameters)", ""]
         header = "| variant | level |"
         rule = "|---|---|"
         for b in results["batches"]:
@@ -290,8 +291,9 @@ def report(results: dict) -> str:
             for b in results["batches"]:
                 key = str(b) if str(b) in r["ms"] else b
                 ms = r["ms"][key]
+                vs_dynamo = r["vs_torchscript"][key] / dynamo["vs_torchscript"][key]
                 line += (f" {ms:.1f} ({r['min_ms'][key]:.1f}) | {r['sequences_per_s'][key]:.1f} | "
-                         f"{r['vs_torchscript'][key]:.2f} | {r['vs_torchscript'][key] / dynamo['vs_torchscript'][key]:.2f} |")
+                         f"{r['vs_torchscript'][key]:.2f} | {vs_dynamo:.2f} |")
             fused = ", ".join(f"{op} {n}" for op, n in r["fused"].items() if op != "LayerNormalization") or "-"
             line += f" {r['session_create_s']:.2f} | {r['max_abs_error']:.1e} | {r['min_cosine']:.6f} | {fused} |"
             lines.append(line)

@@ -353,7 +353,8 @@ def summary(results: dict) -> str:
                 lines.append(f"| {target['label']} | {row['concurrency']} | {row['sequences_per_s']:.1f} | "
                              f"{row['p50_ms']:.1f} | {row['p99_ms']:.1f} | {batch} |")
         lines += ["", "Where the time goes (perf_analyzer's server-side breakdown per request, ms):", "",
-                  "| target | concurrency | client + network | queue | compute input | compute infer | compute output |",
+                  "| target | concurrency | client + network | queue | compute input | compute infer "
+                  "| compute output |",
                   "|---|---|---|---|---|---|---|"]
         for target in part.get("served", []):
             for row in target["results"]:
