@@ -369,14 +369,26 @@ def test_repo_push_uploads_the_repository(bare_host):
 def test_doctor_reports_what_is_missing_instead_of_failing_on_it(bare_host):
     result = bare_host.run("doctor", columns=400)  # wide enough that no row of its table wraps
     assert "Traceback" not in result.stderr and "error:" not in result.stderr, result.stderr
-    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") == 5}
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") == 6}
     assert "ok" in rows["tritonserver"] and "ok" in rows["tritonclient"], result.stdout
     for missing in ("torch", "onnx", "transformers"):
         assert "missing" in rows[missing] and "blocked by test_layers.py" in rows[missing], rows[missing]
+        assert "build" in rows[missing], rows[missing]  # the "needed for" column
     assert "not importable" in rows["Model Navigator"], result.stdout
-    # Exporting needs them: doctor says so in its exit code.
+    # Exporting needs them: doctor, judging every job by default, says so in its exit code.
     assert result.returncode == 1, result.stdout
+    assert "serve: ready" in result.stdout.splitlines(), result.stdout
+    assert "build: missing Model Navigator, onnx, torch, transformers" in result.stdout
     assert "Missing required components: Model Navigator, onnx, torch, transformers" in result.stdout
+
+
+@pytest.mark.e2e
+def test_doctor_finds_a_serving_host_ready_to_serve(bare_host):
+    result = bare_host.run("doctor", "--job", "serve", columns=400)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "serve: ready" in result.stdout.splitlines() and "build:" not in result.stdout, result.stdout
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") == 6}
+    assert "not available" in rows["torch"], rows["torch"]  # absent, but serving does not need it
 
 
 @pytest.mark.e2e

@@ -6,30 +6,44 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bionemo_export.runtime.doctor import run_checks
+from bionemo_export.runtime.doctor import Job, missing_for, run_checks
 
 
 def doctor(
     tritonserver: str | None = typer.Option(None, help="Check this tritonserver binary instead of searching."),
     probe: bool = typer.Option(True, help="Start tritonserver once on an empty repository to read its version."),
+    job: Job | None = typer.Option(None, help="Judge the host for this job only (default: every job): e.g. serve "
+                                              "on a host that only serves, such as NVIDIA's Triton container "
+                                              "with the base install. Exit code 1 when something it needs is "
+                                              "missing."),
 ) -> None:
+    """List each component with the jobs that need it (build, serve, bench), then whether each job can
+    run here; exit code 1 when a job asked for (every job by default) lacks something."""
     checks = run_checks(tritonserver, probe=probe)
+    jobs = [job] if job is not None else list(Job)
     table = Table(title="bionemo-export doctor", show_lines=True)
     table.add_column("component", no_wrap=True)
     table.add_column("status", no_wrap=True)
+    table.add_column("needed for", no_wrap=True)
     table.add_column("found", overflow="fold", ratio=3)
     table.add_column("fix", overflow="fold", ratio=2)
     for check in checks:
         if check.ok:
             status = "[green]ok[/green]"
-        elif check.required:
+        elif any(wanted in check.needed_for for wanted in jobs):
             status = "[red]missing[/red]"
-        else:
+        else:  # optional, or needed only by jobs not asked about
             status = "[yellow]not available[/yellow]"
-        table.add_row(check.name, status, check.found, check.fix)
+        table.add_row(check.name, status, ", ".join(check.needed_for) or "optional", check.found, check.fix)
     console = Console()
     console.print(table)
-    missing = [c.name for c in checks if c.required and not c.ok]
+    missing: list[str] = []
+    for wanted in jobs:
+        lacking = missing_for(checks, wanted)
+        verdict = f"[red]missing[/red] {', '.join(lacking)}" if lacking else "[green]ready[/green]"
+        console.print(f"{wanted}: {verdict}", highlight=False)
+        missing += [name for name in lacking if name not in missing]
     if missing:
-        console.print(f"[red]Missing required components:[/red] {', '.join(missing)}")
+        names = [check.name for check in checks if check.name in missing]  # the table's order
+        console.print(f"[red]Missing required components:[/red] {', '.join(names)}")
         raise typer.Exit(1)

@@ -1,7 +1,10 @@
 """Inspect this host: what bionemo-export can use to export, serve and benchmark, and what is missing.
 
-Each check is a `Check` with a status, what was found, and the command that fixes it, so the CLI
-renders a table and tests can assert on the same data.
+Each check is a `Check` with a status, what was found, the command that fixes it and the jobs
+(`Job`: build, serve, bench) that need it, so the CLI renders a table and a verdict per job, and
+tests can assert on the same data. A host does not need every job: NVIDIA's Triton container with
+the base install serves and has no torch, so `missing_for(checks, Job.SERVE)` is empty there while
+building lacks torch, onnx, transformers and Model Navigator.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import os
 import shutil
 import subprocess
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from .discovery import TritonNotFoundError, find_tritonserver
@@ -24,14 +28,41 @@ from .server import TritonStartError, probe_server
 SETUP_FIX = "bash scripts/setup.sh"
 
 
+class Job(StrEnum):
+    """What a host may be set up to do; each check names the jobs that cannot run without it."""
+
+    BUILD = "build"
+    """Export checkpoints into repositories (build, inspect, verify, dev-server): PyTorch and the exporters."""
+    SERVE = "serve"
+    """Serve repositories and talk to them (serve, health, client): tritonserver and its client."""
+    BENCH = "bench"
+    """Measure served models (bench): perf_analyzer and Triton's client."""
+
+
+BUILD, SERVE, BENCH = (Job.BUILD,), (Job.SERVE,), (Job.BENCH,)
+
+
 @dataclass(frozen=True)
 class Check:
+    """One component of the host: whether it is usable, what was found, how to fix it."""
+
     name: str
     ok: bool
     found: str
     fix: str = ""
-    required: bool = True
-    """False for optional components (GPU, TensorRT): their absence is reported, not an error."""
+    needed_for: tuple[Job, ...] = ()
+    """The jobs that cannot run without it; empty for optional components (GPU, TensorRT, object
+    storage): their absence is reported, not an error."""
+
+    @property
+    def required(self) -> bool:
+        """Whether some job needs it."""
+        return bool(self.needed_for)
+
+
+def missing_for(checks: Sequence[Check], job: Job) -> list[str]:
+    """The components `job` needs that this host lacks, in the checks' order (empty: ready)."""
+    return [check.name for check in checks if job in check.needed_for and not check.ok]
 
 
 def _package_version(distribution: str) -> str | None:
@@ -45,20 +76,22 @@ def check_tritonserver(explicit: str | None = None, probe: bool = True) -> Check
     try:
         install = find_tritonserver(explicit)
     except TritonNotFoundError as err:
-        return Check("tritonserver", False, str(err).splitlines()[0], SETUP_FIX + "  (or --tritonserver PATH)")
+        return Check("tritonserver", False, str(err).splitlines()[0], SETUP_FIX + "  (or --tritonserver PATH)",
+                     SERVE)
     version = install.version
     if probe:
         try:
             version = probe_server(install)["version"]
         except (TritonStartError, OSError) as err:
             return Check("tritonserver", False, f"{install.binary} does not start: {str(err).splitlines()[0]}",
-                         "see `bionemo-export serve` output and the server log")
+                         "see `bionemo-export serve` output and the server log", SERVE)
     backends = ", ".join(install.backends) or "none"
     return Check(
         "tritonserver",
         "python" in install.backends,
         f"{version or 'unknown version'} ({install.source}) {install.binary}\nbackends: {backends}",
         "" if "python" in install.backends else "the python backend is missing from " + str(install.backend_directory),
+        SERVE,
     )
 
 
@@ -87,9 +120,9 @@ def check_object_storage(explicit: str | None = None) -> Check:
     if not stores:
         return Check("object storage", False, "no s3:// support found in this tritonserver" if stores == [] else
                      "libtritonserver not found: cannot tell", "serve s3:// repositories with NVIDIA's container: "
-                     "tritonserver --model-repository=s3://bucket/path", required=False)
+                     "tritonserver --model-repository=s3://bucket/path")
     return Check("object storage", True, f"{', '.join(stores)} repositories, read by tritonserver itself "
-                 "(bionemo-export serve s3://...; credentials from AWS_* variables)", required=False)
+                 "(bionemo-export serve s3://...; credentials from AWS_* variables)")
 
 
 def check_navigator() -> Check:
@@ -101,31 +134,34 @@ def check_navigator() -> Check:
     problem = navigator_problem()
     if problem is not None:
         return Check("Model Navigator", False, f"not importable: {problem}",
-                     "pip install --no-deps triton-model-navigator==0.14.0 (see scripts/setup.sh)")
-    return Check("Model Navigator", True, _package_version("triton-model-navigator") or "unknown version")
+                     "pip install --no-deps triton-model-navigator==0.14.0 (see scripts/setup.sh)", BUILD)
+    return Check("Model Navigator", True, _package_version("triton-model-navigator") or "unknown version",
+                 needed_for=BUILD)
 
 
 def check_perf_analyzer() -> Check:
     try:
         pa = find_perf_analyzer()
     except PerfAnalyzerNotFoundError as err:
-        return Check("perf_analyzer", False, str(err).splitlines()[0], SETUP_FIX)
-    return Check("perf_analyzer", True, f"{pa.version} {pa.binary}")
+        return Check("perf_analyzer", False, str(err).splitlines()[0], SETUP_FIX, BENCH)
+    return Check("perf_analyzer", True, f"{pa.version} {pa.binary}", needed_for=BENCH)
 
 
-def check_python_package(name: str, module: str, distribution: str, required: bool = True,
+def check_python_package(name: str, module: str, distribution: str, needed_for: tuple[Job, ...] = (),
                          fix: str = SETUP_FIX, detail: Callable[[object], str] | None = None) -> Check:
+    """Whether `module` imports (its distribution's version when it does); `needed_for`: the jobs
+    that need it (none: optional)."""
     try:
         with warnings.catch_warnings():
             # torch warns about pynvml (a Model Navigator requirement) on every import.
             warnings.simplefilter("ignore")
             imported = importlib.import_module(module)
     except Exception as err:  # noqa: BLE001 - any import failure means "not usable"
-        return Check(name, False, f"not importable: {type(err).__name__}: {err}", fix, required)
+        return Check(name, False, f"not importable: {type(err).__name__}: {err}", fix, needed_for)
     found = _package_version(distribution) or getattr(imported, "__version__", "unknown version")
     if detail is not None:
         found = f"{found}; {detail(imported)}"
-    return Check(name, True, found, required=required)
+    return Check(name, True, found, needed_for=needed_for)
 
 
 def _ort_providers(ort: object) -> str:
@@ -143,11 +179,11 @@ def check_gpu() -> Check:
             out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=20)
             if out.returncode == 0 and out.stdout.strip():
-                return Check("GPU", True, out.stdout.strip().replace("\n", "; "), required=False)
+                return Check("GPU", True, out.stdout.strip().replace("\n", "; "))
         except (OSError, subprocess.TimeoutExpired):
             pass
     return Check("GPU", False, "none (CPU execution; TensorRT export unavailable)",
-                 "optional: run on a host with an NVIDIA GPU and drivers", required=False)
+                 "optional: run on a host with an NVIDIA GPU and drivers")
 
 
 def run_checks(tritonserver: str | None = None, probe: bool = True) -> list[Check]:
@@ -156,14 +192,19 @@ def run_checks(tritonserver: str | None = None, probe: bool = True) -> list[Chec
         check_tritonserver(tritonserver, probe=probe),
         check_object_storage(tritonserver),
         check_perf_analyzer(),
-        check_python_package("tritonclient", "tritonclient.grpc", "tritonclient"),
+        # serve: health and client speak to the server with it; bench reads the server's statistics.
+        check_python_package("tritonclient", "tritonclient.grpc", "tritonclient", (Job.SERVE, Job.BENCH)),
         check_navigator(),
-        check_python_package("onnx", "onnx", "onnx"),
-        check_python_package("onnxruntime", "onnxruntime", "onnxruntime", detail=_ort_providers),
-        check_python_package("torch", "torch", "torch", detail=_torch_devices,
+        check_python_package("onnx", "onnx", "onnx", BUILD),
+        # Serving needs it only where a --backend python repository's models run their graphs: in
+        # the server's Python, which may not be this one (the fix says so).
+        check_python_package("onnxruntime", "onnxruntime", "onnxruntime", BUILD, detail=_ort_providers,
+                             fix=f"{SETUP_FIX}  (serving a --backend python repository needs it in the server's "
+                                 "Python too: pip install onnxruntime)"),
+        check_python_package("torch", "torch", "torch", BUILD, detail=_torch_devices,
                              fix="pip install torch==2.13.0 (see scripts/setup.sh)"),
-        check_python_package("transformers", "transformers", "transformers"),
-        check_python_package("TensorRT", "tensorrt", "tensorrt", required=False,
+        check_python_package("transformers", "transformers", "transformers", BUILD),
+        check_python_package("TensorRT", "tensorrt", "tensorrt",
                              fix="optional: builds the engines of --backend tensorrt repositories "
                                  "(`bionemo-export engines build`) on a GPU host, e.g. in NVIDIA's Triton container"),
         check_gpu(),
