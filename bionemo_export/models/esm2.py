@@ -207,7 +207,7 @@ class _TanhGeluIntermediate(torch.nn.Module):
 
 def _megatron_to_huggingface(checkpoint: Checkpoint, config: transformers.EsmConfig
                              ) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
-    """ESM-2nv's Megatron BERT keys -> EsmModel's (the table in bionemo-serving.md): fused QKV
+    """ESM-2nv's Megatron BERT keys -> EsmModel's (docs/reference/checkpoint-layouts.md's table): fused QKV
     split per head, the word embeddings cut from 128 padded rows to 33; the LM head taken apart
     (its bias is cut like the embeddings when the head is built)."""
     source = checkpoint.weights_path

@@ -247,8 +247,8 @@ def _cut_padded_vocab(weights: dict[str, torch.Tensor], rows: int, size: int, so
 
 def _output_head(weights: dict[str, torch.Tensor], embedding: torch.Tensor | None, source: str) -> str:
     """Complete the stored output head (`tokens_head`) in place and say which one it was. What the
-    file holds decides, whatever the config says (checkpoints.md): NeMo <= 1.10 saved only the bias,
-    the weight tied to the token embeddings; NeMo 1.11-1.12, and later with
+    file holds decides, whatever the config says (docs/reference/checkpoint-layouts.md): NeMo <= 1.10
+    saved only the bias, the weight tied to the token embeddings; NeMo 1.11-1.12, and later with
     `share_decoder_tokens_head_embeddings: false` (MegaMolBART's), only the weight; some archives both."""
     has_weight, has_bias = "tokens_head.weight" in weights, "tokens_head.bias" in weights
     if has_weight:

@@ -109,7 +109,7 @@ def check_gelu(activation: str, bias_gelu_fusion: bool, source: str) -> str:
 
 def fused_bias_gelu(checkpoint, section: str | None = None, encoder_decoder: bool = False) -> bool:
     """Whether NeMo runs a stack's MLP through Megatron's fused bias-GELU (the tanh approximation),
-    with NeMo's own precedence (checkpoints.md):
+    with NeMo's own precedence (docs/reference/checkpoint-layouts.md, "GELU"):
     - Megatron BERT (ESM-1nv, ESM-2nv) reads `bias_gelu_fusion`, default true;
     - encoder-decoder models (MegaMolBART, ProtT5nv) read `bias_activation_fusion`: from a nested
       encoder:/decoder: section as it is (default true); in a flat config, the deprecated alias

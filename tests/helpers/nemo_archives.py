@@ -109,7 +109,7 @@ def esm2nv_config(hf_config, **overrides) -> dict:
 def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *,
                         head: str = "weight and bias") -> dict[str, torch.Tensor]:
     """A `MegaMolBart` state dict (separate q/k/v) in NeMo's Megatron encoder-decoder layout. The
-    output head as a NeMo version saved it (checkpoints.md): "weight and bias", "weight" (NeMo
+    output head as a NeMo version saved it (docs/reference/checkpoint-layouts.md): "weight and bias", "weight" (NeMo
     1.11-1.12, and >= 1.13 with share_decoder_tokens_head_embeddings false: no bias) or "bias"
     (NeMo <= 1.10: the weight tied to the token embeddings, not stored)."""
     heads = config.num_heads
@@ -143,7 +143,7 @@ def megamolbart_to_nemo(state: dict[str, torch.Tensor], config, *,
 
 MEGAMOLBART_REGEX = (r"\[[^\]]+]|Br?|Cl?|N|O|S|P|F|I|b|c|n|o|s|p|\(|\)|\.|=|#|-|\+|\\|\/|:|~|@|\?|>|\*|\$"
                      r"|\%[0-9]{2}|[0-9]")
-"""The regex of MegaMolBART's tokenizer .model file (bionemo-serving.md)."""
+"""The regex of MegaMolBART's tokenizer .model file (docs/reference/tokenizers.md)."""
 
 
 def megamolbart_config(config, vocab: list[str], *, nested: bool = False, **overrides) -> tuple[dict, dict[str, bytes]]:
@@ -212,7 +212,7 @@ ROW_PARALLEL = ("self_attention.dense.weight", "inter_attention.dense.weight", "
 
 
 def tensor_parallel_shards(weights: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
-    """Megatron-LM's tensor parallelism (tensor_parallel/layers.py, as checkpoints.md states it):
+    """Megatron-LM's tensor parallelism (tensor_parallel/layers.py, as docs/reference/checkpoint-layouts.md states it):
     column-parallel layers (fused QKV, cross-attention query/key_value, dense_h_to_4h) and
     vocabulary-parallel tensors (word embeddings, LM-head bias, tokens head) split by rows - each
     rank gets a contiguous block of rows, so whole heads in per-head order; row-parallel weights
@@ -234,7 +234,7 @@ def tensor_parallel_shards(weights: dict[str, torch.Tensor], size: int) -> list[
 
 def pipeline_stages(weights: dict[str, torch.Tensor], layers_per_stage: list[int],
                     stack: str = "language_model.encoder.layers.") -> list[dict[str, torch.Tensor]]:
-    """A Megatron BERT split into pipeline stages (checkpoints.md): each stage holds its layers
+    """A Megatron BERT split into pipeline stages (docs/reference/checkpoint-layouts.md): each stage holds its layers
     numbered from 0; the first the embeddings, the last the final layer norm, the LM head and a
     copy of the word embeddings as `model.word_embeddings.weight`; rotary tables on every stage."""
     stages: list[dict[str, torch.Tensor]] = [{} for _ in layers_per_stage]
