@@ -83,7 +83,7 @@ class DevModels:
         if seq2seq is not None:
             limit = seq2seq.max_decode_length
             if self.max_decode_length is not None and not 1 <= self.max_decode_length <= limit:
-                raise InvalidInputError(f"max decode length must be between 1 and the model's {limit}, "
+                raise InvalidInputError(f"`max_decode_length` must be between 1 and the model's {limit}, "
                                         f"got {self.max_decode_length}")
             self.max_decode_length = self.max_decode_length or limit
             self._decoding_tokenizer = self.loaded.decoding()[1]

@@ -29,7 +29,7 @@ from bionemo_export.bench import (
 )
 from bionemo_export.bench.inputs import STANDARD_AMINO_ACIDS
 from bionemo_export.bench.run import primary_batch_model, repository_max_residues, statistics_delta
-from bionemo_export.cli.main import app
+from bionemo_export.cli.main import app, error_line
 
 SEQUENCES = [TensorSpec("sequences", "BYTES", (1,))]
 HIDDENS = [TensorSpec("hiddens", "FP32", (-1, 16)), TensorSpec("mask", "BOOL", (-1,))]
@@ -169,8 +169,11 @@ def test_optional_inputs_are_left_out_and_unsupported_inputs_refused():
     assert list(data.entries[0]) == ["sequences"] and "num_samples" in data.notes[0]
     with pytest.raises(InputError, match="cannot generate inputs.*input_ids INT64"):
         generate_inputs([TensorSpec("input_ids", "INT64", (-1,))], InputSpec())
-    with pytest.raises(InputError, match="use --lengths"):
+    with pytest.raises(InputError, match="`file` gives sequences.*use `lengths`") as hiddens:
         generate_inputs(HIDDENS, InputSpec(file=Path(__file__)))
+    # The library names InputSpec's fields; the command line words them as bench's flags.
+    assert error_line(hiddens.value).startswith("error: --input gives sequences")
+    assert error_line(hiddens.value).endswith("(hidden states): use --lengths")
 
 
 # -- targets, statistics, report ---------------------------------------------------------------

@@ -105,6 +105,41 @@ def test_a_value_none_of_the_choices_is_one_line_naming_the_option(tmp_path):
     assert backend.output == "error: --backend onnx: choose one of auto, python, native, tensorrt\n"
 
 
+def test_engines_build_names_the_precision_setting_and_its_choices(tmp_path):
+    from bionemo_export.runtime.engines import build_engines
+
+    with pytest.raises(ChoiceError) as refused:  # before the repository is looked at
+        build_engines(tmp_path, precision="fp8")
+    assert str(refused.value) == "`precision` 'fp8': choose one of fp16, fp32"
+    assert error_line(refused.value) == "error: --precision 'fp8': choose one of fp16, fp32"
+    result = runner.invoke(app, ["engines", "build", str(tmp_path), "--precision", "fp8"], env=WIDE)
+    assert result.exit_code == 1 and result.output == "error: --precision fp8: choose one of fp16, fp32\n"
+
+
+def test_a_decode_length_beyond_the_models_names_the_setting(tmp_path):
+    from bionemo_export.dev_server import DevModels
+    from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
+    from bionemo_export.models import load_checkpoint
+    from bionemo_export.testing.checkpoints import save_random_checkpoint
+
+    checkpoint = save_random_checkpoint("megamolbart", tmp_path / "checkpoint")
+    loaded = load_checkpoint(checkpoint, "megamolbart")
+    assert loaded.seq2seq is not None, "megamolbart decodes"
+    limit = loaded.seq2seq.max_decode_length
+    message = f"must be between 1 and the model's {limit}, got {limit + 1}"
+    with pytest.raises(ValueError) as planned:  # the build's planner
+        plan_seq2seq_repository("m", family="megamolbart", hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
+                                seq2seq=loaded.seq2seq, graph_specs={}, onnx_files={}, max_decode_length=limit + 1)
+    assert str(planned.value) == f"`max_decode_length` {message}"
+    assert error_line(planned.value) == f"error: --max-decode-length {message}"
+    with pytest.raises(ValueError) as dev:
+        DevModels(loaded, max_decode_length=limit + 1)
+    assert str(dev.value) == f"`max_decode_length` {message}"
+    result = runner.invoke(app, ["dev-server", "--checkpoint", str(checkpoint), "--model", "megamolbart", "--name", "m",
+                                 "--max-decode-length", str(limit + 1)], env=WIDE)
+    assert result.exit_code == 1 and result.output.endswith(f"error: --max-decode-length {message}\n"), result.output
+
+
 def _exception_classes():
     """Every exception class the package defines (its modules imported: torch included)."""
     for info in pkgutil.walk_packages(bionemo_export.__path__, "bionemo_export."):

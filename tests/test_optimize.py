@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.choices import ChoiceError
+from bionemo_export.cli.main import error_line
 from bionemo_export.exporters import export_onnx, verify_onnx
 from bionemo_export.exporters import optimize as optimize_module
 from bionemo_export.exporters.optimize import (
@@ -285,13 +287,22 @@ def test_a_precision_nothing_meets_fails_the_build_and_leaves_nothing(tmp_path, 
     monkeypatch.setitem(PRECISION_MIN_COSINE, "int8", {"embeddings": 1.01, "hiddens": 1.01})
     family = get_family("esm2")
     checkpoint = save_random_checkpoint(family.name, tmp_path / "checkpoint")
-    with pytest.raises(BuildError, match=r"no int8 graph of encoder meets .* --precision fp32"):
+    with pytest.raises(BuildError, match=r"no int8 graph of encoder meets .* `precision` fp32 or fp16\.$") as failed:
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                       backend="python", precision="int8", tasks=("embeddings",)))
+    assert error_line(failed.value).endswith(". Build with --precision fp32 or fp16.")  # the command line's words
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
     with pytest.raises(BuildError, match="`precision` 'int4'"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                       precision="int4"))
+
+
+def test_optimize_onnx_refuses_a_precision_or_level_none_of_the_choices(tmp_path):
+    # Refused before the graph is read: the choices are bionemo_export.choices' Precision and OptimizationLevel.
+    with pytest.raises(ChoiceError, match="^`precision` 'int4': choose one of fp32, int8, fp16$"):
+        optimize_onnx(tmp_path / "in.onnx", tmp_path / "out.onnx", num_heads=None, hidden_size=None, precision="int4")
+    with pytest.raises(ChoiceError, match="^`level` 'all': choose one of none, basic, extended$"):
+        optimize_onnx(tmp_path / "in.onnx", tmp_path / "out.onnx", num_heads=None, hidden_size=None, level="all")
 
 
 def test_verify_holds_a_repository_to_its_precisions_tolerance():

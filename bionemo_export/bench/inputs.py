@@ -324,8 +324,8 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
         if width < 1:
             raise InputError(f"input {hiddens.name!r} has no fixed hidden width: {list(hiddens.shape)}")
         if spec.file is not None:
-            raise InputError(f"--input gives sequences; the model's inputs are {hiddens.name!r} and {mask.name!r} "
-                             "(hidden states): use --lengths")
+            raise InputError(f"`file` gives sequences; the model's inputs are {hiddens.name!r} and {mask.name!r} "
+                             "(hidden states): use `lengths`")
         dist = LengthDistribution.parse(spec.lengths or DEFAULT_HIDDEN_LENGTHS)
         lengths = dist.sample(spec.count, rng, spec.max_length)
         entries = []

@@ -395,7 +395,7 @@ def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: f
     if code != 0 or not csv_path.exists():
         hint = ""
         if "not in the vocabulary" in output or "invalid character" in output:
-            hint = ("\nhint: the model does not accept these inputs (random proteins by default); give --input "
+            hint = ("\nhint: the model does not accept these inputs (random proteins by default); give `file` "
                     "with sequences or SMILES in its alphabet")
         raise BenchError(f"perf_analyzer failed on {target.model} at concurrency {concurrency} "
                          f"(exit code {code}); last lines (full log: {log}):\n{_tail(output)}{hint}")

@@ -23,7 +23,10 @@ from bionemo_export.bench import (
 )
 from bionemo_export.bench.inputs import DEFAULT_LENGTHS, LENGTH_DISTRIBUTIONS
 from bionemo_export.choices import Protocol
+from bionemo_export.errors import worded
 from bionemo_export.runtime import PerfAnalyzerNotFoundError, TritonNotFoundError, TritonStartError
+
+from . import flag
 
 
 class _RichProgress(ProgressHook):
@@ -70,8 +73,9 @@ def bench(
                                           f"{', '.join(LENGTH_DISTRIBUTIONS)} (default {DEFAULT_LENGTHS}; "
                                           "smiles for hidden states), uniform:MIN-MAX, fixed:N, "
                                           "lognormal:MEDIAN,SIGMA[,MIN-MAX]."),
-    input_file: Path | None = typer.Option(None, "--input", help="FASTA file, or one sequence/SMILES per "
-                                              "line, instead of random proteins.", exists=True, dir_okay=False),
+    # Named as InputSpec's field, so that an error naming `file` reads --input (cli.option_flags).
+    file: Path | None = typer.Option(None, "--input", help="FASTA file, or one sequence/SMILES per "
+                                        "line, instead of random proteins.", exists=True, dir_okay=False),
     count: int = typer.Option(256, help="Generated inputs perf_analyzer cycles through."),
     seed: int = typer.Option(0, help="Seed of the generated inputs."),
     variants: int = typer.Option(32, min=0, help="Scores models: random single substitutions per request (0: "
@@ -113,9 +117,9 @@ def bench(
             raise ValueError(f"bad --concurrency {concurrency!r}: positive integers, comma-separated")
     except ValueError as err:
         fail(str(err))
-    spec = InputSpec(lengths=lengths, file=input_file, count=count, seed=seed, max_length=max_length,
+    spec = InputSpec(lengths=lengths, file=file, count=count, seed=seed, max_length=max_length,
                      variants=variants)
-    command = _command_line(target, url, model, concurrency, lengths, input_file, count, seed, max_length, duration,
+    command = _command_line(target, url, model, concurrency, lengths, file, count, seed, max_length, duration,
                             out, compare, compare_model, protocol)
 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -126,10 +130,10 @@ def bench(
                                      tritonserver=tritonserver, progress=_RichProgress(progress))
         except (InputError, ValueError) as err:
             progress.stop()
-            fail(str(err))
+            fail(worded(str(err), flag))
         except (BenchError, TritonStartError, TritonNotFoundError, PerfAnalyzerNotFoundError) as err:
             progress.stop()
-            fail(str(err), 1)
+            fail(worded(str(err), flag), 1)
     for result in results:
         console.print(results_table(result))
         console.print(f"inputs: {result.inputs}; mean length {result.mean_length:.1f}", highlight=False)

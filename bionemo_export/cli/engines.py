@@ -8,6 +8,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from bionemo_export.choices import EnginePrecision
+
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
 
@@ -15,7 +17,8 @@ app = typer.Typer(help=__doc__, no_args_is_help=True)
 def build(
     repository: Path = typer.Argument(..., help="A repository built with `build repo --backend tensorrt`.",
                                       exists=True, file_okay=False, resolve_path=True),
-    precision: str | None = typer.Option(None, help="fp16 or fp32 (default: each engine.json's, fp16)."),
+    precision: EnginePrecision | None = typer.Option(None, help="The engines' precision (default: each "
+                                                                "engine.json's, fp16)."),
     force: bool = typer.Option(False, help="Rebuild engines that are up to date for this GPU and TensorRT."),
 ) -> None:
     """Check the repository, then build each model's model.plan from its model.onnx and engine.json

@@ -151,7 +151,8 @@ def plan_seq2seq_repository(
     limit = seq2seq.max_decode_length
     if max_decode_length is not None:
         if not 1 <= max_decode_length <= limit:
-            raise InvalidInputError(f"max decode length must be between 1 and the model's {limit}")
+            raise InvalidInputError(f"`max_decode_length` must be between 1 and the model's {limit}, "
+                                    f"got {max_decode_length}")
         limit = max_decode_length
     encoder_tasks = tuple(t for t in tasks if t in ENCODER_TASKS)
     plan = plan_encoder_repository(name, family=family, hidden_size=hidden_size, tokenizer=tokenizer,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from bionemo_export.choices import EnginePrecision
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import ENGINE_FILE, engine_json
 from bionemo_export.model_repository.consistency import check_repository
@@ -121,6 +122,8 @@ def require_onnx() -> None:
 def build_engines(repository: Path, *, precision: str | None = None, force: bool = False,
                   progress: Callable[[str], None] = lambda message: None) -> list[EngineResult]:
     """Build every missing or outdated engine of `repository` (see the module docstring)."""
+    if precision is not None:  # before any work: a ChoiceError naming the setting and its choices
+        precision = EnginePrecision.parse(precision, "precision")
     recipes = engine_recipes(repository)
     if not recipes:
         raise EngineBuildError(f"{repository} has no TensorRT models (no */1/{ENGINE_FILE}): build it with "
@@ -129,8 +132,6 @@ def build_engines(repository: Path, *, precision: str | None = None, force: bool
     findings = check_repository(repository)
     if findings:
         raise EngineBuildError(f"{repository} is inconsistent; no engine built:\n  " + "\n  ".join(findings))
-    if precision not in (None, "fp16", "fp32"):
-        raise EngineBuildError(f"--precision {precision!r}: choose fp16 or fp32")
     trt = import_tensorrt()
     gpu = gpu_name()
     cache_path = repository / TIMING_CACHE

@@ -46,6 +46,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from bionemo_export.choices import OptimizationLevel, Precision
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.procfs import available_memory_bytes
@@ -54,9 +55,7 @@ from .attention import fuse_attention
 from .graph import remove_unused
 from .quantization import Fp16Conversion, Int8Quantization, convert_fp16, quantize_int8
 
-OPTIMIZATION_LEVELS = ("none", "basic", "extended")
-DEFAULT_LEVEL = "extended"
-PRECISIONS = ("fp32", "int8", "fp16")
+DEFAULT_LEVEL = OptimizationLevel.EXTENDED
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
 """Same rule as the exporter: weights above this are written as external data."""
 DISABLED_RUNTIME_FUSIONS = ("SkipLayerNormFusion",)
@@ -124,10 +123,9 @@ def optimize_onnx(
     inputs) is largest; without `calibration`, the last ones. `external_data`: None decides by the
     weights' size. Raises OptimizationError when a step fails (dst is then not written).
     """
-    if level not in OPTIMIZATION_LEVELS:
-        raise ValueError(f"unknown optimization level {level!r}; choose one of {', '.join(OPTIMIZATION_LEVELS)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
+    OptimizationLevel.parse(level, "level")
+    Precision.parse(precision, "precision")
     if not 0.0 <= keep_fp32 <= 1.0:
         raise ValueError(f"keep_fp32 is a fraction between 0 and 1, not {keep_fp32}")
     import onnxruntime as ort

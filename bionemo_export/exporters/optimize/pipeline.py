@@ -206,7 +206,7 @@ def optimize_and_verify(
         f"no {precision} graph of {plain.parent.name} meets the {precision} tolerance against PyTorch fp32 ("
         + ", ".join(f"{name} min cosine {t.min_cosine:g}" for name, t in tolerances.items()) + "): "
         + "; ".join(failure.text() for failure in failures)
-        + f". Build with --precision fp32{' or fp16' if precision == 'int8' else ''}.")
+        + f". Build with `precision` fp32{' or fp16' if precision == 'int8' else ''}.")
 
 
 def _options_record(options: dict[str, Any]) -> dict[str, Any]:
