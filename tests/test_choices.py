@@ -63,6 +63,10 @@ def test_no_parameter_name_means_two_flags():
     assert {name: flags for name, flags in seen.items() if len(flags) > 1} == {}
     assert option_flags()["max_queue_delay_microseconds"] == "--queue-delay-us"
     assert option_flags()["family"] == "--model" and option_flags()["storage"] == "--storage-uri"
+    # Fields library errors name: bench's InputSpec.file, `repo push`'s replace, the tritonserver to use.
+    assert option_flags()["file"] == "--input" and option_flags()["lengths"] == "--lengths"
+    assert option_flags()["replace"] == "--replace" and option_flags()["tritonserver"] == "--tritonserver"
+    assert option_flags()["max_decode_length"] == "--max-decode-length" and option_flags()["precision"] == "--precision"
 
 
 def test_library_errors_name_fields_and_the_command_line_words_them_as_flags(tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from bionemo_export.cli import NO_CHECK_HELP, check_files
+from bionemo_export.cli import NO_CHECK_HELP, check_files, reason
 from bionemo_export.runtime.object_storage import S3RepositoryError, upload_repository
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
 
@@ -33,7 +33,7 @@ def push(
         check_files(repository, skip=no_check)
         files = upload_repository(repository, location, replace=replace)
     except (NotAModelRepositoryError, S3RepositoryError) as err:
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {reason(err)}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"uploaded {len(files)} objects to {location}")
     typer.echo(f"serve it with: bionemo-export serve {location}")

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bionemo_export.cli import NO_CHECK_HELP, check_files
+from bionemo_export.cli import NO_CHECK_HELP, check_files, reason
 from bionemo_export.client.triton import ServerUnreachableError
 from bionemo_export.runtime import (
     TritonNotFoundError,
@@ -106,13 +106,13 @@ def serve(
     try:
         check_model_repository(model_repository)
     except (NotAModelRepositoryError, S3RepositoryError) as err:
-        typer.echo(f"error: {err}", err=True)
+        typer.echo(f"error: {reason(err)}", err=True)
         raise typer.Exit(2) from None
     check_files(model_repository, skip=no_check)
     try:
         install = find_tritonserver(tritonserver)
     except TritonNotFoundError as err:
-        console.print(f"[red]{err}[/red]")
+        console.print(f"[red]{reason(err)}[/red]")
         raise typer.Exit(2) from None
     server = TritonServer(
         model_repository,

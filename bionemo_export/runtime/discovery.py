@@ -109,7 +109,7 @@ def find_tritonserver(explicit: str | os.PathLike[str] | None = None) -> TritonI
         "no tritonserver found. Looked at:\n  "
         + "\n  ".join(looked)
         + "\nInstall the project environment (bash scripts/setup.sh, which installs nvidia-pytriton==0.7.0), "
-        "pass --tritonserver PATH, or run inside an NVIDIA Triton container."
+        "pass `tritonserver` PATH, or run inside an NVIDIA Triton container."
     )
 
 

@@ -211,7 +211,7 @@ def upload_repository(folder: str | os.PathLike[str], uri: str, replace: bool = 
     files = repository_objects(folder)
     present = list_repository(uri)  # also reports a missing bucket or missing credentials
     if present and not replace:
-        raise S3RepositoryError(f"{uri} already holds {len(present)} objects: pass --replace to overwrite it "
+        raise S3RepositoryError(f"{uri} already holds {len(present)} objects: pass `replace` to overwrite it "
                                 "(objects the repository does not have are deleted).")
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
