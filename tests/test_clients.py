@@ -271,6 +271,7 @@ def test_encode_writes_bionemos_json_shape(server, tmp_path):
     with RepositoryClient(NAME, _urls(server)["grpc"]) as client:
         ref_hiddens, ref_mask = client.seqs_to_hidden(sequences)
     np.testing.assert_array_equal(hiddens, ref_hiddens)  # JSON keeps float32 exactly
+    assert mask is not None  # client encode writes the mask
     np.testing.assert_array_equal(mask, ref_mask)
     assert ids is None
 
@@ -315,6 +316,7 @@ def test_hiddens_files_are_checked_and_npz_needs_no_pickle(tmp_path):
     write_outputs(tmp_path / "h.json", {"hiddens": hiddens, "mask": mask})
     got, got_mask, ids = read_hiddens(tmp_path / "h.json")
     np.testing.assert_array_equal(got, hiddens)
+    assert got_mask is not None
     np.testing.assert_array_equal(got_mask, mask)
     assert ids is None
     write_outputs(tmp_path / "h.npz", {"hiddens": hiddens, "strings": np.array([[b"a"], [b"\xc3\xa9"]], object)},

@@ -9,6 +9,7 @@ round trip, `client sample`, and `verify`. benchmarks/serving.py's baseline is t
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -115,6 +116,7 @@ def test_the_dev_server_binds_the_repositorys_public_models_and_tensors(servers)
         metadata[kind] = {}
         for task in TASKS:
             answer = client.get_model_metadata(f"{NAME}_{task}", as_json=True)
+            assert isinstance(answer, dict), answer  # as_json: parsed JSON, not a protobuf
             metadata[kind][task] = {side: sorted((t["name"], t["datatype"], tuple(t["shape"])) for t in answer[side])
                                     for side in ("inputs", "outputs")}
     assert metadata["dev"] == metadata["repository"]
@@ -199,6 +201,7 @@ def test_encode_to_json_then_decode_round_trips(servers, kind, tmp_path):
     assert result.exit_code == 0, result.output
     decoded = json.loads((tmp_path / "smiles.json").read_text())
     hiddens, mask, _ = read_hiddens(tmp_path / "hiddens.json")
+    assert mask is not None  # client encode writes the mask beside the hiddens
     assert decoded == reference_decode(servers["loaded"], hiddens, mask, MAX_DECODE)
     with RepositoryClient(NAME, url) as client:
         assert decoded == client.hidden_to_smis(*client.smis_to_hidden(smiles))
@@ -280,8 +283,8 @@ def test_verify_passes_against_the_dev_server(servers):
 def test_the_benchmark_baseline_runs_the_packages_dev_server(servers, tmp_path):
     """benchmarks/serving.py starts benchmarks/dev_server.py, a wrapper of the package's dev server."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import serving
+    try:  # a script folder, not a package: found on the path it is given here, not by the type checker
+        serving = importlib.import_module("serving")
     finally:
         sys.path.pop(0)
     process, url = serving.start_dev_server(servers["checkpoint"], "megamolbart", "bench", tmp_path / "log")

@@ -156,17 +156,18 @@ def test_the_dev_server_serves_logits_and_scores_as_the_repository_does(served, 
     http, grpc, metrics = free_ports(3)
     models = [f"{NAME}_{task}" for task in ("embeddings", "hiddens", "logits", "scores")]
     dev = start_dev_server([sys.executable, "-m", "bionemo_export.cli.main", "dev-server", "--model", "esm2",
-                            "--checkpoint", result.manifest.checkpoint["path"], "--name", NAME, "--http-port", str(http),
-                            "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                            "--checkpoint", result.manifest.checkpoint["path"], "--name", NAME,
+                            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
                            tmp_path / "dev_server.log", grpc, models)
     try:
         with RepositoryClient(NAME, f"grpc://127.0.0.1:{grpc}") as client:
             for model in models[2:]:
+                answers = [c.get_model_metadata(model, as_json=True) for c in (
+                    grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}"), repository.client._client)]
+                assert all(isinstance(answer, dict) for answer in answers), answers  # parsed JSON
                 tensors = [{side: sorted((t["name"], t["datatype"], tuple(t["shape"])) for t in answer[side])
                             for side in ("inputs", "outputs")}
-                           for answer in (c.get_model_metadata(model, as_json=True) for c in (
-                               grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}"),
-                               repository.client._client))]
+                           for answer in answers if isinstance(answer, dict)]
                 assert tensors[0] == tensors[1], model
             sequences = ["MKTAYIAKQR", "GV_E"]
             for ours, theirs in zip(client.seqs_to_log_probs(sequences), repository.seqs_to_log_probs(sequences)):
@@ -195,4 +196,5 @@ def test_client_encode_of_the_logits_model_names_the_alphabet(served, tmp_path):
     assert result.exit_code == 0, result.output
     document = json.loads(out.read_text())
     assert document["alphabet"] == list("LAGVSERTIDPKQNFYMHWCXBUZO")
-    assert np.asarray(document["log_probs"]).shape == (1, 7, 25) and document["mask"][0] == [False] + [True] * 5 + [False]
+    assert np.asarray(document["log_probs"]).shape == (1, 7, 25)
+    assert document["mask"][0] == [False] + [True] * 5 + [False]

@@ -4,6 +4,8 @@ backend; logits against transformers' own classes on the same files, labels agai
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -29,7 +31,7 @@ def served(tmp_path_factory, triton_install):
     seq_model, seq_dir = make("bert-sequence", work / "seq", seed=7, num_labels=3, id2label=LABELS,
                               label2id={v: k for k, v in LABELS.items()})
     tok_model, tok_dir = make("esm-token", work / "tok", seed=8, num_labels=4)
-    results = {
+    results: dict[str, Any] = {  # the two build results, and (below) the checkpoint folders
         "seq": build_repository(BuildRequest(family="bert", checkpoint=seq_dir, name="seq", out=work / "repo",
                                              backend="python")),
         "tok": build_repository(BuildRequest(family="esm2", checkpoint=tok_dir, name="tok", out=work / "repo2",

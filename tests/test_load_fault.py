@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -206,16 +207,18 @@ def _overload_round(serve: sp.Serve, batch: list[str], expected_row: np.ndarray)
             while time.monotonic() < deadline:
                 tensor = module.InferInput("sequences", [len(batch), 1], "BYTES")
                 tensor.set_data_from_numpy(np.array([[s.encode()] for s in batch], dtype=np.object_))
-                kwargs = {"client_timeout": 120} if module is grpcclient else {}
+                kwargs: dict[str, Any] = {"client_timeout": 120} if module is grpcclient else {}
                 sent = time.monotonic()
                 try:
-                    rows = client.infer(f"{NAME}_embeddings", [tensor], **kwargs).as_numpy("embeddings")
+                    result = client.infer(f"{NAME}_embeddings", [tensor], **kwargs)
+                    rows = None if result is None else result.as_numpy("embeddings")
                 except InferenceServerException as err:
                     text = f"{err.status()} {err.message()}"
                     outcomes.append("busy" if any(m in text for m in TURNED_AWAY) else f"{protocol}: {text}"[:300])
                     continue
                 latencies.append(time.monotonic() - sent)
-                outcomes.append("ok" if np.allclose(rows, expected_row, atol=1e-4, rtol=1e-4) else "wrong")
+                right = rows is not None and np.allclose(rows, expected_row, atol=1e-4, rtol=1e-4)
+                outcomes.append("ok" if right else "wrong")
         finally:
             client.close()
 
