@@ -6,7 +6,7 @@ loads `1/model.plan`. Engines are specific to the GPU model and the TensorRT ver
 built on (a machine like) the serving host, typically inside NVIDIA's Triton container:
 
     docker run --gpus all -v $PWD/repo:/repo nvcr.io/nvidia/tritonserver:24.10-py3 \\
-        bash -c "pip install bionemo-export && bionemo-export engines build /repo"
+        bash -c "pip install 'bionemo-export[engines]' && bionemo-export engines build /repo"
 
 `build_engines(repository)`:
 - checks the repository first (consistency.check_repository), so an engine is never built from a
@@ -99,7 +99,7 @@ def import_tensorrt():
         raise EngineBuildError(
             "TensorRT is not installed here, so no engine can be built. Build them on the GPU host that "
             "serves the repository, e.g. inside NVIDIA's Triton container: docker run --gpus all -v "
-            "REPO:/repo nvcr.io/nvidia/tritonserver:24.10-py3 bash -c 'pip install bionemo-export && "
+            "REPO:/repo nvcr.io/nvidia/tritonserver:24.10-py3 bash -c 'pip install \"bionemo-export[engines]\" && "
             "bionemo-export engines build /repo'") from err
     return tensorrt
 
