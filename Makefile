@@ -1,12 +1,12 @@
 # The two set-up commands (see README.md):
 #   make demo   build a model repository, serve it with the real embedded tritonserver, query it
-#   make test   run the test suite
+#   make test   lint (ruff), type-check (pyright) and run the test suite (the docs site is built by a test)
 # Both create/refresh the virtual environment first (scripts/setup.sh; quick when up to date).
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup demo test doctor
+.PHONY: setup demo test lint doctor
 
 setup:
 	bash scripts/setup.sh
@@ -14,8 +14,14 @@ setup:
 demo: setup
 	$(PYTHON) scripts/demo.py
 
-test: setup
+test: setup lint
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+
+# ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade) and pyright (basic mode) over the
+# package and its tests; their settings are in pyproject.toml.
+lint: setup
+	$(VENV)/bin/ruff check bionemo_export tests benchmarks scripts docs
+	$(VENV)/bin/pyright --pythonpath $(PYTHON)
 
 doctor: setup
 	$(VENV)/bin/bionemo-export doctor

@@ -1,6 +1,6 @@
 """Serving backends (python, native, tensorrt) and the consistency of what they write.
 
-Neither Triton's onnxruntime nor its tensorrt backend exists on this machine (PLATFORM.md), so
+Neither Triton's onnxruntime nor its tensorrt backend exists on this machine (docs/reference/platform.md), so
 native and TensorRT repositories are checked the way those servers would check them at load time:
 every config parses as Triton's ModelConfig; its inputs and outputs equal the ONNX graph's (ONNX
 shape inference, and ONNX Runtime's own view of the graph); TensorRT's optimization profiles
@@ -10,6 +10,7 @@ Each inconsistency the checker reports is also produced on purpose, so the check
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -225,11 +226,12 @@ def test_each_backend_is_a_class_with_its_devices():
     assert set(BACKENDS) == {"python", "native", "tensorrt"}
     assert get_backend("tensorrt").device == "gpu" and get_backend("native").device == "cpu"
     assert get_backend("python", "gpu").instance_kind == mc.ModelInstanceGroup.KIND_GPU
-    with pytest.raises(ValueError, match="--backend tensorrt runs on gpu, not cpu: pass --device gpu"):
+    # Library errors name the settings by field (the command line words them as flags: test_choices.py).
+    with pytest.raises(ValueError, match="`backend` tensorrt runs on gpu, not cpu: pass `device` gpu"):
         get_backend("tensorrt", "cpu")
-    with pytest.raises(ValueError, match="--device 'tpu': choose one of cpu, gpu"):
+    with pytest.raises(ValueError, match="`device` 'tpu': choose one of cpu, gpu"):
         get_backend("python", "tpu")
-    with pytest.raises(ValueError, match="--backend 'onnx': choose one of python, native, tensorrt"):
+    with pytest.raises(ValueError, match="`backend` 'onnx': choose one of python, native, tensorrt"):
         get_backend("onnx")
     with pytest.raises(ValueError, match="fused layout runs the graph in a Python-backend model"):
         ServingOptions(backend="tensorrt", layout="fused")
@@ -249,9 +251,9 @@ def test_python_backend_on_gpu_places_graph_models_on_the_gpu(checkpoints, tmp_p
 
 
 def test_impossible_backend_device_precision_combinations_are_refused(checkpoints, tmp_path):
-    with pytest.raises(BuildError, match="--backend tensorrt runs on gpu, not cpu"):
+    with pytest.raises(BuildError, match="`backend` tensorrt runs on gpu, not cpu"):
         _build(checkpoints, "esm2", tmp_path / "a", "tensorrt", device="cpu")
-    with pytest.raises(BuildError, match="--precision int8 is ONNX Runtime's CPU quantization"):
+    with pytest.raises(BuildError, match="`precision` int8 is ONNX Runtime's CPU quantization"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoints["esm2"], name="m", out=tmp_path / "b",
                                       backend="tensorrt", precision="int8"))
     assert sorted(p.name for p in tmp_path.iterdir()) == []
@@ -272,11 +274,7 @@ def test_shape_ranges_split_lengths_at_bucket_multiples_and_cover_the_range():
 # -- engines build ------------------------------------------------------------------------------------------------
 
 def _tensorrt_installed() -> bool:
-    try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("tensorrt") is not None
 
 
 @pytest.mark.skipif(_tensorrt_installed(), reason="TensorRT is installed: the real build is tested instead")
@@ -298,8 +296,8 @@ def test_engines_build_refuses_an_inconsistent_repository(repositories, tmp_path
     assert result.exit_code == 1 and "is inconsistent; no engine built" in result.output
 
 
-@pytest.mark.skipif(not _tensorrt_installed(), reason="TensorRT is not installed on this machine (PLATFORM.md); "
-                    "engines are built inside NVIDIA's Triton container")
+@pytest.mark.skipif(not _tensorrt_installed(), reason="TensorRT is not installed on this machine "
+                    "(docs/reference/platform.md); engines are built inside NVIDIA's Triton container")
 def test_engines_build_makes_plans_once_and_records_them(repositories, tmp_path):
     repository = _copy(repositories["esm2", "tensorrt"], tmp_path)
     first = runner.invoke(app, ["engines", "build", str(repository)])

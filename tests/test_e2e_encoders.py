@@ -104,14 +104,16 @@ def test_batched_requests_give_the_same_answers_as_single_requests(served):
 
 
 def test_a_plain_tritonclient_request_works(served):
-    """What the README tells a user to write, with nothing from bionemo_export."""
+    """What docs/clients.md tells a user to write, with nothing from bionemo_export."""
     _, loaded, server, name, _ = served
     client = grpcclient.InferenceServerClient(server.endpoints.grpc_url)
     sequences = np.array([[b"MKTAYIAKQRQISFVKSHFSRQ"]], dtype=np.object_)
     inp = grpcclient.InferInput("sequences", [1, 1], "BYTES")
     inp.set_data_from_numpy(sequences)
     result = client.infer(f"{name}_embeddings", [inp])
-    assert result.as_numpy("embeddings").shape == (1, loaded.hidden_size)
+    assert result is not None
+    embeddings = result.as_numpy("embeddings")
+    assert embeddings is not None and embeddings.shape == (1, loaded.hidden_size)
     client.close()
 
 
@@ -195,6 +197,7 @@ def test_repeated_requests_are_served_from_the_response_cache(served):
         first = client.infer(model, {"sequences": sequences})["embeddings"]
         second = client.infer(model, {"sequences": sequences})["embeddings"]
     np.testing.assert_array_equal(first, second)
-    stats = grpcclient.InferenceServerClient(server.endpoints.grpc_url).get_inference_statistics(
-        model, as_json=True)["model_stats"][0]["inference_stats"]
+    answer = grpcclient.InferenceServerClient(server.endpoints.grpc_url).get_inference_statistics(model, as_json=True)
+    assert isinstance(answer, dict), answer  # as_json: parsed JSON, not a protobuf
+    stats = answer["model_stats"][0]["inference_stats"]
     assert int(stats["cache_hit"]["count"]) >= 1

@@ -1,7 +1,7 @@
 """The esm1 family: Hugging Face ESM-1b-style directories and BioNeMo ESM-1nv `.nemo` archives.
 
 The `.nemo` archives are written here by a converter of the test's own that follows the Megatron
-BERT layout documented in shared/reference/bionemo-serving.md, from an independent model:
+BERT layout documented in docs/reference/checkpoint-layouts.md, from an independent model:
 transformers' `EsmModel` with learned absolute positions. The imported model must reproduce that
 model's hidden states exactly (up to float rounding).
 """
@@ -95,6 +95,7 @@ def megatron_state_dict(model: transformers.EsmModel, *, tokentype: bool = False
         words[new_id] = hf["embeddings.word_embeddings.weight"][HF_ALPHABET.index(HF_OF_ESM1NV.get(token, token))]
     prefix = "model.language_model."
     out[prefix + "embedding.word_embeddings.weight"] = words
+    assert model.config.pad_token_id is not None  # ESM configs always name their padding token
     offset = model.config.pad_token_id + 1
     positions = hf["embeddings.position_embeddings.weight"][offset:].clone()
     if tokentype:  # BERT token types: every token has type 0, whose row is added to every position
@@ -136,7 +137,8 @@ def sentencepiece_model(pieces: list[str]) -> bytes:
     try:
         from sentencepiece import sentencepiece_model_pb2 as pb
 
-        proto = pb.ModelProto()
+        # generated protobuf code without stubs: its classes are made at import time
+        proto = pb.ModelProto()  # pyright: ignore[reportAttributeAccessIssue]
         for index, piece in enumerate(pieces):
             entry = proto.pieces.add()
             entry.piece, entry.score, entry.type = piece, -float(index), types.get(piece, 1)
@@ -298,8 +300,12 @@ def test_bad_archives_are_refused_naming_the_problem(hf_model, tmp_path, problem
         del state["model.language_model.encoder.layers.1.mlp.dense_4h_to_h.bias"]
     path = write_nemo(tmp_path / "bad.nemo", state, **kwargs)
     if problem == "pieces_differ":  # swap two lines of the .vocab artifact
+        members = {}
         with tarfile.open(path) as tar:
-            members = {m.name: tar.extractfile(m).read() for m in tar}
+            for member in tar:
+                extracted = tar.extractfile(member)
+                assert extracted is not None, f"{path} holds {member.name}, which is not a file"
+                members[member.name] = extracted.read()
         vocab = next(name for name in members if name.endswith(".vocab"))
         lines = members[vocab].decode().splitlines()
         lines[5], lines[6] = lines[6], lines[5]

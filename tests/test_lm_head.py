@@ -36,7 +36,7 @@ from tests.helpers.nemo_archives import esm2_to_megatron, esm2nv_config, pad_row
 from tests.helpers.random_models import perturb
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
-"""The 33 Hugging Face ESM token ids (shared/reference/bionemo-serving.md), written out."""
+"""The 33 Hugging Face ESM token ids (docs/reference/tokenizers.md), written out."""
 ESM1NV_VOCAB = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *"LASGVERTDIPKNFQYHMCWXBZUO"]
 HF_OF_ESM1NV = {"<s>": "<cls>", "</s>": "<eos>"}
 HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
@@ -337,7 +337,8 @@ def test_mask_character_is_in_no_alphabet():
 def test_mask_character_maps_to_the_mask_id_and_round_trips(esm2_loaded, tmp_path):
     tokenizer = esm2_loaded.tokenizer
     encoded = tokenizer.encode(["MK_AY"])
-    assert encoded.input_ids[0].tolist() == [ESM_VOCAB.index(t) for t in ["<cls>", "M", "K", "<mask>", "A", "Y", "<eos>"]]
+    tokens = ["<cls>", "M", "K", "<mask>", "A", "Y", "<eos>"]
+    assert encoded.input_ids[0].tolist() == [ESM_VOCAB.index(t) for t in tokens]
     assert encoded.residue_mask[0].tolist() == [False, True, True, True, True, True, False]
     assert tokenizer.to_dict()["mask_char"] == "_" and tokenizer.to_dict()["mask_token"] == "<mask>"
     path = tmp_path / "tokenizer.json"

@@ -1,5 +1,5 @@
 """What real `.nemo` files vary, each written from small random models by the documented layouts
-(shared/reference/checkpoints.md; converters in tests/helpers/nemo_archives.py) and imported to
+(docs/reference/checkpoint-layouts.md; converters in tests/helpers/nemo_archives.py) and imported to
 a model whose outputs equal the source's: MegaMolBART's three output heads, NeMo's GELU setting
 precedence, TransformerEngine `_extra_state` entries, `megatron_legacy` QKV/KV, the
 `megatron_amp_O2` `.module.` infix, and tensor- and pipeline-parallel archives merged on import."""
@@ -144,7 +144,8 @@ def test_tensor_and_pipeline_parallel_esm2nv_is_merged(esm2_megatron, esm2_expec
     checkpoint = read_checkpoint(archive)
     assert checkpoint.parallel == {"tensor": 2, "pipeline": 2}
     assert "model.word_embeddings.weight" in checkpoint.skipped
-    assert sorted({int(k.split("layers.")[1].split(".")[0]) for k in checkpoint.weights if "layers." in k}) == [0, 1, 2, 3]
+    layers = {int(k.split("layers.")[1].split(".")[0]) for k in checkpoint.weights if "layers." in k}
+    assert sorted(layers) == [0, 1, 2, 3]
     assert_equals_source(archive, esm2_expected)
 
 
@@ -158,7 +159,8 @@ def test_model_parallel_errors_name_the_rank_folder_and_key(esm2_megatron, tmp_p
     shards = tensor_parallel_shards(padded(weights, 256), 2)
     with pytest.raises(CheckpointError, match=r"says tensor_model_parallel_size 2, but the archive has 1 tensor ranks"):
         read_checkpoint(rank_archive(tmp_path, tp, {"mp_rank_00": shards[0]}))
-    grid = {"tp_rank_00_pp_rank_000": shards[0], "tp_rank_01_pp_rank_000": shards[1], "tp_rank_00_pp_rank_001": shards[0]}
+    grid = {"tp_rank_00_pp_rank_000": shards[0], "tp_rank_01_pp_rank_000": shards[1],
+            "tp_rank_00_pp_rank_001": shards[0]}
     with pytest.raises(CheckpointError, match=r"has no tp_rank_01_pp_rank_001/ .*incomplete"):
         read_checkpoint(rank_archive(tmp_path, config, grid))
     key = "model.language_model.encoder.layers.0.input_layernorm.weight"
@@ -175,8 +177,10 @@ def test_model_parallel_errors_name_the_rank_folder_and_key(esm2_megatron, tmp_p
     stages = pipeline_stages(weights, [2, 2])
     rotary = "model.language_model.rotary_pos_emb.inv_freq"
     stages[1][rotary] = stages[1][rotary] * 2
-    with pytest.raises(CheckpointError, match=rf"{rotary} differs between tp_rank_00_pp_rank_000/ and tp_rank_00_pp_rank_001/"):
-        read_checkpoint(rank_archive(tmp_path, config, {f"tp_rank_00_pp_rank_{p:03d}": s for p, s in enumerate(stages)}))
+    ranks = {f"tp_rank_00_pp_rank_{p:03d}": s for p, s in enumerate(stages)}
+    with pytest.raises(CheckpointError,
+                       match=rf"{rotary} differs between tp_rank_00_pp_rank_000/ and tp_rank_00_pp_rank_001/"):
+        read_checkpoint(rank_archive(tmp_path, config, ranks))
     with pytest.raises(CheckpointError, match=r"mixes mp_rank_XX and tp_rank_XX_pp_rank_XXX"):
         read_checkpoint(rank_archive(tmp_path, config, {"mp_rank_00": weights, "tp_rank_01_pp_rank_000": weights}))
 
@@ -225,7 +229,8 @@ def test_megamolbart_output_head_variants(megamolbart_source, tmp_path, head, de
     weights = megamolbart_to_nemo(source.state_dict(), source.config, head=head)
     if head == "bias":  # the padded rows of a tied head are the (padded) embeddings' rows
         assert "enc_dec_model.tokens_head.weight" not in weights
-    config, artifacts = megamolbart_config(source.config, vocab)  # MegaMolBART's: share_decoder_tokens_head_embeddings false
+    # MegaMolBART's own setting: share_decoder_tokens_head_embeddings false
+    config, artifacts = megamolbart_config(source.config, vocab)
     loaded = load_checkpoint(write_nemo(tmp_path / "mmb.nemo", config, weights, artifacts))
     assert loaded.description["output_head"] == described
     logits = decoder_logits(loaded, vocab)

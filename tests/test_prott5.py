@@ -29,11 +29,13 @@ from bionemo_export.models.prott5 import PROTT5_PIECES, nemo_vocabulary, sentenc
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
+from bionemo_export.tokenizers import Encoded
+from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from bionemo_export.verify import cosine_rows
 
 FAMILY = get_family("prott5")
 ESM1NV_PIECES = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *"LASGVERTDIPKNFQYHMCWXBZUO"]
-"""ESM-1nv's SentencePiece vocabulary (shared/reference/bionemo-serving.md): ProtT5nv's first 30 ids."""
+"""ESM-1nv's SentencePiece vocabulary (docs/reference/tokenizers.md): ProtT5nv's first 30 ids."""
 NEMO_TARGET = "bionemo.model.protein.prott5nv.prott5nv_model.ProtT5nvModel"
 
 
@@ -44,7 +46,7 @@ def spm():
     return pytest.importorskip("sentencepiece")
 
 
-def encode(model: LoadedModel, sequences: list[str]):
+def encode(model: LoadedModel, sequences: list[str]) -> tuple[torch.Tensor, torch.Tensor, Encoded]:
     """(hiddens, embeddings, Encoded) of the loaded encoder for a batch."""
     encoded = model.tokenizer.encode(sequences)
     with torch.no_grad():
@@ -111,7 +113,8 @@ def test_space_separated_and_rare_residues(hf):
 
 
 def test_max_length_defaults_to_512_and_follows_the_user(hf):
-    assert FAMILY.load(hf["spiece"], max_length=64).tokenizer.max_residues == 63
+    tokenizer = FAMILY.load(hf["spiece"], max_length=64).tokenizer
+    assert isinstance(tokenizer, SentencePieceTokenizer) and tokenizer.max_residues == 63
     # T5's relative positions set no limit: a longer one is the user's choice.
     assert FAMILY.load(hf["spiece"], max_length=1024).tokenizer.max_length == 1024
 
@@ -125,14 +128,15 @@ def test_hiddens_equal_transformers_t5_encoder(hf, form):
     hiddens, embeddings, encoded = encode(model, sequences)
     tokens = transformers.AutoTokenizer.from_pretrained(folder)(
         [prottrans_text(s) for s in sequences], padding=True, return_tensors="pt")
-    references = [transformers.T5EncoderModel.from_pretrained(folder).eval()]
+    references: list[torch.nn.Module] = [transformers.T5EncoderModel.from_pretrained(folder).eval()]
     if form == "full":
         full = transformers.T5ForConditionalGeneration.from_pretrained(folder).eval()
         references.append(full.get_encoder())
     real = torch.from_numpy(encoded.attention_mask).bool()
     for reference in references:
         with torch.no_grad():
-            expected = reference(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).last_hidden_state
+            output = reference(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        expected = output.last_hidden_state
         assert (hiddens - expected)[real].abs().max() <= 1e-5
     # embeddings: the mean over residues (ProtTrans' practice), </s> excluded
     for row, sequence in enumerate(sequences):
@@ -179,7 +183,7 @@ def _fuse(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
 
 
 def megatron_weights(model: MegaMolBart, rows: int, prefix: str, decoder_embedding: str) -> dict[str, torch.Tensor]:
-    """The NeMo Megatron encoder-decoder state dict of `model` (bionemo-serving.md's layout), the
+    """The NeMo Megatron encoder-decoder state dict of `model` (the layout in docs/reference/checkpoint-layouts.md), the
     vocabulary padded to `rows` rows; `decoder_embedding`: "same" (a copy of the encoder's),
     "none", or "other" (its own: irrelevant to the encoder)."""
     heads = model.config.num_heads
@@ -361,8 +365,8 @@ def test_served_embeddings_and_hiddens_match_pytorch(served):
     loaded, server = served
     samples = sorted(FAMILY.sample_sequences(), key=len)
     batch = [samples[-1], samples[0], samples[3]]  # long, short, with rare residues: real padding
-    ref_hiddens, ref_embeddings, encoded = (t.numpy() if isinstance(t, torch.Tensor) else t
-                                            for t in encode(loaded, batch))
+    hiddens_tensor, embeddings_tensor, encoded = encode(loaded, batch)
+    ref_hiddens, ref_embeddings = hiddens_tensor.numpy(), embeddings_tensor.numpy()
     url = f"grpc://{server.endpoints.grpc_url}"
     with EncoderClient("prott5", url) as client:
         embeddings = client.seqs_to_embedding(batch)

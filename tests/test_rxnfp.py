@@ -93,7 +93,8 @@ def test_checkpoint_names_the_package_when_missing(monkeypatch):
 def test_the_vocabulary_picks_the_tokenizer(rxnfp):
     assert isinstance(rxnfp.tokenizer, SmilesTokenizer)
     assert rxnfp.tokenizer.pattern == REACTION_SMILES_PATTERN
-    assert (rxnfp.tokenizer.bos_token, rxnfp.tokenizer.eos_token, rxnfp.tokenizer.pad_token) == ("[CLS]", "[SEP]", "[PAD]")
+    tokenizer = rxnfp.tokenizer
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("[CLS]", "[SEP]", "[PAD]")
     assert rxnfp.tokenizer.max_length == 512 and rxnfp.tokenizer.vocab_size == 591
     assert is_smiles_vocab(rxnfp.tokenizer.vocab)
     assert not is_smiles_vocab(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"ACDEFGHIKLMNPQRSTVWY"])
@@ -101,7 +102,9 @@ def test_the_vocabulary_picks_the_tokenizer(rxnfp):
 
 def test_samples_fit_the_loaded_checkpoint(rxnfp, tmp_path):
     # The family's own samples stay protein; the loaded SMILES model's family gives SMILES.
-    assert BertFamily().sample_sequences()[0] == "EVQLV" and get_family("bert").alphabet == "protein"
+    registered = get_family("bert")
+    assert isinstance(registered, BertFamily) and registered.alphabet == "protein"
+    assert BertFamily().sample_sequences()[0] == "EVQLV"
     samples = rxnfp.family.sample_sequences()
     assert rxnfp.family.name == "bert" and samples == list(SAMPLE_SMILES)
     assert any(">>" in s for s in samples) and any(">>" not in s for s in samples)
@@ -123,7 +126,7 @@ def test_token_ids_equal_the_rxnfp_regex_with_a_vocab_lookup(rxnfp):
 def test_token_ids_equal_transformers_bert_tokenizer_on_pre_split_tokens(rxnfp):
     # transformers' BERT pre-tokenizer would split "[C@@H]" and ">>" apart: give it rxnfp's tokens.
     reference = transformers.BertTokenizer.from_pretrained(str(rxnfp_checkpoint()), do_lower_case=False)
-    assert len(reference) == 591  # it really read vocab.txt (PLATFORM.md's trap)
+    assert len(reference) == 591  # it really read vocab.txt (docs/reference/platform.md's trap)
     assert reference.convert_tokens_to_ids(["[PAD]", "[CLS]", "[SEP]", ">>", "[C@@H]"]) == [0, 12, 13, 29, 35]
     encoded = rxnfp.tokenizer.encode(REACTIONS)
     for row, smiles in enumerate(REACTIONS):
@@ -135,14 +138,16 @@ def test_token_ids_equal_transformers_bert_tokenizer_on_pre_split_tokens(rxnfp):
 
 
 def test_unknown_tokens_are_errors_naming_them(rxnfp):
-    with pytest.raises(TokenizationError, match=re.escape("sequence 1: token '[Xx]' at character 2 is not in the vocabulary")):
+    unknown = "sequence 1: token '[Xx]' at character 2 is not in the vocabulary"
+    with pytest.raises(TokenizationError, match=re.escape(unknown)):
         rxnfp.tokenizer.encode(["CCO", "CC[Xx]O"])
     with pytest.raises(TokenizationError, match=re.escape("sequence 0: token ' ' at character 3")):
         rxnfp.tokenizer.encode(["CCO CC"])
 
 
 def test_hiddens_equal_transformers_bert_model(rxnfp):
-    reference, info = transformers.BertModel.from_pretrained(
+    # transformers annotates from_pretrained as returning the model alone, output_loading_info or not
+    reference, info = transformers.BertModel.from_pretrained(  # pyright: ignore[reportGeneralTypeIssues]
         str(rxnfp_checkpoint()), add_pooling_layer=False, output_loading_info=True)
     assert not info["missing_keys"] and not info["mismatched_keys"]
     ids, mask = reference_ids(REACTIONS)

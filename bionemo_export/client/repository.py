@@ -38,7 +38,11 @@ def to_numpy(value: Any, dtype: Any = None) -> np.ndarray:
     return np.asarray(value, dtype=dtype)
 
 
-def strings_column(sequences: Sequence[str] | np.ndarray) -> np.ndarray:
+Sequences = Sequence[str] | np.ndarray
+"""Sequences as a client takes them: a list of strings or a NumPy array of them."""
+
+
+def strings_column(sequences: Sequences) -> np.ndarray:
     """Sequences as a BYTES tensor [N, 1] (UTF-8): from a list of str or bytes, or an array of them."""
     if isinstance(sequences, (str, bytes)):
         raise TypeError("give a list of sequences, not one string")
@@ -63,11 +67,11 @@ class RepositoryClient:
         self.client = TritonClient(url, timeout_s=timeout_s, concurrency=in_flight)
 
     # ------------------------------------------------------------------------ BioNeMo's names
-    def seqs_to_embedding(self, sequences: Sequence[str]) -> np.ndarray:
+    def seqs_to_embedding(self, sequences: Sequences) -> np.ndarray:
         """FP32 [batch, hidden]: mean of the hidden states over each sequence's residues/tokens."""
         return self._strings_in("embeddings", sequences, ["embeddings"])["embeddings"]
 
-    def seqs_to_hidden(self, sequences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def seqs_to_hidden(self, sequences: Sequences) -> tuple[np.ndarray, np.ndarray]:
         """(hiddens FP32 [batch, length, hidden], mask BOOL [batch, length]); mask is True on
         residues/tokens, length the longest sequence's."""
         out = self._strings_in("hiddens", sequences, ["hiddens", "mask"])
@@ -89,7 +93,7 @@ class RepositoryClient:
                         ["sequences"])
         return [row[0].decode("utf-8") for row in out["sequences"]]
 
-    def sample_seqs(self, sequences: Sequence[str], *, num_samples: int | None = None,
+    def sample_seqs(self, sequences: Sequences, *, num_samples: int | None = None,
                     scaled_radius: float | None = None, sampling_method: str | None = None,
                     seed: int | None = None, top_k: int | None = None, top_p: float | None = None,
                     temperature: float | None = None, beam_size: int | None = None) -> list[list[str]]:
@@ -104,7 +108,7 @@ class RepositoryClient:
         return [[item.decode("utf-8") for item in row] for row in out["generated"]]
 
     # ------------------------------------------------------------------ masked-LM head (N_logits, N_scores)
-    def seqs_to_log_probs(self, sequences: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def seqs_to_log_probs(self, sequences: Sequences) -> tuple[np.ndarray, np.ndarray]:
         """(log_probs FP32 [batch, length, A], mask BOOL [batch, length]): log-probabilities over the
         residue alphabet (`alphabet()`) at every token position, rows laid out like `seqs_to_hidden`'s.
         A sequence may carry the model's mask character (`_`) at any position."""
@@ -116,7 +120,7 @@ class RepositoryClient:
         parameter, a JSON list)."""
         return tuple(json.loads(self._parameter("logits", "alphabet")))
 
-    def score_variants(self, wild_type: str, variants: Sequence[str], method: str | None = None,
+    def score_variants(self, wild_type: str, variants: Sequences, method: str | None = None,
                        progress: Callable[[int], None] | None = None) -> np.ndarray:
         """FP32 [len(variants)]: each variant's score against `wild_type` (ESM's convention: the sum
         over its mutations of log p(mutant) - log p(wild type) at the position). `variants` are
@@ -153,14 +157,14 @@ class RepositoryClient:
                          batch_size=1, in_flight=self.in_flight, progress=advance).outputs["scores"]
         return np.concatenate([row[:len(chunk)] for row, chunk in zip(out, chunks)]).astype(np.float32)
 
-    def pseudo_log_likelihood(self, sequences: Sequence[str]) -> np.ndarray:
+    def pseudo_log_likelihood(self, sequences: Sequences) -> np.ndarray:
         """FP32 [batch]: each sequence's pseudo-log-likelihood, the MEAN over its residues of log p(the
         residue) with that residue masked (AntiBERTy's pseudo_log_likelihood)."""
         method = lambda rows, _: {"method": np.full((len(rows), 1), b"pll", dtype=np.object_)}  # noqa: E731
         return self._strings_in("scores", sequences, ["scores"], method)["scores"].reshape(-1).astype(np.float32)
 
     # ------------------------------------------------------------------ fine-tuned head (N_predictions)
-    def predict(self, sequences: Sequence[str]) -> dict[str, Any]:
+    def predict(self, sequences: Sequences) -> dict[str, Any]:
         """The fine-tuned head's answers: {"logits": FP32 [batch, C] (token heads [batch, length, C]),
         "label": the predicted label names, one str per sequence (token heads: a list per sequence,
         one per token row), and for token heads "mask": BOOL [batch, length]}."""
@@ -197,7 +201,7 @@ class RepositoryClient:
                            "this version of bionemo-export")
         return value
 
-    def _strings_in(self, task: str, sequences: Sequence[str], outputs: list[str],
+    def _strings_in(self, task: str, sequences: Sequences, outputs: list[str],
                     extra=None) -> dict[str, np.ndarray]:
         items = strings_column(sequences)
         if not len(items):

@@ -74,8 +74,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+_Row = TypeVar("_Row")
+"""What a batch holds per window (an output array, in the served models)."""
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.batching import SubBatch, plan_sub_batches
@@ -179,7 +183,8 @@ def check_spans(length: int, spans: Sequence[Span]) -> None:
         raise ValueError(f"windows {list(spans)} do not cover residues 0..{length}")
 
 
-def merge_rows(outputs: Sequence[np.ndarray], spans: Sequence[Span], *, has_bos: bool, has_eos: bool) -> np.ndarray:
+def merge_rows(outputs: Sequence[np.ndarray] | np.ndarray, spans: Sequence[Span], *, has_bos: bool,
+               has_eos: bool) -> np.ndarray:
     """The windows' outputs merged into the single-pass layout [bos + n + eos, D] (n = the last
     span's end): residue rows by the merge rule, BOS from the first window, EOS from the last.
 
@@ -256,7 +261,7 @@ class WindowLayout:
         """Sequence `sequence`'s rows, its windows in order."""
         return range(int(self.first_row[sequence]), int(self.first_row[sequence + 1]))
 
-    def outputs_of(self, sequence: int, outputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def outputs_of(self, sequence: int, outputs: Sequence[_Row]) -> list[_Row]:
         """From per-row outputs (indexed by row), sequence `sequence`'s windows' outputs in order,
         ready for merge_rows with its spans."""
         return [outputs[row] for row in self.rows_of(sequence)]
