@@ -240,16 +240,14 @@ class BareHost:
 def bare_host(tmp_path_factory) -> Iterator[BareHost]:
     """Repositories built here (with torch), a local S3 server, and `bionemo-export serve` started as
     a process without torch; stopped (and only what was started) at the end."""
-    import boto3
     import torch
-    from moto.server import ThreadedMotoServer
 
     from bionemo_export.build import BuildRequest, build_repository
     from bionemo_export.model_repository.options import ServingOptions
     from bionemo_export.models import get_family
-    from bionemo_export.runtime import free_ports
     from bionemo_export.testing.checkpoints import save_random_checkpoint
     from tests.helpers import serve_process
+    from tests.helpers.object_store import local_s3
 
     work = tmp_path_factory.mktemp("bare")
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=11)
@@ -266,31 +264,15 @@ def bare_host(tmp_path_factory) -> Iterator[BareHost]:
     blocker = work / "no-torch"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BLOCKER)
-    # Only these credentials may take part: none of this host's profiles or instance metadata.
-    aws = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials", "AWS_CONFIG_FILE": "/nonexistent/config",
-           "AWS_EC2_METADATA_DISABLED": "true"}
     path = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
-    port = free_ports(1)[0]
-    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    with pytest.MonkeyPatch.context() as patch:
-        # serve_process.serve starts `serve` with this process's environment.
-        for key, value in {**aws, "PYTHONPATH": path, "COLUMNS": "200"}.items():
-            patch.setenv(key, value)
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-            patch.delenv(key, raising=False)
-        store.start()
+    # serve_process.serve starts `serve` with this process's environment, which local_s3 sets.
+    with local_s3(BUCKET, {"PYTHONPATH": path, "COLUMNS": "200"}) as endpoint:
+        served = serve_process.serve(built["python"], work)
         try:
-            endpoint = f"http://127.0.0.1:{port}"
-            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-            served = serve_process.serve(built["python"], work)
-            try:
-                yield BareHost(built["python"], built["tensorrt"], embeddings.numpy(), dict(os.environ),
-                               served.http, served.process.pid, endpoint, work)
-            finally:
-                served.stop()
+            yield BareHost(built["python"], built["tensorrt"], embeddings.numpy(), dict(os.environ),
+                           served.http, served.process.pid, endpoint, work)
         finally:
-            store.stop()
+            served.stop()
 
 
 @pytest.mark.e2e

@@ -10,7 +10,6 @@ starts.
 
 from __future__ import annotations
 
-import logging
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +18,6 @@ import boto3
 import numpy as np
 import pytest
 import torch
-from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
 from bionemo_export import procfs
@@ -35,6 +33,7 @@ from bionemo_export.runtime.doctor import object_stores
 from bionemo_export.runtime.object_storage import S3RepositoryError, check_s3_repository, list_repository, parse_s3_uri
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import serve_process as sp
+from tests.helpers.object_store import local_s3
 
 NAME = "s3esm"
 BUCKET = "bionemo-models"
@@ -42,10 +41,6 @@ PREFIX = "teams/proteins/esm2_tiny"
 ATOL = 1e-4
 SEQUENCES = ["MSLKRKNIALIPAAGIGVRFG", "MKTAY", "MKTAYIAKQRQISFVKSHFSRQ"]
 WIDE = {"COLUMNS": "200"}
-# No credentials, profile or instance metadata of this host may take part: only the variables set here.
-_ISOLATED_ENV = {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials", "AWS_CONFIG_FILE": "/nonexistent/config",
-                 "AWS_EC2_METADATA_DISABLED": "true"}
-_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 runner = CliRunner()
 
@@ -85,21 +80,8 @@ def test_the_server_is_given_the_location_unchanged(triton_install):
 def object_store():
     """The endpoint (http://127.0.0.1:PORT) of a local S3 server holding an empty bucket; its dummy
     credentials are in the environment, where the serve processes started later find them."""
-    port = free_ports(1)[0]
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request would bury a failure's report
-    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {**_ISOLATED_ENV, **_CREDENTIALS}.items():
-            env.setenv(key, value)
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-            env.delenv(key, raising=False)
-        store.start()
-        try:
-            endpoint = f"http://127.0.0.1:{port}"
-            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-            yield endpoint
-        finally:
-            store.stop()
+    with local_s3(BUCKET) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="module")
