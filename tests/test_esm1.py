@@ -272,8 +272,23 @@ def test_esm1nv_ids_are_the_documented_ones(esm1nv_nemo):
 
 def test_the_family_is_inferred_from_the_target(esm1nv_nemo):
     assert infer_family(read_checkpoint(esm1nv_nemo)) == "esm1"
-    with pytest.raises(CheckpointError, match="use --model esm1"):
+    with pytest.raises(CheckpointError, match="use `family` esm1"):
         get_family("esm2").load(esm1nv_nemo)
+
+
+def test_the_command_line_names_the_family_by_its_flag(esm1nv_nemo, tmp_path):
+    """The library names the setting (`family`); build and inspect word it as their --model."""
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    runner = CliRunner()
+    built = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm1nv_nemo),
+                                "--name", "m", "--out", str(tmp_path / "repo")], env={"COLUMNS": "300"})
+    assert built.exit_code == 1 and "use --model esm1" in built.output and "`family`" not in built.output
+    huggingface = save_random_checkpoint("esm1", tmp_path / "esm1-hf")
+    inspected = runner.invoke(app, ["inspect", str(huggingface), "--model", "esm2"], env={"COLUMNS": "300"})
+    assert inspected.exit_code == 1 and "use --model esm1" in inspected.output, inspected.output
 
 
 @pytest.mark.parametrize("problem, message", [
@@ -350,10 +365,10 @@ def test_esm1b_directory_equals_transformers_own_esm(esm1b_dir):
 
 
 def test_rotary_and_absolute_directories_point_to_each_other(esm1b_dir, tmp_path):
-    with pytest.raises(CheckpointError, match="use --model esm1"):
+    with pytest.raises(CheckpointError, match="use `family` esm1"):
         get_family("esm2").load(esm1b_dir)
     rotary = save_random_checkpoint("esm2", tmp_path, seed=3)
-    with pytest.raises(CheckpointError, match="'rotary', not 'absolute': use --model esm2"):
+    with pytest.raises(CheckpointError, match="'rotary', not 'absolute': use `family` esm2"):
         get_family("esm1").load(rotary)
 
 

@@ -120,7 +120,7 @@ def test_hiddens_embeddings_and_log_probs_equal_the_transformers_model(exact_dir
 
 def test_the_family_is_inferred_from_the_config_class(exact_dir):
     assert load_checkpoint(exact_dir).family.name == "esm2"
-    with pytest.raises(CheckpointError, match="esm2 family reads, not bert: use --model esm2"):
+    with pytest.raises(CheckpointError, match="esm2 family reads, not bert: use `family` esm2"):
         load_checkpoint(exact_dir, "bert")
 
 
@@ -136,7 +136,7 @@ def test_inspect_finds_the_esm2_family_alone(exact_dir):
 
 def test_an_unknown_config_class_needs_model(source, tmp_path):
     path = write_esm2_nemo2(tmp_path / "custom", source, _target_="my_lab.models.MyProteinConfig", **EXACT)
-    with pytest.raises(CheckpointError, match=r"MyProteinConfig' in context/model.yaml.*--model"):
+    with pytest.raises(CheckpointError, match=r"MyProteinConfig' in context/model.yaml.*`family`"):
         load_checkpoint(path)
     assert load_checkpoint(path, "esm2").description["nemo2_config"] == "my_lab.models.MyProteinConfig"
 

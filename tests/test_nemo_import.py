@@ -331,7 +331,7 @@ def test_a_target_of_another_family_is_refused(megamolbart_source, tmp_path):
     model, vocab = megamolbart_source
     archive = megamolbart_archive(model, vocab, tmp_path / "m.nemo")
     with pytest.raises(CheckpointError, match="MegaMolBARTModel checkpoint, which the megamolbart family reads, "
-                                              "not esm2: use --model megamolbart"):
+                                              "not esm2: use `family` megamolbart"):
         load_checkpoint(archive, "esm2")
 
 

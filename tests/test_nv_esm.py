@@ -195,7 +195,7 @@ def test_tensors_not_loaded_are_reported_as_left_out(exported, tmp_path):
 def test_the_family_is_inferred_and_others_are_refused(exported):
     assert load_checkpoint(exported["model."]).family.name == "esm2"
     with pytest.raises(CheckpointError, match="nv_esm checkpoint, which the esm2 family reads, not bert: "
-                                              "use --model esm2"):
+                                              "use `family` esm2"):
         load_checkpoint(exported["model."], "bert")
     with pytest.raises(CheckpointError, match="is a nv_esm checkpoint .*the prott5 family reads"):
         get_family("prott5").describe(read_checkpoint(exported["model."]))

@@ -334,7 +334,7 @@ def test_nemo_with_too_few_embedding_rows_is_refused(nemo, tmp_path):
 
 
 def test_nemo_named_as_another_family_is_refused(nemo):
-    with pytest.raises(ValueError, match="use --model prott5"):
+    with pytest.raises(ValueError, match="use `family` prott5"):
         load_checkpoint(nemo[1]["tar"], "esm2")
 
 

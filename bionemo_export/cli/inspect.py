@@ -19,8 +19,12 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON (for scripts)."),
 ) -> None:
     from bionemo_export.checkpoint_report import inspect_checkpoint
+    from bionemo_export.errors import worded
+
+    from . import flag
 
     report = inspect_checkpoint(checkpoint, model, max_length)
-    typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.render())
+    # The report quotes the library's errors, which name settings by field: worded as flags here.
+    typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else worded(report.render(), flag))
     if not report.ok:
         raise typer.Exit(1)

@@ -303,12 +303,12 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
              else FORM_FAMILIES.get(checkpoint.form))
     if family is None:
         if found is None:
-            raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with --model "
+            raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with `family` "
                                   "(only .nemo archives, NeMo 2 and nv_esm directories say what they are)")
         family = found
     elif found is not None and found != family:
         raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "
-                              f"reads, not {family}: use --model {found}")
+                              f"reads, not {family}: use `family` {found}")
     reader = get_family(family)
     return reader.build(reader.describe(checkpoint, max_length))
 
@@ -329,7 +329,7 @@ def infer_family(checkpoint: Checkpoint, required: bool = True) -> str | None:
     what = f"target {checkpoint.model_class!r}" if target else "no target"
     config_file = CONFIG_FILES.get(checkpoint.form, "model_config.yaml")
     raise CheckpointError(f"{checkpoint.path} has {what} in {config_file}; known targets: {known}. "
-                          "Name the family with --model if it is one of them under another class name")
+                          "Name the family with `family` if it is one of them under another class name")
 
 
 def get_family(name: str) -> ModelFamily:

@@ -75,7 +75,7 @@ class Esm2Family(HuggingFaceEncoderFamily):
             other = "esm1" if config.position_embedding_type == "absolute" else "esm2"
             raise CheckpointError(f"{checkpoint.path / 'config.json'}: position_embedding_type is "
                                   f"{config.position_embedding_type!r}, not {self.position_embedding_type!r}: "
-                                  f"use --model {other}")
+                                  f"use `family` {other}")
         return config
 
     def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
