@@ -24,8 +24,9 @@ from typer.testing import CliRunner
 from bionemo_export.build import BuildError, BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.model_repository.backends import BACKENDS, ENGINE_FILE, ShapeRange, get_backend
-from bionemo_export.model_repository.consistency import check_repository, graph_io
+from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.encoder import ServingOptions, plan_encoder_repository
+from bionemo_export.model_repository.graph_io import graph_io
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, write_config
 from bionemo_export.models import load_checkpoint

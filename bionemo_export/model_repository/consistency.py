@@ -36,7 +36,7 @@ from .manifest import MANIFEST_NAME, Manifest
 from .pbtxt import read_config
 from .plan import ModelPlan, PlanError, RepositoryPlan, Tensor
 
-__all__ = ["GraphIO", "caller_sizes", "check_repository", "graph_io"]
+__all__ = ["caller_sizes", "check_repository"]
 
 
 def caller_sizes(root: Path, configs: dict[str, ModelPlan]) -> dict[str, dict[str, tuple[int, int]]]:
