@@ -56,6 +56,21 @@ def test_token_budget_bounds_tokens_not_rows():
     assert [(b.rows.tolist(), b.length) for b in alone] == [([1], 16), ([0], 1008)]
 
 
+def test_max_rows_splits_wide_sub_batches_evenly_within_the_budget():
+    """The largest sub-batch (`max_sub_batch`): 11 short rows a budget would run together become
+    calls of at most 4 rows, as even as possible; long rows stay bounded by the budget."""
+    wide = plan_sub_batches([120] * 11, bucket=16, token_budget=8192, max_rows=4)
+    assert [b.rows.size for b in wide] == [4, 4, 3]
+    mixed = plan_sub_batches([120] * 3 + [1000] * 3, bucket=16, token_budget=2048, max_rows=4)
+    assert [(b.rows.size, b.length) for b in mixed] == [(3, 128), (2, 1008), (1, 1008)]  # 2 x 1008 fit 2048
+    assert [b.rows.size for b in plan_sub_batches([120] * 11, bucket=16, token_budget=8192, max_rows=0)] == [11]
+    for seed in range(3):
+        lengths = np.random.default_rng(seed).integers(1, 300, size=80)
+        batches = plan_sub_batches(lengths, bucket=16, token_budget=1024, max_rows=3)
+        _check_plan(lengths, batches, bucket=16, budget=1024)
+        assert max(b.rows.size for b in batches) <= 3
+
+
 def test_rows_are_sorted_and_bucketed_and_the_limit_caps_padding():
     batches = plan_sub_batches([130, 5, 120, 17, 128], bucket=16, token_budget=0, limit=130)
     assert [(b.rows.tolist(), b.length) for b in batches] == [([1], 16), ([3], 32), ([2, 4], 128), ([0], 130)]

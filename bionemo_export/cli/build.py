@@ -74,6 +74,8 @@ def repo(
                                       "dynamic batching)."),
     token_budget: int = typer.Option(ServingOptions.token_budget, help="Most tokens (rows x padded length) in one "
                                      "encoder graph call (0: no limit)."),
+    max_sub_batch: int = typer.Option(ServingOptions.max_sub_batch, min=0, help="Most rows in one encoder graph "
+                                      "call (0: no row limit; `bionemo-export tune` finds the host's best)."),
     max_residues: int = typer.Option(ServingOptions.max_residues, min=0, help="Serve proteins up to this many "
                                      "residues (e.g. 10000) by overlapping windows of the model's length, merged by "
                                      "a documented rule (--backend python). 0: longer input stays an error."),
@@ -103,7 +105,8 @@ def repo(
             encoder_instances=encoder_instances, max_queue_delay_microseconds=max_queue_delay_microseconds,
             max_queue_size=max_queue_size, queue_timeout_s=queue_timeout_s,
             response_cache=response_cache, truncate=truncate, intra_op_threads=intra_op_threads, warmup=warmup,
-            layout=layout, length_bucket=length_bucket, token_budget=token_budget, decode_instances=decode_instances,
+            layout=layout, length_bucket=length_bucket, token_budget=token_budget, max_sub_batch=max_sub_batch,
+            decode_instances=decode_instances,
             max_residues=max_residues, window_overlap=window_overlap,
             sampling_instances=sampling_instances,
             limits=GenerationLimits(max_num_samples=max_num_samples, max_beam_size=max_beam_size,

@@ -104,6 +104,8 @@ class RoleOptions:
     longest row, plain dynamic batching)."""
     token_budget: int = 0
     """Most tokens (rows x padded length) in one graph call; 0: no limit."""
+    max_sub_batch: int = 0
+    """Most rows in one graph call (the largest sub-batch); 0: only the token budget bounds it."""
     allow_spinning: bool = False
     """Let ONNX Runtime's idle threads spin (lower latency on a host with nothing else to run)."""
     memory_arena: bool = False
@@ -115,7 +117,7 @@ class RoleOptions:
         for name in ("instances",):
             if getattr(self, name) < 1:
                 raise OptionsError(f"`{name}` must be at least 1")
-        for name in ("threads", "length_bucket", "token_budget"):
+        for name in ("threads", "length_bucket", "token_budget", "max_sub_batch"):
             if getattr(self, name) < 0:
                 raise OptionsError(f"`{name}` must be 0 or more")
 
@@ -130,7 +132,8 @@ class RoleOptions:
     def batching_parameters(self) -> dict[str, str]:
         """Config `parameters` that say how a model batches rows of different lengths (the
         encoder's model.py; the tokenizer model's padding in the ensemble layout)."""
-        return {"length_bucket": str(self.length_bucket), "token_budget": str(self.token_budget)}
+        return {"length_bucket": str(self.length_bucket), "token_budget": str(self.token_budget),
+                "max_sub_batch": str(self.max_sub_batch)}
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,9 @@ class ServingOptions:
     the longest row of the batch, plain dynamic batching)."""
     token_budget: int = 8192
     """Most tokens (rows x padded length) in one encoder graph call (0: no limit)."""
+    max_sub_batch: int = 0
+    """Most rows in one encoder graph call (0: no row limit, the token budget alone bounds it).
+    `bionemo-export tune` finds the host's best (2-4 rows for the real AntiBERTy on 2 cores)."""
     max_residues: int = 0
     """Proteins longer than the model's window (e.g. 10000): such sequences run as overlapping
     windows merged by serving/windows.py's documented rule (the fused layout, --backend python).
@@ -250,7 +256,7 @@ class ServingOptions:
         if self.window_overlap and not self.max_residues:
             raise OptionsError("`window_overlap` needs `max_residues` (windows are off)")
         for name in ("max_queue_delay_microseconds", "intra_op_threads", "length_bucket", "token_budget",
-                     "max_queue_size", "queue_timeout_s", "max_residues", "window_overlap"):
+                     "max_sub_batch", "max_queue_size", "queue_timeout_s", "max_residues", "window_overlap"):
             if getattr(self, name) < 0:
                 raise OptionsError(f"`{name}` must be 0 or more")
         unknown = set(self.roles) - set(ROLES)
@@ -283,7 +289,7 @@ class ServingOptions:
         if name == "encoder":
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
                                batching=self.dynamic_batching(), length_bucket=self.length_bucket,
-                               token_budget=self.token_budget)
+                               token_budget=self.token_budget, max_sub_batch=self.max_sub_batch)
         if name in ("cross_kv", "decoder_step"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
         if name in ("embeddings", "hiddens", "logits", "predictions"):

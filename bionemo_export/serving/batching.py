@@ -15,7 +15,11 @@ or forfeits batching (one call per request). Instead every row of every request 
 3. rows with the same padded length form one length bucket;
 4. a bucket is split into sub-batches of at most `token_budget // padded length` rows (at least
    one), as even as possible: a sub-batch is bounded by tokens (rows x padded length), not by a
-   row count, so short rows batch wide and long rows narrow.
+   row count, so short rows batch wide and long rows narrow;
+5. with `max_rows`, a sub-batch also holds at most that many rows: a CPU's ONNX Runtime is fastest
+   at a few rows per call (the real AntiBERTy on 2 cores: 2-4 rows, where the dynamic batcher
+   hands over ~11 at concurrency 32), so wide batches of short rows are split to the size the host
+   runs best (`bionemo-export tune` measures it).
 
 Each sub-batch is one graph call. The attention mask covers the padding, so a row's outputs do not
 depend on which rows it ran with, or how far it was padded (up to floating-point rounding).
@@ -56,9 +60,9 @@ def padded_lengths(lengths: np.ndarray, *, bucket: int, limit: int | None = None
 
 
 def plan_sub_batches(lengths: Sequence[int] | np.ndarray, *, bucket: int, token_budget: int,
-                     limit: int | None = None) -> list[SubBatch]:
+                     limit: int | None = None, max_rows: int = 0) -> list[SubBatch]:
     """Sub-batches covering every row once (see the module docstring); `token_budget` 0 or less:
-    no budget (one sub-batch per length bucket)."""
+    no budget (one sub-batch per length bucket); `max_rows` 0 or less: no row limit."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1:
         raise ValueError("lengths must be one-dimensional")
@@ -72,6 +76,8 @@ def plan_sub_batches(lengths: Sequence[int] | np.ndarray, *, bucket: int, token_
         length = int(padded[start])
         count = end - start
         most = max(1, token_budget // length) if token_budget > 0 else count
+        if max_rows > 0:
+            most = min(most, max_rows)
         parts = -(-count // most)
         for rows in np.array_split(order[start:end], parts):
             batches.append(SubBatch(rows, length))

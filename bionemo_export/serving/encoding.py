@@ -3,9 +3,9 @@ fused layout) -> hiddens and embeddings from the exported encoder graph.
 
 The dynamic batcher hands over requests of any lengths together. Their rows are joined, sorted by
 length, padded to a multiple of `length_bucket` tokens and split into sub-batches of at most
-`token_budget` tokens, each one graph call (batching.py). Every request gets back its own rows at
-its own length: the attention mask covers the padding, so a row's outputs do not depend on the
-rows it ran with. Only the outputs some request asked for are fetched.
+`token_budget` tokens (and `max_sub_batch` rows), each one graph call (batching.py). Every request
+gets back its own rows at its own length: the attention mask covers the padding, so a row's
+outputs do not depend on the rows it ran with. Only the outputs some request asked for are fetched.
 
 This file is copied verbatim into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules (the ONNX Runtime session is opened by
@@ -171,9 +171,9 @@ class GraphEncoder:
 
     def __init__(self, session: Any, read: Callable[[Any], TokenRows], *, outputs: Sequence[str], pad_id: int,
                  length_bucket: int, token_budget: int, responder: Responder, input_prefix: str,
-                 counters: TokenCounters | None = None) -> None:
+                 counters: TokenCounters | None = None, max_sub_batch: int = 0) -> None:
         self.session, self.read, self.outputs, self.pad_id = session, read, tuple(outputs), pad_id
-        self.length_bucket, self.token_budget = length_bucket, token_budget
+        self.length_bucket, self.token_budget, self.max_sub_batch = length_bucket, token_budget, max_sub_batch
         self.responder, self.input_prefix, self.counters = responder, input_prefix, counters
 
     def warm_up(self) -> None:
@@ -221,7 +221,7 @@ class GraphEncoder:
                   for i, pad in enumerate((self.pad_id, 0, False))]
         lengths = joined[1].sum(axis=1)
         batches = plan_sub_batches(lengths, bucket=self.length_bucket, token_budget=self.token_budget,
-                                   limit=joined[0].shape[1])
+                                   limit=joined[0].shape[1], max_rows=self.max_sub_batch)
         fetch = [name for name in GRAPH_OUTPUTS if name in wanted]
         if not fetch:
             return [{} for _ in inputs]
