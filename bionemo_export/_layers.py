@@ -58,6 +58,7 @@ LAYERS: tuple[Layer, ...] = (
           "the build's typed manifest records and its staging folder (atomic replace, signals)"),
     Layer("applications", ("build", "verify", "bench", "deploy", "dev_server", "testing"),
           "what the commands do: build a repository, verify it, benchmark, deploy, the dev server"),
+    Layer("tuning", ("tune",), "tune: search a repository's serving settings with bench's perf_analyzer runs"),
     Layer("reports", ("checkpoint_report",), "inspect: a checkpoint read as a build would read it"),
     Layer("cli", ("cli",), "the Typer commands"),
 )

@@ -94,3 +94,10 @@ class Protocol(Choice):
 
     GRPC = "grpc"
     HTTP = "http"
+
+
+class TuneObjective(Choice):
+    """What `tune` maximizes (tune/search.py): sequences/s, or the inverse of p99 latency."""
+
+    THROUGHPUT = "throughput"
+    LATENCY = "latency"

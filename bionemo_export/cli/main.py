@@ -21,7 +21,7 @@ from typer.core import TyperGroup
 from bionemo_export import __version__
 from bionemo_export.errors import user_facing
 
-from . import bench, build, client, deploy, dev_server, doctor, engines, health, inspect, repo, serve, verify
+from . import bench, build, client, deploy, dev_server, doctor, engines, health, inspect, repo, serve, tune, verify
 from . import reason as _reason
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
@@ -117,6 +117,7 @@ app.add_typer(client.app, name="client")
 app.command("doctor", help=doctor.__doc__)(doctor.doctor)
 app.command("dev-server", help=dev_server.__doc__)(dev_server.dev_server)
 app.command("bench", help=bench.__doc__)(bench.bench)
+app.command("tune", help=tune.__doc__)(tune.tune)
 app.add_typer(deploy.app, name="deploy")
 app.add_typer(repo.app, name="repo")
 

@@ -69,6 +69,20 @@ def _log(line: str) -> None:
     typer.echo(f"{datetime.now().isoformat(sep=' ', timespec='seconds')} {line}")
 
 
+def warn_if_tuned_elsewhere(repository: Path, console: Console) -> None:
+    """Say so when `bionemo-export tune` chose the repository's settings on a host with another
+    core count (manifest.json's `tuning` record): they may not suit this one."""
+    from bionemo_export.model_repository.manifest import Manifest
+    from bionemo_export.tune.record import host_mismatch
+
+    try:
+        warning = host_mismatch(Manifest.read(repository))
+    except (OSError, ValueError):  # no manifest, or not ours: nothing recorded
+        return
+    if warning:
+        console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False)
+
+
 def serve(
     location: str = typer.Argument(..., metavar="MODEL_REPOSITORY",
                                    help="The model repository: a local folder, or an s3:// location that "
@@ -109,6 +123,8 @@ def serve(
         typer.echo(f"error: {reason(err)}", err=True)
         raise typer.Exit(2) from None
     check_files(model_repository, skip=no_check)
+    if isinstance(model_repository, Path):
+        warn_if_tuned_elsewhere(model_repository, console)
     try:
         install = find_tritonserver(tritonserver)
     except TritonNotFoundError as err:

@@ -93,6 +93,9 @@ class Manifest:
     versions: dict[str, str | None] = field(default_factory=dict)
     engines: dict[str, Any] | None = None
     """TensorRT engines built on a GPU host (runtime/engines.py); None: none built."""
+    tuning: dict[str, Any] | None = None
+    """What `bionemo-export tune` measured and wrote (tune/record.py): the host, the objective, the
+    settings and figures before and after, the previous config.pbtxt files; None: never tuned."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Every file the build wrote, manifest.json aside: relative POSIX path -> {"sha256": hex digest,
     "bytes": size}; serve and verify check them (integrity.py). Empty: none recorded (a repository
@@ -107,10 +110,10 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of manifest.json (`created` first; no `engines` key when none were built,
-        no `files` key when no digests were recorded)."""
+        no `tuning` key when never tuned, no `files` key when no digests were recorded)."""
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         return {**{key: value for key, value in known.items()
-                   if not (value is None and key in ("created", "engines")) and not (key == "files" and not value)},
+                   if not (value is None and key in ("created", "engines", "tuning")) and not (key == "files" and not value)},
                 **self.extra}
 
     @classmethod

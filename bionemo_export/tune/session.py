@@ -1,0 +1,160 @@
+"""Serving candidates for the search: a working copy of the repository on the embedded tritonserver.
+
+The user's repository is never touched while the search runs: its files are linked (or copied,
+across file systems) into a working copy inside the report folder, whose tuned models' config.pbtxt
+files are rewritten for each candidate and reloaded through Triton's repository API (the server
+runs with explicit model control), and the public model is measured with the real perf_analyzer
+(bench/run.py) on the repository's own generated inputs or the user's file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bionemo_export.bench.inputs import InputSpec, generate_inputs
+from bionemo_export.bench.run import BenchError, LiveTarget, Target, measure, open_target
+from bionemo_export.model_repository.parameters import BLS_MODELS
+from bionemo_export.model_repository.pbtxt import ModelConfig, read_config, write_config
+from bionemo_export.runtime import PerfAnalyzer, find_perf_analyzer
+
+from .search import Candidate, Point
+from .space import Settings, is_tunable, read_settings, write_settings
+
+
+def working_copy(repository: Path, work: Path) -> Path:
+    """`work` holding every file of `repository`: hard links where the file system allows (the
+    graphs are large and never written), copies otherwise; config.pbtxt files are always copied,
+    as the search rewrites them."""
+    for directory, _, names in os.walk(repository):
+        here = Path(directory)
+        target = work / here.relative_to(repository)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if name.endswith(".pyc"):
+                continue
+            source = here / name
+            if name != "config.pbtxt":
+                with contextlib.suppress(OSError):
+                    os.link(source, target / name)
+                    continue
+            shutil.copy2(source, target / name)
+    return work
+
+
+def served_models(repository: Path, model: str) -> list[str]:
+    """Every model `model` runs, itself first: its ensemble steps and the models it (or they) call
+    through BLS (config parameter BLS_MODELS), depth first."""
+    found: list[str] = []
+
+    def walk(name: str) -> None:
+        if name in found or not (repository / name / "config.pbtxt").is_file():
+            return
+        found.append(name)
+        config = read_config(repository / name)
+        for step in config.ensemble_scheduling.step:
+            walk(step.model_name)
+        if BLS_MODELS in config.parameters:
+            for callee in config.parameters[BLS_MODELS].string_value.split(","):
+                walk(callee.strip())
+
+    walk(model)
+    return found
+
+
+def tunable_models(repository: Path, model: str) -> list[str]:
+    """The models the search tunes behind `model`: the dynamically batched models it runs that
+    run a graph (their settings split the host's cores), BLS callers aside (their instances bound
+    the work of long requests, not the host's speed)."""
+    tuned = []
+    for name in served_models(repository, model):
+        config = read_config(repository / name)
+        parameters = dict(config.parameters)
+        if is_tunable(config) and BLS_MODELS not in parameters and (
+                "intra_op_threads" in parameters or config.backend != "python"):
+            tuned.append(name)
+    return tuned
+
+
+class TuneSession:
+    """The working copy served, with `model` measured for each candidate (a context manager)."""
+
+    def __init__(self, repository: Path, model: str, *, out_dir: Path, inputs: InputSpec, window_s: float,
+                 models: list[str] | None = None, tritonserver: str | None = None,
+                 perf_analyzer: PerfAnalyzer | None = None, max_trials: int = 6) -> None:
+        self.repository, self.model, self.out_dir = repository, model, out_dir
+        self.inputs, self.window_s, self.max_trials = inputs, window_s, max_trials
+        self.requested_models, self.tritonserver = models, tritonserver
+        self.perf_analyzer = perf_analyzer
+        self.work = out_dir / "work"
+        self.models: list[str] = []
+        self.configs: dict[str, ModelConfig] = {}
+        self.current: dict[str, Settings] = {}
+        self._stack = contextlib.ExitStack()
+        self.live: LiveTarget | None = None
+
+    def __enter__(self) -> TuneSession:
+        try:
+            return self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _open(self) -> TuneSession:
+        if self.work.exists():
+            shutil.rmtree(self.work)
+        self._stack.callback(shutil.rmtree, self.work, True)
+        working_copy(self.repository, self.work)
+        self.pa = self.perf_analyzer or find_perf_analyzer()
+        live = self._stack.enter_context(open_target(Target(self.model, repository=self.work, label="tune"),
+                                                     tritonserver=self.tritonserver, log_dir=self.out_dir))
+        spec = self.inputs if self.inputs.max_length is not None else replace(self.inputs, max_length=live.max_length)
+        live.data = generate_inputs(live.inputs, spec)
+        live.data_path = live.data.write(self.out_dir / "input_data.json")
+        self.live = live
+        self.models = self.requested_models or tunable_models(self.work, self.model)
+        if not self.models:
+            raise BenchError(f"{self.model} runs no dynamically batched model with settings to tune")
+        self.configs = {name: read_config(self.work / name) for name in self.models}
+        self.current = {name: read_settings(config) for name, config in self.configs.items()}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    @property
+    def baseline(self) -> Candidate:
+        return {name: read_settings(config) for name, config in self.configs.items()}
+
+    def config_for(self, name: str, settings: Settings) -> ModelConfig:
+        """The model's config.pbtxt with `settings` (everything else as the repository has it)."""
+        return write_settings(self.configs[name], settings)
+
+    def apply(self, candidate: Candidate) -> None:
+        """Serve `candidate`: rewrite the changed models' configs and reload them."""
+        assert self.live is not None
+        for name, settings in candidate.items():
+            if self.current.get(name) == settings:
+                continue
+            write_config(self.work / name, self.config_for(name, settings))
+            try:
+                self.live.client.load_model(name)
+            except Exception as err:  # tritonclient's own exception types
+                raise BenchError(f"{name} did not load with {settings.describe()}: {err}; see the server log in "
+                                 f"{self.out_dir}") from err
+            self.current[name] = settings
+        if not self.live.client.is_model_ready(self.model):
+            self.live.client.load_model(self.model)
+
+    def measure(self, candidate: Candidate, concurrency: int) -> Point:
+        """perf_analyzer on the public model, serving `candidate`, at `concurrency`."""
+        assert self.live is not None
+        self.apply(candidate)
+        result = measure(self.pa, self.live, concurrency, window_s=self.window_s, out_dir=self.out_dir,
+                         stability_percentage=15.0, max_trials=self.max_trials)
+        batch = next((m.batch_size for m in result.models if m.name == self.models[0] and m.executions), None)
+        return Point(concurrency, result.sequences_per_s, result.p50_ms, result.p99_ms, batch)
