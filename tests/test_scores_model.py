@@ -91,7 +91,36 @@ def test_pll_is_the_mean_log_probability_with_each_residue_masked(pb_utils, mode
     assert served.shape == (2, 1)
     expected = [brute_force_pll(reference, s, loaded.alphabet) for s in sequences]
     np.testing.assert_allclose(served[:, 0], expected, atol=1e-4)
-    assert calls == [10, 4]  # one copy per residue, each sequence's copies batched together
+    assert calls == [14]  # one copy per residue, both sequences' copies packed into one call
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 6])
+def test_rows_of_different_lengths_share_calls_and_keep_their_own_scores(pb_utils, model, chunk):
+    """A request's rows are packed into full calls (a call may hold the end of one sequence's
+    copies and the start of the next, of another length), and each row still gets its own PLL."""
+    loaded, reference = model
+    calls: list[int] = []
+    sequences = ["MKTAYIAKQR", "GVSE", "MKTAYIAKQRQISF"]
+    response = ask(pb_utils, scorer(loaded, calls, chunk=chunk), {"sequences": column(*sequences)})
+    assert not response.has_error(), response.error()
+    expected = [brute_force_pll(reference, s, loaded.alphabet) for s in sequences]
+    np.testing.assert_allclose(response.output("scores")[:, 0], expected, atol=1e-4)
+    assert sum(calls) == 28 and calls[:-1] == [chunk] * (len(calls) - 1)
+
+
+def test_wt_marginal_rows_run_as_one_call(pb_utils, model):
+    """Several wild types scored by wt-marginal: one call of all of them, not one call each."""
+    loaded, reference = model
+    calls: list[int] = []
+    wild_types, variants = [WILD_TYPE, WILD_TYPE[:10], WILD_TYPE[5:]], [["M1A", "K2R"], ["M1A", "T3S"], ["I1A", "A2G"]]
+    response = ask(pb_utils, scorer(loaded, calls, chunk=32), {
+        "sequences": column(*wild_types), "variants": np.array([[v.encode() for v in row] for row in variants],
+                                                               dtype=np.object_)})
+    assert not response.has_error(), response.error()
+    for row, (wild_type, wanted) in enumerate(zip(wild_types, variants)):
+        np.testing.assert_allclose(response.output("scores")[row], brute_force(reference, wild_type, wanted,
+                                                                               "wt-marginal"), atol=1e-4)
+    assert calls == [3]
 
 
 def test_bad_variants_fail_their_request_with_invalid_argument_naming_them(pb_utils, model):

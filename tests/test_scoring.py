@@ -23,6 +23,7 @@ from bionemo_export.serving.scoring import (
     masked_sequences,
     masked_token_rows,
     mutated_positions,
+    pack_passes,
     parse_variant,
     parse_variants,
     plan_request,
@@ -275,6 +276,25 @@ def test_chunk_slices():
     assert chunk_slices(3, 8) == [slice(0, 3)]
     with pytest.raises(ValueError, match="chunk size must be at least 1, got 0"):
         chunk_slices(3, 0)
+
+
+def test_pack_passes_fills_every_call_but_the_last_across_plans():
+    assert pack_passes([], 4) == [] and pack_passes([0, 0], 4) == []
+    assert pack_passes([10], 4) == [[(0, slice(0, 4))], [(0, slice(4, 8))], [(0, slice(8, 10))]]
+    assert pack_passes([3, 1, 0, 6], 4) == [[(0, slice(0, 3)), (1, slice(0, 1))], [(3, slice(0, 4))],
+                                            [(3, slice(4, 6))]]
+    assert pack_passes([1, 1, 1], 32) == [[(0, slice(0, 1)), (1, slice(0, 1)), (2, slice(0, 1))]]
+    assert pack_passes([5, 5], 3) == [[(0, slice(0, 3))], [(0, slice(3, 5)), (1, slice(0, 1))],
+                                      [(1, slice(1, 4))], [(1, slice(4, 5))]]
+    with pytest.raises(ValueError, match="at least 1"):
+        pack_passes([3], 0)
+
+
+def test_inputs_of_a_part_are_that_slice_of_the_inputs():
+    plan = plan_request("MSLKV", None, "pll", alphabet=AMINO_ACIDS, mask_char=MASK_CHAR)
+    assert plan.inputs(MASK_CHAR, slice(1, 3)) == plan.inputs(MASK_CHAR)[1:3] == ["M_LKV", "MS_KV"]
+    wild = plan_request("MSLKV", ["S2A"], None, alphabet=AMINO_ACIDS)
+    assert wild.inputs(MASK_CHAR, slice(0, 1)) == wild.inputs(MASK_CHAR) == ["MSLKV"]
 
 
 def test_wrong_log_prob_shapes_are_the_callers_bug():

@@ -3,10 +3,12 @@ repository's masked-LM head, with the masked copies formed and batched inside th
 
 Each request row is one wild type (`sequences` [batch, 1]) with optional `variants` [batch, V] and
 `method` [batch, 1]; scoring.py checks and plans the row (ScoringError: INVALID_ARGUMENT naming
-the variant) and turns log-probabilities into scores. The sequences a row needs (the wild type, or
-one masked copy per position) go to N_logits through BLS in calls of at most `max_batch_size`
-rows; N_encoder packs each call under its token budget. Only the site rows the scores read are
-kept ([positions, A]), never every copy's [L, A].
+the variant) and turns log-probabilities into scores. The sequences the rows need (each wild
+type, or one masked copy per position) go to N_logits through BLS in calls of `max_batch_size`
+sequences, packed across the request's rows (scoring.pack_passes: a request of 32 wild types
+scored by wt-marginal is one call of 32, not 32 calls of one); N_encoder packs each call under its
+token budget. Only the site rows the scores read are kept ([positions, A]), never every copy's
+[L, A].
 
 Answers `scores` FP32 [batch, V] (one per variant) or [batch, 1] (pll): `variants` is one tensor,
 so either every row has V variants or none has any (scoring.resolve_method refuses pll with
@@ -25,10 +27,10 @@ import numpy as np
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.responses import RequestError, Responder, call_model, input_array, triton
-    from bionemo_export.serving.scoring import ScoringError, ScoringLimits, ScoringPlan, chunk_slices, plan_request
+    from bionemo_export.serving.scoring import ScoringError, ScoringLimits, ScoringPlan, pack_passes, plan_request
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from responses import RequestError, Responder, call_model, input_array, triton
-    from scoring import ScoringError, ScoringLimits, ScoringPlan, chunk_slices, plan_request
+    from scoring import ScoringError, ScoringLimits, ScoringPlan, pack_passes, plan_request
 
 RunLogits = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
 """sequences -> (log_probs [n, length, A], mask [n, length]), as N_logits answers them."""
@@ -95,19 +97,29 @@ class VariantScorer:
                               None if methods is None else methods[row, 0], alphabet=self.alphabet,
                               mask_char=self.mask_char, limits=self.limits)
                  for row in range(batch)]
-        return np.stack([self.score(plan) for plan in plans]).astype(np.float32)
+        return np.stack(self.score(plans)).astype(np.float32)
 
-    def score(self, plan: ScoringPlan) -> np.ndarray:
-        """One row's scores: its sequences through N_logits in chunks, the site rows kept."""
-        inputs = plan.inputs(self.mask_char)
-        sites = []
-        for part in chunk_slices(len(inputs), self.chunk):
-            log_probs, mask = self.run_logits(inputs[part])
-            residues = int(mask[0].sum())
-            if residues != len(plan.wild_type) or not (mask.sum(axis=1) == residues).all():
-                raise RuntimeError(f"N_logits answered {mask.sum(axis=1).tolist()} residue rows for a sequence of "
-                                   f"{len(plan.wild_type)}")
-            # Each copy's residue rows (its mask), in order: [copies, residues, A].
-            rows = log_probs[mask].reshape(mask.shape[0], residues, log_probs.shape[-1])
-            sites.append(plan.site_log_probs(rows, part))
-        return plan.scores(np.concatenate(sites))
+    def score(self, plans: Sequence[ScoringPlan]) -> list[np.ndarray]:
+        """Each row's scores: the rows' sequences through N_logits in full calls (pack_passes),
+        only the site rows kept."""
+        sites: list[list[np.ndarray]] = [[] for _ in plans]
+        for call in pack_passes([plan.passes for plan in plans], self.chunk):
+            inputs = [text for row, part in call for text in plans[row].inputs(self.mask_char, part)]
+            log_probs, mask = self.run_logits(inputs)
+            start = 0
+            for row, part in call:
+                plan, count = plans[row], part.stop - part.start
+                rows = residue_rows(log_probs[start:start + count], mask[start:start + count], len(plan.wild_type))
+                sites[row].append(plan.site_log_probs(rows, part))
+                start += count
+        return [plan.scores(np.concatenate(row)) for plan, row in zip(plans, sites)]
+
+
+def residue_rows(log_probs: np.ndarray, mask: np.ndarray, residues: int) -> np.ndarray:
+    """[n, residues, A]: each sequence's residue rows (its mask), in order, from N_logits'
+    log_probs [n, length, A] (length: the call's longest sequence, specials included); every one
+    of the n sequences has `residues` residues (copies of one wild type)."""
+    counts = mask.sum(axis=1)
+    if not (counts == residues).all():
+        raise RuntimeError(f"N_logits answered {counts.tolist()} residue rows for sequences of {residues}")
+    return log_probs[mask].reshape(mask.shape[0], residues, log_probs.shape[-1])

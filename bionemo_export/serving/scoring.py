@@ -13,6 +13,9 @@ head is here, unit-tested without a server; the served model stays wiring:
         sites.append(plan.site_log_probs(log_probs, part))
     scores = plan.scores(np.concatenate(sites))      # FP32 [variants], or [1]: the PLL
 
+A request of several wild types packs their sequences into the same calls (`pack_passes`: each
+call a list of (plan, slice of its inputs)), so every call but the last is full whatever the rows.
+
 Methods (the conventions of ESM's examples/variant-prediction/predict.py and AntiBERTy's runner):
 
 - `wt-marginal` (default with variants) runs the unmasked wild type, once; a mutation's score is
@@ -304,6 +307,29 @@ def masked_token_rows(token_ids: Sequence[int] | np.ndarray, positions: Sequence
     return rows
 
 
+def pack_passes(passes: Sequence[int], size: int) -> list[list[tuple[int, slice]]]:
+    """The model calls of a request of several plans, each of at most `size` sequences: the plans'
+    inputs in order (plan 0's, then plan 1's, ...) cut into calls of `size`, each call a list of
+    (plan index, slice of that plan's inputs). Packing across plans keeps every call but the last
+    full: 32 wild types scored by wt-marginal are one call of 32 rows, not 32 calls of one, and a
+    PLL of short sequences (a CDR, a peptide) fills its calls with the next sequence's copies."""
+    if size < 1:
+        raise ValueError(f"chunk size must be at least 1, got {size}")
+    calls: list[list[tuple[int, slice]]] = []
+    room = 0
+    for plan, count in enumerate(passes):
+        start = 0
+        while start < count:
+            if room == 0:
+                calls.append([])
+                room = size
+            stop = min(count, start + room)
+            calls[-1].append((plan, slice(start, stop)))
+            room -= stop - start
+            start = stop
+    return calls
+
+
 def chunk_slices(count: int, size: int) -> list[slice]:
     """Consecutive slices covering `count` rows, each of at most `size` rows (the last may be
     shorter): the served model sends its copies to the encoder one slice per call, at most its
@@ -341,13 +367,16 @@ class ScoringPlan:
         """Sequences the model runs for this request (rows of `inputs`)."""
         return int(self.positions.size) if self.masked else 1
 
-    def inputs(self, mask_char: str) -> list[str]:
-        """The sequences to run, in order: the masked copies (one per position), or the wild type.
+    def inputs(self, mask_char: str, part: slice | None = None) -> list[str]:
+        """The sequences to run, in order: the masked copies (one per position), or the wild type;
+        `part`: only those of inputs[part] (formed when their call is sent, not all up front).
 
         Strings, so the served model can send them to the public log-probability model (or the
         fused encoder) as they are, with the mask character where the tokenizer expects it, and
         needs no tokenizer of its own; `token_rows` is the same for a model holding token ids."""
-        return masked_sequences(self.wild_type, self.positions, mask_char) if self.masked else [self.wild_type]
+        if not self.masked:
+            return [self.wild_type][part or slice(None)]
+        return masked_sequences(self.wild_type, self.positions[part or slice(None)], mask_char)
 
     def token_rows(self, token_ids: Sequence[int] | np.ndarray, *, offset: int, mask_id: int) -> np.ndarray:
         """`inputs` as token rows, from the wild type's `token_ids` (residue 0 at `offset`)."""
