@@ -184,8 +184,8 @@ def target_line(label: str, served: dict, base: float, wide: float, loop: str, b
     busy = served["server"]["encoder_busy"]
     return (line + f". The encoder model was busy {100 * busy:.0f}% of the wall time, at "
             f"{served['useful_gflops']:.0f} useful GFLOP/s ({100 * served['useful_gflops'] / sgemm:.0f}% of this "
-            "CPU's sgemm rate): the served time is the graph's compute on the same copies PyTorch runs, and "
-            "ONNX Runtime cannot run them 2x faster than PyTorch at this precision"
+            "CPU's sgemm rate): the served time is the graph's compute on the same copies PyTorch runs, so the "
+            "ratio is ONNX Runtime's speed against PyTorch's on this CPU at this precision, not serving overhead"
             + ("; a 2x needs fewer FLOPs or cheaper ones (the int8 build)." if "fp32" in label else "."))
 
 
