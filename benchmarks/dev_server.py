@@ -6,7 +6,10 @@ A thin wrapper around the package's own dev server (bionemo_export/dev_server.py
 one Triton model per task (`N_embeddings`, `N_hiddens`; `N_decodes`, `N_samplings` for families
 that decode), `sequences` BYTES [1] in, max_batch_size 10 with dynamic batching and no queue
 delay, the model in PyTorch (fp32, eval, inference_mode), the package's tokenizers (the same ids
-the generated repository computes), so the comparison is about serving, not tokenizers.
+the generated repository computes), so the comparison is about serving, not tokenizers. As in
+BioNeMo's servers (their @batch callables), all the requests the batcher hands over run as one
+forward, every row padded to the batch's longest, and the callable runs in PyTriton's inference
+worker thread (every PyTriton callable does: pytriton/proxy/inference.py's InferenceHandler).
 
     python benchmarks/dev_server.py --family bert --checkpoint CKPT --name antiberty --grpc-port 8101
 
@@ -24,7 +27,7 @@ from bionemo_export.models import load_checkpoint
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--family", default=None, help="model family (optional for .nemo)")
     parser.add_argument("--name", required=True, help="model name prefix: NAME_embeddings, NAME_hiddens, ...")

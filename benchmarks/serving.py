@@ -1,6 +1,8 @@
 """The serving suite: generated repositories against the baselines, side by side in one run.
 
     .venv/bin/python benchmarks/serving.py [--parts antiberty,mixed,decodes] [--window 5] [--out DIR]
+    .venv/bin/python benchmarks/serving.py --parts mixed --quick     # smoke: tiny sizes, results in a temp folder
+    .venv/bin/python benchmarks/serving.py --summary-only            # rewrite serving.md from serving.json
 
 Parts (each measures its targets interleaved by concurrency, with the real perf_analyzer over gRPC
 through `bionemo_export.bench`, on the same seeded inputs):
@@ -11,9 +13,18 @@ through `bionemo_export.bench`, on the same seeded inputs):
   max_batch_size 10), and in-process ONNX Runtime on a plain `torch.onnx.export` (TorchScript
   exporter) of the same model at batch sizes 1..32 over the same sequences (its best batch is the
   throughput anchor; batch 1's median latency the latency anchor).
-- `mixed`: a random ESM-2 of the 35M size (12 layers, hidden 480, 20 heads), proteins of 50-1000
-  residues: the generated repository with its length buckets and token budget against the same
-  repository built with plain dynamic batching (requests padded only to their own batch).
+- `mixed`: the realistic protein workload: a random ESM-2 of the 35M size (12 layers, hidden 480,
+  20 heads), 192 proteins with UniProt-like lengths (log-normal, median 275, sigma 0.6, clipped to
+  30-1000 residues; MIXED_LENGTHS). Targets: the repository built with default options (length
+  buckets + token budget), the same repository with plain dynamic batching (every batch padded to
+  its longest request), and BioNeMo's way (benchmarks/dev_server.py: PyTriton, PyTorch inside, each
+  batch padded to its longest row, max_batch_size 10). The throughput anchor is the in-process
+  limit: ONNX Runtime in this process running the repository's own stored encoder graph
+  (N_encoder/1/model.onnx, session options as the served model's: intra-op threads on every core,
+  no spinning), on the same proteins sorted by length and split by the repository's own planner
+  (serving/batching.plan_sub_batches with its length bucket and token budget), sequences/s over
+  the whole set including tokenization, best of --repeats, measured before and after the served
+  targets: the best any server can do on this CPU.
 - `decodes`: a MegaMolBART-sized model (hidden 512, 6 + 6 layers, 8 heads, random weights, so every
   decode runs to --max-decode tokens): served `N_decodes` against in-process cached decoding
   (ONNX Runtime, the same cross_kv / decoder_step graphs, the same search code) on hidden states of
@@ -50,6 +61,8 @@ from bionemo_export.model_repository.pbtxt import read_config, write_config
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime.server import free_ports
+from bionemo_export.serving.batching import padding_counts, plan_sub_batches
+from bionemo_export.serving.host import available_cores
 from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -129,7 +142,7 @@ def in_process(loaded, onnx_path: Path, sequences: list[str], batches: list[int]
                     latencies.append(time.perf_counter() - t)
             runs.append(len(sequences) / (time.perf_counter() - began))
         throughput[batch] = statistics.median(runs)
-    best = max(throughput, key=throughput.get)
+    best = max(throughput, key=lambda b: throughput[b])
     return {"throughput": throughput, "best_batch": best, "best_throughput": throughput[best],
             "p50_batch1_ms": 1000 * statistics.median(latencies) if latencies else None}
 
@@ -191,9 +204,57 @@ def padding_fraction(metrics_url: str) -> float | None:
     return totals.get("padding", 0.0) / max(1.0, sum(totals.values()))
 
 
+MIXED_LENGTHS = "lognormal:275,0.6,30-1000"
+"""UniProt-like protein lengths: log-normal with median 275 residues and sigma 0.6 (5-95% about
+100-740), clipped to 30-1000 so that every protein fits ESM-2's 1022 residues in one pass."""
+DEV_LABEL = "BioNeMo way (PyTriton, PyTorch, max batch 10)"
+
+
+def in_process_limit(repository: Path, name: str, tokenizer, sequences: list[str], repeats: int) -> dict:
+    """The best any server can do with this repository on this CPU: ONNX Runtime in this process
+    running the repository's own stored encoder graph, with the served model's session options
+    (serving/onnx_session.py: every core, no spinning, its memory arena and optimization level),
+    over all `sequences` sorted by length and split by the served planner with the repository's own
+    length bucket and token budget. Sequences/s over the whole set, tokenization included (a server
+    tokenizes too), best of `repeats` (the fastest run is the one least disturbed by the machine)."""
+    folder = repository / f"{name}_encoder"
+    parameters = {key: value.string_value for key, value in read_config(folder).parameters.items()}
+    bucket, budget = int(parameters.get("length_bucket", "0")), int(parameters.get("token_budget", "0"))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = available_cores()  # what "auto" gives one instance (serving/host.py)
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.enable_cpu_mem_arena = parameters.get("memory_arena", "false").lower() == "true"
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                               parameters.get("graph_optimization_level", "ORT_ENABLE_ALL"))
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(folder / "1" / "model.onnx"), options, providers=["CPUExecutionProvider"])
+
+    def once() -> tuple[int, int]:
+        """Every sequence's embedding, as the served encoder computes it; (real, padding) tokens."""
+        encoded = tokenizer.encode(sequences)
+        arrays = (encoded.input_ids, encoded.attention_mask, encoded.residue_mask)
+        lengths = encoded.attention_mask.sum(axis=1)
+        batches = plan_sub_batches(lengths, bucket=bucket, token_budget=budget, limit=encoded.input_ids.shape[1])
+        for batch in batches:
+            session.run(["embeddings"], {key: array[batch.rows, :batch.length] for key, array in
+                                         zip(("input_ids", "attention_mask", "residue_mask"), arrays)})
+        return padding_counts(lengths, batches)
+
+    real, padding = once()  # warm-up: the first calls of each shape allocate
+    runs = []
+    for _ in range(max(1, repeats)):
+        began = time.perf_counter()
+        once()
+        runs.append(len(sequences) / (time.perf_counter() - began))
+    return {"runs": runs, "best": max(runs), "length_bucket": bucket, "token_budget": budget,
+            "threads": options.intra_op_num_threads, "padding_fraction": padding / (real + padding)}
+
+
 def part_mixed(work: Path, args) -> dict:
-    """Length buckets + token budget against plain dynamic batching (every batch padded to its
-    longest request), same model, same inputs."""
+    """The realistic protein workload: length buckets + token budget against plain dynamic batching
+    (every batch padded to its longest request) and BioNeMo's way, same model, same inputs, with
+    the in-process limit measured before and after."""
     from bionemo_export.model_repository.options import ServingOptions
     from bionemo_export.runtime import TritonServer, find_tritonserver
 
@@ -203,19 +264,33 @@ def part_mixed(work: Path, args) -> dict:
     for path, options in repos.values():
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2", out=path,
                                       backend="python", serving=options))
-    spec = InputSpec(lengths="uniform:50-1000", count=256, seed=0)
-    targets = [Target(model="esm2_embeddings", repository=path, label=label) for label, (path, _) in repos.items()]
-    results = run_benchmarks(targets, [c for c in args.concurrency if c > 1], spec, args.window,
-                             out_dir=args.out / "mixed")
+    spec = InputSpec(lengths=MIXED_LENGTHS, count=args.proteins, seed=0)
+    sequences = sequences_of(spec)
+    lengths = np.array([len(s) for s in sequences])
+    tokenizer = get_family("esm2").load(checkpoint).tokenizer
+    default_repo = repos["buckets + token budget"][0]
+    before = in_process_limit(default_repo, "esm2", tokenizer, sequences, args.repeats)
+    dev, dev_url = start_dev_server(checkpoint, "esm2", "esm2", work / "dev_server.log")
+    try:
+        targets = [Target(model="esm2_embeddings", repository=path, label=label) for label, (path, _) in repos.items()]
+        targets.append(Target(model="esm2_embeddings", url=dev_url, label=DEV_LABEL))
+        results = run_benchmarks(targets, args.mixed_concurrency, spec, args.mixed_window, out_dir=args.out / "mixed",
+                                 max_trials=args.max_trials)
+    finally:
+        stop(dev)
+    after = in_process_limit(default_repo, "esm2", tokenizer, sequences, args.repeats)
     write_report(results, args.out / "mixed", command=" ".join(sys.argv))
     # The padding each layout pays on the same requests: a short run per repository, read from its metric.
     padding = {}
     for label, (path, _) in repos.items():
         with TritonServer(path, install=find_tritonserver()) as server:
             run_benchmarks([Target(model="esm2_embeddings", url=f"grpc://{server.endpoints.grpc_url}", label=label)],
-                           [8], spec, 2.0, out_dir=work / f"padding_{len(padding)}")
+                           [8], spec, 2.0, out_dir=work / f"padding_{len(padding)}", max_trials=args.max_trials)
             padding[label] = padding_fraction(server.endpoints.metrics_url)
-    return {"served": [r.to_dict() for r in results], "padding_fraction": padding}
+    return {"served": [r.to_dict() for r in results], "padding_fraction": padding,
+            "in_process": {"before": before, "after": after, "best": max(before["best"], after["best"])},
+            "proteins": {"count": len(sequences), "lengths": MIXED_LENGTHS, "median": float(np.median(lengths)),
+                         "mean": float(lengths.mean()), "min": int(lengths.min()), "max": int(lengths.max())}}
 
 
 def part_decodes(work: Path, args) -> dict:
@@ -318,6 +393,22 @@ def targets(results: dict) -> list[tuple[str, str, str, str]]:
         rows.append(("mixed lengths: padding fraction (buckets + budget)", "< 15%",
                      "-" if waste is None else f"{100 * waste:.1f}%",
                      _check(None if waste is None else -waste, -0.15)))
+        bionemo = _served(part, "BioNeMo")
+        for c in (8, 32):
+            if c in buckets and c in bionemo:
+                ratio = buckets[c]["sequences_per_s"] / bionemo[c]["sequences_per_s"]
+                rows.append((f"mixed lengths c{c}: buckets + budget vs BioNeMo's way", ">= 5x", f"{ratio:.2f}x",
+                             _check(ratio, 5.0)))
+        if 8 in buckets and 8 in bionemo:
+            ratio = buckets[8]["p50_ms"] / bionemo[8]["p50_ms"]
+            rows.append(("mixed lengths p50 c8: buckets + budget vs BioNeMo's way", "<= 0.25x", f"{ratio:.2f}x",
+                         _check(ratio, 0.25, higher_is_better=False)))
+        limit = part.get("in_process", {}).get("best")
+        for c in (8, 32):
+            if c in buckets and limit:
+                ratio = buckets[c]["sequences_per_s"] / limit
+                rows.append((f"mixed lengths c{c}: buckets + budget vs the in-process limit ({limit:.1f} seq/s)",
+                             ">= 0.9x", f"{ratio:.2f}x", _check(ratio, 0.9)))
     if "decodes" in results:
         part = results["decodes"]
         in_process = part["in_process_decodes_per_s"]
@@ -374,6 +465,19 @@ def summary(results: dict) -> str:
             for batch, value in ip["before"]["throughput"].items():
                 lines.append(f"| {batch} | {value:.1f} | {ip['after']['throughput'][batch]:.1f} |")
             lines.append(f"\nBatch 1 median latency: {ip['p50_batch1_ms']:.1f} ms (mean of both runs).")
+        if name == "mixed" and part.get("proteins"):
+            p = part["proteins"]
+            lines += ["", f"Proteins: {p['count']}, lengths `{p['lengths']}` (median {p['median']:.0f}, mean "
+                          f"{p['mean']:.0f}, {p['min']}-{p['max']} residues)."]
+        if name == "mixed" and part.get("in_process"):
+            ip = part["in_process"]
+            runs = {when: ", ".join(f"{v:.1f}" for v in ip[when]["runs"]) for when in ("before", "after")}
+            lines += ["", f"In-process limit (ONNX Runtime on the repository's own encoder graph, "
+                          f"{ip['before']['threads']} threads, sorted by length, bucket "
+                          f"{ip['before']['length_bucket']}, token budget {ip['before']['token_budget']}, "
+                          f"tokenization included): "
+                          f"**{ip['best']:.1f} seq/s** (best run); runs before the served targets: {runs['before']}; "
+                          f"after: {runs['after']}; padding {100 * ip['before']['padding_fraction']:.1f}%."]
         if name == "mixed" and part.get("padding_fraction"):
             lines += [""] + [f"- padding fraction, {label}: {100 * value:.1f}%"
                              for label, value in part["padding_fraction"].items() if value is not None]
@@ -384,20 +488,38 @@ def summary(results: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--window", type=float, default=5.0, help="perf_analyzer measurement window (s)")
     parser.add_argument("--max-decode", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=RESULTS / "serving")
+    parser.add_argument("--mixed-concurrency", default="8,32",
+                        help="the mixed part's concurrencies (add 1 for latency at low load: several minutes more)")
+    parser.add_argument("--mixed-window", type=float, default=20.0,
+                        help="the mixed part's measurement window (s): long enough for BioNeMo's way, at a few "
+                             "proteins/s, to see dozens of the random-length proteins per window")
+    parser.add_argument("--proteins", type=int, default=192, help="the mixed part's proteins")
+    parser.add_argument("--repeats", type=int, default=3, help="in-process limit runs (best counts), before and after")
+    parser.add_argument("--max-trials", type=int, default=10, help="perf_analyzer windows before it gives up on "
+                        "stability (then it measures a fixed request count)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 24 proteins, 2 s windows, concurrency 8, 1 repeat, 3 trials; results in a "
+                             "temporary folder unless --out is given")
+    parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS / 'serving'}")
     parser.add_argument("--summary-only", action="store_true",
                         help="rewrite serving.md from the committed serving.json without measuring")
     args = parser.parse_args()
+    if args.quick:
+        args.proteins, args.window, args.mixed_window, args.repeats, args.max_trials = 24, 2.0, 2.0, 1, 3
+        args.concurrency = args.mixed_concurrency = "8"
+        args.out = args.out or Path(tempfile.mkdtemp(prefix="serving-quick-")) / "serving"
+    args.out = args.out or RESULTS / "serving"
     store = args.out.parent / "serving.json"
     if args.summary_only:
         (args.out.parent / "serving.md").write_text(summary(json.loads(store.read_text())))
         return 0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.mixed_concurrency = [int(c) for c in args.mixed_concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     # Parts run separately add to the same record (each part is one side-by-side run of its own).
     results = json.loads(store.read_text()) if store.exists() else {}
@@ -413,6 +535,7 @@ def main() -> int:
             store.write_text(json.dumps(results, indent=2, default=str) + "\n")
             (args.out.parent / "serving.md").write_text(summary(results))
     print(json.dumps({k: v for k, v in results.items() if k not in ("versions",)}, indent=2, default=str)[:4000])
+    print(f"results: {store} and {args.out.parent / 'serving.md'}")
     return 0
 
 
