@@ -48,8 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from pll_scores import heavy_chains
-from scoring_bench import (
+from _scoring_bench import (
     RESULTS,
     SMOKE_RESULTS,
     annotate,
@@ -57,6 +56,7 @@ from scoring_bench import (
     gemm_gflops,
     gflop_per_pass,
     header,
+    heavy_chains,
     report,
     serve_and_time,
 )

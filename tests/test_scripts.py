@@ -13,15 +13,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = sorted(ROOT.glob("benchmarks/*.py"))
+BENCHMARKS = sorted(p for p in ROOT.glob("benchmarks/*.py") if not p.name.startswith("_"))  # _*: shared code
 
 # Runs each script as `python <script> --help` would, one after the other in one interpreter (torch
 # is imported once, not once per script), and prints {script: [exit code, stdout, stderr]} as JSON.
 ASK_FOR_HELP = """
-import contextlib, io, json, runpy, sys, traceback
+import contextlib, io, json, os, runpy, sys, traceback
 answers = {}
 for script in sys.argv[1:]:
     sys.argv = [script, "--help"]
+    sys.path.insert(0, os.path.dirname(script))  # as `python <script>` does: its siblings import
     out, err = io.StringIO(), io.StringIO()
     code = None
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -32,6 +33,7 @@ for script in sys.argv[1:]:
         except BaseException:
             code = "raised"
             traceback.print_exc()
+    sys.path.pop(0)
     answers[script] = [code, out.getvalue(), err.getvalue()]
 print(json.dumps(answers))
 """

@@ -204,3 +204,33 @@ def header(title: str, command: str, env: dict[str, Any], what: str) -> list[str
             f"{env['platform']}; python {env['python']}, onnxruntime {env['onnxruntime']}, torch {env['torch']} "
             f"({env['torch_threads']} threads), transformers {env['transformers']}, tritonserver from "
             f"nvidia-pytriton {env['nvidia-pytriton']}.", ""]
+
+
+# Human heavy-chain germlines (IMGT): V genes to the end of framework 3 (...CAR/CAK), and IGHJ4.
+IGHV = {
+    "IGHV1-2": "QVQLVQSGAEVKKPGASVKVSCKASGYTFTGYYMHWVRQAPGQGLEWMGWINPNSGGTNYAQKFQGRVTMTRDTSISTAYMELSRLRSDDTAVYYCAR",
+    "IGHV1-69": "QVQLVQSGAEVKKPGSSVKVSCKASGGTFSSYAISWVRQAPGQGLEWMGGIIPIFGTANYAQKFQGRVTITADESTSTAYMELSSLRSEDTAVYYCAR",
+    "IGHV3-23": "EVQLLESGGGLVQPGGSLRLSCAASGFTFSSYAMSWVRQAPGKGLEWVSAISGSGGSTYYADSVKGRFTISRDNSKNTLYLQMNSLRAEDTAVYYCAK",
+    "IGHV3-30": "QVQLVESGGGVVQPGRSLRLSCAASGFTFSSYAMHWVRQAPGKGLEWVAVISYDGSNKYYADSVKGRFTISRDNSKNTLYLQMNSLRAEDTAVYYCAR",
+    "IGHV4-34": "QVQLQQWGAGLLKPSETLSLTCAVYGGSFSGYYWSWIRQPPGKGLEWIGEINHSGSTNYNPSLKSRVTISVDTSKNQFSLKLSSVTAADTAVYYCAR",
+}
+IGHJ4 = "YFDYWGQGTLVTVSS"
+RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
+CDR3_RESIDUES = "GGGYYYYSSSDDRRAAVTLPFWEN"
+"""A CDR3 core's residues, weighted roughly as human CDR3s are (glycine, tyrosine, serine rich)."""
+
+
+def heavy_chains(count: int, rng: np.random.Generator, lengths: tuple[int, int] = (111, 130)) -> list[str]:
+    """`count` antibody-like heavy chains: a germline V gene with ~3% random point mutations
+    (somatic hypermutation), a random CDR3 core and IGHJ4, each of a length drawn uniformly
+    from `lengths` (inclusive)."""
+    chains = []
+    genes = list(IGHV.values())
+    for _ in range(count):
+        v = list(genes[rng.integers(len(genes))])
+        for position in np.flatnonzero(rng.random(len(v)) < 0.03):
+            v[position] = RESIDUES[rng.integers(len(RESIDUES))]
+        length = int(rng.integers(max(lengths[0], len(v) + len(IGHJ4) + 1), lengths[1] + 1))
+        core = "".join(CDR3_RESIDUES[i] for i in rng.integers(len(CDR3_RESIDUES), size=length - len(v) - len(IGHJ4)))
+        chains.append("".join(v) + core + IGHJ4)
+    return chains
