@@ -22,7 +22,7 @@ from bionemo_export.tune import RestoreError, restore, tunable_models
 from bionemo_export.tune.apply import publish
 from bionemo_export.tune.record import host_mismatch
 from bionemo_export.tune.search import Objective, Point, QuickSearch, SearchSettings
-from bionemo_export.tune.space import Settings, axes, neighbours, read_settings, step, write_settings
+from bionemo_export.tune.space import Settings, around, axes, read_settings, step, write_settings
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,9 @@ def test_axes_hold_the_current_value_and_steps_stop_at_the_ends():
     assert values["threads"] == (0, 1, 2) and values["instances"] == (1, 2)
     assert values["max_sub_batch"][-1] == 0  # no row limit is the widest setting
     assert step(start, 2, "max_sub_batch", +1) is None
-    assert step(start, 2, "max_sub_batch", -1) == Settings(1, 0, 0, 8192, 16, 16)
-    assert [s.instances for s in neighbours(start, 2, "instances")] == [2]
+    assert step(start, 2, "max_sub_batch", -1) == Settings(1, 0, 0, 8192, 8, 16)
+    assert [s.max_sub_batch for s in around(start, 2, "max_sub_batch")] == [8, 4]  # radius 2: past a flat step
+    assert [s.instances for s in around(start, 2, "instances", radius=1)] == [2]
     odd = Settings(instances=1, queue_delay_us=300, token_budget=5000)
     assert 300 in axes(odd, 2)["queue_delay_us"] and 5000 in axes(odd, 2)["token_budget"]
     assert "threads" not in axes(odd, 2)  # a model without the setting is not searched along it
@@ -136,16 +137,16 @@ def test_the_budget_stops_the_search_and_leaves_room_for_the_confirmation():
 
 def test_a_winner_that_loses_when_measured_again_is_not_kept():
     class Flaky(Surface):
-        """The first measurement of sub-batch 16 is lucky; measured again it is worse than as built."""
+        """The first measurement of sub-batch 8 is lucky; measured again it is worse than as built."""
 
         def __call__(self, candidate, concurrency):
             point = super().__call__(candidate, concurrency)
             settings = candidate["encoder"]
-            if settings.max_sub_batch == 16:
+            if settings.max_sub_batch == 8:
                 lucky = sum(1 for s, _ in self.calls if s == settings) <= 2
                 rate = point.throughput * (1.5 if lucky else 0.5)
                 return Point(concurrency, rate, point.p50_ms, point.p99_ms)
-            if settings.max_sub_batch not in (0, 16):
+            if settings.max_sub_batch not in (0, 8):
                 return Point(concurrency, 1.0, point.p50_ms, point.p99_ms)
             return point
 

@@ -2,10 +2,12 @@
 
 It works as Triton Model Analyzer's quick search does, on this tool's settings (space.py): start
 from the repository's current settings (measured first: the baseline), and climb. For each
-setting of each tuned model in turn, step one value up and one down; a step that scores better
-(by more than `min_gain`, the noise a shared host shows) is taken and the climb goes on in that
-direction until it stops paying; a pass over every setting that moves nothing ends the search, as
-does the time budget. A candidate is measured at the highest concurrency first and pruned there
+setting of each tuned model in turn, measure the values within two steps either way (a radius of
+two, so that a flat step, e.g. 16 rows per call where batches are 11, does not hide a better one
+beyond it); the best of them, if it scores better than where the climb stands (by more than
+`min_gain`, the noise a shared host shows), is taken and the climb goes on from there along the
+same setting; a pass over every setting that moves nothing ends the search, as does the time
+budget. A candidate is measured at the highest concurrency first and pruned there
 when it falls clearly behind the best (`prune_below`) or breaks the latency bound, so a bad step
 costs one perf_analyzer run, not one per concurrency. The winner is measured again beside the
 baseline (interleaved, `confirm`), and kept only if it still wins: a tuned repository never serves
@@ -25,7 +27,7 @@ from typing import Any
 
 from bionemo_export.choices import TuneObjective as Objective
 
-from .space import AXES, Settings, step
+from .space import AXES, Settings, around
 
 Candidate = Mapping[str, Settings]
 """Settings of every tuned model, by model name."""
@@ -201,38 +203,35 @@ class QuickSearch:
     def run(self) -> SearchResult:
         baseline = best = self.evaluate(self.start, None, role="baseline")
         dimensions = [(model, axis) for axis in AXES for model, s in self.start.items() if getattr(s, axis) is not None]
-        stopped_by = "converged"
         moved = True
         while moved:
             moved = False
             for model, axis in dimensions:
-                for direction in (+1, -1):
-                    climbed, best, out_of_time = self.climb(best, model, axis, direction)
-                    if out_of_time:
-                        stopped_by = "budget"
-                        return self.finish(baseline, best, stopped_by)
-                    if climbed:
-                        moved = True
-                        break  # the other direction goes back where we came from
-        return self.finish(baseline, best, stopped_by)
+                climbed, best, out_of_time = self.climb(best, model, axis)
+                moved = moved or climbed
+                if out_of_time:
+                    return self.finish(baseline, best, "budget")
+        return self.finish(baseline, best, "converged")
 
-    def climb(self, best: Trial, model: str, axis: str, direction: int) -> tuple[bool, Trial, bool]:
-        """Step along one axis while it pays: (moved, the best trial, the budget ran out)."""
+    def climb(self, best: Trial, model: str, axis: str) -> tuple[bool, Trial, bool]:
+        """Move along one axis while a value within the radius pays: (moved, the best trial, the
+        budget ran out)."""
         climbed = False
         while True:
-            settings = step(best.candidate[model], self.cores, axis, direction)
-            if settings is None:
+            nearby = [{**best.candidate, model: settings}
+                      for settings in around(best.candidate[model], self.cores, axis)]
+            nearby = [candidate for candidate in nearby if _key(candidate) not in self.seen]
+            leader = best
+            for candidate in nearby:
+                if not self.can_afford():
+                    return climbed or leader is not best, leader, True
+                trial = self.evaluate(candidate, leader)
+                self.progress.trial_finished(trial, leader)
+                if self.better(trial, leader):
+                    leader = trial
+            if leader is best:
                 return climbed, best, False
-            candidate = {**best.candidate, model: settings}
-            if _key(candidate) in self.seen:
-                return climbed, best, False
-            if not self.can_afford():
-                return climbed, best, True
-            trial = self.evaluate(candidate, best)
-            self.progress.trial_finished(trial, best)
-            if not self.better(trial, best):
-                return climbed, best, False
-            best, climbed = trial, True
+            best, climbed = leader, True
 
     def finish(self, baseline: Trial, best: Trial, stopped_by: str) -> SearchResult:
         result = SearchResult(baseline, best, self.trials, stopped_by=stopped_by)

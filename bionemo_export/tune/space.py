@@ -24,8 +24,10 @@ PARAMETER_OF = {"threads": "intra_op_threads", "token_budget": "token_budget", "
                 "length_bucket": "length_bucket"}
 """Settings kept in the config's `parameters` (the Python-backend models read them at load)."""
 TOKEN_BUDGETS = (2048, 4096, 8192, 16384, 32768)
-SUB_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 0)
-"""Most rows per graph call; 0 (no row limit) is the widest, last."""
+SUB_BATCHES = (1, 2, 4, 8, 0)
+"""Most rows per graph call; 0 (no row limit) is the widest, last. Powers of two: the search looks
+two steps each way, so from "no limit" it reaches 8 and 4 (a CPU's best is often 2-4 rows, where
+the batcher hands over ~11 under load)."""
 QUEUE_DELAYS_US = (0, 500, 2000, 10000)
 LENGTH_BUCKETS = (8, 16, 32, 64)
 
@@ -120,18 +122,23 @@ def _order(name: str, value: int) -> float:
     return float("inf") if name == "max_sub_batch" and value == 0 else value
 
 
-def neighbours(settings: Settings, cores: int, axis: str) -> list[Settings]:
-    """The settings one step down and one step up `axis` from `settings` (none past either end)."""
-    values = axes(settings, cores)[axis]
-    index = values.index(getattr(settings, axis))
-    return [replace(settings, **{axis: values[i]}) for i in (index - 1, index + 1) if 0 <= i < len(values)]
-
-
 def step(settings: Settings, cores: int, axis: str, direction: int) -> Settings | None:
-    """The next setting along `axis` in `direction` (+1 / -1), or None at the end."""
+    """The setting `direction` steps along `axis` (+1: the next value, -2: two back), or None past
+    either end."""
     values = axes(settings, cores)[axis]
     index = values.index(getattr(settings, axis)) + direction
     return replace(settings, **{axis: values[index]}) if 0 <= index < len(values) else None
+
+
+def around(settings: Settings, cores: int, axis: str, radius: int = 2) -> list[Settings]:
+    """The settings within `radius` steps along `axis`, nearest first (+1, -1, +2, -2, ...)."""
+    found = []
+    for distance in range(1, radius + 1):
+        for direction in (distance, -distance):
+            other = step(settings, cores, axis, direction)
+            if other is not None:
+                found.append(other)
+    return found
 
 
 def settings_from_dict(data: Mapping[str, Any]) -> Settings:
