@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .search import Objective, SearchResult, Trial, frontier
+from .space import shown
 
 
 def describe_candidate(trial: Trial, baseline: Trial) -> str:
@@ -14,18 +15,10 @@ def describe_candidate(trial: Trial, baseline: Trial) -> str:
     parts = []
     for model, settings in trial.candidate.items():
         ours, theirs = settings.values(), baseline.candidate[model].values()
-        changed = [f"{k} {_value(k, v)}" for k, v in ours.items() if theirs.get(k) != v]
+        changed = [f"{k} {shown(k, v)}" for k, v in ours.items() if theirs.get(k) != v]
         if changed:
             parts.append(f"{model}: " + ", ".join(changed) if len(trial.candidate) > 1 else ", ".join(changed))
     return "; ".join(parts) or "as built"
-
-
-def _value(name: str, value: int) -> str:
-    if name == "threads" and value == 0:
-        return "auto"
-    if name == "max_sub_batch" and value == 0:
-        return "any"
-    return str(value)
 
 
 def _md(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -50,10 +50,11 @@ class Settings:
 
     def describe(self) -> str:
         """A short form for tables: 'instances 1, threads 2, max_sub_batch 4, ...'."""
-        return ", ".join(f"{name} {_shown(name, value)}" for name, value in self.values().items())
+        return ", ".join(f"{name} {shown(name, value)}" for name, value in self.values().items())
 
 
-def _shown(name: str, value: int) -> str:
+def shown(name: str, value: int) -> str:
+    """A setting's value as tables show it (threads 0: auto; max_sub_batch 0: any)."""
     if name == "threads" and value == 0:
         return "auto"
     if name == "max_sub_batch" and value == 0:
