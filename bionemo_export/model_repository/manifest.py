@@ -112,8 +112,9 @@ class Manifest:
         """The JSON object of manifest.json (`created` first; no `engines` key when none were built,
         no `tuning` key when never tuned, no `files` key when no digests were recorded)."""
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        optional = ("created", "engines", "tuning")
         return {**{key: value for key, value in known.items()
-                   if not (value is None and key in ("created", "engines", "tuning")) and not (key == "files" and not value)},
+                   if not (value is None and key in optional) and not (key == "files" and not value)},
                 **self.extra}
 
     @classmethod
