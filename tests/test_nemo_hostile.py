@@ -228,6 +228,8 @@ def loaders() -> list:
     (merge_laughs(), r"has more than 20000 values with its aliases \(\*name\) expanded"),
     (list_laughs(), r"has more than 20000 values with its aliases \(\*name\) expanded"),
     (b"a: " + b"{a: " * 200 + b"1" + b"}" * 200, "nests deeper than 64 levels"),
+    # deep enough for libyaml's own scanner limit (~1,000 flow levels), which stops it first
+    (b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nests deeper than 64 levels"),
     (b"a: &a [1, *a]\n", r"has an alias inside the collection it refers to \(a recursive structure\)"),
     (b"a: " + b"9" * 5000 + b"\n", r"has an integer of 5000 characters \(the most is 100\)"),
     (b"a: 1\n" + b"#" * (1 << 20), r"is over 1048576 bytes, the most a model config may be"),

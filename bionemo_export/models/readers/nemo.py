@@ -441,6 +441,11 @@ def _parse_config(data: bytes, archive: Path, loader: type | None = None) -> dic
     except _RefusedConfig as err:
         raise CheckpointError(f"{source} {err}; refusing it") from None
     except yaml.MarkedYAMLError as err:  # its str() spans lines, with a snippet of the document
+        if "maximum nesting depth" in (err.problem or ""):
+            # libyaml (PyYAML >= 6.0.2's wheels) stops at ~1,000 levels in its scanner, before the
+            # composer's own depth check sees the document: the same refusal, in the same words.
+            raise CheckpointError(f"{source} nests deeper than {MAX_CONFIG_DEPTH} levels, the most a model "
+                                  "config may nest; refusing it") from None
         mark = err.problem_mark or err.context_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = ", ".join(part for part in (err.context, err.problem) if part)
