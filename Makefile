@@ -1,15 +1,21 @@
 # The two set-up commands (see README.md):
 #   make demo   build a model repository, serve it with the real embedded tritonserver, query it
 #   make test   lint (ruff), type-check (pyright) and run the test suite (the docs site is built by a test)
-# Both create/refresh the virtual environment first (scripts/setup.sh; quick when up to date).
+# Both create/refresh the virtual environment first (scripts/setup.sh: installs requirements/lock.txt,
+# every package at an exact version with hashes; quick when up to date).
+#   make lock   refresh requirements/lock.txt from requirements/runtime.txt + constraints.txt
+#               (scripts/lock.sh; LOCK_ARGS=--upgrade moves every package to its newest allowed version)
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup demo test lint doctor
+.PHONY: setup demo test lint doctor lock
 
 setup:
 	bash scripts/setup.sh
+
+lock:
+	bash scripts/lock.sh $(LOCK_ARGS)
 
 demo: setup
 	$(PYTHON) scripts/demo.py

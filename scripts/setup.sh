@@ -3,22 +3,25 @@
 # on a CPU-only Debian 12 host: PyTorch (local CPU build), the embedded tritonserver from
 # nvidia-pytriton, tritonclient's perf_analyzer, ONNX/ONNX Runtime and Triton Model Navigator.
 #
-# Safe to run again: when the requirements have not changed since the last successful run and
-# the environment still imports, it does nothing.
+# It installs requirements/lock.txt: every package at an exact version, each file checked against
+# the lock's sha256 hashes, and nothing else (a package the lock does not list is removed).
+# `make lock` (scripts/lock.sh) refreshes the lock from requirements/runtime.txt and constraints.txt.
+#
+# Safe to run again: when the lock has not changed since the last successful run and the
+# environment still imports, it does nothing.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${BIONEMO_EXPORT_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
-NAVIGATOR_VERSION="0.14.0"
+LOCK="$ROOT/requirements/lock.txt"
 STAMP="$VENV/.bionemo-export-setup"
 
 log() { printf '[setup] %s\n' "$*"; }
 
 # What the environment is built from; a change to any of these re-runs the install.
 fingerprint() {
-  cat "$ROOT/requirements/constraints.txt" "$ROOT/requirements/runtime.txt" "$ROOT/pyproject.toml" \
-    "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1
+  cat "$LOCK" "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1
 }
 
 # perf_analyzer from the tritonclient wheel links libb64 (Debian package libb64-0d).
@@ -50,23 +53,28 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # This host's pip.conf lists local index folders that lack most packages; pip warns once per
 # package. Keep the log readable by dropping exactly that warning.
 pip_quiet() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-pip_quiet install -q --upgrade pip setuptools wheel
 
-log "installing requirements (torch pinned to the local CPU build; first run takes a few minutes)"
-pip_quiet install -q -c "$ROOT/requirements/constraints.txt" -r "$ROOT/requirements/runtime.txt"
+# Every package at the lock's version (torch: the local CPU build, found through pip.conf's
+# find-links), each file checked against the lock's hashes. --no-deps: the lock is the whole
+# environment, including triton-model-navigator, rxnfp and kserve, which are locked without their
+# requirements (requirements/runtime.txt says why).
+log "installing requirements/lock.txt ($(grep -c '^[A-Za-z0-9]' "$LOCK") packages, exact versions and hashes; first run takes a few minutes)"
+pip_quiet install -q --require-hashes --no-deps -r "$LOCK"
 
-log "installing Triton Model Navigator $NAVIGATOR_VERSION without its tensorrt requirement"
-pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" "triton-model-navigator==$NAVIGATOR_VERSION"
-
-# rxnfp ships a real pretrained SMILES BERT (read as files, never imported); its own pins (scipy
-# 1.4, scikit-learn 0.23) do not build on Python 3.11, and nothing of it but the weights is used.
-log "installing rxnfp $(grep -o 'rxnfp==[0-9.]*' "$ROOT/requirements/constraints.txt") without its dependencies (for its weights)"
-pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" rxnfp
-
-# The KServe SDK's API types validate the InferenceService `deploy k8s` writes (tests); its own
-# requirements would replace protobuf with 6.x and add a web-server stack nothing here uses.
-log "installing the KServe SDK $(grep -o 'kserve==[0-9.]*' "$ROOT/requirements/constraints.txt") without its dependencies (tests)"
-pip_quiet install -q --no-deps -c "$ROOT/requirements/constraints.txt" kserve
+# A package the lock does not list (dropped from it, or installed by hand) is removed: the
+# environment is the lock (tests/test_lock.py checks it).
+UNLISTED_PY='
+import re, sys
+from importlib.metadata import distributions
+canonical = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+locked = {canonical(n) for n in re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", open(sys.argv[1]).read(), re.M)}
+print(*sorted({canonical(d.metadata["Name"]) for d in distributions()} - locked - {"bionemo-export"}))
+'
+read -r -a unlisted <<<"$("$VENV/bin/python" -c "$UNLISTED_PY" "$LOCK")"
+if [ "${#unlisted[@]}" -gt 0 ]; then
+  log "removing packages the lock does not list: ${unlisted[*]}"
+  pip_quiet uninstall -q -y "${unlisted[@]}"
+fi
 
 log "installing bionemo-export (editable)"
 pip_quiet install -q --no-deps --no-build-isolation -e "$ROOT"
