@@ -34,13 +34,14 @@ from bionemo_export.model_repository.classifier import ClassifierGraph, plan_cla
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
-from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, package_versions
+from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.plan import RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.serving.host import NO_VNNI_FOLDER
 from bionemo_export.tasks import get_task
 
 Progress = Callable[[str], None]
@@ -174,11 +175,15 @@ class ExportedGraph:
 def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
                   family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
                   optimize: bool = True, num_heads: int | None = None,
-                  hidden_size: int | None = None) -> ExportedGraph:
+                  hidden_size: int | None = None, picks_cpu_graph: bool = True) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
-    ExportVerificationError when the plain export is over the family's tolerance."""
-    from bionemo_export.exporters import NavigatorExportError, export_onnx, optimize_and_verify, verify_onnx
+    ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
+    graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
+    exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden answers."""
+    from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
+    from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
+    from bionemo_export.exporters.verification import write_golden_answers
 
     progress(f"exporting the {name} graph to ONNX ({exporter})")
     folder = export_dir / name
@@ -202,14 +207,28 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
         LOG.warning(message)
         progress(message)
 
-    chosen = optimize_and_verify(module, exported.path, report, export_dir / f"{name}.optimized", batches,
-                                 num_heads=num_heads, hidden_size=hidden_size, atol=family.atol,
-                                 min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
-                                 precision=precision, optimize=optimize, log=log)
+    settings = dict(num_heads=num_heads, hidden_size=hidden_size, atol=family.atol, min_cosine=family.min_cosine,
+                    output_names=output_names, mask_input=mask_input, optimize=optimize)
+    work = export_dir / f"{name}.optimized"
+    no_vnni = None
+    if precision == "int8":
+        chosen, no_vnni = verified_int8_graphs(module, exported.path, report, work, batches,
+                                               one_graph=not picks_cpu_graph, log=log, **settings)
+    else:
+        chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
+                                     **settings)
     verification = GraphVerification(chosen.report, exported.path, chosen.record.precision,
-                                     unoptimized=report if chosen.path != exported.path else None)
+                                     unoptimized=report if chosen.path != exported.path else None,
+                                     no_vnni=no_vnni.report if no_vnni else None)
     files = {p.name: p for p in chosen.path.parent.iterdir() if p.is_file()}
-    return ExportedGraph(name, files, GraphRecord(exported, chosen.record), verification)
+    if no_vnni is not None:
+        files.update({f"{NO_VNNI_FOLDER}/{p.name}": p for p in no_vnni.path.parent.iterdir() if p.is_file()})
+    # What the served model checks on its host when it loads (serving/golden.py).
+    golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
+                                  mask_input=mask_input)
+    files[golden.name] = golden
+    return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None),
+                         verification)
 
 
 def _log_tail(workspace: Path | None, lines: int = 20) -> str:
@@ -259,7 +278,8 @@ def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> Masked
 
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
-                progress: Progress, cpu_optimized: bool = True) -> dict[str, ExportedGraph]:
+                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True
+                ) -> dict[str, ExportedGraph]:
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
     every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
     they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse)."""
@@ -269,7 +289,8 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                precision: str = "fp32", optimize: bool = False) -> ExportedGraph:
         return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
-                             num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size)
+                             num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
+                             picks_cpu_graph=picks_cpu_graph)
 
     # Reduced precision applies to the encoder; decoder graphs stay fp32 (greedy decodes are exact).
     graphs = {"encoder": export("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
@@ -334,7 +355,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                 export_dir.mkdir()
                 try:
                     graphs = _export_all(loaded, tasks, export_dir, request, progress,
-                                         cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs)
+                                         cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
+                                         picks_cpu_graph=serving.serving_backend.runs_python)
                 except PrecisionError as err:
                     raise BuildError(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")
@@ -376,6 +398,7 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
                       "graphs": {name: graph.verification.to_dict() for name, graph in graphs.items()}},
         accuracy=AccuracyRecord(request.precision, graphs["encoder"].verification).to_dict(),
         versions=package_versions(),
+        build_host=host_record(),
         # Last, once every other file is written: serve and verify compare the files with these.
         files=record_files(staging),
     ).write(staging)

@@ -28,6 +28,8 @@ class GraphRecord:
     export: ExportResult
     optimization: OptimizationRecord
     """The optimized graph stored, or why the plain export was."""
+    no_vnni: OptimizationRecord | None = None
+    """int8: the graph stored for CPUs without VNNI (no-vnni/model.onnx), when there is one."""
 
     def to_dict(self) -> dict[str, Any]:
         record = self.export.to_dict()
@@ -35,6 +37,8 @@ class GraphRecord:
         record["path"] = self.export.path.name
         record["data_path"] = self.export.data_path.name if self.export.data_path else None
         record["optimization"] = self.optimization.to_dict()
+        if self.no_vnni is not None:
+            record["optimization_no_vnni"] = self.no_vnni.to_dict()
         return record
 
 
@@ -49,6 +53,8 @@ class GraphVerification:
     precision: str
     unoptimized: VerificationReport | None = None
     """The plain export's check, when the graph stored is an optimized one."""
+    no_vnni: VerificationReport | None = None
+    """int8: the check of the graph stored for CPUs without VNNI, when there is one."""
 
     @property
     def optimized(self) -> bool:
@@ -59,6 +65,8 @@ class GraphVerification:
                   "optimized": self.optimized}
         if self.unoptimized is not None:
             result["unoptimized"] = {"outputs": [check.to_dict() for check in self.unoptimized.outputs]}
+        if self.no_vnni is not None:
+            result["no_vnni"] = {"outputs": [check.to_dict() for check in self.no_vnni.outputs]}
         return result
 
 

@@ -96,6 +96,14 @@ class Protocol(Choice):
     HTTP = "http"
 
 
+class GoldenCheck(Choice):
+    """What a served model does when its golden answers are outside tolerance on its host
+    (serving/golden.py): refuse to load, or load with a warning in the server's log."""
+
+    REFUSE = "refuse"
+    WARN = "warn"
+
+
 class TuneObjective(Choice):
     """What `tune` maximizes (tune/search.py): sequences/s, or the inverse of p99 latency."""
 

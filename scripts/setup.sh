@@ -24,14 +24,19 @@ fingerprint() {
   cat "$LOCK" "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1
 }
 
-# perf_analyzer from the tritonclient wheel links libb64 (Debian package libb64-0d).
-ensure_libb64() {
-  if ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then return; fi
-  log "installing the Debian package libb64-0d (needed by perf_analyzer)"
+# Debian packages: libb64-0d (perf_analyzer from the tritonclient wheel links it) and qemu-user
+# (`qemu-x86_64 -cpu Haswell`: the tests run int8 graphs on an emulated AVX2-only CPU, whatever
+# this host's CPU is).
+ensure_debian_packages() {
+  local missing=()
+  ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d' || missing+=(libb64-0d)
+  command -v qemu-x86_64 >/dev/null 2>&1 || missing+=(qemu-user)
+  if [ ${#missing[@]} -eq 0 ]; then return; fi
+  log "installing the Debian packages ${missing[*]} (perf_analyzer's libb64; qemu-user for the AVX2-only int8 tests)"
   local sudo=""
   if [ "$(id -u)" != 0 ]; then sudo="sudo"; fi
   $sudo apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq libb64-0d >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
 environment_ok() {
@@ -39,7 +44,7 @@ environment_ok() {
     "$VENV/bin/python" -c "import torch, tritonclient.grpc, onnxruntime, model_navigator, bionemo_export" 2>/dev/null
 }
 
-ensure_libb64
+ensure_debian_packages
 if environment_ok; then
   log "environment up to date: $VENV"
   exit 0

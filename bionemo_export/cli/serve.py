@@ -8,6 +8,7 @@ lines. Meanwhile the ports are closed, so health checks say not ready."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import deque
@@ -19,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from bionemo_export.choices import GoldenCheck
 from bionemo_export.cli import NO_CHECK_HELP, check_files, reason
 from bionemo_export.client.triton import ServerUnreachableError
 from bionemo_export.runtime import (
@@ -30,6 +32,7 @@ from bionemo_export.runtime import (
 from bionemo_export.runtime.object_storage import S3RepositoryError, is_s3_uri
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
 from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, ControlClient, Supervisor, public_models
+from bionemo_export.serving.golden import CHECK_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -113,8 +116,14 @@ def serve(
     max_restarts: int = typer.Option(5, help="A tritonserver that dies is started again (same ports, doubling "
                                      "pause); this many crashes within 10 minutes end serve with exit code 1."),
     no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
+    golden_check: GoldenCheck = typer.Option(
+        GoldenCheck.REFUSE, help="Each model that runs a graph answers the build's golden inputs on this host when "
+        "it loads; outside the build's tolerance it refuses to load, naming this CPU and the figures. `warn` serves "
+        "it anyway, with the warning in the server log (sets BIONEMO_EXPORT_GOLDEN_CHECK for tritonserver)."),
 ) -> None:
     console = Console()
+    if golden_check == GoldenCheck.WARN:  # tritonserver and its Python stubs inherit serve's environment
+        os.environ[CHECK_ENV] = golden_check.value
     # Typer's Path would turn s3://bucket into s3:/bucket, hence a string here.
     model_repository = location if is_s3_uri(location) else Path(location).resolve()
     try:

@@ -27,7 +27,7 @@ import onnxruntime as ort
 import torch
 
 from bionemo_export.errors import UserError
-from bionemo_export.numerics import cosine_rows
+from bionemo_export.serving.golden import Figures, compare
 
 DEFAULT_MASK_INPUT = "attention_mask"
 
@@ -190,7 +190,7 @@ def verify_onnx(
     if unknown := [name for name in names if name not in graph_outputs]:
         raise ValueError(f"{onnx_path} has no outputs {unknown}; its outputs are {graph_outputs}")
 
-    comparisons: dict[str, list[_Comparison]] = {name: [] for name in names}
+    comparisons: dict[str, list[Figures]] = {name: [] for name in names}
     batch_shapes = []
     for index, batch in enumerate(batches):
         if missing := [name for name in input_names if name not in batch]:
@@ -201,7 +201,7 @@ def verify_onnx(
         torch_values = _run_reference(reference_module, [batch[n] for n in input_names], graph_outputs)
         valid = np.asarray(batch[mask_input]) != 0 if mask_input in batch else None
         for name in names:
-            comparisons[name].append(_compare(onnx_values[name], torch_values[name], valid))
+            comparisons[name].append(compare(onnx_values[name], torch_values[name], valid))
         batch_shapes.append(tuple(np.shape(batch[input_names[0]])))
 
     tolerances = dict(tolerances or {})
@@ -219,16 +219,6 @@ def verify_onnx(
         outputs=checks,
         seconds=round(time.perf_counter() - start, 3),
     )
-
-
-@dataclass(frozen=True)
-class _Comparison:
-    """One output in one batch."""
-
-    shape: tuple[int, ...]
-    max_abs_error: float
-    min_cosine: float
-    problem: str | None = None
 
 
 def _session(onnx_path: Path) -> ort.InferenceSession:
@@ -252,31 +242,8 @@ def _run_reference(
     return {name: value.detach().float().numpy() for name, value in zip(output_names, values)}
 
 
-def _compare(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None) -> _Comparison:
-    """Max abs error and min cosine of `actual` (ONNX) against `expected` (PyTorch)."""
-    if actual.shape != expected.shape:
-        return _Comparison(
-            actual.shape, math.inf, -1.0,
-            f"ONNX shape {actual.shape} differs from PyTorch's {expected.shape}",
-        )
-    rows_actual, rows_expected = _rows(actual, valid), _rows(expected, valid)
-    if rows_actual.size == 0:
-        return _Comparison(actual.shape, 0.0, 1.0)
-    max_abs = float(np.max(np.abs(rows_actual - rows_expected)))  # NaN propagates, and fails
-    return _Comparison(actual.shape, max_abs, float(np.min(cosine_rows(rows_actual, rows_expected))))
-
-
-def _rows(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
-    """The vectors to compare, as [n, features]: one per valid position for [batch, length, ...]
-    outputs (padded positions dropped), otherwise one per item."""
-    values = values.astype(np.float64)
-    if valid is not None and values.ndim >= 2 and values.shape[:2] == valid.shape:
-        return values[valid].reshape(int(valid.sum()), -1)
-    return values.reshape(values.shape[0], -1) if values.ndim >= 2 else values.reshape(1, -1)
-
-
 def _summarize(
-    name: str, results: list[_Comparison], *, atol: float, min_cosine: float, tolerance: Tolerance | None = None
+    name: str, results: list[Figures], *, atol: float, min_cosine: float, tolerance: Tolerance | None = None
 ) -> OutputCheck:
     """Worst figures over all batches. np.max/np.min, unlike max()/min(), propagate NaN."""
     max_abs = float(np.max([r.max_abs_error for r in results]))
@@ -297,3 +264,30 @@ def _summarize(
 
 def _json_float(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
+
+
+def write_golden_answers(reference_module: torch.nn.Module, report: VerificationReport,
+                         batch: Mapping[str, np.ndarray], destination: Path, *,
+                         mask_input: str = DEFAULT_MASK_INPUT) -> Path:
+    """Store `batch` (one of the batches `report` checked), the module's outputs on it and the
+    tolerance `report` held the graph to as `destination`/golden.npz (serving/golden.py), which the
+    served model checks on its host when it loads."""
+    from bionemo_export.serving.golden import GOLDEN_FILE, write_golden
+
+    session = _session(report.onnx_path)
+    input_names = [value.name for value in session.get_inputs()]
+    graph_outputs = [value.name for value in session.get_outputs()]
+    del session
+    outputs = _run_reference(reference_module, [batch[name] for name in input_names], graph_outputs)
+    checked = {check.name: check for check in report.outputs}
+    tolerances = {name: check.tolerance or Tolerance(report.atol, report.min_cosine)
+                  for name, check in checked.items()}
+    Path(destination).mkdir(parents=True, exist_ok=True)
+    path = Path(destination) / GOLDEN_FILE
+    write_golden(str(path), {name: np.asarray(batch[name]) for name in input_names},
+                 {name: outputs[name] for name in checked},
+                 mask_input=mask_input if mask_input in input_names else "",
+                 tolerances={name: (t.atol, t.min_cosine) for name, t in tolerances.items()},
+                 figures={name: {"max_abs_error": check.max_abs_error, "min_cosine": check.min_cosine}
+                          for name, check in checked.items()})
+    return path

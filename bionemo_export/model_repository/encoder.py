@@ -68,14 +68,19 @@ def tokenizer_files(tokenizer) -> tuple[str, str, dict[str, Path]]:
     return module, type(tokenizer).__name__, files
 
 
+SHARED_MODULES = {"numerics": SERVING_DIR.parent / "numerics.py"}
+"""numpy-only modules outside serving/ that served code imports (the package's one cosine)."""
+
+
 def serving_files(*modules: str) -> dict[str, Path | str]:
-    """Version-folder files for the serving modules a generated model imports (serving/*.py)."""
-    return {f"{module}.py": SERVING_DIR / f"{module}.py" for module in modules}
+    """Version-folder files for the serving modules a generated model imports (serving/*.py, and
+    SHARED_MODULES)."""
+    return {f"{module}.py": SHARED_MODULES.get(module, SERVING_DIR / f"{module}.py") for module in modules}
 
 
 RESPONDING = ("parameters", "responses")
 """The serving modules every generated Python model imports: its settings and error responses."""
-RUNS_GRAPH = (*RESPONDING, "host", "onnx_session")
+RUNS_GRAPH = (*RESPONDING, "host", "numerics", "golden", "onnx_session")
 """... and those of a model that opens ONNX Runtime sessions itself."""
 ENCODING = ("batching", "encoding", "windows")
 """... and those of the tokenizer and encoder models (encoding.py and what it imports)."""

@@ -49,6 +49,13 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
+def host_record() -> dict[str, Any]:
+    """This host, as manifest.json's `build_host` records it and `doctor` shows it."""
+    from bionemo_export.serving.host import cpu_description
+
+    return {"cpu": cpu_description(), "platform": platform.platform(), "machine": platform.machine()}
+
+
 class ManifestError(UserError, ValueError):
     """manifest.json cannot be read as a bionemo-export manifest; the message names the file."""
 
@@ -91,6 +98,10 @@ class Manifest:
     accuracy: dict[str, Any] = field(default_factory=dict)
     """What the stored precision costs against fp32 PyTorch (int8/fp16 builds)."""
     versions: dict[str, str | None] = field(default_factory=dict)
+    build_host: dict[str, Any] | None = None
+    """The host that built and verified it (`host_record`): its CPU (model, the instruction-set
+    features that decide ONNX Runtime's kernels, VNNI or not), OS and machine; None: built before
+    this was recorded. The served models check their golden answers on their own host (serving/golden.py)."""
     engines: dict[str, Any] | None = None
     """TensorRT engines built on a GPU host (runtime/engines.py); None: none built."""
     tuning: dict[str, Any] | None = None
@@ -112,7 +123,7 @@ class Manifest:
         """The JSON object of manifest.json (`created` first; no `engines` key when none were built,
         no `tuning` key when never tuned, no `files` key when no digests were recorded)."""
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        optional = ("created", "engines", "tuning")
+        optional = ("created", "build_host", "engines", "tuning")
         return {**{key: value for key, value in known.items()
                    if not (value is None and key in optional) and not (key == "files" and not value)},
                 **self.extra}

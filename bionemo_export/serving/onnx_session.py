@@ -15,7 +15,8 @@ from typing import Any
 import onnxruntime as ort
 
 if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.host import threads_per_instance
+    from bionemo_export.serving.golden import check_at_load
+    from bionemo_export.serving.host import NO_VNNI_FOLDER, cpu_description, threads_per_instance
     from bionemo_export.serving.parameters import (
         config_file,
         flag_parameter,
@@ -24,7 +25,8 @@ if __package__:  # imported from the bionemo_export package
         number_parameter,
     )
 else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from host import threads_per_instance
+    from golden import check_at_load
+    from host import NO_VNNI_FOLDER, cpu_description, threads_per_instance
     from parameters import config_file, flag_parameter, model_config, model_parameters, number_parameter
 
 OPTIMIZATION_LEVELS = "ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, ORT_ENABLE_ALL"
@@ -43,7 +45,13 @@ def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, s
 
     On a KIND_GPU instance (`--device gpu`) the graph runs with the CUDA execution provider on the
     instance's GPU; an onnxruntime without it (the CPU wheel) is an error that says so, never a
-    silent fall back to the CPU."""
+    silent fall back to the CPU.
+
+    An int8 graph comes in two forms (exporters/optimize/quantization.py): `model.onnx` for CPUs
+    whose 8-bit dot products accumulate in 32 bits (VNNI, AMX), and `no-vnni/model.onnx`, exact on
+    every x86 CPU, which a host without VNNI opens instead. Before the session is handed out, the
+    graph answers the build's golden inputs on this host (golden.py): outside its tolerance the
+    model refuses to load, naming the host's CPU and the figures."""
     config = model_config(args)
     parameters = model_parameters(args)
     instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
@@ -59,13 +67,32 @@ def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, s
     options.graph_optimization_level = optimization_level(args, parameters.get("graph_optimization_level",
                                                                                 "ORT_ENABLE_ALL"))
     providers = execution_providers(args)
-    path = os.path.join(here, "model.onnx")
+    path = graph_for_this_host(here, providers)
     try:
         session = ort.InferenceSession(path, sess_options=options, providers=providers)
     except Exception as err:  # noqa: BLE001 - ONNX Runtime's own types (InvalidProtobuf, Fail, ...)
         raise RuntimeError(f"{path}: ONNX Runtime cannot load it ({err}); rebuild the repository "
                            "(`bionemo-export serve` compares its files with the build's digests)") from None
+    check_at_load(session, path, args.get("model_name", here), warn=_log_warning)
     return session, parameters
+
+
+def graph_for_this_host(here: str, providers: list) -> str:
+    """The graph file this host runs: `no-vnni/model.onnx` where the repository has one and the
+    graph runs on a CPU without VNNI, else `model.onnx`."""
+    portable = os.path.join(here, NO_VNNI_FOLDER, "model.onnx")
+    if providers == ["CPUExecutionProvider"] and os.path.exists(portable) and not cpu_description()["vnni"]:
+        return portable
+    return os.path.join(here, "model.onnx")
+
+
+def _log_warning(message: str) -> None:
+    try:
+        import triton_python_backend_utils as pb_utils
+    except ImportError:  # imported outside a Triton Python backend (tests, verify)
+        print(message, flush=True)
+        return
+    pb_utils.Logger.log_warn(message)
 
 
 def optimization_level(args: Mapping[str, str], level: str) -> Any:

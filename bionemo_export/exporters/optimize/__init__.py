@@ -38,6 +38,7 @@ from .pipeline import (
     RejectedCandidate,
     VerifiedGraph,
     optimize_and_verify,
+    verified_int8_graphs,
 )
 from .quantization import FP16_METHOD, INT8_METHOD, Fp16Conversion, Int8Quantization
 
@@ -65,4 +66,5 @@ __all__ = [
     "fused_operators",
     "optimize_and_verify",
     "optimize_onnx",
+    "verified_int8_graphs",
 ]

@@ -111,6 +111,7 @@ def optimize_onnx(
     level: str = DEFAULT_LEVEL,
     fuse: bool = True,
     keep_fp32: float = 0.0,
+    int8_weights: str = "int8",
     calibration: dict[str, np.ndarray] | None = None,
     external_data: bool | None = None,
 ) -> OptimizationResult:
@@ -120,7 +121,8 @@ def optimize_onnx(
     transformer fusions; None skips them. `precision`: "fp32", "int8" or "fp16". `keep_fp32`
     (int8): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
     to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
-    inputs) is largest; without `calibration`, the last ones. `external_data`: None decides by the
+    inputs) is largest; without `calibration`, the last ones. `int8_weights`: "int8" (u8s8, exact on
+    VNNI CPUs) or "uint8" (u8u8, exact on every x86 CPU): quantization.py. `external_data`: None decides by the
     weights' size. Raises OptimizationError when a step fails (dst is then not written).
     """
     # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
@@ -162,7 +164,7 @@ def optimize_onnx(
                 applied.append("transformer_fusions(" + ", ".join(f"{op} x{n}" for op, n in stats.items()) + ")")
     if precision == "int8":
         model, quantization = _step("int8 quantization",
-                                    lambda: quantize_int8(model, keep_fp32, calibration, external))
+                                    lambda: quantize_int8(model, keep_fp32, calibration, external, int8_weights))
         applied.append("quantize_dynamic(int8)")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))

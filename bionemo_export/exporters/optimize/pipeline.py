@@ -151,6 +151,7 @@ def optimize_and_verify(
     mask_input: str,
     precision: str = "fp32",
     optimize: bool = True,
+    int8_weights: str = "int8",
     log: Callable[[str], None] | None = None,
 ) -> VerifiedGraph:
     """Optimize the verified plain export `plain` (and convert it to `precision`), check each
@@ -159,6 +160,7 @@ def optimize_and_verify(
 
     fp32: when nothing passes (or optimize is False) the plain export is kept, with the reason
     logged and recorded. int8/fp16: raises PrecisionError when no candidate meets the tolerance.
+    `int8_weights` (int8): "int8" or "uint8" weights (quantization.py: which CPUs compute them exactly).
     """
     from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
 
@@ -173,6 +175,8 @@ def optimize_and_verify(
             options.update(fuse=False, level="none" if precision != "int8" else DEFAULT_LEVEL)
         destination = Path(work) / f"{precision}-{index}" / plain.name
         if precision == "int8":
+            if int8_weights != "int8":
+                options["int8_weights"] = int8_weights
             options.setdefault("calibration", {name: np.asarray(value) for name, value in batches[0].items()})
         try:
             result = optimize_onnx(plain, destination, num_heads=num_heads, hidden_size=hidden_size,
@@ -216,3 +220,38 @@ def _options_record(options: dict[str, Any]) -> dict[str, Any]:
 def _options_text(options: dict[str, Any]) -> str:
     record = _options_record(options)
     return f"with {record}" if record else "with all steps"
+
+
+def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationReport, work: Path,
+                         batches: Sequence[Any], *, one_graph: bool, log: Callable[[str], None] | None = None,
+                         **options: Any) -> tuple[VerifiedGraph, VerifiedGraph | None]:
+    """The int8 graphs a build stores: (model.onnx's, no-vnni/model.onnx's or None).
+
+    int8 weights (u8s8) are exact and fast on VNNI/AMX CPUs only; uint8 weights (u8u8) are exact on
+    every x86 CPU (quantization.py), so the build host's check of a u8u8 graph holds on every host.
+    Both ladders are tried: both pass, model.onnx is the u8s8 graph and no-vnni/ the u8u8 one (the
+    served model opens the one its CPU computes exactly). `one_graph` (a backend that cannot choose
+    at load, Triton's own ONNX Runtime backend): the u8u8 graph alone when it passes. Only the u8s8
+    ladder passing: it alone, said in the log (the golden check refuses it on CPUs without VNNI).
+    Neither: PrecisionError with both ladders' figures."""
+    from .quantization import PORTABLE_WEIGHTS
+
+    log = log or LOG.warning
+    found: dict[str, VerifiedGraph] = {}
+    errors: list[str] = []
+    for weights in ("int8", PORTABLE_WEIGHTS):
+        try:
+            found[weights] = optimize_and_verify(module, plain, plain_report, Path(f"{work}-{weights}"), batches,
+                                                 precision="int8", int8_weights=weights, log=log, **options)
+        except PrecisionError as err:
+            errors.append(f"with {weights} weights: {err}")
+    portable = found.get(PORTABLE_WEIGHTS)
+    if "int8" in found and portable is not None:
+        return (portable, None) if one_graph else (found["int8"], portable)
+    if portable is not None:
+        return portable, None
+    if "int8" in found:
+        log(f"{plain.parent.name}: only the int8-weight (u8s8) graph meets the int8 tolerance: it is exact on "
+            "CPUs with VNNI or AMX; hosts without them will refuse it when it loads (its golden check)")
+        return found["int8"], None
+    raise PrecisionError(" ".join(errors))

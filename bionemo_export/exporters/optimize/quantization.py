@@ -4,8 +4,20 @@ fp16 (float16 weights and compute, for GPU hosts).
     model, record = quantize_int8(model, keep_fp32=0.25, calibration=batch, external=False)
     model, record = convert_fp16(model, external=False)
 
-int8 = `onnxruntime.quantization.quantize_dynamic`: int8 weights per output channel for MatMul with
-constant weights; activations quantized per tensor at run time, which VNNI/AMX CPUs run fast.
+int8 = `onnxruntime.quantization.quantize_dynamic`: 8-bit weights per output channel for MatMul with
+constant weights; uint8 activations quantized per tensor at run time. Two weight types, because
+x86 CPUs do not all compute the same integer products:
+
+- `int8` weights (u8s8, the default): VNNI/AMX CPUs (avx512_vnni, avx_vnni, amx_int8) accumulate the
+  8-bit products in 32 bits, exactly, and fast. CPUs without VNNI (AVX2-only, AVX-512 without VNNI)
+  add pairs of products into saturating 16-bit lanes (vpmaddubsw), which transformer activations
+  overflow: the real AntiBERTy's embeddings fell from min cosine 0.9993 to 0.994 (measured under
+  `qemu-x86_64 -cpu Haswell` on the same graph and inputs).
+- `uint8` weights (u8u8, `PORTABLE_WEIGHTS`): every x86 kernel widens these to 16 bits before
+  multiplying, so the integer sums are exact everywhere and a graph answers the same on every host
+  (the same figures, to six digits, on AMX and emulated Haswell). Slower than u8s8 on VNNI hosts
+  (~1.8x on AntiBERTy), so a build stores it as the graph for hosts without VNNI, beside the u8s8 one.
+
 `keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, the most
 sensitive to int8) in fp32: those whose simulated int8 error on a calibration batch is largest.
 fp16 = `onnxruntime.transformers.float16` with float32 graph inputs and outputs.
@@ -27,8 +39,11 @@ from onnx import helper, numpy_helper
 
 from .graph import GraphView
 
-INT8_METHOD = ("onnxruntime.quantization.quantize_dynamic: int8 weights per output channel (symmetric), "
+INT8_METHOD = ("onnxruntime.quantization.quantize_dynamic: {weights} weights per output channel, "
                "MatMuls with constant weights; uint8 activations quantized per tensor at run time")
+WEIGHT_TYPES = ("int8", "uint8")
+"""The weight types quantize_int8 makes: int8 (u8s8, exact on VNNI CPUs only), uint8 (u8u8, exact on every x86 CPU)."""
+PORTABLE_WEIGHTS = "uint8"
 FP16_METHOD = "onnxruntime.transformers.float16: float16 weights and compute; float32 graph inputs and outputs"
 
 
@@ -38,6 +53,8 @@ class Int8Quantization:
     """How an int8 graph was quantized (manifest.json's `optimization.quantization`)."""
 
     method: str
+    weights: str
+    """"int8" (u8s8 kernels: exact on VNNI CPUs) or "uint8" (u8u8: exact on every x86 CPU)."""
     keep_fp32: float
     """The share of the feed-forward output MatMuls asked to stay in fp32."""
     kept_fp32: list[str]
@@ -62,33 +79,37 @@ class Fp16Conversion:
 
 
 def quantize_int8(model: onnx.ModelProto, keep_fp32: float, calibration: dict[str, np.ndarray] | None,
-                  external: bool) -> tuple[onnx.ModelProto, Int8Quantization]:
-    """`model` with int8 MatMuls, a share `keep_fp32` of its feed-forward output MatMuls left in fp32
+                  external: bool, weights: str = "int8") -> tuple[onnx.ModelProto, Int8Quantization]:
+    """`model` with 8-bit MatMuls (`weights` "int8" or "uint8": the module's docstring), a share
+    `keep_fp32` of its feed-forward output MatMuls left in fp32
     (ranked on `calibration`, one batch of graph inputs, when given and the graph has no external
     data; else the last layers first), and how it was done."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    ranked, ranking = _ffn_outputs_by_error(model, calibration if keep_fp32 and not external else None)
+    if weights not in WEIGHT_TYPES:
+        raise ValueError(f"int8 weights are one of {', '.join(WEIGHT_TYPES)}, not {weights!r}")
+    ranked, ranking = _ffn_outputs_by_error(model, calibration if keep_fp32 and not external else None, weights)
     excluded = ranked[:math.ceil(keep_fp32 * len(ranked))]
     with tempfile.TemporaryDirectory(prefix="bionemo-export-int8-") as work:
         out = Path(work) / "int8.onnx"
         quantize_dynamic(
             model, str(out), op_types_to_quantize=["MatMul", "Gemm"], per_channel=True, reduce_range=False,
-            weight_type=QuantType.QInt8, nodes_to_exclude=excluded, use_external_data_format=external,
+            weight_type=QuantType.QInt8 if weights == "int8" else QuantType.QUInt8, nodes_to_exclude=excluded,
+            use_external_data_format=external,
             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
         )
         quantized = onnx.load(str(out))
     counts = collections.Counter(node.op_type for node in quantized.graph.node)
     return quantized, Int8Quantization(
-        method=INT8_METHOD, keep_fp32=keep_fp32, kept_fp32=excluded,
+        method=INT8_METHOD.format(weights=weights), weights=weights, keep_fp32=keep_fp32, kept_fp32=excluded,
         kept_fp32_chosen_by=ranking if excluded else None,
         matmuls_int8=counts["MatMulInteger"], matmuls_fp32=counts["MatMul"])
 
 
-def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndarray] | None
-                          ) -> tuple[list[str], str]:
+def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndarray] | None,
+                          weights: str = "int8") -> tuple[list[str], str]:
     """The feed-forward output MatMuls (input from a GELU, weights constant), largest simulated
-    int8 error first: relative error of (uint8 per-tensor input) x (int8 per-column weights)
+    int8 error first: relative error of (uint8 per-tensor input) x (8-bit per-column `weights`)
     against fp32 on the calibration batch. Without a calibration batch: last layers first."""
     view = GraphView(model.graph)
     nodes = []
@@ -119,8 +140,8 @@ def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndar
         x = activations[node.input[0]].reshape(-1, activations[node.input[0]].shape[-1]).astype(np.float64)
         w = numpy_helper.to_array(view.initializers[node.input[1]]).astype(np.float64)
         exact = x @ w
-        errors[node.name] = float(np.linalg.norm(_fake_quantize_activations(x) @ _fake_quantize_weights(w) - exact)
-                                  / max(np.linalg.norm(exact), 1e-30))
+        simulated = _fake_quantize_activations(x) @ _fake_quantize_weights(w, weights)
+        errors[node.name] = float(np.linalg.norm(simulated - exact) / max(np.linalg.norm(exact), 1e-30))
     ranked = sorted(errors, key=lambda name: errors[name], reverse=True)
     return ranked, "simulated int8 error on the build's sample batch"
 
@@ -133,11 +154,17 @@ def _fake_quantize_activations(x: np.ndarray) -> np.ndarray:
     return (np.clip(np.round(x / scale) + zero, 0, 255) - zero) * scale
 
 
-def _fake_quantize_weights(w: np.ndarray) -> np.ndarray:
-    """int8 symmetric, one scale per output column (per_channel=True)."""
-    scale = np.abs(w).max(axis=0, keepdims=True) / 127
+def _fake_quantize_weights(w: np.ndarray, weights: str = "int8") -> np.ndarray:
+    """One scale per output column (per_channel=True): int8 symmetric, or uint8 asymmetric."""
+    if weights == "int8":
+        scale = np.abs(w).max(axis=0, keepdims=True) / 127
+        scale[scale == 0] = 1.0
+        return np.round(w / scale) * scale
+    low, high = np.minimum(w.min(axis=0, keepdims=True), 0.0), np.maximum(w.max(axis=0, keepdims=True), 0.0)
+    scale = (high - low) / 255
     scale[scale == 0] = 1.0
-    return np.round(w / scale) * scale
+    zero = np.round(-low / scale)
+    return (np.clip(np.round(w / scale) + zero, 0, 255) - zero) * scale
 
 
 def _is_erf_gelu(view: GraphView, node: onnx.NodeProto) -> bool:

@@ -1,0 +1,296 @@
+"""Golden answers: a repository checks itself on the host that serves it (serving/golden.py), and
+int8 graphs that hold on CPUs without VNNI (exporters/optimize/quantization.py).
+
+Unit tests run real ONNX Runtime sessions on small hand-made graphs. The end-to-end tests build a
+tiny int8 ESM-2 repository, run its copied served modules on an emulated AVX2-only CPU
+(`qemu-x86_64 -cpu Haswell`, Debian's qemu-user, installed by scripts/setup.sh) and serve it with
+the real tritonserver after its golden answers were made to disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from bionemo_export.serving import golden as golden_module
+from bionemo_export.serving import host as host_module
+from bionemo_export.serving import onnx_session
+from bionemo_export.serving.golden import CHECK_ENV, check_at_load, check_mode, read_golden, write_golden
+
+WEIGHTS = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+
+
+def matmul_graph(folder: Path, weights: np.ndarray = WEIGHTS) -> Path:
+    """hiddens [B, L, 3] = x [B, L, 4] @ weights, saved as folder/model.onnx."""
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["hiddens"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "length", 4]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "length"])],
+        [helper.make_tensor_value_info("hiddens", TensorProto.FLOAT, ["batch", "length", 3])],
+        [numpy_helper.from_array(weights, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, folder / "model.onnx")
+    return folder / "model.onnx"
+
+
+def golden_inputs() -> dict[str, np.ndarray]:
+    x = np.random.default_rng(1).standard_normal((2, 5, 4)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=np.int64)
+    return {"x": x, "attention_mask": mask}
+
+
+def store(folder: Path, reference: np.ndarray, min_cosine: float = 0.999, atol: float = 1e-4) -> Path:
+    inputs = golden_inputs()
+    path = folder / golden_module.GOLDEN_FILE
+    write_golden(str(path), inputs, {"hiddens": reference}, mask_input="attention_mask",
+                 tolerances={"hiddens": (atol, min_cosine)}, figures={"hiddens": {"max_abs_error": 1e-7,
+                                                                                  "min_cosine": 1.0}})
+    return path
+
+
+def session(graph: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+
+
+def test_golden_answers_round_trip_without_pickle(tmp_path):
+    graph = matmul_graph(tmp_path)
+    path = store(tmp_path, golden_inputs()["x"] @ WEIGHTS)
+    with np.load(path, allow_pickle=False) as stored:  # numpy alone reads it
+        assert set(stored.files) == {"meta", "input:x", "input:attention_mask", "reference:hiddens"}
+    golden = read_golden(str(path))
+    assert golden.mask_input == "attention_mask" and golden.tolerances == {"hiddens": (1e-4, 0.999)}
+    assert golden.build["cpu"]["features"] == host_module.cpu_description()["features"]
+    checks = check_at_load(session(graph), str(graph), "m")
+    assert [check.name for check in checks] == ["hiddens"] and checks[0].passed
+    assert checks[0].figures.max_abs_error < 1e-5
+
+
+def test_padded_positions_are_not_compared(tmp_path):
+    graph = matmul_graph(tmp_path)
+    reference = golden_inputs()["x"] @ WEIGHTS
+    reference[1, 2:] = 99.0  # padding: whatever the graph answers there does not count
+    store(tmp_path, reference)
+    assert check_at_load(session(graph), str(graph), "m")[0].passed
+
+
+def test_answers_outside_tolerance_refuse_the_model_naming_the_host_and_figures(tmp_path, monkeypatch):
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    graph = matmul_graph(tmp_path)
+    reference = golden_inputs()["x"] @ WEIGHTS
+    reference[0, 0] = -reference[0, 0]  # one position disagrees: cosine -1 there
+    store(tmp_path, reference)
+    with pytest.raises(RuntimeError) as refused:
+        check_at_load(session(graph), str(graph), "esm_encoder")
+    message = str(refused.value)
+    assert message.startswith(f"esm_encoder: {graph} answers the build's golden inputs outside its tolerance")
+    assert "hiddens: min cosine -1.000000 (required >= 0.999)" in message
+    assert "(allowed 0.0001)" in message and "the build host measured min cosine 1.000000" in message
+    assert f"This host: {host_module.describe_cpu()}" in message and "int8 dot products:" in message
+    assert "The build host: " in message
+    assert f"{CHECK_ENV}=warn" in message and "--golden-check warn" in message
+
+
+def test_warn_serves_anyway_and_says_so(tmp_path, monkeypatch):
+    graph = matmul_graph(tmp_path)
+    store(tmp_path, -(golden_inputs()["x"] @ WEIGHTS))
+    monkeypatch.setenv(CHECK_ENV, "warn")
+    warnings: list[str] = []
+    checks = check_at_load(session(graph), str(graph), "m", warn=warnings.append)
+    assert not checks[0].passed
+    assert len(warnings) == 1 and warnings[0].endswith(f"(served anyway: {CHECK_ENV}=warn)")
+    monkeypatch.setenv(CHECK_ENV, "ignore")
+    with pytest.raises(ValueError, match=f"^{CHECK_ENV}='ignore': choose one of refuse, warn$"):
+        check_mode()
+
+
+def test_a_graph_without_golden_answers_loads_as_before(tmp_path):
+    graph = matmul_graph(tmp_path)
+    assert check_at_load(session(graph), str(graph), "m") == []
+
+
+def test_a_tolerance_is_a_bound_the_figures_must_meet(tmp_path):
+    graph = matmul_graph(tmp_path)
+    reference = golden_inputs()["x"] @ WEIGHTS
+    store(tmp_path, reference * 1.001, min_cosine=0.999, atol=1e-4)  # same direction, 0.1 % off
+    golden = read_golden(str(tmp_path / golden_module.GOLDEN_FILE))
+    [result] = golden.run(session(graph))
+    assert result.figures.min_cosine > 0.99999 and not result.passed  # atol fails it
+    store(tmp_path, reference * 1.001, min_cosine=0.999, atol=float("inf"))  # int8-style: cosine only
+    [result] = read_golden(str(tmp_path / golden_module.GOLDEN_FILE)).run(session(graph))
+    assert result.passed
+
+
+def test_an_emulated_cpu_is_described_by_what_cpuid_says(monkeypatch):
+    """qemu-user passes the host's /proc/cpuinfo through; CPUID (what ONNX Runtime reads) decides."""
+    host_flags = {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "amx_int8"}
+    monkeypatch.setattr(host_module, "_cpuinfo", lambda: ("Some Xeon", host_flags))
+    monkeypatch.setattr(host_module, "_cpuid_features", lambda: {"AVX2": True, "FMA3": True, "AVX512F": False})
+    emulated = host_module.cpu_description()
+    assert emulated == {"model": "Some Xeon (emulated: CPUID differs from /proc/cpuinfo)",
+                        "features": ["avx2", "fma"], "vnni": False}
+    assert host_module.describe_cpu(emulated).endswith("[avx2 fma; int8 dot products: no VNNI (saturating)]")
+    monkeypatch.setattr(host_module, "_cpuid_features", lambda: {"AVX2": True, "AVX512F": True, "AVX512VNNI": True})
+    native = host_module.cpu_description()
+    assert native["vnni"] and native["model"] == "Some Xeon" and "amx_int8" in native["features"]
+    monkeypatch.setattr(host_module, "_cpuinfo", lambda: ("Zen 3", {"avx2", "fma"}))
+    monkeypatch.setattr(host_module, "_cpuid_features", lambda: {"AVX2": True, "AVX512F": False})
+    assert host_module.cpu_description()["vnni"] is False
+
+
+def test_a_host_without_vnni_opens_the_portable_graph(tmp_path, monkeypatch):
+    (tmp_path / host_module.NO_VNNI_FOLDER).mkdir()
+    (tmp_path / host_module.NO_VNNI_FOLDER / "model.onnx").write_bytes(b"")
+    cpu = {"model": "x", "features": ["avx2"], "vnni": False}
+    monkeypatch.setattr(onnx_session, "cpu_description", lambda: cpu)
+    here = str(tmp_path)
+    assert onnx_session.graph_for_this_host(here, ["CPUExecutionProvider"]) == f"{here}/no-vnni/model.onnx"
+    cpu["vnni"] = True
+    assert onnx_session.graph_for_this_host(here, ["CPUExecutionProvider"]) == f"{here}/model.onnx"
+    cpu["vnni"] = False
+    shutil.rmtree(tmp_path / host_module.NO_VNNI_FOLDER)
+    assert onnx_session.graph_for_this_host(here, ["CPUExecutionProvider"]) == f"{here}/model.onnx"
+
+
+@pytest.mark.parametrize(("weights", "dtype"), [("int8", np.int8), ("uint8", np.uint8)])
+def test_int8_weight_types(weights, dtype):
+    from bionemo_export.exporters.optimize.quantization import quantize_int8
+
+    w = np.random.default_rng(2).standard_normal((16, 8)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    quantized, record = quantize_int8(model, 0.0, None, external=False, weights=weights)
+    stored = [numpy_helper.to_array(t) for t in quantized.graph.initializer if t.name.startswith("w")]
+    assert {array.dtype for array in stored if array.ndim == 2} == {np.dtype(dtype)}
+    assert record.weights == weights and f"{weights} weights" in record.method and record.matmuls_int8 == 1
+    with pytest.raises(ValueError, match="int8 weights are one of int8, uint8, not 'int4'"):
+        quantize_int8(model, 0.0, None, external=False, weights="int4")
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def int8_repository(tmp_path_factory) -> Path:
+    """A tiny random ESM-2 built in int8 for the Python backend (embeddings only)."""
+    from bionemo_export.build import BuildRequest, build_repository
+    from bionemo_export.testing.checkpoints import save_random_checkpoint
+
+    folder = tmp_path_factory.mktemp("golden")
+    checkpoint = save_random_checkpoint("esm2", folder / "checkpoint", seed=3)
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=folder / "repo",
+                                  backend="python", precision="int8", tasks=("embeddings",)))
+    return folder / "repo"
+
+
+SERVED_CHECK = """
+import json, sys
+here = sys.argv[1]
+sys.path.insert(0, here)
+import numpy as np
+import onnxruntime as ort
+from golden import GOLDEN_FILE, read_golden
+from host import cpu_description
+from onnx_session import graph_for_this_host
+graph = graph_for_this_host(here, ["CPUExecutionProvider"])
+golden = read_golden(here + "/" + GOLDEN_FILE)
+session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])
+names = list(golden.references)
+answers = session.run(names, {i.name: golden.inputs[i.name] for i in session.get_inputs()})
+checks = golden.check(dict(zip(names, answers)))
+answer = answers[names.index("embeddings")]
+print(json.dumps({"cpu": cpu_description(), "graph": graph[len(here) + 1:], "passed": [c.passed for c in checks],
+                  "min_cosine": [c.figures.min_cosine for c in checks], "answer": answer.tolist()}))
+"""
+
+
+def run_served_check(version_folder: Path, emulate: str | None) -> dict:
+    command = [sys.executable, "-c", SERVED_CHECK, str(version_folder)]
+    if emulate:
+        command = ["qemu-x86_64", "-cpu", emulate, *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.e2e
+def test_int8_build_stores_a_graph_exact_on_cpus_without_vnni(int8_repository):
+    version = int8_repository / "esm_encoder" / "1"
+    assert (version / "model.onnx").is_file() and (version / "no-vnni" / "model.onnx").is_file()
+    assert (version / "golden.npz").is_file()
+    manifest = json.loads((int8_repository / "manifest.json").read_text())
+    export = manifest["export"]["encoder"]
+    assert export["optimization"]["quantization"]["weights"] == "int8"
+    assert export["optimization_no_vnni"]["quantization"]["weights"] == "uint8"
+    assert manifest["build_host"]["cpu"] == host_module.cpu_description()
+    assert "esm_encoder/1/golden.npz" in manifest["files"]
+    assert "esm_encoder/1/no-vnni/model.onnx" in manifest["files"]
+    assert manifest["verification"]["graphs"]["encoder"]["no_vnni"]["outputs"]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None,
+                    reason="qemu-user is not installed (scripts/setup.sh installs it): no emulated AVX2-only CPU")
+def test_on_an_avx2_only_cpu_the_served_int8_graph_is_the_exact_one_and_answers_as_here(int8_repository):
+    """Under `qemu-x86_64 -cpu Haswell` ONNX Runtime runs its AVX2 kernels (no VNNI): the served
+    modules open no-vnni/model.onnx, which meets the golden tolerance and answers as it does on
+    this host (u8u8 integer sums are exact on every kernel)."""
+    version = int8_repository / "esm_encoder" / "1"
+    emulated = run_served_check(version, "Haswell")
+    assert emulated["cpu"]["vnni"] is False and "avx512f" not in emulated["cpu"]["features"]
+    assert emulated["graph"] == "no-vnni/model.onnx"
+    assert all(emulated["passed"]), emulated["min_cosine"]
+    here = subprocess.run([sys.executable, "-c", SERVED_CHECK.replace(
+        "graph = graph_for_this_host(here, [\"CPUExecutionProvider\"])", "graph = here + '/no-vnni/model.onnx'"),
+        str(version)], capture_output=True, text=True, timeout=600)
+    native = json.loads(here.stdout.strip().splitlines()[-1])
+    np.testing.assert_allclose(np.array(emulated["answer"]), np.array(native["answer"]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_a_repository_whose_golden_answers_disagree_here_is_not_served(int8_repository, tmp_path, triton_install,
+                                                                       monkeypatch):
+    from bionemo_export.runtime import TritonServer
+    from bionemo_export.runtime.server import TritonStartError
+
+    repo = tmp_path / "repo"
+    shutil.copytree(int8_repository, repo)
+    path = repo / "esm_encoder" / "1" / "golden.npz"
+    golden = read_golden(str(path))
+    wrong = {name: value[::-1].copy() for name, value in golden.references.items()}  # rows swapped
+    write_golden(str(path), golden.inputs, wrong, mask_input=golden.mask_input, tolerances=golden.tolerances)
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    server = TritonServer(repo, install=triton_install, log_file=tmp_path / "refused.log")
+    with pytest.raises(TritonStartError) as refused:
+        server.start(timeout=180)
+    message = " ".join(str(refused.value).split())
+    assert "esm_encoder" in message
+    assert "answers the build's golden inputs outside its tolerance on this host" in message
+    assert "embeddings: min cosine" in message and "(required >= 0.999)" in message
+    assert "int8 dot products:" in message and "--golden-check warn" in message
+    assert not server.is_running()
+
+    monkeypatch.setenv(CHECK_ENV, "warn")  # the override: served, with the warning in the log
+    server = TritonServer(repo, install=triton_install, log_file=tmp_path / "warned.log")
+    server.start(timeout=180)
+    try:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(server.endpoints.http_url)
+        assert client.is_model_ready("esm_embeddings")
+    finally:
+        server.stop()
+    log = (tmp_path / "warned.log").read_text()
+    assert f"(served anyway: {CHECK_ENV}=warn)" in log
