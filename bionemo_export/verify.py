@@ -348,3 +348,41 @@ def precision_checks(manifest: Manifest, family) -> tuple[dict, dict[str, str]]:
                     if built and isinstance(built.get("min_cosine"), float) else "")
         notes[task] = f"{precision} vs fp32 PyTorch: min cosine >= {tolerance.min_cosine:g} required{at_build}"
     return tolerances, notes
+
+
+def verify_golden(repository: Path, check_files: bool = True) -> list[TaskCheck]:
+    """Without the checkpoint: every stored graph's golden answers (the build's verified inputs and
+    PyTorch outputs, serving/golden.py) run on this host with ONNX Runtime, through the graph a
+    served model would open here (an int8 repository's VNNI or no-VNNI graph), against the tolerance
+    the build held it to: what each served model checks when it loads. InvalidInputError when the
+    repository has no golden answers (built before they were stored)."""
+    import onnxruntime as ort
+
+    from bionemo_export.serving.golden import GOLDEN_FILE, read_golden
+    from bionemo_export.serving.host import cpu_description
+    from bionemo_export.serving.onnx_session import graph_for_this_host
+
+    if check_files:
+        require_intact(repository)
+    found = sorted(repository.glob(f"*/*/{GOLDEN_FILE}")) + sorted(repository.glob(f"*/*/*/{GOLDEN_FILE}"))
+    if not found:
+        raise InvalidInputError(f"{repository} has no golden answers ({GOLDEN_FILE} beside its graphs): it was "
+                                "built before they were stored; pass --checkpoint to verify it against PyTorch, "
+                                "or rebuild it")
+    vnni = "VNNI" if cpu_description()["vnni"] else "no VNNI"
+    checks = []
+    for path in found:
+        graph = graph_for_this_host(str(path.parent), ["CPUExecutionProvider"])
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        golden = read_golden(str(path))
+        shape = next(iter(golden.inputs.values())).shape
+        for check in golden.run(session):
+            checks.append(TaskCheck(
+                model=f"{path.relative_to(repository).parts[0]}:{check.name}", batch=f"golden inputs {list(shape)}",
+                max_abs_error=check.figures.max_abs_error, min_cosine=check.figures.min_cosine, mask_exact=None,
+                passed=check.passed, problem=check.figures.problem,
+                note=f"{Path(graph).relative_to(path.parent)} on this host ({vnni}); cosine >= {check.min_cosine:g}"
+                     + (f", max abs <= {check.atol:g}" if np.isfinite(check.atol) else "")))
+    return checks

@@ -26,9 +26,9 @@ def test_each_component_names_the_jobs_that_need_it():
     assert needed["perf_analyzer"] == {Job.BENCH}
     for exporter in ("torch", "transformers", "onnx", "onnxruntime", "Model Navigator"):
         assert needed[exporter] == {Job.BUILD}, exporter
-    for optional in ("TensorRT", "GPU", "object storage"):
+    for optional in ("CPU", "TensorRT", "GPU", "object storage"):
         assert needed[optional] == set(), optional
-    assert set(needed) == {"tritonserver", "tritonclient", "perf_analyzer", "torch", "transformers", "onnx",
+    assert set(needed) == {"CPU", "tritonserver", "tritonclient", "perf_analyzer", "torch", "transformers", "onnx",
                            "onnxruntime", "Model Navigator", "TensorRT", "GPU", "object storage"}
 
 
@@ -84,3 +84,16 @@ def test_without_tritonclient_serving_and_benchmarking_lack_it():
     assert missing["serve"] == ["tritonclient"] and missing["bench"] == ["tritonclient"], missing
     assert "tritonclient" not in missing["build"], missing  # building lacks Model Navigator, which imports it
 
+
+
+def test_doctor_shows_the_cpu_features_that_decide_int8_kernels(monkeypatch):
+    from bionemo_export.runtime.doctor import check_cpu
+    from bionemo_export.serving import host
+
+    check = check_cpu()
+    assert check.ok and check.found == host.describe_cpu() and "int8 dot products:" in check.found
+    monkeypatch.setattr(host, "cpu_description", lambda: {"model": "Zen 3", "features": ["avx2", "fma"],
+                                                          "vnni": False})
+    avx2 = check_cpu()
+    assert avx2.found == "Zen 3 [avx2 fma; int8 dot products: no VNNI (saturating)]"
+    assert "no-VNNI graph" in avx2.fix and "golden check" in avx2.fix

@@ -294,3 +294,29 @@ def test_a_repository_whose_golden_answers_disagree_here_is_not_served(int8_repo
         server.stop()
     log = (tmp_path / "warned.log").read_text()
     assert f"(served anyway: {CHECK_ENV}=warn)" in log
+
+
+@pytest.mark.e2e
+def test_verify_without_a_checkpoint_runs_the_golden_answers_here(int8_repository, tmp_path):
+    from bionemo_export.verify import verify_golden
+    from tests.helpers.cli import CLI
+
+    checks = verify_golden(int8_repository)
+    assert checks and all(check.passed for check in checks), [check.to_dict() for check in checks]
+    assert {check.model for check in checks} == {"esm_encoder:embeddings", "esm_encoder:hiddens"}
+    opened = "model.onnx" if host_module.cpu_description()["vnni"] else "no-vnni/model.onnx"
+    assert all(check.note.startswith(f"{opened} on this host") for check in checks)
+
+    repo = tmp_path / "repo"
+    shutil.copytree(int8_repository, repo)
+    path = repo / "esm_encoder" / "1" / "golden.npz"
+    golden = read_golden(str(path))
+    write_golden(str(path), golden.inputs, {name: -value for name, value in golden.references.items()},
+                 mask_input=golden.mask_input, tolerances=golden.tolerances)
+    failed = subprocess.run([*CLI, "verify", str(repo), "--no-check"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "vs its golden answers, on this host" in failed.stdout and "NO" in failed.stdout
+    refused = subprocess.run([*CLI, "verify", str(repo), "--url", "grpc://127.0.0.1:1"], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert refused.returncode == 2 and "--url needs --checkpoint" in refused.stdout + refused.stderr

@@ -1,4 +1,5 @@
-"""Check a served repository's outputs against the PyTorch reference of the checkpoint it came from."""
+"""Check a served repository's outputs against the PyTorch reference of the checkpoint it came from,
+or, without the checkpoint, its stored golden answers on this host."""
 
 from __future__ import annotations
 
@@ -15,25 +16,35 @@ def verify(
     ctx: typer.Context,
     repository: Path = typer.Argument(..., help="Repository built by `bionemo-export build repo`.",
                                       exists=True, file_okay=False, resolve_path=True),
-    checkpoint: Path = typer.Option(..., help="The checkpoint the repository was built from.", exists=True,
-                                    resolve_path=True),
+    checkpoint: Path | None = typer.Option(
+        None, help="The checkpoint the repository was built from. Without it, every graph's golden answers (the "
+        "build's verified inputs and PyTorch outputs, stored in the repository) run here, as each served model "
+        "runs them when it loads.", exists=True, resolve_path=True),
     url: str | None = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
                                       "default: start the repository on the embedded tritonserver."),
     tritonserver: str | None = typer.Option(None, help="tritonserver binary to start (default: search)."),
     no_check: bool = typer.Option(False, "--no-check", help=NO_CHECK_HELP),
 ) -> None:
-    from bionemo_export.verify import verify_repository
+    from bionemo_export.verify import verify_golden, verify_repository
 
     console = Console()
+    if checkpoint is None and url is not None:
+        console.print("[red]verify: --url needs --checkpoint[/red] (without one, verify runs the repository's golden "
+                      "answers on this host; a remote server's models ran them on theirs when they loaded)")
+        raise typer.Exit(2)
     check_files(repository, skip=no_check)  # before the (slow) checkpoint load
     try:
-        checks = verify_repository(repository, checkpoint, url=url, tritonserver=tritonserver, check_files=False)
+        if checkpoint is None:
+            checks = verify_golden(repository, check_files=False)
+        else:
+            checks = verify_repository(repository, checkpoint, url=url, tritonserver=tritonserver, check_files=False)
     except (OSError, ValueError, RuntimeError) as err:  # OSError: unreadable files, an unreachable --url
         if debugging(ctx):
             raise
         console.print(f"[red]verify failed:[/red] {reason(err)}", highlight=False)
         raise typer.Exit(2) from None
-    table = Table(title=f"served {repository.name} vs PyTorch")
+    against = "PyTorch" if checkpoint is not None else "its golden answers, on this host"
+    table = Table(title=f"served {repository.name} vs {against}")
     for column in ("model", "batch", "max abs error", "min cosine", "mask exact", "ok", "note"):
         table.add_column(column)
     for check in checks:

@@ -186,9 +186,23 @@ def check_gpu() -> Check:
                  "optional: run on a host with an NVIDIA GPU and drivers")
 
 
+def check_cpu() -> Check:
+    """This host's CPU as the served models see it (serving/host.py): the instruction-set features
+    that decide ONNX Runtime's kernels, and so which int8 graph a model opens and what its golden
+    check measures here."""
+    from bionemo_export.serving.host import cpu_description, describe_cpu
+
+    cpu = cpu_description()
+    fix = "" if cpu["vnni"] else ("int8 repositories open their no-VNNI graph here (exact on every CPU, slower than "
+                                  "the VNNI one); int8 repositories built before it existed are refused by their "
+                                  "golden check on this host")
+    return Check("CPU", True, describe_cpu(cpu), fix)
+
+
 def run_checks(tritonserver: str | None = None, probe: bool = True) -> list[Check]:
     """All checks, in the order the table shows them."""
     return [
+        check_cpu(),
         check_tritonserver(tritonserver, probe=probe),
         check_object_storage(tritonserver),
         check_perf_analyzer(),

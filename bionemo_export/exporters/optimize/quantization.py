@@ -53,8 +53,6 @@ class Int8Quantization:
     """How an int8 graph was quantized (manifest.json's `optimization.quantization`)."""
 
     method: str
-    weights: str
-    """"int8" (u8s8 kernels: exact on VNNI CPUs) or "uint8" (u8u8: exact on every x86 CPU)."""
     keep_fp32: float
     """The share of the feed-forward output MatMuls asked to stay in fp32."""
     kept_fp32: list[str]
@@ -63,6 +61,8 @@ class Int8Quantization:
     """How they were ranked; None when none was kept."""
     matmuls_int8: int
     matmuls_fp32: int
+    weights: str = "int8"
+    """"int8" (u8s8 kernels: exact on VNNI CPUs) or "uint8" (u8u8: exact on every x86 CPU)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
