@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bionemo_export import __version__
 from bionemo_export.build_records import AccuracyRecord, GraphRecord, GraphVerification
@@ -207,8 +208,9 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
         LOG.warning(message)
         progress(message)
 
-    settings = dict(num_heads=num_heads, hidden_size=hidden_size, atol=family.atol, min_cosine=family.min_cosine,
-                    output_names=output_names, mask_input=mask_input, optimize=optimize)
+    settings: dict[str, Any] = dict(num_heads=num_heads, hidden_size=hidden_size, atol=family.atol,
+                                    min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
+                                    optimize=optimize)
     work = export_dir / f"{name}.optimized"
     no_vnni = None
     if precision == "int8":

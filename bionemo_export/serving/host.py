@@ -116,10 +116,10 @@ def _cpuinfo() -> tuple[str | None, set[str]]:
 def _cpuid_features() -> dict[str, bool] | None:
     """numpy's CPUID probe (its runtime dispatch table), or None where this numpy has none."""
     try:
-        from numpy.core._multiarray_umath import __cpu_features__  # numpy 1.x
+        from numpy.core._multiarray_umath import __cpu_features__  # pyright: ignore[reportAttributeAccessIssue]
     except ImportError:
         try:
-            from numpy._core._multiarray_umath import __cpu_features__  # numpy 2.x
+            from numpy._core._multiarray_umath import __cpu_features__  # pyright: ignore  # numpy 2.x
         except ImportError:
             return None
     return dict(__cpu_features__)

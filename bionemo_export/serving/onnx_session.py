@@ -24,10 +24,12 @@ if __package__:  # imported from the bionemo_export package
         model_parameters,
         number_parameter,
     )
+    from bionemo_export.serving.responses import triton
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from golden import check_at_load
     from host import NO_VNNI_FOLDER, cpu_description, threads_per_instance
     from parameters import config_file, flag_parameter, model_config, model_parameters, number_parameter
+    from responses import triton
 
 OPTIMIZATION_LEVELS = "ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, ORT_ENABLE_ALL"
 
@@ -88,7 +90,7 @@ def graph_for_this_host(here: str, providers: list) -> str:
 
 def _log_warning(message: str) -> None:
     try:
-        import triton_python_backend_utils as pb_utils
+        pb_utils = triton()
     except ImportError:  # imported outside a Triton Python backend (tests, verify)
         print(message, flush=True)
         return
