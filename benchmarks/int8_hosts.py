@@ -17,7 +17,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -63,29 +62,15 @@ def golden_figures(version: Path, graphs: dict[str, Path], emulate: str | None, 
 
 
 def speeds(graphs: dict[str, Path], golden: Path, rounds: int, batch: int) -> dict[str, float]:
-    """Median ms per run of `batch` copies of the golden batch's longest sequence, graphs interleaved."""
-    import onnxruntime as ort
-
+    """Median ms per run of `batch` copies of the golden batch's longest sequence, graphs interleaved
+    (the build's own timing, exporters/optimize/pipeline.time_graphs)."""
+    from bionemo_export.exporters.optimize.pipeline import time_graphs
     from bionemo_export.serving.golden import read_golden
 
     inputs = read_golden(str(golden)).inputs
     longest = int(np.argmax(inputs["attention_mask"].sum(1)))
     feed = {name: np.repeat(value[longest:longest + 1], batch, axis=0) for name, value in inputs.items()}
-    sessions = {}
-    for name, path in graphs.items():
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        names = [value.name for value in sessions[name].get_inputs()]
-        sessions[name].run(None, {n: feed[n] for n in names})  # warm up
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, session in sessions.items():
-            names = [value.name for value in session.get_inputs()]
-            start = time.perf_counter()
-            session.run(None, {n: feed[n] for n in names})
-            times[name].append(time.perf_counter() - start)
-    return {name: round(float(np.median(values)) * 1000, 1) for name, values in times.items()}
+    return time_graphs(graphs, feed, rounds=rounds)
 
 
 def main() -> None:

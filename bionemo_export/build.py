@@ -212,10 +212,11 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                                     min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
                                     optimize=optimize)
     work = export_dir / f"{name}.optimized"
-    no_vnni = None
+    no_vnni, speed = None, None
     if precision == "int8":
-        chosen, no_vnni = verified_int8_graphs(module, exported.path, report, work, batches,
-                                               one_graph=not picks_cpu_graph, log=log, **settings)
+        int8 = verified_int8_graphs(module, exported.path, report, work, batches, one_graph=not picks_cpu_graph,
+                                    log=log, **settings)
+        chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
     else:
         chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
                                      **settings)
@@ -229,8 +230,8 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
                                   mask_input=mask_input)
     files[golden.name] = golden
-    return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None),
-                         verification)
+    return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None,
+                                                  speed), verification)
 
 
 def _log_tail(workspace: Path | None, lines: int = 20) -> str:

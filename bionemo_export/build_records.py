@@ -30,6 +30,8 @@ class GraphRecord:
     """The optimized graph stored, or why the plain export was."""
     no_vnni: OptimizationRecord | None = None
     """int8: the graph stored for CPUs without VNNI (no-vnni/model.onnx), when there is one."""
+    int8_speed: dict[str, Any] | None = None
+    """int8: the fp32 and int8 graphs timed side by side on the build host (pipeline.Int8Graphs.speed)."""
 
     def to_dict(self) -> dict[str, Any]:
         record = self.export.to_dict()
@@ -39,6 +41,8 @@ class GraphRecord:
         record["optimization"] = self.optimization.to_dict()
         if self.no_vnni is not None:
             record["optimization_no_vnni"] = self.no_vnni.to_dict()
+        if self.int8_speed is not None:
+            record["int8_speed_on_build_host"] = self.int8_speed
         return record
 
 

@@ -321,3 +321,36 @@ def test_verify_without_a_checkpoint_runs_the_golden_answers_here(int8_repositor
     refused = subprocess.run([*CLI, "verify", str(repo), "--url", "grpc://127.0.0.1:1"], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert refused.returncode == 2 and "--url needs --checkpoint" in refused.stdout + refused.stderr
+
+
+@pytest.mark.e2e
+def test_an_int8_build_times_its_graphs_against_fp32_on_the_build_host(int8_repository):
+    speed = json.loads((int8_repository / "manifest.json").read_text())["export"]["encoder"]["int8_speed_on_build_host"]
+    assert set(speed["median_ms"]) == {"fp32", "model.onnx", "no-vnni/model.onnx"}
+    assert all(ms > 0 for ms in speed["median_ms"].values())
+    cpu = host_module.cpu_description()
+    assert speed["cpu"] == cpu and speed["served_here"] == ("model.onnx" if cpu["vnni"] else "no-vnni/model.onnx")
+    assert speed["int8_vs_fp32"] == pytest.approx(speed["median_ms"]["fp32"] / speed["median_ms"][speed["served_here"]],
+                                                  abs=1e-3)
+
+
+def test_int8_slower_than_fp32_on_the_build_host_is_said(tmp_path, monkeypatch):
+    """The decision, on measured figures replaced by a slow int8 (what an AVX2-only host may show)."""
+    from bionemo_export.exporters.optimize import pipeline
+
+    graph = matmul_graph(tmp_path / "plain")
+    verified = pipeline.VerifiedGraph(graph, None, pipeline.OptimizationRecord(None))  # type: ignore[arg-type]
+    monkeypatch.setattr(pipeline, "time_graphs", lambda graphs, batch: {name: 10.0 if name == "fp32" else 12.5
+                                                                        for name in graphs})
+    said: list[str] = []
+    speed = pipeline._speed_on_this_host(graph, tmp_path / "fp32", verified, verified, golden_inputs(),
+                                         {"optimize": False}, said.append)
+    assert speed["int8_vs_fp32"] == 0.8 and len(said) == 1
+    assert f"the int8 graph it would serve ({speed['served_here']}) runs at 0.80x the fp32 graph's speed" in said[0]
+    assert "build with `precision` fp32 for hosts like this one" in said[0]
+    monkeypatch.setattr(pipeline, "time_graphs", lambda graphs, batch: {name: 10.0 if name == "fp32" else 5.0
+                                                                        for name in graphs})
+    said.clear()
+    assert pipeline._speed_on_this_host(graph, tmp_path / "fp32", verified, None, golden_inputs(),
+                                        {"optimize": False}, said.append)["int8_vs_fp32"] == 2.0
+    assert said == []

@@ -33,6 +33,7 @@ from .candidates import (
 from .pipeline import (
     ATTEMPTS,
     CandidateFigures,
+    Int8Graphs,
     OptimizationRecord,
     PrecisionError,
     RejectedCandidate,
@@ -54,6 +55,7 @@ __all__ = [
     "SERVING_GRAPH_OPTIMIZATION_LEVEL",
     "UNOPTIMIZED_SERVING_LEVEL",
     "CandidateFigures",
+    "Int8Graphs",
     "Fp16Conversion",
     "Int8Quantization",
     "OptimizationError",

@@ -222,10 +222,23 @@ def _options_text(options: dict[str, Any]) -> str:
     return f"with {record}" if record else "with all steps"
 
 
+@dataclass(frozen=True)
+class Int8Graphs:
+    """What an int8 build stores for one graph, and what int8 is worth on the build host."""
+
+    main: VerifiedGraph
+    """model.onnx: the u8s8 graph (VNNI/AMX hosts), or the u8u8 one where it is stored alone."""
+    no_vnni: VerifiedGraph | None
+    """no-vnni/model.onnx: the u8u8 graph for CPUs without VNNI; None when not stored."""
+    speed: dict[str, Any]
+    """The build host's CPU and the median ms of the fp32 graph and each int8 graph on the check
+    batch, measured side by side (`speed_on_build_host`), with the graph a model would open here."""
+
+
 def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationReport, work: Path,
                          batches: Sequence[Any], *, one_graph: bool, log: Callable[[str], None] | None = None,
-                         **options: Any) -> tuple[VerifiedGraph, VerifiedGraph | None]:
-    """The int8 graphs a build stores: (model.onnx's, no-vnni/model.onnx's or None).
+                         **options: Any) -> Int8Graphs:
+    """The int8 graphs a build stores (model.onnx's, no-vnni/model.onnx's or None) and their speed here.
 
     int8 weights (u8s8) are exact and fast on VNNI/AMX CPUs only; uint8 weights (u8u8) are exact on
     every x86 CPU (quantization.py), so the build host's check of a u8u8 graph holds on every host.
@@ -233,7 +246,8 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
     served model opens the one its CPU computes exactly). `one_graph` (a backend that cannot choose
     at load, Triton's own ONNX Runtime backend): the u8u8 graph alone when it passes. Only the u8s8
     ladder passing: it alone, said in the log (the golden check refuses it on CPUs without VNNI).
-    Neither: PrecisionError with both ladders' figures."""
+    Neither: PrecisionError with both ladders' figures. The graph this host would serve is timed
+    against the fp32 graph; slower than fp32 here, the log says so."""
     from .quantization import PORTABLE_WEIGHTS
 
     log = log or LOG.warning
@@ -247,11 +261,66 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
             errors.append(f"with {weights} weights: {err}")
     portable = found.get(PORTABLE_WEIGHTS)
     if "int8" in found and portable is not None:
-        return (portable, None) if one_graph else (found["int8"], portable)
-    if portable is not None:
-        return portable, None
-    if "int8" in found:
+        main, no_vnni = (portable, None) if one_graph else (found["int8"], portable)
+    elif portable is not None:
+        main, no_vnni = portable, None
+    elif "int8" in found:
         log(f"{plain.parent.name}: only the int8-weight (u8s8) graph meets the int8 tolerance: it is exact on "
             "CPUs with VNNI or AMX; hosts without them will refuse it when it loads (its golden check)")
-        return found["int8"], None
-    raise PrecisionError(" ".join(errors))
+        main, no_vnni = found["int8"], None
+    else:
+        raise PrecisionError(" ".join(errors))
+    speed = _speed_on_this_host(plain, Path(f"{work}-fp32"), main, no_vnni, batches[0], options, log)
+    return Int8Graphs(main, no_vnni, speed)
+
+
+def _speed_on_this_host(plain: Path, work: Path, main: VerifiedGraph, no_vnni: VerifiedGraph | None,
+                        batch: Any, options: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """The fp32 graph as an fp32 build would store it and the int8 graphs, timed side by side on
+    `batch` (median of interleaved runs); a log line when the int8 graph this host opens is slower."""
+    from bionemo_export.serving.host import NO_VNNI_FOLDER, cpu_description, describe_cpu
+
+    fp32 = plain
+    if options.get("optimize", True):
+        try:
+            fp32 = optimize_onnx(plain, work / plain.name, num_heads=options.get("num_heads"),
+                                 hidden_size=options.get("hidden_size")).path
+        except OptimizationError:
+            pass  # an fp32 build would store the plain export
+    graphs = {"fp32": fp32, "model.onnx": main.path}
+    if no_vnni is not None:
+        graphs[f"{NO_VNNI_FOLDER}/model.onnx"] = no_vnni.path
+    ms = time_graphs(graphs, batch)
+    cpu = cpu_description()
+    here = f"{NO_VNNI_FOLDER}/model.onnx" if no_vnni is not None and not cpu["vnni"] else "model.onnx"
+    ratio = ms["fp32"] / ms[here] if ms[here] else float("inf")
+    if ratio < 1.0:
+        log(f"{plain.parent.name}: on this host ({describe_cpu(cpu)}) the int8 graph it would serve ({here}) runs "
+            f"at {ratio:.2f}x the fp32 graph's speed ({ms[here]:.1f} vs {ms['fp32']:.1f} ms on the check batch): "
+            "int8 gains no speed here (it keeps 4x smaller weights); build with `precision` fp32 for hosts like "
+            "this one")
+    return {"cpu": cpu, "batch_shape": list(np.shape(next(iter(batch.values())))), "median_ms": ms,
+            "served_here": here, "int8_vs_fp32": round(ratio, 3)}
+
+
+def time_graphs(graphs: dict[str, Path], batch: Any, rounds: int = 5) -> dict[str, float]:
+    """Median milliseconds of one run of each graph on `batch`, the graphs interleaved run by run
+    (so a busy moment of a shared host falls on all of them), after one warm-up run each."""
+    import time
+
+    import onnxruntime as ort
+
+    sessions, feeds = {}, {}
+    for name, path in graphs.items():
+        settings = ort.SessionOptions()
+        settings.log_severity_level = 3
+        sessions[name] = ort.InferenceSession(str(path), settings, providers=["CPUExecutionProvider"])
+        feeds[name] = {value.name: np.asarray(batch[value.name]) for value in sessions[name].get_inputs()}
+        sessions[name].run(None, feeds[name])
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, session in sessions.items():
+            start = time.perf_counter()
+            session.run(None, feeds[name])
+            times[name].append(time.perf_counter() - start)
+    return {name: round(float(np.median(values)) * 1000, 2) for name, values in times.items()}
