@@ -354,3 +354,54 @@ def test_int8_slower_than_fp32_on_the_build_host_is_said(tmp_path, monkeypatch):
     assert pipeline._speed_on_this_host(graph, tmp_path / "fp32", verified, None, golden_inputs(),
                                         {"optimize": False}, said.append)["int8_vs_fp32"] == 2.0
     assert said == []
+
+
+MATMUL_MODEL_PY = f"""
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WEIGHTS = np.array({WEIGHTS.tolist()!r}, dtype=np.float32)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("hiddens", (x @ WEIGHTS).astype(np.float32))]))
+        return responses
+"""
+
+
+@pytest.mark.e2e
+def test_serve_asks_models_that_cannot_check_themselves_for_their_golden_answers(tmp_path, triton_install):
+    """runtime/golden_answers.py through a real tritonserver: a model taking the golden inputs gives
+    its answers; a right reference passes, a wrong one is refused with the figures."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from bionemo_export.model_repository.pbtxt import write_config
+    from bionemo_export.runtime import TritonServer
+    from bionemo_export.runtime.golden_answers import served_golden_checks
+
+    repo = tmp_path / "models"
+    right = golden_inputs()["x"] @ WEIGHTS
+    for name, reference in (("right", right), ("wrong", -right)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(MATMUL_MODEL_PY)
+        store(repo / name / "1", reference)
+        write_config(repo / name, mc.ModelConfig(
+            name=name, backend="python", max_batch_size=8,
+            input=[mc.ModelInput(name="x", data_type=mc.TYPE_FP32, dims=[-1, 4]),
+                   mc.ModelInput(name="attention_mask", data_type=mc.TYPE_INT64, dims=[-1])],
+            output=[mc.ModelOutput(name="hiddens", data_type=mc.TYPE_FP32, dims=[-1, 3])],
+            instance_group=[mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1)]))
+    with TritonServer(repo, install=triton_install, log_file=tmp_path / "server.log") as server:
+        url = f"grpc://{server.endpoints.grpc_url}"
+        assert served_golden_checks(repo, url) == []  # Python-backend models check themselves at load
+        found = {item.model: item for item in served_golden_checks(repo, url, asked=lambda model_dir: True)}
+    assert set(found) == {"right", "wrong"}
+    assert found["right"].passed and found["right"].checks[0].figures.max_abs_error < 1e-5
+    assert not found["wrong"].passed
+    message = found["wrong"].refusal()
+    assert message.startswith(f"wrong: wrong/1/model.onnx as served at {url} answers the build's golden inputs")
+    assert "hiddens: min cosine -1.000000 (required >= 0.999)" in message and "This host: " in message

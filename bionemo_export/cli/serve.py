@@ -163,6 +163,8 @@ def serve(
             console.print(f"[red]{err}[/red]", highlight=False)
             raise typer.Exit(1) from None
         _print_status(console, server)
+        if isinstance(model_repository, Path):
+            _ask_golden_answers(console, model_repository, server, golden_check)
         console.print("Serving. Press Ctrl-C to stop.")
         while True:
             supervisor = None
@@ -242,6 +244,21 @@ def _start_supervisor(server: TritonServer, repository: Path | None, supervisor:
     _log(f"health: watching {', '.join(models)}: stubs every {supervisor.watch_interval:g} s, idle models probed "
          f"every {supervisor.interval:g} s")
     return supervisor.start()
+
+
+def _ask_golden_answers(console: Console, repository: Path, server: TritonServer, mode: GoldenCheck) -> None:
+    """The golden answers of the models that cannot check themselves (runtime/golden_answers.py):
+    outside tolerance, serve stops with exit code 1, or with `--golden-check warn` says so."""
+    from bionemo_export.runtime.golden_answers import served_golden_checks
+
+    wrong = [found for found in served_golden_checks(repository, f"grpc://{server.endpoints.grpc_url}")
+             if not found.passed]
+    for found in wrong:
+        console.print(f"[red]{found.refusal()}[/red]", highlight=False)
+    if wrong and mode == GoldenCheck.REFUSE:
+        raise typer.Exit(1)
+    if wrong:
+        console.print("[yellow]serving them anyway (--golden-check warn)[/yellow]")
 
 
 def _print_status(console: Console, server: TritonServer) -> None:
