@@ -91,6 +91,12 @@ def test_a_graph_record_names_the_files_as_the_repository_has_them():
         "seconds": 1.5, "versions": {"torch": "2"}, "warnings": ["a warning"],
         "optimization": optimization.to_dict(),
     })
+    # int8: the graph for CPUs without VNNI and the build host's timing follow, when there are some
+    speed = {"cpu": {"model": "x", "features": ["avx2"], "vnni": False}, "median_ms": {"fp32": 2.0}}
+    record = GraphRecord(EXPORT, optimization, OptimizationRecord(INT8), speed).to_dict()
+    assert list(record)[-3:] == ["optimization", "optimization_no_vnni", "int8_speed_on_build_host"]
+    assert record["optimization_no_vnni"] == OptimizationRecord(INT8).to_dict()
+    assert record["int8_speed_on_build_host"] == speed
 
 
 def test_a_verification_record_is_the_stored_graphs_report_with_the_plain_exports_outputs():
@@ -103,6 +109,9 @@ def test_a_verification_record_is_the_stored_graphs_report_with_the_plain_export
     _same_json(GraphVerification(stored, EXPORT.path, "fp32", unoptimized=plain).to_dict(), expected)
     _same_json(GraphVerification(plain, EXPORT.path, "fp32").to_dict(),
                {**plain.to_dict(), "onnx_path": "model.onnx", "precision": "fp32", "optimized": False})
+    _same_json(GraphVerification(plain, EXPORT.path, "int8", no_vnni=stored).to_dict(),
+               {**plain.to_dict(), "onnx_path": "model.onnx", "precision": "int8", "optimized": False,
+                "no_vnni": {"outputs": [check.to_dict() for check in stored.outputs]}})
 
 
 def test_the_accuracy_record_holds_each_output_to_its_own_tolerance_or_the_familys():
