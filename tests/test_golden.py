@@ -115,6 +115,19 @@ def test_warn_serves_anyway_and_says_so(tmp_path, monkeypatch):
         check_mode()
 
 
+def test_a_swapped_graph_is_refused_with_what_differs(tmp_path, monkeypatch):
+    """Golden answers beside a graph that takes other inputs (a file copied from another model)."""
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    graph = matmul_graph(tmp_path)
+    inputs = {"input_ids": np.zeros((1, 3), dtype=np.int64)}
+    write_golden(str(tmp_path / golden_module.GOLDEN_FILE), inputs, {"hiddens": np.zeros((1, 3, 3))},
+                 mask_input="", tolerances={"hiddens": (1e-4, 0.999)})
+    with pytest.raises(RuntimeError, match=r"hiddens: the graph's inputs \['x', 'attention_mask'\] and outputs "
+                                           r"\['hiddens'\] are not those of its golden answers \(\['input_ids'\] -> "
+                                           r"\['hiddens'\]\): it is not the graph the build verified"):
+        check_at_load(session(graph), str(graph), "m")
+
+
 def test_a_graph_without_golden_answers_loads_as_before(tmp_path):
     graph = matmul_graph(tmp_path)
     assert check_at_load(session(graph), str(graph), "m") == []

@@ -129,6 +129,12 @@ class Golden:
         """Run the golden inputs through an ONNX Runtime `session` and check its answers."""
         names = [value.name for value in session.get_inputs()]
         wanted = list(self.references)
+        graph_outputs = {value.name for value in session.get_outputs()}
+        if any(name not in self.inputs for name in names) or any(name not in graph_outputs for name in wanted):
+            # Not the graph the build verified (a file swapped or copied from another model).
+            problem = (f"the graph's inputs {names} and outputs {sorted(graph_outputs)} are not those of its golden "
+                       f"answers ({sorted(self.inputs)} -> {wanted}): it is not the graph the build verified")
+            return [GoldenCheck(name, Figures((), math.inf, -1.0, problem), *self.tolerances[name]) for name in wanted]
         answers = session.run(wanted, {name: self.inputs[name] for name in names})
         return self.check(dict(zip(wanted, (np.asarray(answer) for answer in answers))))
 
