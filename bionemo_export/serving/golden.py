@@ -191,10 +191,11 @@ def check_at_load(session: Any, graph: str, model_name: str, warn: Any = None) -
         if not os.path.exists(path):
             return []
     mode = check_mode()
-    checks = read_golden(path).run(session)
+    golden = read_golden(path)
+    checks = golden.run(session)
     failed = [check for check in checks if not check.passed]
     if failed:
-        message = refusal(model_name, graph, failed, read_golden(path).build)
+        message = refusal(model_name, graph, failed, golden.build)
         if mode == "refuse":
             raise RuntimeError(message)
         if warn is not None:
