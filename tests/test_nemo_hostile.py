@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bionemo_export.models.readers import CheckpointError, read_checkpoint
-from bionemo_export.models.readers import nemo as nemo_reader
+from bionemo_export.models.readers import CheckpointError, bounded_tar, bounded_yaml, read_checkpoint
 from tests.helpers.nemo_archives import write_nemo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,9 +216,9 @@ def test_hostile_archives_are_refused_quickly_in_bounded_memory(bounded_reads, a
 # ------------------------------------------------------------------------------------ the YAML
 def loaders() -> list:
     """Both bounded loaders: on libyaml's parser (used where PyYAML has it) and the pure-Python one."""
-    found = [pytest.param("_BoundedPythonYaml", id="python")]
-    if nemo_reader.yaml.__with_libyaml__:
-        found.append(pytest.param("_BoundedLibyaml", id="libyaml"))
+    found = [pytest.param("BoundedPythonYaml", id="python")]
+    if bounded_yaml.yaml.__with_libyaml__:
+        found.append(pytest.param("BoundedLibyaml", id="libyaml"))
     return found
 
 
@@ -236,14 +235,14 @@ def loaders() -> list:
 ])
 def test_hostile_yaml_is_refused_by_both_loaders(loader, config, message):
     with pytest.raises(CheckpointError, match=r"^x\.nemo:model_config\.yaml " + message + ".*refusing it$"):
-        nemo_reader._parse_config(config, Path("x.nemo"), getattr(nemo_reader, loader))
+        bounded_yaml.parse_yaml_mapping(config, "x.nemo:model_config.yaml", getattr(bounded_yaml, loader))
 
 
 @pytest.mark.parametrize("loader", loaders())
 def test_both_loaders_read_a_real_config_alike_anchors_and_merges_included(loader):
     config = (b"target: x.ESM2nvModel\nnum_layers: 2\nbase: &base {hidden_size: 64, dropout: 0.1}\n"
               b"encoder: {<<: *base, num_layers: 2}\ndecoder: *base\nschedule: [1, 2.5, null, true, '3']\n")
-    assert nemo_reader._parse_config(config, Path("x.nemo"), getattr(nemo_reader, loader)) == {
+    assert bounded_yaml.parse_yaml_mapping(config, "x.nemo:model_config.yaml", getattr(bounded_yaml, loader)) == {
         "target": "x.ESM2nvModel", "num_layers": 2, "base": {"hidden_size": 64, "dropout": 0.1},
         "encoder": {"hidden_size": 64, "dropout": 0.1, "num_layers": 2},
         "decoder": {"hidden_size": 64, "dropout": 0.1}, "schedule": [1, 2.5, None, True, "3"]}
@@ -315,8 +314,8 @@ def test_hostile_tar_headers_are_refused(tmp_path, data, gzip, message):
 
 def test_the_tarfile_hooks_the_reader_overrides_exist():
     """Overrides of hooks this Python's tarfile no longer has would bound nothing, silently."""
-    assert all(callable(getattr(tarfile.TarInfo, hook, None)) for hook in nemo_reader._TAR_HOOKS)
-    assert nemo_reader._BoundedTarFile.tarinfo is nemo_reader._BoundedTarInfo
+    assert all(callable(getattr(tarfile.TarInfo, hook, None)) for hook in bounded_tar.TAR_HOOKS)
+    assert bounded_tar.BoundedTarFile.tarinfo is bounded_tar.BoundedTarInfo
 
 
 @pytest.mark.parametrize("gzip", [False, True])

@@ -21,8 +21,7 @@ from bionemo_export.generation.reference import reference_greedy
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.encoder import PooledEncoder
 from bionemo_export.models.megamolbart import DecoderFull, MegaMolBart, MegaMolBartEncoder, load_model
-from bionemo_export.models.readers import CheckpointError, read_checkpoint
-from bionemo_export.models.readers import nemo as nemo_reader
+from bionemo_export.models.readers import CheckpointError, bounded_tar, read_checkpoint
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.nemo_archives import (
     UUID,
@@ -292,7 +291,7 @@ def test_size_limits_refuse_bombs(tmp_path, monkeypatch):
         tar.add(zeros, arcname="inner.tar")
     with pytest.raises(CheckpointError, match="a decompression bomb, not a checkpoint"):
         read_checkpoint(compressed)
-    monkeypatch.setattr(nemo_reader, "MAX_UNPACKED_BYTES", 1 << 20)
+    monkeypatch.setattr(bounded_tar, "MAX_UNPACKED_BYTES", 1 << 20)
     with pytest.raises(CheckpointError, match="would unpack to more than"):
         read_checkpoint(zeros.rename(tmp_path / "big.nemo"))
 

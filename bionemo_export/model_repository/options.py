@@ -122,7 +122,7 @@ class RoleOptions:
                 raise OptionsError(f"`{name}` must be 0 or more")
 
     def session_parameters(self) -> dict[str, str]:
-        """Config `parameters` that templates/_onnx_session.py.j2 reads to open an ONNX Runtime session."""
+        """Config `parameters` that serving/onnx_session.py reads to open an ONNX Runtime session."""
         return {
             "intra_op_threads": str(self.threads) if self.threads else AUTO_THREADS,
             "allow_spinning": "true" if self.allow_spinning else "false",

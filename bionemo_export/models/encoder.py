@@ -33,7 +33,7 @@ from bionemo_export.models.classifier import (
 )
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head, split_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
-from bionemo_export.models.readers.base import KeyMismatchError
+from bionemo_export.models.readers.base import KeyMismatchError, describe_checkpoint
 from bionemo_export.models.readers.base import some as _some
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
 from bionemo_export.models.transformer import TransformerConfig
@@ -117,7 +117,7 @@ class EncoderFamily(ModelFamily):
                 "heads": heads,
                 "parameters": sum(p.numel() for name, p in backbone.named_parameters()
                                   if not name.startswith(self.unused_prefixes)),
-                "checkpoint_form": describe_form(checkpoint),
+                "checkpoint_form": describe_checkpoint(checkpoint),
                 **description.facts,
             },
         )
@@ -282,21 +282,6 @@ def architecture_sizes(config: Any) -> tuple[int, int, int]:
     if isinstance(config, TransformerConfig):
         return config.num_layers, config.hidden_size, config.num_heads
     return config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-
-
-def describe_form(checkpoint: Checkpoint) -> str:
-    """The checkpoint form as manifest.json records it."""
-    if checkpoint.form == "huggingface":
-        return f"huggingface directory ({checkpoint.weights_name})"
-    if checkpoint.form == "nemo":
-        ranks = " x ".join(f"{size} {kind}" for kind, size in checkpoint.parallel.items())
-        merged = f", merged from {ranks} parallel ranks" if ranks else ""
-        return f".nemo archive ({checkpoint.model_class or 'no target'}{merged})"
-    if checkpoint.form == "nv_esm":
-        return f"NVIDIA TransformerEngine ESM-2 directory (nv_esm, {checkpoint.weights_name})"
-    if checkpoint.form == "nemo2":
-        return f"NeMo 2 directory ({checkpoint.model_class or 'no config class'}, {checkpoint.weights_name})"
-    return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"  # the saved form
 
 
 def _modern_name(key: str) -> str:

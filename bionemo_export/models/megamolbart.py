@@ -30,9 +30,10 @@ from torch import nn
 
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import LoadedModel, ModelDescription, ModelFamily, Seq2SeqModules, register
-from bionemo_export.models.encoder import describe_form, load_strict, masked_mean, token_limit
+from bionemo_export.models.encoder import load_strict, masked_mean, token_limit
 from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, transformer_config
 from bionemo_export.models.readers import Checkpoint, CheckpointError, read_checkpoint
+from bionemo_export.models.readers.base import describe_checkpoint
 from bionemo_export.models.readers.nemo import artifact_text
 from bionemo_export.models.transformer import (
     DecoderLayer,
@@ -352,7 +353,7 @@ class MegaMolBartFamily(ModelFamily):
                 "hidden": config.hidden_size,
                 "heads": config.num_heads,
                 "parameters": sum(p.numel() for p in model.parameters()),
-                "checkpoint_form": describe_form(description.checkpoint),
+                "checkpoint_form": describe_checkpoint(description.checkpoint),
                 **description.facts,
             },
             seq2seq=seq2seq,

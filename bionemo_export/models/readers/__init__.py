@@ -4,8 +4,10 @@
 that subclasses `CheckpointReader` with `@register_reader`, plus its tests.
 """
 
-from . import nemo2  # noqa: F401, I001 - first: the Hugging Face reader recognizes any directory
-from . import huggingface, nemo, nv_esm, saved  # noqa: F401
+# Registration order is recognition order (and the order messages list forms in): NeMo 2 and .nemo
+# before the Hugging Face reader, which recognizes any directory.
+from . import nemo2, nemo  # noqa: F401, I001
+from . import huggingface, nv_esm, saved  # noqa: F401
 from .base import READERS, Checkpoint, CheckpointError, CheckpointReader, read_checkpoint, register_reader
 
 __all__ = ["READERS", "Checkpoint", "CheckpointError", "CheckpointReader", "read_checkpoint", "register_reader"]

@@ -98,6 +98,11 @@ class CheckpointReader:
         """The checkpoint at `path`; CheckpointError naming the file and the problem."""
         raise NotImplementedError
 
+    def describe(self, checkpoint: Checkpoint) -> str:
+        """One line on what `checkpoint` (which this reader read) is, as manifest.json's
+        `checkpoint_form` and `inspect` record it."""
+        raise NotImplementedError
+
 
 READERS: dict[str, CheckpointReader] = {}
 
@@ -108,6 +113,11 @@ def register_reader(cls: type[CheckpointReader]) -> type[CheckpointReader]:
         raise ValueError(f"checkpoint form {cls.form!r} is registered twice")
     READERS[cls.form] = cls()
     return cls
+
+
+def describe_checkpoint(checkpoint: Checkpoint) -> str:
+    """What the reader of `checkpoint`'s form says it is (`CheckpointReader.describe`)."""
+    return READERS[checkpoint.form].describe(checkpoint)
 
 
 def read_checkpoint(path: Path) -> Checkpoint:

@@ -86,6 +86,9 @@ class HuggingFaceReader(CheckpointReader):
     form = "huggingface"
     description = "a Hugging Face directory (config.json + model.safetensors or pytorch_model.bin)"
 
+    def describe(self, checkpoint: Checkpoint) -> str:
+        return f"huggingface directory ({checkpoint.weights_name})"
+
     def recognizes(self, path: Path) -> bool:
         # Any directory but the saved form's: the most common form, so its errors ("no
         # config.json", "no weights") are the helpful ones for a directory that is neither.

@@ -46,7 +46,7 @@ from .base import (
     register_reader,
     weights_error,
 )
-from .nemo import CONFIG_NAME, MAX_CONFIG_BYTES, _parse_config
+from .bounded_yaml import MAX_CONFIG_BYTES, parse_yaml_mapping
 
 if TYPE_CHECKING:
     import torch
@@ -312,10 +312,7 @@ def read_model_yaml(directory: Path) -> dict[str, Any]:
                               f"config there (written by NeMo with the weights; {CONTEXT}/io.json is never read)")
     with path.open("rb") as handle:
         data = handle.read(MAX_CONFIG_BYTES + 1)
-    try:
-        return _parse_config(data, directory)
-    except CheckpointError as err:  # _parse_config names `<archive>:model_config.yaml`
-        raise CheckpointError(str(err).replace(f"{directory}:{CONFIG_NAME}", str(path), 1)) from None
+    return parse_yaml_mapping(data, str(path))
 
 
 def model_config(checkpoint: Checkpoint) -> dict[str, Any]:
@@ -336,6 +333,9 @@ def _target(value: Any) -> str | None:
 class Nemo2Reader(CheckpointReader):
     form = "nemo2"
     description = "a BioNeMo 2 / NeMo 2 directory (context/model.yaml + weights/ as a torch_dist checkpoint)"
+
+    def describe(self, checkpoint: Checkpoint) -> str:
+        return f"NeMo 2 directory ({checkpoint.model_class or 'no config class'}, {checkpoint.weights_name})"
 
     def recognizes(self, path: Path) -> bool:
         # Either folder is enough, so that a directory missing the other gets this reader's error.

@@ -25,6 +25,9 @@ class NvEsmReader(CheckpointReader):
     description = ("NVIDIA's TransformerEngine ESM-2 directory (config.json with model_type nv_esm, "
                    "model.safetensors; bionemo-recipes)")
 
+    def describe(self, checkpoint: Checkpoint) -> str:
+        return f"NVIDIA TransformerEngine ESM-2 directory (nv_esm, {checkpoint.weights_name})"
+
     def recognizes(self, path: Path) -> bool:
         try:
             return path.is_dir() and read_config_json(path).get("model_type") in NV_ESM_TYPES

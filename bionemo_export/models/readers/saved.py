@@ -14,6 +14,9 @@ class SavedFormReader(CheckpointReader):
     form = "saved"
     description = "the project's saved form (config.json with model_type megamolbart, model.safetensors, vocab.txt)"
 
+    def describe(self, checkpoint: Checkpoint) -> str:
+        return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"
+
     def recognizes(self, path: Path) -> bool:
         try:
             return path.is_dir() and read_config_json(path).get("model_type") in SAVED_FORM_TYPES
