@@ -13,8 +13,9 @@ each repository and records every public model's answers (and its error for a ba
 tritonclient calls, so that the client code under change takes no part in the check. `compare` reports,
 per case: files added or removed, graph and data files whose bytes differ, config.pbtxt differences
 (`parameters` reported apart: a restructuring may move settings into them), manifest entries that differ
-(paths, times, versions and digests of model.py ignored), and served answers that are not identical.
-It exits 1 when anything but parameters and model.py differs.
+(paths, times, versions, this host's int8 timings and file digests ignored), and served answers and
+errors that are not identical. It exits 1 when anything but parameters and served code (model.py and
+the .py modules beside it) differs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import numpy as np
 PROTEIN = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQHDFSAGEG"
 SHORT = "MKTAYIAKQRQISFVKSH"
 SMILES = ["CC(=O)Oc1ccccc1C(=O)O", "c1ccccc1", "CCO"]
-IGNORED_MANIFEST_KEYS = ("checkpoint.path", "versions", "build_host", "files", "tool")
+IGNORED_MANIFEST_KEYS = ("created", "checkpoint.path", "versions", "build_host", "files", "tool",
+                         "export.encoder.int8_speed_on_build_host")
+"""Manifest entries that differ between any two builds (times, paths, this host's timings, digests)."""
 
 
 @dataclass(frozen=True)
@@ -179,16 +182,19 @@ def compare_case(before: Path, after: Path) -> tuple[list[str], list[str]]:
     the expected kind (model.py contents, config parameters)."""
     problems: list[str] = []
     notes: list[str] = []
-    files_before = {p.relative_to(before) for p in before.rglob("*") if p.is_file()}
-    files_after = {p.relative_to(after) for p in after.rglob("*") if p.is_file()}
-    problems += [f"file only before: {p}" for p in sorted(files_before - files_after)]
-    problems += [f"file only after: {p}" for p in sorted(files_after - files_before)]
+    def files(root: Path) -> set[Path]:  # the Python backend's bytecode caches are the server's, not the build's
+        return {p.relative_to(root) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+    files_before, files_after = files(before), files(after)
+    for kind, only in (("before", files_before - files_after), ("after", files_after - files_before)):
+        for path in sorted(only):  # a served module added or dropped is a change of code, not of data
+            (notes if path.suffix == ".py" else problems).append(f"file only {kind}: {path}")
     for path in sorted(files_before & files_after):
         a, b = (before / path).read_bytes(), (after / path).read_bytes()
         if a == b:
             continue
-        if path.name == "model.py":
-            notes.append(f"model.py differs: {path}")
+        if path.suffix == ".py":  # the served code: model.py and the modules copied beside it
+            notes.append(f"served code differs: {path}")
         elif path.name == "config.pbtxt":
             (config_a, params_a), (config_b, params_b) = _config(before / path), _config(after / path)
             if config_a != config_b:
@@ -225,7 +231,7 @@ def compare(before: Path, after: Path) -> int:
                      for key in sorted(set(errors_a) | set(errors_b)) if errors_a.get(key) != errors_b.get(key)]
         print(f"[{case.name}] {len(answers_a.files)} answers, {len(errors_a)} errors compared: "
               f"{'identical' if not problems else f'{len(problems)} differences'}"
-              f"{f' ({len(notes)} expected: model.py, parameters)' if notes else ''}")
+              f"{f' ({len(notes)} expected: served code, parameters)' if notes else ''}")
         for line in problems:
             print(f"  DIFFERS {line}")
         for line in notes:

@@ -202,8 +202,7 @@ def test_fused_decode_loops_run_the_decoder_graphs_themselves(tmp_path, megamolb
         model = models[name]
         assert {"cross_kv/model.onnx", "decoder_step/model.onnx", "host.py"} <= set(model.files)
         assert model.parameters["intra_op_threads"] == "auto" and model.parameters["memory_arena"] == "false"
-        code = _code(model)
-        assert "LocalDecoder(" in code and "BlsDecoder" not in code
+        assert model.parameters["decoder_graphs"] == "in_process" and "cross_kv_model" not in model.parameters
     assert "bls_models" not in models["mmb_decodes"].parameters  # it calls no other model
     assert models["mmb_samplings"].parameters["bls_models"] == "mmb_encoder"
     assert all(tensor.ragged for tensor in models["mmb_decodes"].inputs)
@@ -216,8 +215,10 @@ def test_ensemble_layout_calls_the_decoder_graph_models_through_bls(tmp_path, me
     models = {model.name: model for model in plan.models}
     assert {"mmb_cross_kv", "mmb_decoder_step", "mmb_tokenizer"} <= set(models)
     for name in ("mmb_decodes", "mmb_samplings"):
-        code = _code(models[name])
-        assert "BlsDecoder(" in code and "LocalDecoder" not in code and "cross_kv/model.onnx" not in models[name].files
+        parameters = models[name].parameters
+        assert (parameters["decoder_graphs"], parameters["cross_kv_model"], parameters["decoder_step_model"]) == (
+            "bls", "mmb_cross_kv", "mmb_decoder_step")
+        assert "cross_kv/model.onnx" not in models[name].files
     assert models["mmb_decodes"].parameters["bls_models"] == "mmb_cross_kv,mmb_decoder_step"
 
 
@@ -263,3 +264,31 @@ def test_the_build_command_takes_the_queue_limits():
         typer.models.CommandInfo(callback=repo), pretty_exceptions_short=True, rich_markup_mode=None).params}
     assert options["max_queue_size"].default == ServingOptions.max_queue_size
     assert options["queue_timeout_s"].default == ServingOptions.queue_timeout_s
+
+
+def _served_code(model: ModelPlan) -> str:
+    """model.py without its module docstring: the code Triton runs."""
+    code = _code(model)
+    assert code.startswith('"""'), f"{model.name}'s model.py does not open with its docstring"
+    return code[code.index('"""', 3) + 3:]
+
+
+def test_every_generated_model_py_is_the_same_code_whatever_the_model(tmp_path, megamolbart):
+    """The templates render a docstring only: every setting (tokenizer class, layout, callee names,
+    graph tables) reaches model.py through config parameters, so each kind of model runs one piece
+    of static code, and the tests of serving/ test what is served."""
+    for folder in ("fused", "ensemble", "windows", "mmb-fused", "mmb-ensemble"):
+        (tmp_path / folder).mkdir()
+    plans = {"fused": _plan(tmp_path / "fused"), "ensemble": _plan(tmp_path / "ensemble", layout="ensemble"),
+             "windows": _plan(tmp_path / "windows", max_residues=100),
+             "mmb-fused": _seq2seq_plan(tmp_path / "mmb-fused", megamolbart),
+             "mmb-ensemble": _seq2seq_plan(tmp_path / "mmb-ensemble", megamolbart, layout="ensemble")}
+    kinds: dict[str, set[str]] = {}
+    for plan in plans.values():
+        for model in plan.models:
+            if isinstance(model.files.get("model.py"), str):
+                code = _served_code(model)
+                assert "{{" not in code and "{%" not in code, f"{model.name}: template syntax left in model.py"
+                kinds.setdefault(model.name.rsplit("_", 1)[-1], set()).add(code)
+    assert {"encoder", "tokenizer", "decodes", "samplings", "step", "kv"} <= set(kinds), sorted(kinds)
+    assert {kind: len(codes) for kind, codes in kinds.items() if len(codes) > 1} == {}

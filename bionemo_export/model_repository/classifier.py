@@ -28,7 +28,7 @@ from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
 from .backends import GraphModel, ShapeRange
-from .encoder import RESPONDING, RUNS_GRAPH, _io_lines, ensemble_model, serving_files
+from .encoder import RESPONDING, RUNS_GRAPH, _io_lines, ensemble_model, graph_input_parameters, serving_files
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan, Tensor
 
@@ -72,12 +72,11 @@ def classifier_model(name: str, hidden_size: int, head: ClassifierGraph, options
 
     def python_model() -> str:
         return render("onnx_model.py.j2", model_name=plan.name, family=family, what="fine-tuned head",
-                      tool_version=__version__, io_lines=_io_lines(inputs, outputs, batched=True),
-                      input_names=["hiddens"], output_names=["logits"], axes=shapes.axes,
-                      axis_limits={"length": max_length}, token_inputs={})
+                      tool_version=__version__, io_lines=_io_lines(inputs, outputs, batched=True))
 
     backend.plan_graph(GraphModel(plan, role, "fine-tuned head", {"model.onnx": head.onnx_file}, shapes,
-                                  python_model, python_files=serving_files(*RUNS_GRAPH, "graph_model")))
+                                  python_model, python_files=serving_files(*RUNS_GRAPH, "graph_model"),
+                                  python_parameters=graph_input_parameters(shapes.axes, {"length": max_length}, {})))
     return plan
 
 

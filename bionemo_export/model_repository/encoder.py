@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.tokenizer_file import TOKENIZER_CLASSES, TOKENIZER_FILE
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 
@@ -59,13 +60,19 @@ def _io_lines(inputs: list[Tensor], outputs: list[Tensor], batched: bool = True)
     return lines
 
 
-def tokenizer_files(tokenizer) -> tuple[str, str, dict[str, Path]]:
-    """(module name, class name, version-folder files) that make `tokenizer` importable inside a
-    generated model: its own module, plus character.py, which holds the shared Encoded and
-    TokenizationError types."""
+def tokenizer_files(tokenizer) -> tuple[dict[str, str], dict[str, Path | str]]:
+    """(config parameters, version-folder files) with which a generated model loads `tokenizer`
+    (serving/tokenizer_file.py): the `tokenizer_class` parameter, and tokenizer.json, the
+    tokenizer's module, character.py (the shared Encoded and TokenizationError types) and
+    tokenizer_file.py."""
     module = type(tokenizer).__module__.rsplit(".", 1)[-1]
-    files = {"character.py": TOKENIZERS_DIR / "character.py", f"{module}.py": TOKENIZERS_DIR / f"{module}.py"}
-    return module, type(tokenizer).__name__, files
+    name = f"{module}.{type(tokenizer).__name__}"
+    if name not in TOKENIZER_CLASSES:  # a new tokenizer class is one entry there
+        raise ValueError(f"tokenizer {name} is not in serving/tokenizer_file.TOKENIZER_CLASSES")
+    files: dict[str, Path | str] = {
+        f"{module}.py": TOKENIZERS_DIR / f"{module}.py", "character.py": TOKENIZERS_DIR / "character.py",
+        **serving_files("tokenizer_file"), TOKENIZER_FILE: json.dumps(tokenizer.to_dict(), indent=2) + "\n"}
+    return {"tokenizer_class": name}, files
 
 
 SHARED_MODULES = {"numerics": SERVING_DIR.parent / "numerics.py"}
@@ -86,14 +93,15 @@ ENCODING = ("batching", "encoding", "windows")
 """... and those of the tokenizer and encoder models (encoding.py and what it imports)."""
 
 
+def tokenizer_sources(files: dict[str, Path | str]) -> str:
+    """The tokenizer's modules among `files`, for a generated docstring: "smiles.py, character.py"."""
+    return ", ".join(name for name in files if name.endswith(".py") and name != "tokenizer_file.py")
+
+
 def describe_layout(tokenizer) -> str:
     """How a sequence becomes tokens, for the generated docstring: '<cls> + residues + <eos>, ...'."""
     parts = [t for t in (tokenizer.bos_token,) if t] + ["tokens"] + [t for t in (tokenizer.eos_token,) if t]
     return " + ".join(parts) + f", padded with {tokenizer.pad_token}"
-
-
-def _tokenizer_json(tokenizer) -> str:
-    return json.dumps(tokenizer.to_dict(), indent=2) + "\n"
 
 
 def _instances(role: RoleOptions) -> dict:
@@ -104,12 +112,11 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
     sequences = Tensor("sequences", "BYTES", (1,))
     outputs = [Tensor("input_ids", "INT64", (-1,)), Tensor("attention_mask", "INT64", (-1,)),
                Tensor("mask", "BOOL", (-1,))]
-    module, class_name, files = tokenizer_files(tokenizer)
+    tokenizer_parameters, files = tokenizer_files(tokenizer)
     code = render(
         "tokenizer_model.py.j2",
         model_name=f"{name}_tokenizer", encoder_name=f"{name}_encoder", tool_version=__version__,
-        tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
-        public_prefix=name,
+        tokenizer_sources=tokenizer_sources(files), layout=describe_layout(tokenizer),
     )
     return ModelPlan(
         name=f"{name}_tokenizer",
@@ -120,9 +127,9 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
         # A Python encoder joins ragged rows itself; Triton's own runtimes batch equal shapes only.
         parameters={"truncate": "true" if options.truncate else "false",
                     "length_bucket": "0" if options.serving_backend.runs_python
-                    else str(options.role("encoder").length_bucket)},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, *ENCODING),
-               "tokenizer.json": _tokenizer_json(tokenizer)},
+                    else str(options.role("encoder").length_bucket),
+                    **tokenizer_parameters, "public_prefix": name},
+        files={"model.py": code, **files, **serving_files(*RESPONDING, *ENCODING)},
         description="tokenizer (Python backend)",
     )
 
@@ -138,18 +145,22 @@ def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: lis
     plan = ModelPlan(name=model_name, inputs=inputs, outputs=outputs, max_batch_size=0)
 
     def python_model() -> str:
-        return render(
-            "onnx_model.py.j2",
-            model_name=model_name, family=family, what=what, tool_version=__version__,
-            io_lines=_io_lines(inputs, outputs, batched=False),
-            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-            axes=shapes.axes, axis_limits={axis: high for axis, (_, high) in shapes.sizes.items() if axis != "batch"},
-            token_inputs=token_inputs or {},
-        )
+        return render("onnx_model.py.j2", model_name=model_name, family=family, what=what, tool_version=__version__,
+                      io_lines=_io_lines(inputs, outputs, batched=False))
 
     python_files = serving_files(*RUNS_GRAPH, "graph_model")
+    limits = {axis: high for axis, (_, high) in shapes.sizes.items() if axis != "batch"}
     return options.serving_backend.plan_graph(GraphModel(
-        plan, role, what, dict(onnx_files), shapes, python_model, python_files=python_files))
+        plan, role, what, dict(onnx_files), shapes, python_model, python_files=python_files,
+        python_parameters=graph_input_parameters(shapes.axes, limits, token_inputs or {})))
+
+
+def graph_input_parameters(axes: dict[str, tuple], axis_limits: dict[str, int],
+                           token_inputs: dict[str, int]) -> dict[str, str]:
+    """The config parameters from which a Python-backend graph model checks its callers' inputs
+    (serving/graph_model.GraphInputs.from_parameters): each as JSON."""
+    return {"axes": json.dumps({name: list(input_axes) for name, input_axes in axes.items()}),
+            "axis_limits": json.dumps(axis_limits), "token_inputs": json.dumps(token_inputs)}
 
 
 GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
@@ -179,13 +190,15 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
         outputs.append(Tensor("mask", "BOOL", (-1,)))
     plan = ModelPlan(name=f"{name}_encoder", inputs=inputs, outputs=outputs,
                      max_batch_size=options.max_batch_size, dynamic_batching=role.batching)
-    module, class_name, files = tokenizer_files(tokenizer)
+    tokenizer_parameters, files = tokenizer_files(tokenizer)
     parameters = {**role.batching_parameters(), "warmup": "true" if options.warmup else "false",
-                  "graph_optimization_level": graph_optimization_level}
+                  "graph_optimization_level": graph_optimization_level,
+                  "tokenize": "true" if fused else "false"}
     python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, *ENCODING)
     if fused:
-        parameters["truncate"] = "true" if options.truncate else "false"
-        python_files.update(files, **{"tokenizer.json": _tokenizer_json(tokenizer)})
+        parameters.update(truncate="true" if options.truncate else "false", public_prefix=name,
+                          **tokenizer_parameters)
+        python_files.update(files)
         if options.max_residues:  # over-long sequences as overlapping windows (serving/windows.py)
             parameters.update(max_residues=str(options.max_residues), window_overlap=str(options.window_overlap))
     else:
@@ -196,10 +209,8 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
         return render(
             "encoder_model.py.j2",
             model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
-            io_lines=_io_lines(inputs, outputs), output_names=[t.name for t in outputs],
-            tokenizer_module=module, tokenizer_class=class_name, layout=describe_layout(tokenizer),
-            tokenizer_sources=", ".join(files), public_prefix=name, vocab_size=tokenizer.vocab_size,
-            max_length=tokenizer.max_length,
+            io_lines=_io_lines(inputs, outputs), layout=describe_layout(tokenizer),
+            tokenizer_sources=tokenizer_sources(files), max_length=tokenizer.max_length,
         )
 
     backend.plan_graph(GraphModel(plan, role, "encoder", dict(onnx_files), encoder_shapes(tokenizer, options),

@@ -34,7 +34,6 @@ PyTorch reference runs. Every model's settings come from its role in options.py.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -54,6 +53,7 @@ from .encoder import (
     plan_encoder_repository,
     serving_files,
     tokenizer_files,
+    tokenizer_sources,
 )
 from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import ServingOptions
@@ -79,20 +79,29 @@ def tensors_from_specs(specs: tuple[TensorSpec, ...], *, batched: bool) -> list[
 
 
 def _generation_files(tokenizer) -> dict[str, Path | str]:
-    _, _, files = tokenizer_files(tokenizer)
+    _, files = tokenizer_files(tokenizer)
     return {
         **files,
         **{name: GENERATION_DIR / name for name in GENERATION_FILES},
         **serving_files(*RESPONDING, "decoding"),
-        "tokenizer.json": json.dumps(tokenizer.to_dict(), indent=2) + "\n",
     }
 
 
+def _decoder_parameters(name: str, tokenizer, options: ServingOptions) -> dict[str, str]:
+    """What the decode loops read from their config (serving/decoding.decoder_from_parameters,
+    tokenizer_file.load_tokenizer): where the decoder graphs run, and the tokenizer's class."""
+    tokenizer_parameters, _ = tokenizer_files(tokenizer)
+    graphs = ({"decoder_graphs": "in_process"} if options.fused else
+              {"decoder_graphs": "bls", "cross_kv_model": f"{name}_cross_kv",
+               "decoder_step_model": f"{name}_decoder_step"})
+    return {**graphs, **tokenizer_parameters}
+
+
 def _template_context(name: str, tokenizer, seq2seq, options: ServingOptions) -> dict:
-    module, class_name, _ = tokenizer_files(tokenizer)
+    """What the decode loops' docstrings say (their code reads its settings from the config)."""
     return {
-        "encoder_tokenizes": options.fused,
-        "tool_version": __version__, "prefix": name, "tokenizer_module": module, "tokenizer_class": class_name,
+        "tool_version": __version__, "prefix": name,
+        "tokenizer_sources": tokenizer_sources(tokenizer_files(tokenizer)[1]),
         "local_graphs": options.fused,
         # The decoder graphs: Triton models called through BLS, or (fused) files beside the decode loop.
         "cross_kv_model": "cross_kv/model.onnx" if options.fused else f"{name}_cross_kv",
@@ -200,7 +209,8 @@ def plan_seq2seq_repository(
             # PyTriton's ModelClient then fails to parse the config.
             parameters={**({BLS_MODELS: ",".join(graph_callees)} if graph_callees else {}),
                         **_graph_settings(options, "decodes"),
-                        **decode_length, **options.limits.parameters("max_hidden_magnitude", "max_decode_tokens")},
+                        **decode_length, **options.limits.parameters("max_hidden_magnitude", "max_decode_tokens"),
+                        **_decoder_parameters(name, tokenizer, options)},
             files={"model.py": render("decodes_model.py.j2", model_name=f"{name}_decodes", **context), **files},
             description="public: decodes (greedy decode loop" + (", decoder graphs in-process)" if options.fused
                                                                   else ", BLS to the decoder graphs)"),
@@ -218,7 +228,9 @@ def plan_seq2seq_repository(
             instance_kind=_loop_kind(options),
             dynamic_batching=options.role("samplings").batching,
             parameters={BLS_MODELS: ",".join((context["encoder_model"], *graph_callees)),
-                        **_graph_settings(options, "samplings"), **decode_length, **options.limits.parameters()},
+                        **_graph_settings(options, "samplings"), **decode_length, **options.limits.parameters(),
+                        **_decoder_parameters(name, tokenizer, options), "encoder_model": context["encoder_model"],
+                        "encoder_tokenizes": "true" if options.fused else "false"},
             files={"model.py": render("samplings_model.py.j2", model_name=f"{name}_samplings",
                                       parameters=SAMPLING_PARAMETERS, **context), **files,
                    **serving_files("request_options", "sampling")},

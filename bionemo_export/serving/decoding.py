@@ -15,6 +15,7 @@ by the model and handed in).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +33,11 @@ if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
         split_by_tokens,
         validate_hiddens,
     )
-    from bionemo_export.serving.parameters import model_parameters, number_parameter
+    from bionemo_export.serving.parameters import config_file, model_parameters, number_parameter
     from bionemo_export.serving.responses import RequestError, Responder, call_model, cancelled, input_array, triton
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from kv_decoder import KVCacheDecoder
-    from parameters import model_parameters, number_parameter
+    from parameters import config_file, model_parameters, number_parameter
     from responses import RequestError, Responder, call_model, cancelled, input_array, triton
     from search import LIMITS, TooLargeError, check_decode_tokens, greedy, split_by_tokens, validate_hiddens
 
@@ -84,6 +85,24 @@ class BlsDecoder(CancellableDecoder):
 
     def run_graph(self, graph: str, inputs: dict[str, np.ndarray], outputs: tuple[str, ...]) -> list[np.ndarray]:
         return call_model(self.models[graph], inputs, outputs)
+
+
+def decoder_from_parameters(args: Mapping[str, str], parameters: Mapping[str, str], folder: str
+                            ) -> CancellableDecoder:
+    """The decoder graphs as config parameters say: `decoder_graphs` "in_process" (their folders
+    beside model.py, one ONNX Runtime session each: onnx_session.py is copied there too) or "bls"
+    (the models `cross_kv_model` and `decoder_step_model` of the repository)."""
+    kind = parameters.get("decoder_graphs", "")
+    if kind == "in_process":
+        if __package__:
+            from bionemo_export.serving.onnx_session import create_session
+        else:
+            from onnx_session import create_session
+        return LocalDecoder({graph: create_session(args, os.path.join(folder, graph))[0] for graph in DECODER_GRAPHS})
+    if kind == "bls":
+        return BlsDecoder({graph: parameters[f"{graph}_model"] for graph in DECODER_GRAPHS})
+    raise ValueError(f"{config_file(args)}: parameter decoder_graphs is {kind!r}, not 'in_process' or 'bls'; "
+                     "rebuild the repository")
 
 
 def decode_settings(args: Mapping[str, str]) -> dict[str, Any]:

@@ -22,10 +22,12 @@ import numpy as np
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving import windows
     from bionemo_export.serving.batching import padding_counts, plan_sub_batches, stack_padded
+    from bionemo_export.serving.parameters import flag_parameter, number_parameter
     from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     import windows
     from batching import padding_counts, plan_sub_batches, stack_padded
+    from parameters import flag_parameter, number_parameter
     from responses import RequestError, Responder, input_array, triton, wanted_outputs
 
 GRAPH_INPUTS = ("input_ids", "attention_mask", "residue_mask")
@@ -109,6 +111,30 @@ class WindowedSequenceInputs(SequenceInputs):
         result = {"hiddens": stack_padded([m[None] for m in merged], 0.0),
                   "embeddings": np.stack([windows.mean_embedding(m, k) for m, k in zip(merged, masks)])}
         return result, stack_padded([k[None] for k in masks], False)
+
+
+def sequence_inputs(args: Any, parameters: dict[str, str], folder: str) -> tuple[SequenceInputs, int, tuple]:
+    """(the reader of `sequences`, the pad id, the tokenizer's error types) of a model that tokenizes,
+    from its config parameters: the tokenizer (`tokenizer_class`, tokenizer.json in `folder`),
+    `truncate`, and `max_residues` / `window_overlap` (built with --max-residues: longer sequences
+    run as overlapping windows). The tokenizer modules are imported here: only a model that
+    tokenizes has them beside it."""
+    if __package__:
+        from bionemo_export.serving.tokenizer_file import load_tokenizer
+        from bionemo_export.tokenizers.character import TokenizationError
+    else:
+        from character import TokenizationError  # pyright: ignore[reportMissingImports] - copied beside it
+        from tokenizer_file import load_tokenizer
+    tokenizer = load_tokenizer(folder, parameters)
+    truncate = flag_parameter(parameters, "truncate")
+    max_residues = number_parameter(args, parameters, "max_residues", "0")
+    if max_residues:
+        read: SequenceInputs = WindowedSequenceInputs(
+            tokenizer, truncate, TokenizationError, max_residues=max_residues,
+            overlap=number_parameter(args, parameters, "window_overlap", "0"))
+    else:
+        read = SequenceInputs(tokenizer, truncate, TokenizationError)
+    return read, tokenizer.pad_id, (TokenizationError,)
 
 
 class TokenInputs:

@@ -18,9 +18,14 @@ from typing import Any
 import numpy as np
 
 if __package__:  # imported from the bionemo_export package
+    from bionemo_export.serving.parameters import json_parameter
     from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
 else:  # copied beside a generated model.py, where its siblings are top-level modules
+    from parameters import json_parameter
     from responses import RequestError, Responder, input_array, triton, wanted_outputs
+
+
+GRAPH_INPUT_PARAMETERS = ("axes", "axis_limits", "token_inputs")
 
 
 class GraphInputs:
@@ -32,6 +37,12 @@ class GraphInputs:
     def __init__(self, axes: Mapping[str, Sequence[Any]], axis_limits: Mapping[str, int],
                  token_inputs: Mapping[str, int]) -> None:
         self.axes, self.axis_limits, self.token_inputs = dict(axes), dict(axis_limits), dict(token_inputs)
+
+    @classmethod
+    def from_parameters(cls, args: Mapping[str, str], parameters: Mapping[str, str]) -> GraphInputs:
+        """The checks the config's JSON parameters `axes`, `axis_limits` and `token_inputs` describe
+        (model_repository's `graph_input_parameters` writes them)."""
+        return cls(*(json_parameter(args, parameters, name) for name in GRAPH_INPUT_PARAMETERS))
 
     def check(self, feed: Mapping[str, np.ndarray]) -> None:
         """RequestError unless the inputs agree on every named axis, stay within the axis limits

@@ -49,3 +49,20 @@ def number_parameter(args: Mapping[str, str], parameters: Mapping[str, str], nam
 def flag_parameter(parameters: Mapping[str, str], name: str) -> bool:
     """config.pbtxt parameter `name` as a switch: on exactly when it is "true" (absent: off)."""
     return parameters.get(name, "false") == "true"
+
+
+def json_parameter(args: Mapping[str, str], parameters: Mapping[str, str], name: str) -> Any:
+    """config.pbtxt parameter `name` read as JSON (tables such as a graph's axes); absent or not
+    JSON, the model's load fails with an error naming its config.pbtxt and the parameter."""
+    if name not in parameters:
+        raise ValueError(f"{config_file(args)}: parameter {name} is missing; rebuild the repository")
+    try:
+        return json.loads(parameters[name])
+    except ValueError:
+        raise ValueError(f"{config_file(args)}: parameter {name} is not JSON ({parameters[name][:80]!r}); correct "
+                         "it, or rebuild the repository") from None
+
+
+def tensor_names(args: Mapping[str, str], kind: str) -> list[str]:
+    """The names of this model's config `kind` tensors ("input" or "output"), in config order."""
+    return [tensor["name"] for tensor in model_config(args).get(kind, [])]
