@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tritonclient.grpc import InferenceServerClient
 
 from bionemo_export.bench.run import read_statistics
 from bionemo_export.build import BuildRequest, build_repository
@@ -123,7 +122,8 @@ def _requests() -> list[list[str]]:
 
 def _stats(url: str, model: str) -> tuple[int, int]:
     """(inferences, executions) of `model` so far, as `bench` reads Triton's statistics."""
-    counters = read_statistics(InferenceServerClient(url))[model]
+    with TritonClient(f"grpc://{url}") as client:
+        counters = read_statistics(client)[model]
     return counters["inferences"], counters["executions"]
 
 

@@ -14,7 +14,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-from tritonclient.grpc import InferenceServerClient
 from typer.testing import CliRunner
 
 from bionemo_export.bench.run import read_statistics
@@ -123,7 +122,8 @@ def test_raw_kserve_v2_json_request_with_bytes_data(server):
 # ---------------------------------------------------------------------- the Python client
 def _stats(server, model: str) -> int:
     """The requests `model` has answered so far, as `bench` reads Triton's statistics."""
-    return read_statistics(InferenceServerClient(server.endpoints.grpc_url))[model]["requests"]
+    with TritonClient(f"grpc://{server.endpoints.grpc_url}") as client:
+        return read_statistics(client)[model]["requests"]
 
 
 @pytest.mark.e2e

@@ -71,7 +71,7 @@ def test_each_part_sits_in_one_layer():
 # the whole CLI (main imports every command module) and what those commands import when they run.
 SERVING_HOST_MODULES = (
     "bionemo_export.cli.main",
-    "bionemo_export.runtime.supervisor",
+    "bionemo_export.runtime.lifecycle",
     "bionemo_export.runtime.object_storage",
     "bionemo_export.runtime.doctor",
     "bionemo_export.runtime.engines",

@@ -124,7 +124,7 @@ def test_serve_leaves_nothing_in_the_temporary_folder(tiny_repo, tmp_path):
 
 
 class _DeadServer:
-    """A TritonServer whose process has just died (what `_start_supervisor` sees after a SIGKILL)."""
+    """A TritonServer whose process has just died (what `start_supervisor` sees after a SIGKILL)."""
 
     def is_running(self) -> bool:
         return False
@@ -139,14 +139,14 @@ def test_a_server_that_dies_while_the_supervisor_starts_is_a_crash_not_an_error(
     """Finding (CI): killed right after it was ready, the server reset the supervisor's first
     request and serve exited 1 instead of restarting it. Unreachable and dead: no supervisor, the
     loop restarts the server; unreachable but alive: still an error."""
-    from bionemo_export.cli.serve import _start_supervisor
     from bionemo_export.client.triton import ServerUnreachableError
+    from bionemo_export.runtime.lifecycle import start_supervisor
     from bionemo_export.runtime.supervisor import Supervisor
 
     (port,) = free_ports(1)  # nothing listens there
     supervisor = Supervisor(f"grpc://127.0.0.1:{port}", timeout=2)
-    # _start_supervisor asks its server only whether it is running: these two answer that alone
+    # start_supervisor asks its server only whether it is running: these two answer that alone
     dead, deaf = cast(TritonServer, _DeadServer()), cast(TritonServer, _LiveButDeafServer())
-    assert _start_supervisor(dead, None, supervisor, grace=1) is None
+    assert start_supervisor(dead, None, supervisor, grace=1, log=print) is None
     with pytest.raises(ServerUnreachableError):
-        _start_supervisor(deaf, None, supervisor, grace=0.2)
+        start_supervisor(deaf, None, supervisor, grace=0.2, log=print)

@@ -28,18 +28,12 @@ from bionemo_export import procfs
 from bionemo_export.client import EncoderClient
 from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.model_repository.reader import dependencies
 from bionemo_export.runtime import TritonServer, free_ports
+from bionemo_export.runtime.probes import ProbeResult, instance_model, probe_inputs
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
 from bionemo_export.runtime.stubs import Stub, server_stubs
-from bionemo_export.runtime.supervisor import (
-    Observation,
-    ProbeResult,
-    Supervisor,
-    dependencies,
-    instance_model,
-    pending_requests,
-    probe_inputs,
-)
+from bionemo_export.runtime.supervisor import Observation, Supervisor, pending_requests
 from tests.helpers import serve_process as sp
 from tests.helpers.tiny_repository import tiny_repository
 
@@ -537,16 +531,6 @@ def test_expected_instances_follow_the_config_triton_serves():
     assert supervisor.expected_instances("m_encoder") == {"m_encoder_0_0", "m_encoder_0_1"}
     assert supervisor.expected_instances("m_samplings") == {"m_samplings_0_0", "extra_0"}
     assert supervisor.expected_instances("m_embeddings") == set() == supervisor.expected_instances("m_graph")
-
-
-def test_restart_policy_doubles_its_pause_and_gives_up_on_repeated_crashes():
-    from bionemo_export.cli.serve import RestartPolicy
-
-    policy = RestartPolicy(max_crashes=4, window=600.0, first_pause=1.0, max_pause=3.0)
-    assert [policy.pause_after_crash(t) for t in (0.0, 10.0, 20.0)] == [1.0, 2.0, 3.0]
-    assert policy.pause_after_crash(30.0) is None  # the 4th crash within 10 minutes
-    spaced = RestartPolicy(max_crashes=2, window=600.0)
-    assert spaced.pause_after_crash(0.0) == 1.0 and spaced.pause_after_crash(700.0) == 1.0  # the first fell out
 
 
 def test_reaped_children_grows_when_a_child_ends_and_is_waited_for():

@@ -11,7 +11,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.client.repository import SAMPLING_INPUTS
-from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, is_public
+from bionemo_export.model_repository.reader import PUBLIC_SUFFIXES, is_public
 from bionemo_export.tasks import TASKS, DType, TensorDef, get_task, public_suffixes, served_api_table, task_of
 
 README = Path(__file__).resolve().parent.parent / "README.md"

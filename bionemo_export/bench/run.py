@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from bionemo_export import procfs
+from bionemo_export.client.triton import InferenceError, TritonClient
 from bionemo_export.errors import InvalidInputError, UserError
+from bionemo_export.model_repository.reader import dependencies
 from bionemo_export.runtime import PerfAnalyzer, TritonServer, find_perf_analyzer, find_tritonserver
 
 from .inputs import InputData, InputSpec, TensorSpec, generate_inputs
@@ -86,7 +88,7 @@ class LiveTarget:
 
     target: Target
     address: str
-    client: Any
+    client: TritonClient
     server: TritonServer | None
     server_version: str
     inputs: list[TensorSpec]
@@ -96,29 +98,12 @@ class LiveTarget:
     data_path: Path | None = None
 
     def config(self, model: str) -> dict:
-        return _model_config(self.client, model)
+        return self.client.model_config(model)
 
 
-def _client(protocol: str, address: str) -> Any:
-    if protocol == "grpc":
-        from tritonclient.grpc import InferenceServerClient
-    else:
-        from tritonclient.http import InferenceServerClient
-    return InferenceServerClient(address)
-
-
-def _model_config(client: Any, model: str) -> dict:
-    config = client.get_model_config(model, as_json=True) if _is_grpc(client) else client.get_model_config(model)
-    return config.get("config", config)
-
-
-def _is_grpc(client: Any) -> bool:
-    return type(client).__module__.startswith("tritonclient.grpc")
-
-
-def model_inputs(client: Any, model: str) -> list[TensorSpec]:
+def model_inputs(client: TritonClient, model: str) -> list[TensorSpec]:
     """The model's inputs from its config (shape without the batch axis when it batches)."""
-    config = _model_config(client, model)
+    config = client.model_config(model)
     specs = []
     for tensor in config.get("input", []):
         datatype = tensor.get("data_type", "TYPE_FP32").removeprefix("TYPE_")
@@ -128,20 +113,17 @@ def model_inputs(client: Any, model: str) -> list[TensorSpec]:
     return specs
 
 
-def composing_models(client: Any, model: str) -> list[str]:
-    """Every model an ensemble runs, depth first (empty for a plain model)."""
-    found: list[str] = []
+def composing_models(client: TritonClient, model: str) -> list[str]:
+    """Every model `model` runs (ensemble steps and BLS callees, through those they call), callees
+    first (empty for a plain model), from the configurations the server serves."""
 
-    def walk(name: str) -> None:
-        steps = _model_config(client, name).get("ensemble_scheduling", {}).get("step", [])
-        for step in steps:
-            child = step["model_name"]
-            if child not in found:
-                found.append(child)
-                walk(child)
+    def config_of(name: str) -> dict | None:
+        try:
+            return client.model_config(name)
+        except InferenceError:  # a callee the server does not know: Triton reports it on calls
+            return None
 
-    walk(model)
-    return found
+    return dependencies(model, config_of)
 
 
 def repository_max_residues(repository: Path, models: list[str]) -> int | None:
@@ -173,12 +155,12 @@ def open_target(target: Target, *, tritonserver: str | None = None, log_dir: Pat
             address = server.endpoints.grpc_url if target.protocol == "grpc" else server.endpoints.http_url
         else:
             address = target.url or ""
-        client = _client(target.protocol, address)
+        client = TritonClient(f"{target.protocol}://{address}")
         stack.callback(client.close)
         try:
-            if not client.is_model_ready(target.model):
+            if not client.model_ready(target.model):
                 raise BenchError(f"model {target.model!r} is not ready on {target.where}")
-            metadata = client.get_server_metadata(as_json=True) if _is_grpc(client) else client.get_server_metadata()
+            metadata = client.server_metadata()
             inputs = model_inputs(client, target.model)
             composing = composing_models(client, target.model)
         except BenchError:
@@ -215,10 +197,10 @@ class ModelStats:
         return {**asdict(self), "batch_size": round(self.batch_size, 3)}
 
 
-def read_statistics(client: Any) -> dict[str, dict[str, int]]:
+def read_statistics(client: TritonClient) -> dict[str, dict[str, int]]:
     """Raw counters of every model (name -> counter -> value); {} when the endpoint refuses."""
     try:
-        raw = client.get_inference_statistics(as_json=True) if _is_grpc(client) else client.get_inference_statistics()
+        raw = client.inference_statistics()
     except Exception:  # e.g. PyTriton's protected statistics endpoint
         return {}
     out: dict[str, dict[str, int]] = {}

@@ -16,10 +16,12 @@ def health(
     timeout: float = typer.Option(10.0, help="Seconds each request may take."),
 ) -> None:
     """Probe the public models (or those named) with one tiny real request each."""
-    from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, ControlClient, probe_model, public_models
+    from bionemo_export.client.triton import TritonClient
+    from bionemo_export.model_repository.reader import PUBLIC_SUFFIXES
+    from bionemo_export.runtime.probes import probe_model, public_models
 
     try:
-        client = ControlClient(url, timeout_s=timeout)
+        client = TritonClient(url, timeout_s=timeout)
     except ValueError as err:  # a URL scheme other than http/grpc
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

@@ -1,18 +1,13 @@
 """Serve a model repository with a real tritonserver in the foreground (Ctrl-C or SIGTERM stops it).
 
-Two levels of healing: a model that stops answering is reloaded alone (runtime/supervisor.py), and
-a tritonserver that dies (Triton 2.51 aborts on some hostile HTTP bodies, and on a stub dying at the
-wrong moment) is started again on the same ports after a pause that doubles with each crash
-(`RestartPolicy`); too many crashes in a row end `serve` with exit code 1 and the server's last log
-lines. Meanwhile the ports are closed, so health checks say not ready."""
+Options become a started server handed to runtime/lifecycle.py, which heals it (models reloaded
+alone, a dead tritonserver restarted with a doubling pause); too many crashes in a row end `serve`
+with exit code 1 and the server's last log lines."""
 
 from __future__ import annotations
 
 import os
 import signal
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -22,16 +17,15 @@ from rich.table import Table
 
 from bionemo_export.choices import GoldenCheck
 from bionemo_export.cli import NO_CHECK_HELP, check_files, reason
-from bionemo_export.client.triton import ServerUnreachableError
 from bionemo_export.runtime import (
     TritonNotFoundError,
     TritonServer,
     TritonStartError,
     find_tritonserver,
 )
+from bionemo_export.runtime.lifecycle import CrashLoopError, HealthSettings, RestartPolicy, keep_serving
 from bionemo_export.runtime.object_storage import S3RepositoryError, is_s3_uri
 from bionemo_export.runtime.server import NotAModelRepositoryError, check_model_repository
-from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, ControlClient, Supervisor, public_models
 from bionemo_export.serving.golden import CHECK_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -43,28 +37,6 @@ class _Stop(Exception):
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise _Stop()
-
-
-@dataclass
-class RestartPolicy:
-    """When a crashed tritonserver is started again: after `first_pause` seconds, doubling with each
-    crash up to `max_pause`, unless `max_crashes` crashes fell within the last `window` seconds
-    (then it is not a passing fault: give up)."""
-
-    max_crashes: int = 5
-    window: float = 600.0
-    first_pause: float = 1.0
-    max_pause: float = 30.0
-    crashes: deque = field(default_factory=deque)
-
-    def pause_after_crash(self, now: float) -> float | None:
-        """Record a crash at `now`; the seconds to wait before restarting, or None to give up."""
-        self.crashes.append(now)
-        while self.crashes and now - self.crashes[0] > self.window:
-            self.crashes.popleft()
-        if len(self.crashes) >= self.max_crashes:
-            return None
-        return min(self.first_pause * 2 ** (len(self.crashes) - 1), self.max_pause)
 
 
 def _log(line: str) -> None:
@@ -152,8 +124,9 @@ def serve(
     # Our own handlers whatever we inherited: a script's `serve &` starts us with SIGINT ignored,
     # and Python then leaves Ctrl-C ignored too.
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
-    supervisor: Supervisor | None = None
-    policy = RestartPolicy(max_crashes=max(1, max_restarts))
+    health = HealthSettings(interval=health_interval, timeout=health_timeout, load_timeout=timeout,
+                            stall_timeout=stall_timeout, leak_limit=max_kept_instances,
+                            stub_memory_limit=stub_memory_mb << 20)
     code = None
     try:
         console.print(f"Starting {install.binary} ({install.source}); log: {server.log_file}")
@@ -166,84 +139,24 @@ def serve(
         if isinstance(model_repository, Path):
             _ask_golden_answers(console, model_repository, server, golden_check)
         console.print("Serving. Press Ctrl-C to stop.")
-        while True:
-            supervisor = None
-            if health_interval > 0 and server.is_running():
-                # The manifest of an s3:// repository is not read; the server's index names the public models.
-                local = model_repository if isinstance(model_repository, Path) else None
-                supervisor = _start_supervisor(server, local, Supervisor(
-                    f"grpc://{server.endpoints.grpc_url}", metrics_url=server.endpoints.metrics_url,
-                    interval=health_interval, timeout=health_timeout, load_timeout=timeout,
-                    stall_timeout=stall_timeout, server_pid=server.pid, leak_limit=max_kept_instances,
-                    stub_memory_limit=stub_memory_mb << 20, log=_log), grace=health_timeout)
-            while server.is_running() and not (supervisor and supervisor.recycle_reason):
-                time.sleep(0.5)
-            if supervisor is not None:
-                supervisor.stop()
-            if server.is_running():  # the supervisor asked for a fresh server
-                _log("serve: restarting tritonserver on the same ports")
-                server.stop()
-            else:
-                exit_code = server.stop()
-                pause = policy.pause_after_crash(time.monotonic())
-                if pause is None:
-                    console.print(f"[red]tritonserver died {len(policy.crashes)} times within "
-                                  f"{policy.window / 60:.0f} minutes (last exit code {exit_code}); giving up."
-                                  f"[/red]\n{server.log_tail()}", highlight=False)
-                    raise typer.Exit(1)
-                _log(f"serve: tritonserver exited unexpectedly (exit code {exit_code}); restarting it in "
-                     f"{pause:g} s on the same ports. Its last log lines:\n{server.log_tail(10)}")
-                time.sleep(pause)
-            _restart(server, timeout)
+        # The manifest of an s3:// repository is not read; the server's index names the public models.
+        local = model_repository if isinstance(model_repository, Path) else None
+        keep_serving(server, local, health, RestartPolicy(max_crashes=max(1, max_restarts)), start_timeout=timeout,
+                     log=_log)
+    except CrashLoopError as err:
+        console.print(f"[red]{err}[/red]\n{err.log_tail}", highlight=False)
+        raise typer.Exit(1) from None
     except _Stop:
         console.print("Stopping tritonserver ...")
     finally:
         # A second signal during shutdown must not interrupt the shutdown itself.
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
-        if supervisor is not None:
-            supervisor.stop()
         code = server.stop()
         server.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     console.print(f"tritonserver stopped (exit code {code}).")
-
-
-def _restart(server: TritonServer, timeout: float) -> None:
-    """Start `server` again; a start that fails counts as a crash of the loop above (it sees the
-    server not running and pauses before the next try)."""
-    start = time.monotonic()
-    try:
-        server.start(timeout=timeout)
-        _log(f"serve: tritonserver is ready again ({time.monotonic() - start:.1f} s)")
-    except TritonStartError as err:
-        _log(f"serve: starting tritonserver again failed: {' '.join(str(err).split())[:400]}")
-
-
-def _start_supervisor(server: TritonServer, repository: Path | None, supervisor: Supervisor,
-                      grace: float) -> Supervisor | None:
-    """Start `supervisor` (gRPC: it runs in a thread, where tritonclient's HTTP client, gevent, is
-    not at home) on the public models of the repository's manifest, else the server's. A server
-    that dies while it is asked for them (found by a test killing it right after it was ready) is
-    no reason to end serve: None, and the loop restarts it as any crash."""
-    try:
-        with ControlClient(supervisor.url, timeout_s=supervisor.timeout) as client:
-            models = public_models(client, repository)
-    except ServerUnreachableError:
-        deadline = time.monotonic() + grace
-        while server.is_running() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if server.is_running():  # alive but not answering on its own port: not a crash to retry
-            raise
-        return None
-    if not models:
-        _log(f"health: no public models (names ending in {', '.join(PUBLIC_SUFFIXES)}) to probe")
-        return None
-    supervisor.watched = models
-    _log(f"health: watching {', '.join(models)}: stubs every {supervisor.watch_interval:g} s, idle models probed "
-         f"every {supervisor.interval:g} s")
-    return supervisor.start()
 
 
 def _ask_golden_answers(console: Console, repository: Path, server: TritonServer, mode: GoldenCheck) -> None:

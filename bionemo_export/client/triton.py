@@ -10,6 +10,7 @@ thread; `infer` is `submit(...).result()`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -101,7 +102,9 @@ def grpc_channel_args() -> list[tuple[str, int]]:
 
 
 class TritonClient:
-    """Run inference on one server over HTTP or gRPC.
+    """Run inference on one server over HTTP or gRPC, read its view of its models (configuration,
+    metadata, readiness, the repository index, statistics) and load and unload them: the package's
+    one Triton client (serve's supervisor, health, bench, tune and the clients use it).
 
     `concurrency` bounds the HTTP requests in flight at once (gRPC has no such bound)."""
 
@@ -214,6 +217,69 @@ class TritonClient:
     def max_batch_size(self, model: str) -> int:
         """The most rows one request to `model` may carry (0: the model takes no batch axis)."""
         return int(self.model_config(model).get("max_batch_size", 0))
+
+    # -- the server's view of its models, and model control ------------------------------------
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """Call a tritonclient method that answers JSON over HTTP and protobuf over gRPC; answer
+        JSON. Errors are raised as InferenceError or ServerUnreachableError, as for `infer`."""
+        kwargs: dict[str, Any] = {}
+        if self.url.protocol == "grpc":
+            kwargs["client_timeout"] = self.timeout_s
+            if method.startswith("get_"):
+                kwargs["as_json"] = True
+        return self._guarded(args[0] if args else str(self.url),
+                             lambda: getattr(self._client, method)(*args, **kwargs))
+
+    def server_metadata(self) -> dict:
+        """The server's name, version and extensions."""
+        return self._call("get_server_metadata")
+
+    def model_metadata(self, model: str) -> dict:
+        """Inputs and outputs with datatype and shape (the batch axis included, as -1)."""
+        metadata = self._call("get_model_metadata", model)
+        for tensor in (*metadata.get("inputs", ()), *metadata.get("outputs", ())):
+            tensor["shape"] = [int(d) for d in tensor.get("shape", ())]  # gRPC's JSON writes int64 as text
+        return metadata
+
+    def model_ready(self, model: str) -> bool:
+        return bool(self._call("is_model_ready", model))
+
+    def repository_index(self) -> list[dict]:
+        """Every model of the repository: name, version, state (READY, UNAVAILABLE, ...), reason."""
+        index = self._call("get_model_repository_index")
+        return index.get("models", []) if isinstance(index, dict) else index
+
+    def inference_statistics(self) -> dict:
+        """Triton's statistics API as JSON (`model_stats`: every loaded model's counters), which
+        answers without waiting behind inference work."""
+        return self._call("get_inference_statistics")
+
+    def completed_executions(self) -> dict[str, int]:
+        """Every loaded model's completed requests so far (successes and failures)."""
+        stats = self.inference_statistics()
+        counts: dict[str, int] = {}
+        for entry in stats.get("model_stats", ()) if isinstance(stats, dict) else ():
+            inference = entry.get("inference_stats") or {}
+            done = sum(int((inference.get(kind) or {}).get("count", 0)) for kind in ("success", "fail"))
+            counts[entry["name"]] = counts.get(entry["name"], 0) + done
+        return counts
+
+    def load_model(self, model: str, config: dict | None = None) -> None:
+        """Load (or reload) a model; with `config` (Triton's JSON of ModelConfig), with that
+        configuration instead of config.pbtxt's. Returns once it is loaded. Needs a server in
+        explicit model-control mode."""
+        self._configs.pop(model, None)  # a reload may change it
+        if config is None:
+            self._call("load_model", model)
+        else:
+            self._guarded(model, lambda: self._client.load_model(
+                model, config=json.dumps(config),
+                **({"client_timeout": self.timeout_s} if self.url.protocol == "grpc" else {})))
+
+    def unload_model(self, model: str) -> None:
+        self._configs.pop(model, None)
+        self._call("unload_model", model)
 
     def close(self) -> None:
         self._client.close()

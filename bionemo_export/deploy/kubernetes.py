@@ -41,8 +41,8 @@ from bionemo_export.choices import DeployTarget
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import deployment_note
 from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest, ManifestError
+from bionemo_export.model_repository.reader import RepositoryModels, RepositoryReadError
 from bionemo_export.runtime.server import check_model_repository
-from bionemo_export.runtime.supervisor import is_public
 
 # Triton's own ports (the plain Deployment) and those of KServe's Triton runtime, whose
 # container args KServe appends ours to (the runtime's `--model-store`/ports come first).
@@ -160,51 +160,32 @@ def _s3_location(uri: str) -> Any:
 
 
 def read_repository(path: Path) -> RepositoryFacts:
-    """The models of a generated repository, from its folders; DeployError (or the server's
-    NotAModelRepositoryError) naming the folder when it is not one Triton could serve."""
+    """The models of a generated repository, from its folders (model_repository/reader.py); DeployError
+    (or the server's NotAModelRepositoryError) naming the folder when it is not one Triton could serve."""
     if not path.is_dir():
         raise DeployError(f"{path} is not a folder: pass the local repository folder (where the cluster reads "
                           "its copy is `storage`)")
     check_model_repository(path)
-    models = tuple(sorted(child.name for child in path.iterdir() if (child / "config.pbtxt").is_file()))
+    try:
+        manifest = Manifest.read(path) if (path / MANIFEST_NAME).is_file() else None
+        found = RepositoryModels.read(path, manifest)
+    except ManifestError as err:
+        raise DeployError(f"{err}; rebuild the repository") from None
+    except RepositoryReadError as err:  # its message says to rebuild
+        raise DeployError(str(err)) from None
+    models = found.models
     if not models:
         raise DeployError(f"{path} has no model folder (a subfolder with config.pbtxt): pass a repository "
                           "built by `bionemo-export build repo`")
-    try:
-        manifest = Manifest.read(path) if (path / MANIFEST_NAME).is_file() else None
-    except ManifestError as err:
-        raise DeployError(f"{err}; rebuild the repository") from None
     if manifest is None:  # a repository not built by bionemo-export: its folders say it all
-        public = tuple(model for model in models if is_public(model))
-        return RepositoryFacts(path, path.name, models, public, None, _size(path),
-                               queue_limits=_queue_limits(path, models))
-    listed = tuple(manifest.public_models)
-    missing = [model for model in (*manifest.models, *listed) if model not in models]
+        return RepositoryFacts(path, path.name, models, found.public, None, _size(path),
+                               queue_limits=found.queue_limits())
+    missing = [model for model in (*manifest.models, *manifest.public_models) if model not in models]
     if missing:
         raise DeployError(f"{path}: {MANIFEST_NAME} names models that have no folder with a config.pbtxt: "
                           f"{', '.join(missing)}; rebuild the repository")
-    public = listed or tuple(model for model in models if is_public(model))
-    return RepositoryFacts(path, manifest.name or path.name, models, public, manifest.backend, _size(path),
-                           manifest.device, _queue_limits(path, models))
-
-
-def _queue_limits(path: Path, models: Iterable[str]) -> dict[str, int]:
-    """max_queue_size of every model whose config bounds its queue."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
-
-    limits = {}
-    for model in models:
-        config = path / model / "config.pbtxt"
-        try:
-            parsed = text_format.Parse(config.read_text(), mc.ModelConfig())
-        except (OSError, text_format.ParseError) as err:
-            raise DeployError(f"{config} is not a readable Triton model configuration ({err}); rebuild the "
-                              "repository") from None
-        size = parsed.dynamic_batching.default_queue_policy.max_queue_size
-        if size:
-            limits[model] = size
-    return limits
+    return RepositoryFacts(path, manifest.name or path.name, models, found.public, manifest.backend, _size(path),
+                           manifest.device, found.queue_limits())
 
 
 def _size(path: Path) -> int:

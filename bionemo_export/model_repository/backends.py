@@ -419,6 +419,12 @@ def graph_backend(plan: ModelPlan) -> type[ServingBackend] | None:
     return next((cls for cls in BACKENDS.values() if cls.owns(plan)), None)
 
 
+def runs_python(triton_backend: str) -> bool:
+    """Whether a model of the tritonserver backend `triton_backend` (a config.pbtxt's `backend`)
+    runs Python code: a serving backend whose graphs run inside Python-backend models uses it."""
+    return any(cls.runs_python and cls.triton_backend == triton_backend for cls in BACKENDS.values())
+
+
 def resolve_auto(can_load: Callable[[str], bool] | None) -> str:
     """The backend `auto` picks on a host whose tritonserver loads the backends `can_load` accepts
     (None: none found): the available one of lowest `auto_preference`."""

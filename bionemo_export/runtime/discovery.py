@@ -26,11 +26,6 @@ from bionemo_export.errors import UserError
 
 CONTAINER_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")
 
-# Backends a model repository built by this tool may ask for, keyed by the platform / backend
-# name used in config.pbtxt.
-KNOWN_BACKENDS = ("python", "onnxruntime", "tensorrt", "pytorch")
-
-
 class TritonNotFoundError(UserError, RuntimeError):
     """No usable tritonserver could be found or prepared."""
 

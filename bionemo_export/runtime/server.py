@@ -14,7 +14,6 @@ remove the ones a failed start leaks from /dev/shm without touching any other se
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import re
 import secrets
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from bionemo_export.client.triton import TritonClient
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.manifest import Manifest
 
@@ -447,21 +447,19 @@ class TritonServer:
             return f"Errors in the server log:\n{shown}\n(full log: {self.log_file})"
         return f"Last lines of {self.log_file}:\n{self.log_tail(lines)}"
 
-    def _get_json(self, path: str) -> dict | list:
-        with urllib.request.urlopen(f"http://{self.endpoints.http_url}{path}", timeout=10) as response:
-            return json.loads(response.read())
+    def client(self, timeout_s: float = 10.0) -> TritonClient:
+        """The package's Triton client for this server (HTTP): its metadata, models, inference."""
+        return TritonClient(f"http://{self.endpoints.http_url}", timeout_s=timeout_s)
 
     def metadata(self) -> dict:
         """Server metadata: name, version and supported extensions (`GET /v2`)."""
-        return self._get_json("/v2")  # type: ignore[return-value]
+        with self.client() as client:
+            return client.server_metadata()
 
     def model_states(self) -> list[dict]:
         """Every model in the repository with its state (READY, UNAVAILABLE, ...) and reason."""
-        request = urllib.request.Request(
-            f"http://{self.endpoints.http_url}/v2/repository/index", data=b"{}", method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
+        with self.client() as client:
+            return client.repository_index()
 
 
 def probe_server(install: TritonInstall | None = None, timeout: float = 60.0) -> dict:

@@ -30,48 +30,26 @@ A load is watched while it runs: when a stub of the new instances dies before th
 Python backend waits for it for good (measured: a load still pending after 90 s), so that, or a
 load past `load_timeout`, asks for a tritonserver restart instead of waiting.
 
-`probe_model()` is the probe (the `health` command runs it once per model); `Supervisor` runs the
-checks beside `serve`.
+The probe is runtime/probes.py's (the `health` command runs it once per model); the call graph is
+the repository reader's (model_repository/reader.py); `Supervisor` runs the checks beside `serve`
+(runtime/lifecycle.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import numpy as np
+from bionemo_export.client.triton import TritonClient
+from bionemo_export.model_repository.reader import dependencies
 
-from bionemo_export.client.triton import (
-    TURNED_AWAY,
-    InferenceError,
-    ServerUnreachableError,
-    TritonClient,
-    strings_to_tensor,
-)
-from bionemo_export.errors import InvalidInputError
-from bionemo_export.model_repository.manifest import Manifest
-from bionemo_export.model_repository.parameters import BLS_MODELS  # written by the planners
-from bionemo_export.tasks import DType, public_suffixes, task_of
-
+from .probes import ProbeResult, instance_model, one_line, probe_model, public_models
 from .stubs import Stub, reaped_children, server_stubs
 
-# Public models are named <name>_<task> (bionemo_export/tasks.py); everything else is internal.
-PUBLIC_SUFFIXES = public_suffixes()
-# Optional config parameter of a public model: the sequence its probe sends.
-HEALTH_PROBE = "health_probe"
-# Valid in every alphabet served here: cysteine for protein models, methane for SMILES models.
-PROBE_SEQUENCE = "C"
-# How a request to a model instance whose stub process died fails, naming the instance
-# (<model>_<group>_<index>): never transient (the Python backend does not restart stubs), so no
-# second probe is needed to confirm it, and the model to reload is known.
-DEAD_STUB = re.compile(r"Stub process '(?P<instance>[^']+)' is not healthy")
 # The config parameter whose new value makes Triton's load API build fresh instances of a model
 # whose files did not change (a load of an unchanged model is otherwise a no-op).
 GENERATION = "supervisor_generation"
@@ -84,175 +62,6 @@ LOST_STUB_GRACE_S = 5.0
 PENDING_METRIC = re.compile(r'^nv_inference_pending_request_count\{model="(?P<model>[^"]+)",[^}]*\}\s+(?P<value>\S+)$')
 
 Log = Callable[[str], None]
-
-
-def is_public(model: str) -> bool:
-    return model.endswith(PUBLIC_SUFFIXES)
-
-
-class ControlClient(TritonClient):
-    """A TritonClient that also reads the server's view of its models (metadata, readiness, the
-    repository index) and loads and unloads them; over HTTP or gRPC alike, answers as JSON-like
-    dicts. Loading and unloading needs a server in explicit model-control mode."""
-
-    def _call(self, method: str, *args: Any) -> Any:
-        """Call a tritonclient method that answers JSON over HTTP and protobuf over gRPC; answer
-        JSON. Errors are raised as InferenceError or ServerUnreachableError, as for `infer`."""
-        kwargs: dict[str, Any] = {}
-        if self.url.protocol == "grpc":
-            kwargs["client_timeout"] = self.timeout_s
-            if method.startswith("get_"):
-                kwargs["as_json"] = True
-        return self._guarded(args[0] if args else str(self.url),
-                             lambda: getattr(self._client, method)(*args, **kwargs))
-
-    def model_metadata(self, model: str) -> dict:
-        """Inputs and outputs with datatype and shape (the batch axis included, as -1)."""
-        metadata = self._call("get_model_metadata", model)
-        for tensor in (*metadata.get("inputs", ()), *metadata.get("outputs", ())):
-            tensor["shape"] = [int(d) for d in tensor.get("shape", ())]  # gRPC's JSON writes int64 as text
-        return metadata
-
-    def model_ready(self, model: str) -> bool:
-        return bool(self._call("is_model_ready", model))
-
-    def repository_index(self) -> list[dict]:
-        """Every model of the repository: name, version, state (READY, UNAVAILABLE, ...), reason."""
-        index = self._call("get_model_repository_index")
-        return index.get("models", []) if isinstance(index, dict) else index
-
-    def load_model(self, model: str, config: dict | None = None) -> None:
-        """Load a model; with `config` (Triton's JSON of ModelConfig), load it with that
-        configuration instead of config.pbtxt's. Returns once it is loaded."""
-        if config is None:
-            self._call("load_model", model)
-        else:
-            self._guarded(model, lambda: self._client.load_model(
-                model, config=json.dumps(config),
-                **({"client_timeout": self.timeout_s} if self.url.protocol == "grpc" else {})))
-
-    def completed_executions(self) -> dict[str, int]:
-        """Every loaded model's completed requests so far (successes and failures), from Triton's
-        statistics API, which answers without waiting behind inference work."""
-        stats = self._call("get_inference_statistics")
-        counts: dict[str, int] = {}
-        for entry in stats.get("model_stats", ()) if isinstance(stats, dict) else ():
-            inference = entry.get("inference_stats") or {}
-            done = sum(int((inference.get(kind) or {}).get("count", 0)) for kind in ("success", "fail"))
-            counts[entry["name"]] = counts.get(entry["name"], 0) + done
-        return counts
-
-    def unload_model(self, model: str) -> None:
-        self._call("unload_model", model)
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One probe of one model: did it answer, how long it took, and the error if not."""
-
-    model: str
-    ok: bool
-    seconds: float
-    error: str = ""
-
-    @property
-    def turned_away(self) -> bool:
-        """Admission control refused the probe (client/triton.py's TURNED_AWAY): the model is alive
-        and saturated."""
-        return not self.ok and any(marker in self.error for marker in TURNED_AWAY)
-
-    @property
-    def dead_instance(self) -> str | None:
-        """The instance (<model>_<group>_<index>) whose stub the error says died, if it says so."""
-        match = DEAD_STUB.search(self.error)
-        return match.group("instance") if match else None
-
-    def line(self) -> str:
-        """One line for people and logs: `ok    esm2_embeddings  0.012 s`, `busy  ...` (turned away
-        by admission control) or `FAIL  ...  error`."""
-        word = "ok" if self.ok else "busy" if self.turned_away else "FAIL"
-        return f"{word:<5} {self.model}  {self.seconds:.3f} s" + (f"  {self.error}" if self.error else "")
-
-
-def _parameter(config: dict, key: str) -> str | None:
-    value = (config.get("parameters") or {}).get(key)
-    return value.get("string_value") if isinstance(value, dict) else None
-
-
-def probe_inputs(config: dict, metadata: dict) -> dict[str, np.ndarray]:
-    """The smallest valid request for a public model, from its task's required inputs (tasks.py):
-    one sequence (the config's `health_probe` parameter, else "C"); for hidden states, one position
-    of zeros [1, 1, H] (H from the model's metadata) with its mask True. Optional inputs keep their
-    defaults."""
-    name = metadata.get("name", "")
-    task = task_of(name)
-    if task is None:
-        raise InvalidInputError(f"{name}: not a public model (a name ending in {', '.join(PUBLIC_SUFFIXES)})")
-    served = {tensor["name"]: tensor for tensor in metadata.get("inputs", ())}
-    probe: dict[str, np.ndarray] = {}
-    for tensor in task.required_inputs:
-        if tensor.dtype is DType.BYTES:
-            probe[tensor.name] = strings_to_tensor([_parameter(config, HEALTH_PROBE) or PROBE_SEQUENCE])
-            continue
-        # Every other required input is per position ([-1] or [-1, H]): one position.
-        dims = list(served.get(tensor.name, {}).get("shape", [-1, *tensor.shape()]))[1:]
-        if any(d < 1 for d in dims[1:]):
-            raise ValueError(f"{name}: the {tensor.name} input has no fixed size after its length: {dims}")
-        value = np.ones if tensor.dtype is DType.BOOL else np.zeros
-        probe[tensor.name] = value((1, 1, *dims[1:]), dtype=tensor.dtype.numpy)
-    return probe
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err) if isinstance(err, (InferenceError, ServerUnreachableError)) else f"{type(err).__name__}: {err}"
-    return " ".join(text.split())[:400]
-
-
-def probe_model(client: ControlClient, model: str) -> ProbeResult:
-    """Send `model` its probe request and report whether it answered (within the client's timeout)."""
-    start = time.monotonic()
-    try:
-        client.infer(model, probe_inputs(client.model_config(model), client.model_metadata(model)))
-    except Exception as err:  # whatever went wrong, the model did not answer
-        return ProbeResult(model, False, time.monotonic() - start, _one_line(err))
-    return ProbeResult(model, True, time.monotonic() - start)
-
-
-def public_models(client: ControlClient, repository: Path | None = None) -> list[str]:
-    """The public models: the `public_models` of the repository's manifest.json when there is one,
-    else every model of the server's index named like a public one."""
-    if repository is not None:
-        try:
-            listed = Manifest.read(repository).public_models
-        except (OSError, ValueError):  # no manifest, or not one: ask the server
-            listed = None
-        if listed:
-            return list(listed)
-    return list(dict.fromkeys(m["name"] for m in client.repository_index() if is_public(m["name"])))
-
-
-def dependencies(model: str, config_of: Callable[[str], dict | None]) -> list[str]:
-    """Every model `model` calls, directly or through others (ensemble steps; BLS calls named by the
-    `bls_models` parameter), each after the models it calls itself: the order to load them in."""
-    order: list[str] = []
-
-    def visit(name: str, path: tuple[str, ...]) -> None:
-        config = config_of(name) or {}
-        callees = [step["model_name"] for step in (config.get("ensemble_scheduling") or {}).get("step", ())]
-        callees += [callee.strip() for callee in (_parameter(config, BLS_MODELS) or "").split(",") if callee.strip()]
-        for callee in callees:
-            if callee not in order and callee not in path:  # a cycle is Triton's error to report
-                visit(callee, (*path, callee))
-                order.append(callee)
-
-    visit(model, (model,))
-    return order
-
-
-
-def instance_model(instance: str) -> str:
-    """The model an instance name (<model>_<group>_<index>) belongs to."""
-    return re.sub(r"_\d+_\d+$", "", instance)
 
 
 def pending_requests(metrics_url: str, timeout: float = 5.0) -> dict[str, int]:
@@ -336,21 +145,21 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Created by the thread that uses them (the HTTP client is not shared across threads).
-        self._probe_client: ControlClient | None = None
-        self._control_client: ControlClient | None = None
+        self._probe_client: TritonClient | None = None
+        self._control_client: TritonClient | None = None
 
     # -- clients and what the server says ------------------------------------------------------
 
     @property
-    def probe_client(self) -> ControlClient:
+    def probe_client(self) -> TritonClient:
         if self._probe_client is None:
-            self._probe_client = ControlClient(self.url, timeout_s=self.timeout)
+            self._probe_client = TritonClient(self.url, timeout_s=self.timeout)
         return self._probe_client
 
     @property
-    def control_client(self) -> ControlClient:
+    def control_client(self) -> TritonClient:
         if self._control_client is None:
-            self._control_client = ControlClient(self.url, timeout_s=self.load_timeout)
+            self._control_client = TritonClient(self.url, timeout_s=self.load_timeout)
         return self._control_client
 
     def models(self) -> list[str]:
@@ -516,7 +325,7 @@ class Supervisor:
                     return
                 self.log(f"health: reloaded {model} ({time.monotonic() - start:.1f} s)")
             except Exception as err:
-                self.log(f"health: loading {model} failed: {_one_line(err)}")
+                self.log(f"health: loading {model} failed: {one_line(err)}")
             self._instances.pop(model, None)  # learnt again from the new stubs
 
     def _load(self, model: str, config: dict) -> bool:
@@ -538,7 +347,7 @@ class Supervisor:
 
         def load() -> None:
             try:  # the client's own deadline only ends the thread; the supervisor judges first
-                with ControlClient(self.url, timeout_s=self.load_timeout + 60) as client:
+                with TritonClient(self.url, timeout_s=self.load_timeout + 60) as client:
                     client.load_model(model, config)
                 outcome.append(None)
             except BaseException as err:  # handed to the supervisor's thread
@@ -630,7 +439,7 @@ class Supervisor:
                     else:
                         self.watch()
                 except Exception as err:  # the server may be busy or restarting; never stop watching
-                    self.log(f"health: check failed: {_one_line(err)}")
+                    self.log(f"health: check failed: {one_line(err)}")
         finally:
             for client in (self._probe_client, self._control_client):
                 if client is not None:

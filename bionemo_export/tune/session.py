@@ -18,8 +18,10 @@ from typing import Any
 
 from bionemo_export.bench.inputs import InputSpec, generate_inputs
 from bionemo_export.bench.run import BenchError, LiveTarget, Target, measure, open_target
+from bionemo_export.model_repository.backends import runs_python
 from bionemo_export.model_repository.parameters import BLS_MODELS
 from bionemo_export.model_repository.pbtxt import ModelConfig, read_config, write_config
+from bionemo_export.model_repository.reader import RepositoryModels
 from bionemo_export.runtime import PerfAnalyzer, find_perf_analyzer
 
 from .search import Candidate, Point
@@ -46,36 +48,17 @@ def working_copy(repository: Path, work: Path) -> Path:
     return work
 
 
-def served_models(repository: Path, model: str) -> list[str]:
-    """Every model `model` runs, itself first: its ensemble steps and the models it (or they) call
-    through BLS (config parameter BLS_MODELS), depth first."""
-    found: list[str] = []
-
-    def walk(name: str) -> None:
-        if name in found or not (repository / name / "config.pbtxt").is_file():
-            return
-        found.append(name)
-        config = read_config(repository / name)
-        for step in config.ensemble_scheduling.step:
-            walk(step.model_name)
-        if BLS_MODELS in config.parameters:
-            for callee in config.parameters[BLS_MODELS].string_value.split(","):
-                walk(callee.strip())
-
-    walk(model)
-    return found
-
-
 def tunable_models(repository: Path, model: str) -> list[str]:
-    """The models the search tunes behind `model`: the dynamically batched models it runs that
-    run a graph (their settings split the host's cores), BLS callers aside (their instances bound
-    the work of long requests, not the host's speed)."""
+    """The models the search tunes behind `model`: the dynamically batched models it runs
+    (model_repository/reader.py: ensemble steps and BLS callees) that run a graph (their settings
+    split the host's cores), BLS callers aside (their instances bound the work of long requests,
+    not the host's speed)."""
     tuned = []
-    for name in served_models(repository, model):
+    for name in RepositoryModels.read(repository).runs(model):
         config = read_config(repository / name)
         parameters = dict(config.parameters)
         if is_tunable(config) and BLS_MODELS not in parameters and (
-                "intra_op_threads" in parameters or config.backend != "python"):
+                "intra_op_threads" in parameters or not runs_python(config.backend)):
             tuned.append(name)
     return tuned
 
@@ -147,7 +130,7 @@ class TuneSession:
                 raise BenchError(f"{name} did not load with {settings.describe()}: {err}; see the server log in "
                                  f"{self.out_dir}") from err
             self.current[name] = settings
-        if not self.live.client.is_model_ready(self.model):
+        if not self.live.client.model_ready(self.model):
             self.live.client.load_model(self.model)
 
     def measure(self, candidate: Candidate, concurrency: int) -> Point:
