@@ -38,12 +38,12 @@ from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.model_repository.plan import RepositoryPlan
+from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import seq2seq_graph_specs
 from bionemo_export.serving.host import NO_VNNI_FOLDER
-from bionemo_export.tasks import get_task
+from bionemo_export.tasks import TASKS, Graph, Requirement, get_task, planned_by
 
 Progress = Callable[[str], None]
 LOG = logging.getLogger(__name__)
@@ -248,31 +248,44 @@ def _log_tail(workspace: Path | None, lines: int = 20) -> str:
     return "\n".join(tails) or "(Model Navigator wrote no log)"
 
 
+def _other_tasks(loaded: LoadedModel) -> str:
+    return ", ".join(loaded.family.tasks[:2])
+
+
+MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
+    Requirement.ENCODER: lambda loaded, names: f"{loaded.checkpoint} has no encoder",
+    Requirement.DECODER: (
+        lambda loaded, names: f"{loaded.checkpoint} has no decoder: it cannot serve {', '.join(names)}; build "
+                              f"{_other_tasks(loaded)} from it, or give an encoder-decoder checkpoint"),
+    Requirement.LM_HEAD: (
+        lambda loaded, names: f"{loaded.checkpoint} has no masked-LM head (it is not a *ForMaskedLM checkpoint): "
+                              f"it cannot serve {', '.join(names)}; build {_other_tasks(loaded)} from it, or give a "
+                              "checkpoint with the head"),
+    Requirement.CLASSIFIER: (
+        lambda loaded, names: f"{loaded.checkpoint} has no fine-tuned head (it is not a *ForSequenceClassification "
+                              f"or *ForTokenClassification checkpoint): it cannot serve {', '.join(names)}; build "
+                              f"{_other_tasks(loaded)} from it, or give a fine-tuned checkpoint"),
+    Requirement.ONE_CHARACTER_RESIDUES: (
+        lambda loaded, names: f"{loaded.checkpoint}: {', '.join(names)} need one character per residue and a mask "
+                              f"token; this model's alphabet is {', '.join(loaded.alphabet[:8])}...: build logits "
+                              "instead"),
+}
+"""What a build asked for tasks whose requirements the checkpoint lacks says (LoadedModel.carries);
+checked in this order, the first missing requirement naming the tasks that need it."""
+
+
 def servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> tuple[str, ...]:
-    """`tasks` that this checkpoint can serve. The masked-LM tasks need a head: asked for without
-    one, they are an error naming the checkpoint; by default they are left out. N_scores calls
-    N_logits, so scores brings logits along."""
-    needs_head = [t for t in tasks if get_task(t).requires == "lm_head"]
-    if needs_head and loaded.lm_head is None:
-        if asked:
-            raise BuildError(f"{loaded.checkpoint} has no masked-LM head (it is not a *ForMaskedLM checkpoint): "
-                             f"it cannot serve {', '.join(needs_head)}; build {', '.join(loaded.family.tasks[:2])} "
-                             "from it, or give a checkpoint with the head")
-        tasks = tuple(t for t in tasks if t not in needs_head)
-    needs_classifier = [t for t in tasks if get_task(t).requires == "classifier"]
-    if needs_classifier and loaded.classifier is None:
-        if asked:
-            raise BuildError(f"{loaded.checkpoint} has no fine-tuned head (it is not a *ForSequenceClassification "
-                             f"or *ForTokenClassification checkpoint): it cannot serve {', '.join(needs_classifier)}; "
-                             f"build {', '.join(loaded.family.tasks[:2])} from it, or give a fine-tuned checkpoint")
-        tasks = tuple(t for t in tasks if t not in needs_classifier)
-    if "scores" in tasks and not loaded.serves_scores:
-        if asked:
-            raise BuildError(f"{loaded.checkpoint}: scores need one character per residue and a mask token; this "
-                             f"model's alphabet is {', '.join(loaded.alphabet[:8])}...: build logits instead")
-        tasks = tuple(t for t in tasks if t != "scores")
-    if "scores" in tasks and "logits" not in tasks:
-        tasks = (*tasks, "logits")
+    """`tasks` that this checkpoint can serve (each task entry's `requires`): asked for without
+    what they require, they are an error naming the checkpoint; by default they are left out. A
+    task brings along the tasks whose models it calls (its `calls`: N_scores calls N_logits)."""
+    for requirement, missing in MISSING.items():
+        needing = [t for t in tasks if requirement in get_task(t).requires]
+        if needing and not loaded.carries(requirement):
+            if asked:
+                raise BuildError(missing(loaded, needing))
+            tasks = tuple(t for t in tasks if t not in needing)
+    for task in tasks:
+        tasks += tuple(called for called in get_task(task).calls if called not in tasks)
     return tasks
 
 
@@ -295,30 +308,60 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                              picks_cpu_graph=picks_cpu_graph)
 
-    # Reduced precision applies to the encoder; decoder graphs stay fp32 (greedy decodes are exact).
-    graphs = {"encoder": export("encoder", loaded.encoder, loaded.inputs, loaded.outputs, batches,
-                                precision=request.precision, optimize=request.optimize and cpu_optimized)}
-    if loaded.seq2seq is not None and {"decodes", "samplings"} & set(tasks):
-        specs = seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size)
-        cross_batches, step_batches = decoder_check_batches(loaded, batches)
-        for name, module, graph_batches in (("cross_kv", loaded.seq2seq.cross_kv, cross_batches),
-                                            ("decoder_step", loaded.seq2seq.decoder_step, step_batches)):
-            inputs, outputs = specs[name]
-            # Key/value outputs are [layers, batch, ...]: compare them whole, not per position.
-            # Decoder graphs are stored as exported: the fused attention of decoder_step passed the
-            # export check but failed when served at batch > 1 (its attention_bias broadcast over the
-            # batch instead of the heads), so they are not optimized until that is fixed and tested.
-            graphs[name] = export(name, module, inputs, outputs, graph_batches, mask_input="")
-    if loaded.lm_head is not None and "logits" in tasks:
-        # Small and position-wise: stored as exported, in fp32 whatever the encoder's precision.
-        graphs["lm_head"] = export("lm_head", loaded.lm_head, loaded.lm_head_inputs, loaded.lm_head_outputs,
-                                   lm_head_check_batches(loaded))
-    if loaded.classifier is not None and "predictions" in tasks:
-        # Small: stored as exported, in fp32 whatever the encoder's precision. A sequence head reads
-        # position 0 only: the check batches' padding mask applies to token heads' [B, L, C] logits.
-        graphs["classifier"] = export("classifier", loaded.classifier, loaded.lm_head_inputs,
-                                      loaded.classifier_outputs, lm_head_check_batches(loaded))
+    # Reduced precision and graph optimization apply to the encoder's graph; the others are stored
+    # as exported in fp32 (see GRAPH_EXPORTS).
+    needed = {Graph.ENCODER} | {graph for task in tasks for graph in get_task(task).graphs}
+    graphs = {}
+    for graph, how in GRAPH_EXPORTS.items():  # in a fixed order: the manifest records them so
+        if graph in needed:
+            module, inputs, outputs, graph_batches = how.source(loaded, batches)
+            settings = {"precision": request.precision, "optimize": request.optimize and cpu_optimized}
+            graphs[graph.value] = export(graph.value, module, inputs, outputs, graph_batches,
+                                         mask_input=how.mask_input, **(settings if how.encoder else {}))
     return graphs
+
+
+@dataclass(frozen=True)
+class GraphExport:
+    """Where a graph of tasks.Graph comes from: `source(loaded, encoder check batches)` gives the
+    module, its input and output specs and the batches that check the export against it."""
+
+    source: Callable[[LoadedModel, list[dict]], tuple[Any, Any, Any, list[dict]]]
+    mask_input: str = "attention_mask"
+    """The input whose zeros mark padding in the check (""): outputs compared whole)."""
+    encoder: bool = False
+    """Exported in the request's precision and graph-optimized (the encoder's graph only)."""
+
+
+def _seq2seq_graph(name: str) -> GraphExport:
+    """cross_kv or decoder_step. Key/value outputs are [layers, batch, ...]: compared whole, not per
+    position. Decoder graphs are stored as exported: the fused attention of decoder_step passed the
+    export check but failed when served at batch > 1 (its attention_bias broadcast over the batch
+    instead of the heads), so they are not optimized until that is fixed and tested."""
+
+    def source(loaded: LoadedModel, batches: list[dict]) -> tuple[Any, Any, Any, list[dict]]:
+        seq2seq = loaded.seq2seq
+        assert seq2seq is not None  # Requirement.DECODER: servable_tasks left the task out otherwise
+        inputs, outputs = seq2seq_graph_specs(seq2seq, loaded.hidden_size)[name]
+        cross_batches, step_batches = decoder_check_batches(loaded, batches)
+        return (getattr(seq2seq, name), inputs, outputs, cross_batches if name == "cross_kv" else step_batches)
+
+    return GraphExport(source, mask_input="")
+
+
+GRAPH_EXPORTS: dict[Graph, GraphExport] = {
+    Graph.ENCODER: GraphExport(lambda loaded, batches: (loaded.encoder, loaded.inputs, loaded.outputs, batches),
+                               encoder=True),
+    Graph.CROSS_KV: _seq2seq_graph("cross_kv"),
+    Graph.DECODER_STEP: _seq2seq_graph("decoder_step"),
+    # Small and position-wise. A sequence head reads position 0 only: the check batches' padding
+    # mask applies to token heads' [B, L, C] logits.
+    Graph.LM_HEAD: GraphExport(lambda loaded, batches: (loaded.lm_head, loaded.lm_head_inputs,
+                                                        loaded.lm_head_outputs, lm_head_check_batches(loaded))),
+    Graph.CLASSIFIER: GraphExport(lambda loaded, batches: (loaded.classifier, loaded.lm_head_inputs,
+                                                           loaded.classifier_outputs, lm_head_check_batches(loaded))),
+}
+"""How each graph a task entry names is exported, in the order a build exports them."""
 
 
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
@@ -409,28 +452,63 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
 
 def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
           graphs: dict[str, ExportedGraph]) -> RepositoryPlan:
-    level = graphs["encoder"].record.optimization.serving_graph_optimization_level
-    if loaded.seq2seq is None:
-        plan = plan_encoder_repository(request.name, family=loaded.family.name, hidden_size=loaded.hidden_size,
-                                       tokenizer=loaded.tokenizer, onnx_files=graphs["encoder"].files, tasks=tasks,
-                                       options=serving, graph_optimization_level=level)
-        if "lm_head" in graphs:
-            plan.models += plan_masked_lm_models(request.name, hidden_size=loaded.hidden_size,
-                                                 head=_head(loaded, graphs["lm_head"].files["model.onnx"]),
-                                                 tasks=tasks, options=serving, max_length=loaded.tokenizer.max_length)
-            plan.validate()
-        if "classifier" in graphs:
-            head = loaded.classifier
-            assert head is not None  # a classifier graph is exported only for a checkpoint with one
-            plan.models += plan_classifier_models(
-                request.name, hidden_size=loaded.hidden_size, tasks=tasks, options=serving,
-                head=ClassifierGraph(graphs["classifier"].files["model.onnx"], head.labels, head.problem_type,
-                                     head.per_token),
-                max_length=loaded.tokenizer.max_length, family=loaded.family.name)
-            plan.validate()
-        return plan
+    """The repository's plan: the encoder's (or, for an encoder-decoder family, the seq2seq
+    planner's, which also plans the encoder tasks), then the models each other planner named by
+    the tasks' entries adds to it, in the table's order."""
+    base = "encoder" if loaded.seq2seq is None else "seq2seq"
+    plan = RepositoryPlan(PLANNERS[base](request, loaded, tasks, serving, graphs))
+    plan.validate()
+    for planner in dict.fromkeys(get_task(task).planner for task in TASKS if task in tasks):
+        if planner in ("encoder", "seq2seq"):
+            continue
+        if planner not in PLANNERS:
+            raise BuildError(f"task {', '.join(planned_by(planner))} names the planner {planner!r}, which "
+                             f"build.PLANNERS does not have (it has {', '.join(PLANNERS)}): add its function there")
+        plan.models += PLANNERS[planner](request, loaded, tasks, serving, graphs)
+        plan.validate()
+    return plan
+
+
+def _plan_encoder(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                  graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    return plan_encoder_repository(
+        request.name, family=loaded.family.name, hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
+        onnx_files=graphs["encoder"].files, tasks=tasks, options=serving,
+        graph_optimization_level=graphs["encoder"].record.optimization.serving_graph_optimization_level).models
+
+
+def _plan_seq2seq(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                  graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    assert loaded.seq2seq is not None  # planned for encoder-decoder families only (_plan)
     return plan_seq2seq_repository(
         request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
         onnx_files={name: graph.files for name, graph in graphs.items()},
         max_decode_length=request.max_decode_length, family=loaded.family.name, hidden_size=loaded.hidden_size,
-        tokenizer=loaded.tokenizer, tasks=tasks, options=serving, graph_optimization_level=level)
+        tokenizer=loaded.tokenizer, tasks=tasks, options=serving,
+        graph_optimization_level=graphs["encoder"].record.optimization.serving_graph_optimization_level).models
+
+
+def _plan_masked_lm(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                    graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    return plan_masked_lm_models(request.name, hidden_size=loaded.hidden_size,
+                                 head=_head(loaded, graphs["lm_head"].files["model.onnx"]),
+                                 tasks=tasks, options=serving, max_length=loaded.tokenizer.max_length)
+
+
+def _plan_classifier(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                     graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    head = loaded.classifier
+    assert head is not None  # Requirement.CLASSIFIER: servable_tasks left the task out otherwise
+    return plan_classifier_models(
+        request.name, hidden_size=loaded.hidden_size, tasks=tasks, options=serving,
+        head=ClassifierGraph(graphs["classifier"].files["model.onnx"], head.labels, head.problem_type,
+                             head.per_token),
+        max_length=loaded.tokenizer.max_length, family=loaded.family.name)
+
+
+Planner = Callable[[BuildRequest, LoadedModel, tuple[str, ...], ServingOptions, dict[str, ExportedGraph]],
+                   list[ModelPlan]]
+PLANNERS: dict[str, Planner] = {"encoder": _plan_encoder, "seq2seq": _plan_seq2seq, "masked_lm": _plan_masked_lm,
+                                "classifier": _plan_classifier}
+"""Each task entry's `planner` by name: the function that plans its models from the exported
+graphs (model_repository/). encoder or seq2seq plans the repository; the others add to it."""

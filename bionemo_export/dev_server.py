@@ -92,20 +92,10 @@ class DevModels:
 
     @property
     def tasks(self) -> tuple[str, ...]:
-        """The public models this checkpoint serves, as a repository built from it would: decodes
-        and samplings where it decodes, logits and scores where it has a masked-LM head (scores
-        where its residues are one character each), predictions where it has a fine-tuned head."""
-        loaded = self.loaded
-        tasks = ["embeddings", "hiddens"]
-        if loaded.seq2seq is not None:
-            tasks += ["decodes", "samplings"]
-        if loaded.lm_head is not None:
-            tasks.append("logits")
-            if loaded.serves_scores:
-                tasks.append("scores")
-        if getattr(loaded, "classifier", None) is not None:
-            tasks.append("predictions")
-        return tuple(tasks)
+        """The public models this checkpoint serves, as a repository built from it would: each task
+        whose entry's requirements the checkpoint carries (tasks.py `Task.requires`); each is bound to
+        the method named after it."""
+        return self.loaded.servable()
 
     # ---------------------------------------------------------------------------- encoder
     def embeddings(self, requests: Requests) -> list[dict[str, np.ndarray]]:

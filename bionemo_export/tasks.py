@@ -120,9 +120,65 @@ class TensorDef:
         return f"`{self.name}` {self.dtype.value} [{', '.join(str(d) for d in self.dims)}]"
 
 
+class Requirement(str, Enum):
+    """What a checkpoint must carry to serve a task; build.py's `REQUIREMENT_CHECKS` says how each
+    is checked and what to do without it."""
+
+    ENCODER = "encoder"
+    """Every family has one."""
+    DECODER = "decoder"
+    """Encoder-decoder families (LoadedModel.seq2seq)."""
+    LM_HEAD = "lm_head"
+    """A masked-LM head (LoadedModel.lm_head)."""
+    ONE_CHARACTER_RESIDUES = "one_character_residues"
+    """An alphabet of one character per residue and a mask token (LoadedModel.serves_scores)."""
+    CLASSIFIER = "classifier"
+    """A fine-tuned head (LoadedModel.classifier)."""
+
+
+class Graph(str, Enum):
+    """An ONNX graph a build exports (build.py's `GRAPH_EXPORTS` says how)."""
+
+    ENCODER = "encoder"
+    CROSS_KV = "cross_kv"
+    DECODER_STEP = "decoder_step"
+    LM_HEAD = "lm_head"
+    CLASSIFIER = "classifier"
+
+
+class Instances(str, Enum):
+    """Which of ServingOptions' instance counts a task's model gets by default."""
+
+    ONE = "one"
+    ENCODER = "encoder_instances"
+    DECODE = "decode_instances"
+    SAMPLING = "sampling_instances"
+
+
+@dataclass(frozen=True)
+class RoleDefaults:
+    """How the model serving a task is served unless `roles` in the serving options says otherwise
+    (model_repository/options.py `ServingOptions.role`)."""
+
+    instances: Instances = Instances.ONE
+    batched: bool = False
+    """Triton's dynamic batcher, with the options' queue settings."""
+    response_cache: bool = False
+    """Triton's response cache where the options turn it on (answers that depend on the input only)."""
+
+
+CACHED = RoleDefaults(response_cache=True)
+"""An ensemble whose answers depend on its input only: no batcher of its own, cacheable."""
+
+
 @dataclass(frozen=True)
 class Task:
-    """A served task: the public model `<name>_<task>` and what it takes and answers."""
+    """A served task: the public model `<name>_<task>`, what it takes and answers, and what it
+    needs, as declarations that the build, the serving options, the dev server, `verify` and the
+    client look up in their own registries (a task is one entry here; no layer lists the tasks
+    again). Planners and checks are named by strings, so that a registry in the layer that owns
+    them (build.py, verify.py) maps each name to its code, which this numpy-only module cannot
+    import."""
 
     name: str
     doc: str
@@ -130,12 +186,29 @@ class Task:
     inputs: tuple[TensorDef, ...]
     outputs: tuple[TensorDef, ...]
     role: str
-    """The repository role whose model serves it (model_repository/options.py ROLES)."""
-    requires: str = "encoder"
-    """What the checkpoint must have: encoder, decoder (encoder-decoder families), lm_head
-    (a masked-LM head), classifier (a fine-tuned head)."""
+    """The repository role whose model serves it (model_repository/options.py `roles()`)."""
+    planner: str
+    """The planner that adds its models: a key of build.py's `PLANNERS` (encoder, seq2seq, masked_lm,
+    classifier)."""
+    check: str
+    """How `verify` compares its served answers with PyTorch: a key of verify.py's `CHECKS`
+    (encoder, masked_lm, predictions, decoding); tasks sharing a check are compared together."""
+    graphs: tuple[Graph, ...] = (Graph.ENCODER,)
+    """The graphs the build exports for it."""
+    requires: tuple[Requirement, ...] = (Requirement.ENCODER,)
+    """What the checkpoint must carry; the first is what the served-API table says."""
+    calls: tuple[str, ...] = ()
+    """Tasks whose public models its own model calls (built along with it)."""
+    role_defaults: RoleDefaults = CACHED
+    client_method: str = ""
+    """The `RepositoryClient` method that asks it (client/repository.py); "" where only the generic
+    `RepositoryClient.ask` does."""
     notes: tuple[str, ...] = field(default=())
     """Further lines of documentation (under the task on the docs site's Served API page)."""
+
+    def __post_init__(self) -> None:
+        if not self.requires or not self.graphs:
+            raise ValueError(f"task {self.name!r}: `requires` and `graphs` name at least one each")
 
     def model(self, prefix: str) -> str:
         """The public model's name in a repository built with `--name prefix`."""
@@ -168,19 +241,22 @@ MASK = TensorDef("mask", DType.BOOL, (-1,), "True exactly on the sequence's resi
 SAMPLING_METHODS = ("greedy-perturbate", "topkp-perturbate", "beam-search-perturbate", "beam-search-single-sample",
                     "beam-search-perturbate-sample")
 SCORING_METHODS = ("wt-marginal", "masked-marginal", "pll")
+SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
 
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",
          (SEQUENCES,), (TensorDef("embeddings", DType.FP32, ("H",), "mean of `hiddens` over `mask`"),),
-         role="embeddings"),
+         role="embeddings", planner="encoder", check="encoder", client_method="seqs_to_embedding"),
     Task("hiddens", "the encoder's last hidden states, one row per token",
          (SEQUENCES,), (TensorDef("hiddens", DType.FP32, (-1, "H"), "every token's hidden state, 0 on padding"), MASK),
-         role="hiddens"),
+         role="hiddens", planner="encoder", check="encoder", client_method="seqs_to_hidden"),
     Task("decodes", "greedy decoding of hidden states back into sequences",
          (TensorDef("hiddens", DType.FP32, (-1, "H"), "hidden states, as N_hiddens answers them"),
           TensorDef("mask", DType.BOOL, (-1,), "True on real tokens")),
          (TensorDef("sequences", DType.BYTES, (1,), "the decoded sequence"),),
-         role="decodes", requires="decoder"),
+         role="decodes", planner="seq2seq", check="decoding", graphs=SEQ2SEQ_GRAPHS,
+         requires=(Requirement.DECODER,), role_defaults=RoleDefaults(Instances.DECODE, batched=True),
+         client_method="hidden_to_seqs"),
     Task("samplings", "new sequences sampled around each input, in its neighbourhood of the latent space",
          (SEQUENCES,
           TensorDef("num_samples", DType.INT32, (1,), "outputs per sequence", default=1, optional=True),
@@ -199,13 +275,16 @@ TASKS: dict[str, Task] = {task.name: task for task in (
           TensorDef("beam_size", DType.INT32, (1,), "beam-search-perturbate(-sample): beams per search", default=5,
                     optional=True)),
          (TensorDef("generated", DType.BYTES, (-1,), "num_samples sequences"),),
-         role="samplings", requires="decoder"),
+         role="samplings", planner="seq2seq", check="decoding", graphs=SEQ2SEQ_GRAPHS,
+         requires=(Requirement.DECODER,), role_defaults=RoleDefaults(Instances.SAMPLING, batched=True),
+         client_method="sample_seqs"),
     Task("logits", "log-probabilities over the residue alphabet at every token, from the masked-LM head",
          (TensorDef("sequences", DType.BYTES, (1,), "one sequence per row; the mask character `_` may stand for "
                     "any residue"),),
          (TensorDef("log_probs", DType.FP32, (-1, "A"), "log_softmax over the alphabet (special tokens excluded), "
                     "rows laid out like hiddens"), MASK),
-         role="logits", requires="lm_head",
+         role="logits", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
+         requires=(Requirement.LM_HEAD,), client_method="seqs_to_log_probs",
          notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",)),
     Task("scores", "variant-effect scores (ESM's marginals) or the pseudo-log-likelihood of the sequence",
          (TensorDef("sequences", DType.BYTES, (1,), "the wild type"),
@@ -215,7 +294,10 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                     "variants, pll without)", optional=True)),
          (TensorDef("scores", DType.FP32, (-1,), "one per variant: the sum over its mutations of log p(mutant) - "
                     "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
-         role="scores", requires="lm_head"),
+         role="scores", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
+         requires=(Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES), calls=("logits",),
+         # like samplings: a long request (a deep mutational scan) holds one instance
+         role_defaults=RoleDefaults(Instances.SAMPLING, batched=True), client_method="score_variants"),
     Task("predictions", "the fine-tuned head's logits and predicted label (sequence heads: one per sequence; "
          "token heads: one per token)",
          (SEQUENCES,),
@@ -224,7 +306,8 @@ TASKS: dict[str, Task] = {task.name: task for task in (
           TensorDef("label", DType.BYTES, (1,), "the argmax's name from id2label (LABEL_i where unnamed); "
                     "multi-label: the names whose sigmoid > 0.5 joined by ','; regression: the values as text; "
                     "token heads [-1]")),
-         role="predictions", requires="classifier",
+         role="predictions", planner="classifier", check="predictions",
+         graphs=(Graph.ENCODER, Graph.CLASSIFIER), requires=(Requirement.CLASSIFIER,), client_method="predict",
          notes=("Token heads (*ForTokenClassification) answer `logits` [-1, C], `mask` BOOL [-1] and `label` "
                 "[-1]; the label names are the config's `labels` parameter (a JSON list), its problem type "
                 "`problem_type`.",)),
@@ -253,8 +336,10 @@ def task_of(model: str) -> Task | None:
     return None
 
 
-REQUIREMENTS = {"encoder": "every family", "decoder": "encoder-decoder families (MegaMolBART)",
-                "lm_head": "checkpoints with a masked-LM head", "classifier": "checkpoints with a fine-tuned head"}
+REQUIREMENTS = {Requirement.ENCODER: "every family", Requirement.DECODER: "encoder-decoder families (MegaMolBART)",
+                Requirement.LM_HEAD: "checkpoints with a masked-LM head",
+                Requirement.ONE_CHARACTER_RESIDUES: "checkpoints with one character per residue and a mask token",
+                Requirement.CLASSIFIER: "checkpoints with a fine-tuned head"}
 """What `Task.requires` means, as the served-API table says it."""
 
 
@@ -266,5 +351,10 @@ def served_api_table(prefix: str = "N") -> str:
         if task.optional_inputs:
             inputs += "; optional " + ", ".join(t.written() for t in task.optional_inputs)
         outputs = ", ".join(t.written() for t in task.outputs)
-        lines.append(f"| `{task.model(prefix)}` | {inputs} | {outputs} | {REQUIREMENTS[task.requires]} |")
+        lines.append(f"| `{task.model(prefix)}` | {inputs} | {outputs} | {REQUIREMENTS[task.requires[0]]} |")
     return "\n".join(lines) + "\n"
+
+
+def planned_by(planner: str) -> tuple[str, ...]:
+    """The tasks whose models `planner` adds, in the table's order."""
+    return tuple(name for name, task in TASKS.items() if task.planner == planner)

@@ -14,9 +14,11 @@ says so, with what the build measured).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +28,9 @@ from bionemo_export.model_repository.integrity import require_intact
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.numerics import cosine_rows, degenerate_rows
 from bionemo_export.tasks import TASKS
+
+if TYPE_CHECKING:  # torch is heavy; the checks load it when they run
+    from bionemo_export.models import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -316,18 +321,57 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
             url = f"grpc://{server.endpoints.grpc_url}"
         client = stack.enter_context(Seq2SeqClient(manifest.name, url))
         tolerances, notes = precision_checks(manifest, family)
-        checks = verify_served(client, loaded, manifest.tasks, batches, family.atol, family.min_cosine,
-                               tolerances=tolerances, notes=notes)
-        if loaded.lm_head is not None:
-            hiddens = tolerances.get("hiddens")
-            limits = (hiddens.atol, hiddens.min_cosine) if hiddens else (family.atol, family.min_cosine)
-            checks += verify_masked_lm(client, loaded, manifest.tasks, batches, limits)
-        if loaded.classifier is not None:
-            hiddens = tolerances.get("hiddens")
-            limits = (hiddens.atol, hiddens.min_cosine) if hiddens else (family.atol, family.min_cosine)
-            checks += verify_predictions(client, loaded, manifest.tasks, batches, limits)
-        return checks + verify_decoding(client, loaded, manifest.tasks, samples,
-                                        max_decode_length=manifest.max_decode_length, precision=manifest.precision)
+        served = VerifyContext(client, loaded, manifest, batches, samples, tolerances, notes)
+        carried = loaded.servable(tuple(manifest.tasks))
+        unchecked = {TASKS[t].check for t in carried} - set(CHECKS)
+        if unchecked:
+            raise InvalidInputError(f"{repository}: verify has no check {', '.join(sorted(unchecked))} (a task entry's "
+                                    f"`check`); verify.CHECKS has {', '.join(CHECKS)}: add its function there")
+        checks: list[TaskCheck] = []
+        for name, check in CHECKS.items():  # in a fixed order: the report lists them so
+            tasks = [t for t in carried if TASKS[t].check == name]
+            if tasks:
+                checks += check(served, tasks)
+        return checks
+
+
+@dataclass(frozen=True)
+class VerifyContext:
+    """What each of `CHECKS` compares: the served repository's client, the checkpoint it was built
+    from, and the sample batches and tolerances verify_repository chose."""
+
+    client: Seq2SeqClient
+    loaded: LoadedModel
+    manifest: Manifest
+    batches: list[list[str]]
+    """Sample sequences: all together, then a few alone."""
+    samples: list[str]
+    tolerances: dict
+    """task -> exporters.Tolerance, for the repository's precision (precision_checks)."""
+    notes: dict[str, str]
+
+    def head_limits(self) -> tuple[float, float]:
+        """(atol, min cosine) of a head's outputs: the hiddens' tolerance, whose errors they carry."""
+        hiddens = self.tolerances.get("hiddens")
+        return (hiddens.atol, hiddens.min_cosine) if hiddens else (self.loaded.family.atol,
+                                                                     self.loaded.family.min_cosine)
+
+
+Check = Callable[[VerifyContext, list[str]], list[TaskCheck]]
+CHECKS: dict[str, Check] = {
+    "encoder": lambda served, tasks: verify_served(
+        served.client, served.loaded, tasks, served.batches, served.loaded.family.atol,
+        served.loaded.family.min_cosine, tolerances=served.tolerances, notes=served.notes),
+    "masked_lm": lambda served, tasks: verify_masked_lm(served.client, served.loaded, tasks, served.batches,
+                                                        served.head_limits()),
+    "predictions": lambda served, tasks: verify_predictions(served.client, served.loaded, tasks, served.batches,
+                                                            served.head_limits()),
+    "decoding": lambda served, tasks: verify_decoding(
+        served.client, served.loaded, tasks, served.samples, max_decode_length=served.manifest.max_decode_length,
+        precision=served.manifest.precision),
+}
+"""Each task entry's `check` by name: the function that compares the served tasks that name it
+(those the checkpoint carries) with PyTorch; run in this order."""
 
 
 def precision_checks(manifest: Manifest, family) -> tuple[dict, dict[str, str]]:

@@ -151,13 +151,14 @@ def repo(
 def families() -> None:
     """List the model families and the tasks each serves."""
     from bionemo_export.models import REGISTRY
-    from bionemo_export.tasks import get_task
+    from bionemo_export.tasks import Requirement, get_task
 
     table = Table()
     for column in ("family", "checkpoint forms", "tasks", "description"):
         table.add_column(column)
     for family_name in sorted(REGISTRY):
         family = REGISTRY[family_name]
-        tasks = [f"{t} (with a masked-LM head)" if get_task(t).requires == "lm_head" else t for t in family.tasks]
+        tasks = [f"{t} (with a masked-LM head)" if Requirement.LM_HEAD in get_task(t).requires else t
+                 for t in family.tasks]
         table.add_row(family_name, ", ".join(family.forms()), ", ".join(tasks), family.description)
     Console().print(table)

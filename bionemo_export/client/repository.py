@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
-from bionemo_export.tasks import TASKS, DType
+from bionemo_export.tasks import TASKS, DType, get_task
 
 from .batches import DEFAULT_IN_FLIGHT, infer_rows
 from .triton import DEFAULT_URL, TritonClient
@@ -181,6 +181,17 @@ class RepositoryClient:
     def labels(self) -> tuple[str, ...]:
         """The fine-tuned head's label names, in logits' order (N_predictions' `labels` parameter)."""
         return tuple(json.loads(self._parameter("predictions", "labels")))
+
+    # ------------------------------------------------------------------------------ any task
+    def ask(self, task: str, sequences: Sequences) -> dict[str, np.ndarray]:
+        """Any task whose one required input is `sequences` (its optional inputs left out): every
+        output its entry declares (tasks.py), by name, rows in the order of `sequences`. The methods
+        above, which a task entry's `client_method` names, shape the answers further."""
+        entry = get_task(task)
+        if [t.name for t in entry.required_inputs] != ["sequences"]:
+            raise InvalidInputError(f"task {task!r} takes {', '.join(t.name for t in entry.required_inputs)}, not "
+                                    f"sequences alone: call RepositoryClient.{entry.client_method or 'ask'}")
+        return self._strings_in(task, sequences, [t.name for t in entry.outputs])
 
     # MegaMolBART's older gRPC wrapper called them this.
     smis_to_embedding = seqs_to_embedding

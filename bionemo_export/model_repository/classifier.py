@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bionemo_export import __version__
-from bionemo_export.tasks import TASKS
+from bionemo_export.tasks import planned_by
 from bionemo_export.templates import render
 
 from .backends import GraphModel, ShapeRange
@@ -32,7 +32,7 @@ from .encoder import RESPONDING, RUNS_GRAPH, _io_lines, ensemble_model, graph_in
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan, Tensor
 
-CLASSIFIER_TASKS = tuple(name for name, task in TASKS.items() if task.requires == "classifier")
+CLASSIFIER_TASKS = planned_by("classifier")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.tokenizer_file import TOKENIZER_CLASSES, TOKENIZER_FILE
-from bionemo_export.tasks import TASKS
+from bionemo_export.tasks import TASKS, Requirement, planned_by
 from bionemo_export.templates import render
 
 from .backends import BACKENDS, GraphModel, ShapeRange
@@ -44,7 +44,7 @@ from .plan import EnsembleStep, ModelPlan, RepositoryPlan, Tensor
 
 __all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_repository"]
 
-ENCODER_TASKS = ("embeddings", "hiddens")
+ENCODER_TASKS = planned_by("encoder")
 # Numpy-only sources copied verbatim from here into the repository (one source of truth).
 TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 SERVING_DIR = Path(__file__).resolve().parent.parent / "serving"
@@ -282,8 +282,8 @@ def plan_encoder_repository(
     `graph_optimization_level`: the ONNX Runtime level the stored graph is opened at (a graph
     stored optimized needs only the basic rewrites at load; see graph_files.py)."""
     # The masked-LM and fine-tuned heads' models (masked_lm.py, classifier.py) are added to this plan by the build.
-    unknown = {t for t in tasks if t not in ENCODER_TASKS
-               and (t not in TASKS or TASKS[t].requires not in ("lm_head", "classifier"))}
+    # Tasks of other planners that need no decoder add their models to this plan in the build.
+    unknown = {t for t in tasks if t not in TASKS or Requirement.DECODER in TASKS[t].requires}
     if unknown:
         raise InvalidInputError(f"encoder models serve {ENCODER_TASKS}; not {sorted(unknown)}")
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]

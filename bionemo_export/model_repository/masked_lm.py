@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.serving.scoring import ScoringLimits
-from bionemo_export.tasks import TASKS
+from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
 
 from .backends import GraphModel, ShapeRange
@@ -34,7 +34,7 @@ from .options import ServingOptions
 from .parameters import BLS_MODELS
 from .plan import EnsembleStep, ModelPlan, Tensor
 
-MASKED_LM_TASKS = tuple(name for name, task in TASKS.items() if task.requires == "lm_head")
+MASKED_LM_TASKS = planned_by("masked_lm")
 
 
 @dataclass(frozen=True)

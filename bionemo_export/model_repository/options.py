@@ -75,13 +75,19 @@ from dataclasses import dataclass, field, replace
 
 from bionemo_export.choices import Device, Layout
 from bionemo_export.errors import UserError
+from bionemo_export.tasks import TASKS, Instances
 
 from .backends import BACKENDS, ServingBackend, get_backend
 from .plan import DynamicBatching
 
-ROLES = ("tokenizer", "encoder", "embeddings", "hiddens", "cross_kv", "decoder_step", "decodes", "samplings",
-         "lm_head", "logits", "scores", "classifier", "labels", "predictions")
+INTERNAL_ROLES = ("tokenizer", "encoder", "cross_kv", "decoder_step", "lm_head", "classifier", "labels")
+"""The roles of models no task is served by directly; each task's model plays the task's `role`."""
 AUTO_THREADS = "auto"
+
+
+def roles() -> tuple[str, ...]:
+    """Every role a model may play: the internal ones and those of the task table's entries."""
+    return (*INTERNAL_ROLES, *(task.role for task in TASKS.values() if task.role not in INTERNAL_ROLES))
 
 
 class OptionsError(UserError, ValueError):
@@ -259,9 +265,9 @@ class ServingOptions:
                      "max_sub_batch", "max_queue_size", "queue_timeout_s", "max_residues", "window_overlap"):
             if getattr(self, name) < 0:
                 raise OptionsError(f"`{name}` must be 0 or more")
-        unknown = set(self.roles) - set(ROLES)
+        unknown = set(self.roles) - set(roles())
         if unknown:
-            raise OptionsError(f"unknown roles {sorted(unknown)} in `roles`; roles are {ROLES}")
+            raise OptionsError(f"unknown roles {sorted(unknown)} in `roles`; roles are {roles()}")
 
     @property
     def serving_backend(self) -> ServingBackend:
@@ -282,8 +288,8 @@ class ServingOptions:
 
     def role(self, name: str) -> RoleOptions:
         """The settings of the model playing role `name`."""
-        if name not in ROLES:
-            raise OptionsError(f"unknown role {name!r}; roles are {ROLES}")
+        if name not in roles():
+            raise OptionsError(f"unknown role {name!r}; roles are {roles()}")
         if name in self.roles:
             return self.roles[name]
         if name == "encoder":
@@ -292,18 +298,15 @@ class ServingOptions:
                                token_budget=self.token_budget, max_sub_batch=self.max_sub_batch)
         if name in ("cross_kv", "decoder_step"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
-        if name in ("embeddings", "hiddens", "logits", "predictions"):
-            return RoleOptions(response_cache=self.response_cache)
         if name in ("lm_head", "classifier"):  # batched like the encoder, whose outputs they take
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
                                batching=self.dynamic_batching(), token_budget=self.token_budget)
-        if name == "scores":  # like samplings: a long request (a deep mutational scan) holds one instance
-            return RoleOptions(instances=self.sampling_instances, batching=self.dynamic_batching())
-        if name == "decodes":
-            return RoleOptions(instances=self.decode_instances, batching=self.dynamic_batching())
-        if name == "samplings":
-            return RoleOptions(instances=self.sampling_instances, batching=self.dynamic_batching())
-        return RoleOptions(instances=self.tokenizer_instances, batching=self.dynamic_batching())
+        if name in INTERNAL_ROLES:  # the tokenizer, the labels
+            return RoleOptions(instances=self.tokenizer_instances, batching=self.dynamic_batching())
+        defaults = next(task.role_defaults for task in TASKS.values() if task.role == name)
+        instances = 1 if defaults.instances is Instances.ONE else getattr(self, defaults.instances.value)
+        return RoleOptions(instances=instances, batching=self.dynamic_batching() if defaults.batched else None,
+                           response_cache=self.response_cache if defaults.response_cache else False)
 
     def with_role(self, name: str, **changes) -> ServingOptions:
         """A copy whose role `name` has `changes` applied on top of its current settings."""

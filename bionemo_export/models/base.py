@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.tasks import TASKS, Requirement
 
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
@@ -140,6 +141,19 @@ class LoadedModel:
         copies) and one character per residue (variants are written residue by residue)."""
         return (self.lm_head is not None and getattr(self.tokenizer, "mask_char", None) is not None
                 and all(len(token) == 1 for token in self.alphabet))
+
+    def carries(self, requirement: Requirement) -> bool:
+        """Whether this checkpoint carries what a task entry's `requires` names."""
+        return {Requirement.ENCODER: True, Requirement.DECODER: self.seq2seq is not None,
+                Requirement.LM_HEAD: self.lm_head is not None,
+                Requirement.ONE_CHARACTER_RESIDUES: self.serves_scores,
+                Requirement.CLASSIFIER: getattr(self, "classifier", None) is not None}[requirement]
+
+    def servable(self, tasks: tuple[str, ...] | None = None) -> tuple[str, ...]:
+        """Those of `tasks` (default: every task of the table) whose requirements it carries, in the
+        table's order."""
+        return tuple(name for name, task in TASKS.items() if (tasks is None or name in tasks)
+                     and all(self.carries(requirement) for requirement in task.requires))
 
     def decoding(self) -> tuple[Seq2SeqModules, DecodingTokenizer]:
         """The decoder graphs and the tokenizer that turns their token ids into text, for decoding
