@@ -88,6 +88,8 @@ def probe_inputs(config: dict, metadata: dict) -> dict[str, np.ndarray]:
 
 
 def one_line(err: BaseException) -> str:
+    """An error as one line of at most 400 characters, for logs and probe results (the server's
+    own message for a Triton error, else the exception's type and message)."""
     text = str(err) if isinstance(err, (InferenceError, ServerUnreachableError)) else f"{type(err).__name__}: {err}"
     return " ".join(text.split())[:400]
 
@@ -118,5 +120,3 @@ def public_models(client: TritonClient, repository: Path | None = None) -> list[
 def instance_model(instance: str) -> str:
     """The model an instance name (<model>_<group>_<index>) belongs to."""
     return re.sub(r"_\d+_\d+$", "", instance)
-
-
