@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bionemo_export.models.readers import READERS, CheckpointError, CheckpointReader, read_checkpoint
+from bionemo_export.models.readers import READERS, CheckpointError, read_checkpoint
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers import CharacterTokenizer, SmilesTokenizer
 from bionemo_export.tokenizers.protocol import Tokenizer
@@ -101,10 +101,3 @@ def test_every_tokenizer_implements_the_protocol():
         rebuilt = type(tokenizer).from_dict(json.loads(json.dumps(tokenizer.to_dict())))
         assert rebuilt.to_dict() == tokenizer.to_dict()
 
-
-def test_every_reader_describes_its_own_form():
-    """manifest.json's `checkpoint_form` comes from the reader that read the checkpoint: a new form's
-    reader must say what it read (the base class has no description to fall back on)."""
-    assert set(READERS) == {"nemo2", "nemo", "huggingface", "nv_esm", "saved"}
-    assert list(READERS)[:2] == ["nemo2", "nemo"]  # both before the Hugging Face reader, which takes any folder
-    assert all(type(reader).describe is not CheckpointReader.describe for reader in READERS.values())

@@ -4,9 +4,9 @@
 that subclasses `CheckpointReader` with `@register_reader`, plus its tests.
 """
 
-# Registration order is recognition order (and the order messages list forms in): NeMo 2 and .nemo
+# Registration order is recognition order (and the order messages list forms in): .nemo and NeMo 2
 # before the Hugging Face reader, which recognizes any directory.
-from . import nemo2, nemo  # noqa: F401, I001
+from . import nemo, nemo2  # noqa: F401, I001
 from . import huggingface, nv_esm, saved  # noqa: F401
 from .base import READERS, Checkpoint, CheckpointError, CheckpointReader, read_checkpoint, register_reader
 
