@@ -21,7 +21,6 @@ from bionemo_export.bench import (
     LengthDistribution,
     ModelStats,
     Target,
-    TensorSpec,
     generate_inputs,
     random_proteins,
     read_sequences,
@@ -30,6 +29,7 @@ from bionemo_export.bench import (
 from bionemo_export.bench.inputs import STANDARD_AMINO_ACIDS
 from bionemo_export.bench.run import primary_batch_model, repository_max_residues, statistics_delta
 from bionemo_export.cli.main import app, error_line
+from bionemo_export.tensors import TensorSpec
 
 SEQUENCES = [TensorSpec("sequences", "BYTES", (1,))]
 HIDDENS = [TensorSpec("hiddens", "FP32", (-1, 16)), TensorSpec("mask", "BOOL", (-1,))]

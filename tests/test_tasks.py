@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.client.repository import SAMPLING_INPUTS
 from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, is_public
-from bionemo_export.tasks import TASKS, DType, TensorDef, get_task, public_suffixes, served_api_table, task_of
+from bionemo_export.tasks import TASKS, Task, get_task, public_suffixes, served_api_table, task_of
+from bionemo_export.tensors import DType, TensorSpec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -33,13 +35,18 @@ def test_onnx_numbers_are_onnxs_own():
     assert DType.BF16.onnx == onnx.TensorProto.BFLOAT16 and DType.BYTES.onnx == onnx.TensorProto.STRING
 
 
+MISPLACED_DOC: Any = "a doc given where `optional` goes"
+
+
 def test_unknown_names_are_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown tensor type 'FP8'; known: FP32, FP16"):
         DType.of("FP8")
     with pytest.raises(ValueError, match=r"unknown task 'fold'; tasks are embeddings, hiddens"):
         get_task("fold")
     with pytest.raises(ValueError, match="unknown size 'Q'"):
-        TensorDef("x", DType.FP32, ("Q",), "")
+        Task("x", "", (TensorSpec("x", DType.FP32, ("Q",)),), (), role="x", planner="encoder", check="encoder")
+    with pytest.raises(TypeError, match="the doc is the keyword `doc`"):
+        TensorSpec("x", DType.FP32, (1,), MISPLACED_DOC)
     with pytest.raises(KeyError, match="no samplings input 'radius'"):
         TASKS["samplings"].input("radius")
 

@@ -26,8 +26,9 @@ from typing import Any
 from bionemo_export import procfs
 from bionemo_export.errors import InvalidInputError, UserError
 from bionemo_export.runtime import PerfAnalyzer, TritonServer, find_perf_analyzer, find_tritonserver
+from bionemo_export.tensors import TensorSpec
 
-from .inputs import InputData, InputSpec, TensorSpec, generate_inputs
+from .inputs import InputData, InputSpec, generate_inputs
 
 DEFAULT_CONCURRENCIES = (1, 8, 32)
 DEFAULT_WINDOW_S = 5.0  # perf_analyzer --measurement-interval; >= 5 s on small shared hosts

@@ -35,11 +35,12 @@ from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS, Requirement, planned_by
 from bionemo_export.templates import render
+from bionemo_export.tensors import TensorSpec
 
 from .backends import BACKENDS, GraphModel, ShapeRange
 from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import RoleOptions, ServingOptions
-from .plan import EnsembleStep, ModelPlan, RepositoryPlan, Tensor
+from .plan import EnsembleStep, ModelPlan, RepositoryPlan
 
 __all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_repository"]
 
@@ -49,7 +50,7 @@ TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 SERVING_DIR = Path(__file__).resolve().parent.parent / "serving"
 
 
-def _io_lines(inputs: list[Tensor], outputs: list[Tensor], batched: bool = True) -> list[str]:
+def _io_lines(inputs: list[TensorSpec], outputs: list[TensorSpec], batched: bool = True) -> list[str]:
     """Docstring lines describing the tensors, aligned like a table."""
     lines = []
     for label, tensors in (("Inputs", inputs), ("Outputs", outputs)):
@@ -101,9 +102,9 @@ def _instances(role: RoleOptions) -> dict:
 
 
 def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan:
-    sequences = Tensor("sequences", "BYTES", (1,))
-    outputs = [Tensor("input_ids", "INT64", (-1,)), Tensor("attention_mask", "INT64", (-1,)),
-               Tensor("mask", "BOOL", (-1,))]
+    sequences = TensorSpec("sequences", "BYTES", (1,))
+    outputs = [TensorSpec("input_ids", "INT64", (-1,)), TensorSpec("attention_mask", "INT64", (-1,)),
+               TensorSpec("mask", "BOOL", (-1,))]
     module, class_name, files = tokenizer_files(tokenizer)
     code = render(
         "tokenizer_model.py.j2",
@@ -127,7 +128,7 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
     )
 
 
-def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: list[Tensor],
+def graph_model(model_name: str, family: str, inputs: list[TensorSpec], outputs: list[TensorSpec],
                 onnx_files: dict[str, Path], *, role: RoleOptions, options: ServingOptions, what: str,
                 shapes: ShapeRange, token_inputs: dict[str, int] | None = None) -> ModelPlan:
     """A model that runs one exported ONNX graph whose batch is not its first axis (key/value
@@ -171,12 +172,12 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     fused = options.fused
     backend = options.serving_backend
     if fused:
-        inputs = [Tensor("sequences", "BYTES", (1,))]
+        inputs = [TensorSpec("sequences", "BYTES", (1,))]
     else:  # Python: requests of different lengths may be batched together (the model joins them).
-        inputs = [Tensor(n, dtype, (-1,), ragged=backend.runs_python) for n, dtype in GRAPH_INPUTS]
-    outputs = [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("embeddings", "FP32", (hidden_size,))]
+        inputs = [TensorSpec(n, dtype, (-1,), ragged=backend.runs_python) for n, dtype in GRAPH_INPUTS]
+    outputs = [TensorSpec("hiddens", "FP32", (-1, hidden_size)), TensorSpec("embeddings", "FP32", (hidden_size,))]
     if fused:
-        outputs.append(Tensor("mask", "BOOL", (-1,)))
+        outputs.append(TensorSpec("mask", "BOOL", (-1,)))
     plan = ModelPlan(name=f"{name}_encoder", inputs=inputs, outputs=outputs,
                      max_batch_size=options.max_batch_size, dynamic_batching=role.batching)
     module, class_name, files = tokenizer_files(tokenizer)
@@ -218,7 +219,7 @@ the model for want of a version.
 """
 
 
-def ensemble_model(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
+def ensemble_model(name: str, task: str, outputs: list[TensorSpec], options: ServingOptions,
                    encoder_outputs: dict[str, str], after: Sequence[EnsembleStep] = ()) -> ModelPlan:
     """The public ensemble N_<task>: sequences through the encoder's steps (tokenizer first in the
     ensemble layout), whose `encoder_outputs` (encoder output -> ensemble tensor) go on to the
@@ -242,7 +243,7 @@ def ensemble_model(name: str, task: str, outputs: list[Tensor], options: Serving
     steps += list(after)
     return ModelPlan(
         name=f"{name}_{task}",
-        inputs=[Tensor("sequences", "BYTES", (1,))],
+        inputs=[TensorSpec("sequences", "BYTES", (1,))],
         outputs=outputs,
         max_batch_size=options.max_batch_size,
         platform="ensemble",
@@ -278,7 +279,7 @@ def plan_encoder_repository(
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
     models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
     for task in (TASKS[t] for t in ENCODER_TASKS if t in tasks):  # the public models, as tasks.py declares them
-        outputs = [Tensor(t.name, t.dtype.value, t.shape({"H": hidden_size})) for t in task.outputs]
+        outputs = [TensorSpec(t.name, t.dtype.value, t.shape({"H": hidden_size})) for t in task.outputs]
         models.append(ensemble_model(name, task.name, outputs, options, {t.name: t.name for t in outputs}))
     plan = RepositoryPlan(models)
     plan.validate()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS, Requirement
+from bionemo_export.tensors import TensorSpec
 
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
@@ -42,15 +43,6 @@ if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
     from bionemo_export.tokenizers.protocol import DecodingTokenizer, Tokenizer
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A named graph tensor: dtype as Triton names it, shape with symbolic dynamic axes."""
-
-    name: str
-    dtype: str  # Triton dtype name: "INT64", "BOOL", "FP32", "BYTES"
-    axes: tuple[str | int, ...]  # e.g. ("batch", "length", 320); str = dynamic axis name
 
 
 ENCODER_INPUTS: tuple[TensorSpec, ...] = (

@@ -58,7 +58,8 @@ from bionemo_export.client.triton import (
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.parameters import BLS_MODELS  # written by the planners
-from bionemo_export.tasks import DType, public_suffixes, task_of
+from bionemo_export.tasks import public_suffixes, task_of
+from bionemo_export.tensors import DType
 
 from .stubs import Stub, reaped_children, server_stubs
 
