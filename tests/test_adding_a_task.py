@@ -54,8 +54,8 @@ class TritonPythonModel:
 
 def plan_norms(request, loaded, tasks, serving, graphs) -> list[ModelPlan]:
     """The planner: N_norm (Python) after the encoder's embeddings, and the public ensemble N_norms."""
-    outputs = [TensorSpec(t.name, t.dtype.value, t.shape()) for t in NORMS.outputs]
-    norm = ModelPlan(f"{request.name}_norm", [TensorSpec("embeddings", "FP32", (loaded.hidden_size,))], outputs,
+    outputs = [TensorSpec(t.name, t.dtype, t.shape()) for t in NORMS.outputs]
+    norm = ModelPlan(f"{request.name}_norm", [TensorSpec("embeddings", DType.FP32, (loaded.hidden_size,))], outputs,
                      max_batch_size=serving.max_batch_size, backend="python", files={"model.py": NORM_MODEL},
                      description="norm of the embeddings (Python)")
     public = ensemble_model(request.name, "norms", outputs, serving, {"embeddings": "embeddings"},

@@ -35,7 +35,7 @@ from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS, Requirement, planned_by
 from bionemo_export.templates import render
-from bionemo_export.tensors import TensorSpec
+from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import BACKENDS, GraphModel, ShapeRange
 from .graph_files import UNOPTIMIZED_SERVING_LEVEL
@@ -102,9 +102,9 @@ def _instances(role: RoleOptions) -> dict:
 
 
 def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan:
-    sequences = TensorSpec("sequences", "BYTES", (1,))
-    outputs = [TensorSpec("input_ids", "INT64", (-1,)), TensorSpec("attention_mask", "INT64", (-1,)),
-               TensorSpec("mask", "BOOL", (-1,))]
+    sequences = TensorSpec("sequences", DType.BYTES, (1,))
+    outputs = [TensorSpec("input_ids", DType.INT64, (-1,)), TensorSpec("attention_mask", DType.INT64, (-1,)),
+               TensorSpec("mask", DType.BOOL, (-1,))]
     module, class_name, files = tokenizer_files(tokenizer)
     code = render(
         "tokenizer_model.py.j2",
@@ -153,7 +153,7 @@ def graph_model(model_name: str, family: str, inputs: list[TensorSpec], outputs:
         plan, role, what, dict(onnx_files), shapes, python_model, python_files=python_files))
 
 
-GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
+GRAPH_INPUTS = (("input_ids", DType.INT64), ("attention_mask", DType.INT64), ("residue_mask", DType.BOOL))
 
 
 def encoder_shapes(tokenizer, options: ServingOptions) -> ShapeRange:
@@ -172,12 +172,13 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     fused = options.fused
     backend = options.serving_backend
     if fused:
-        inputs = [TensorSpec("sequences", "BYTES", (1,))]
+        inputs = [TensorSpec("sequences", DType.BYTES, (1,))]
     else:  # Python: requests of different lengths may be batched together (the model joins them).
         inputs = [TensorSpec(n, dtype, (-1,), ragged=backend.runs_python) for n, dtype in GRAPH_INPUTS]
-    outputs = [TensorSpec("hiddens", "FP32", (-1, hidden_size)), TensorSpec("embeddings", "FP32", (hidden_size,))]
+    outputs = [TensorSpec("hiddens", DType.FP32, (-1, hidden_size)),
+               TensorSpec("embeddings", DType.FP32, (hidden_size,))]
     if fused:
-        outputs.append(TensorSpec("mask", "BOOL", (-1,)))
+        outputs.append(TensorSpec("mask", DType.BOOL, (-1,)))
     plan = ModelPlan(name=f"{name}_encoder", inputs=inputs, outputs=outputs,
                      max_batch_size=options.max_batch_size, dynamic_batching=role.batching)
     module, class_name, files = tokenizer_files(tokenizer)
@@ -243,7 +244,7 @@ def ensemble_model(name: str, task: str, outputs: list[TensorSpec], options: Ser
     steps += list(after)
     return ModelPlan(
         name=f"{name}_{task}",
-        inputs=[TensorSpec("sequences", "BYTES", (1,))],
+        inputs=[TensorSpec("sequences", DType.BYTES, (1,))],
         outputs=outputs,
         max_batch_size=options.max_batch_size,
         platform="ensemble",
@@ -279,7 +280,7 @@ def plan_encoder_repository(
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
     models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
     for task in (TASKS[t] for t in ENCODER_TASKS if t in tasks):  # the public models, as tasks.py declares them
-        outputs = [TensorSpec(t.name, t.dtype.value, t.shape({"H": hidden_size})) for t in task.outputs]
+        outputs = [TensorSpec(t.name, t.dtype, t.shape({"H": hidden_size})) for t in task.outputs]
         models.append(ensemble_model(name, task.name, outputs, options, {t.name: t.name for t in outputs}))
     plan = RepositoryPlan(models)
     plan.validate()

@@ -16,7 +16,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.errors import UserError
-from bionemo_export.tensors import DType, TensorSpec
+from bionemo_export.tensors import Dim, DType, TensorSpec
 
 from .pbtxt import write_config
 
@@ -173,7 +173,7 @@ class ModelPlan:
         )
 
 
-def _dims_compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+def _dims_compatible(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
 
 

@@ -43,7 +43,7 @@ from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
-from bionemo_export.tensors import TensorSpec
+from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import ShapeRange
 from .encoder import (
@@ -188,9 +188,9 @@ def plan_seq2seq_repository(
         models.append(ModelPlan(
             name=f"{name}_decodes",
             # Ragged: the dynamic batcher joins requests of different lengths (the model pads them).
-            inputs=[TensorSpec("hiddens", "FP32", (-1, hidden_size), ragged=True),
-                    TensorSpec("mask", "BOOL", (-1,), ragged=True)],
-            outputs=[TensorSpec("sequences", "BYTES", (1,))],
+            inputs=[TensorSpec("hiddens", DType.FP32, (-1, hidden_size), ragged=True),
+                    TensorSpec("mask", DType.BOOL, (-1,), ragged=True)],
+            outputs=[TensorSpec("sequences", DType.BYTES, (1,))],
             max_batch_size=options.max_batch_size,
             backend="python",
             instance_count=options.role("decodes").instances,
@@ -206,12 +206,13 @@ def plan_seq2seq_repository(
                                                                   else ", BLS to the decoder graphs)"),
         ))
     if "samplings" in tasks:
-        inputs = [TensorSpec("sequences", "BYTES", (1,))] + [
-            TensorSpec(parameter, dtype, (1,), optional=True) for parameter, (dtype, _) in SAMPLING_PARAMETERS.items()]
+        inputs = [TensorSpec("sequences", DType.BYTES, (1,))] + [
+            TensorSpec(parameter, DType.of(dtype), (1,), optional=True)
+            for parameter, (dtype, _) in SAMPLING_PARAMETERS.items()]
         models.append(ModelPlan(
             name=f"{name}_samplings",
             inputs=inputs,
-            outputs=[TensorSpec("generated", "BYTES", (-1,))],
+            outputs=[TensorSpec("generated", DType.BYTES, (-1,))],
             max_batch_size=options.max_batch_size,
             backend="python",
             instance_count=options.role("samplings").instances,
