@@ -93,3 +93,22 @@ def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones(
     with pytest.raises(BuildError,
                        match=r"family 'esm2' serves embeddings, hiddens, logits, scores, predictions; not samplings"):
         _check_tasks(get_family("esm2"), ("samplings",))
+
+
+def test_every_name_an_entry_declares_has_its_code():
+    """Each registry keyed by the entries' declarations has an entry for every task (a task whose
+    planner, check or client method is missing would fail only when built, verified or asked)."""
+    from bionemo_export.build import GRAPH_EXPORTS, MISSING, PLANNERS
+    from bionemo_export.client.repository import RepositoryClient
+    from bionemo_export.model_repository.options import ServingOptions, roles
+    from bionemo_export.verify import CHECKS
+
+    for name, task in TASKS.items():
+        assert task.planner in PLANNERS and task.check in CHECKS, name
+        assert set(task.graphs) <= set(GRAPH_EXPORTS) and set(task.requires) <= set(MISSING), name
+        assert callable(getattr(RepositoryClient, task.client_method)), name
+        assert task.role in roles() and set(task.calls) <= set(TASKS), name
+    options = ServingOptions(response_cache=True, sampling_instances=3, decode_instances=2)
+    assert options.role("embeddings").response_cache and options.role("embeddings").batching is None
+    assert options.role("scores").instances == 3 and options.role("scores").batching is not None
+    assert options.role("decodes").instances == 2 and not options.role("decodes").response_cache

@@ -27,6 +27,7 @@ with `@register` (the package imports every module in it); adding a form is one 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,7 +142,7 @@ class LoadedModel:
                 Requirement.ONE_CHARACTER_RESIDUES: self.serves_scores,
                 Requirement.CLASSIFIER: getattr(self, "classifier", None) is not None}[requirement]
 
-    def servable(self, tasks: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    def servable(self, tasks: Collection[str] | None = None) -> tuple[str, ...]:
         """Those of `tasks` (default: every task of the table) whose requirements it carries, in the
         table's order."""
         return tuple(name for name, task in TASKS.items() if (tasks is None or name in tasks)
