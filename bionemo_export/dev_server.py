@@ -44,7 +44,8 @@ from bionemo_export.serving.batching import stack_padded
 from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.scoring import plan_request
-from bionemo_export.tasks import TASKS, DType
+from bionemo_export.tasks import TASKS
+from bionemo_export.tensors import DType
 
 MAX_BATCH_SIZE = 10
 """BioNeMo's servers' max_batch_size."""

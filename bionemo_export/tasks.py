@@ -16,108 +16,11 @@ Importable without torch or Triton: numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
-
-import numpy as np
 
 from bionemo_export.errors import InvalidInputError
-
-
-class DType(str, Enum):
-    """A tensor's element type, by Triton's name; `.config`, `.numpy` and `.onnx` give the same
-    type in config.pbtxt, numpy and ONNX terms (one map for the whole project)."""
-
-    FP32 = "FP32"
-    FP16 = "FP16"
-    BF16 = "BF16"
-    FP64 = "FP64"
-    INT8 = "INT8"
-    UINT8 = "UINT8"
-    INT32 = "INT32"
-    INT64 = "INT64"
-    BOOL = "BOOL"
-    BYTES = "BYTES"
-
-    @property
-    def config(self) -> str:
-        """The name in config.pbtxt (ModelConfig's DataType): TYPE_FP32, ..., TYPE_STRING for BYTES."""
-        return "TYPE_STRING" if self is DType.BYTES else f"TYPE_{self.value}"
-
-    @property
-    def numpy(self) -> type:
-        """The numpy type (BYTES: object, holding bytes); BF16 has none."""
-        if self not in _NUMPY:
-            raise ValueError(f"{self.value} has no numpy type")
-        return _NUMPY[self]
-
-    @property
-    def onnx(self) -> int:
-        """ONNX's TensorProto.DataType number (onnx is not imported for it)."""
-        return _ONNX[self]
-
-    @classmethod
-    def from_onnx(cls, number: int) -> DType:
-        """The type of ONNX's TensorProto.DataType `number`."""
-        for dtype, value in _ONNX.items():
-            if value == number:
-                return dtype
-        raise ValueError(f"ONNX element type {number} has no Triton type here")
-
-    @classmethod
-    def of(cls, name: str) -> DType:
-        """The type named as Triton (FP32), config.pbtxt (TYPE_FP32) or its metadata does; a
-        ValueError lists the known names."""
-        text = name.removeprefix("TYPE_")
-        text = "BYTES" if text == "STRING" else text
-        try:
-            return cls(text)
-        except ValueError:
-            raise ValueError(f"unknown tensor type {name!r}; known: {', '.join(t.value for t in cls)}") from None
-
-
-_NUMPY = {DType.FP32: np.float32, DType.FP16: np.float16, DType.FP64: np.float64, DType.INT8: np.int8,
-          DType.UINT8: np.uint8, DType.INT32: np.int32, DType.INT64: np.int64, DType.BOOL: np.bool_,
-          DType.BYTES: np.object_}
-# onnx.TensorProto's numbers (onnx/onnx.proto3), so that this module needs no onnx import.
-_ONNX = {DType.FP32: 1, DType.UINT8: 2, DType.INT8: 3, DType.INT32: 6, DType.INT64: 7, DType.BYTES: 8,
-         DType.BOOL: 9, DType.FP16: 10, DType.FP64: 11, DType.BF16: 16}
-
-Dim = int | str
-"""A size: a number, -1 (dynamic), or the letter of a size fixed at build time (H, A, C)."""
-SIZES_DOC = {"H": "the hidden size", "A": "the residue alphabet's size", "C": "the head's classes or values"}
-
-
-@dataclass(frozen=True)
-class TensorDef:
-    """One input or output of a public model (the batch axis excluded)."""
-
-    name: str
-    dtype: DType
-    dims: tuple[Dim, ...]
-    doc: str
-    default: Any = None
-    """For an optional input: what the model uses when it is left out (None: no single value, the
-    doc says what happens)."""
-    optional: bool = False
-
-    def __post_init__(self) -> None:
-        for dim in self.dims:
-            if isinstance(dim, str) and dim not in SIZES_DOC:
-                raise ValueError(f"{self.name}: unknown size {dim!r}; sizes are {', '.join(SIZES_DOC)}")
-            if isinstance(dim, int) and dim != -1 and dim < 1:
-                raise ValueError(f"{self.name}: a dimension is -1 or positive, got {dim}")
-
-    def shape(self, sizes: Mapping[str, int] | None = None) -> tuple[int, ...]:
-        """The dims with the named sizes filled in from `sizes` (-1 where a size is not given)."""
-        sizes = sizes or {}
-        return tuple(int(sizes.get(d, -1)) if isinstance(d, str) else d for d in self.dims)
-
-    def written(self) -> str:
-        """As the served-API table writes it: `sequences` BYTES [1]."""
-        return f"`{self.name}` {self.dtype.value} [{', '.join(str(d) for d in self.dims)}]"
+from bionemo_export.tensors import SIZES_DOC, DType, TensorSpec
 
 
 class Requirement(str, Enum):
@@ -183,8 +86,8 @@ class Task:
     name: str
     doc: str
     """One line: what the task answers."""
-    inputs: tuple[TensorDef, ...]
-    outputs: tuple[TensorDef, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
     role: str
     """The repository role whose model serves it (model_repository/options.py `roles()`)."""
     planner: str
@@ -209,35 +112,40 @@ class Task:
     def __post_init__(self) -> None:
         if not self.requires or not self.graphs:
             raise ValueError(f"task {self.name!r}: `requires` and `graphs` name at least one each")
+        for tensor in (*self.inputs, *self.outputs):  # public tensors: sizes by letter, not axis names
+            for dim in tensor.dims:
+                if isinstance(dim, str) and dim not in SIZES_DOC:
+                    raise ValueError(f"task {self.name!r}, tensor {tensor.name}: unknown size {dim!r}; sizes are "
+                                     f"{', '.join(SIZES_DOC)}")
 
     def model(self, prefix: str) -> str:
         """The public model's name in a repository built with `--name prefix`."""
         return f"{prefix}_{self.name}"
 
     @property
-    def required_inputs(self) -> tuple[TensorDef, ...]:
+    def required_inputs(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.inputs if not t.optional)
 
     @property
-    def optional_inputs(self) -> tuple[TensorDef, ...]:
+    def optional_inputs(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.inputs if t.optional)
 
-    def input(self, name: str) -> TensorDef:
+    def input(self, name: str) -> TensorSpec:
         return _named(self.inputs, name, f"{self.name} input")
 
-    def output(self, name: str) -> TensorDef:
+    def output(self, name: str) -> TensorSpec:
         return _named(self.outputs, name, f"{self.name} output")
 
 
-def _named(tensors: tuple[TensorDef, ...], name: str, what: str) -> TensorDef:
+def _named(tensors: tuple[TensorSpec, ...], name: str, what: str) -> TensorSpec:
     for tensor in tensors:
         if tensor.name == name:
             return tensor
     raise KeyError(f"no {what} {name!r}; there are {', '.join(t.name for t in tensors)}")
 
 
-SEQUENCES = TensorDef("sequences", DType.BYTES, (1,), "one sequence per row, UTF-8")
-MASK = TensorDef("mask", DType.BOOL, (-1,), "True exactly on the sequence's residues/tokens")
+SEQUENCES = TensorSpec("sequences", DType.BYTES, (1,), doc="one sequence per row, UTF-8")
+MASK = TensorSpec("mask", DType.BOOL, (-1,), doc="True exactly on the sequence's residues/tokens")
 SAMPLING_METHODS = ("greedy-perturbate", "topkp-perturbate", "beam-search-perturbate", "beam-search-single-sample",
                     "beam-search-perturbate-sample")
 SCORING_METHODS = ("wt-marginal", "masked-marginal", "pll")
@@ -245,55 +153,56 @@ SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
 
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",
-         (SEQUENCES,), (TensorDef("embeddings", DType.FP32, ("H",), "mean of `hiddens` over `mask`"),),
+         (SEQUENCES,), (TensorSpec("embeddings", DType.FP32, ("H",), doc="mean of `hiddens` over `mask`"),),
          role="embeddings", planner="encoder", check="encoder", client_method="seqs_to_embedding"),
     Task("hiddens", "the encoder's last hidden states, one row per token",
-         (SEQUENCES,), (TensorDef("hiddens", DType.FP32, (-1, "H"), "every token's hidden state, 0 on padding"), MASK),
+         (SEQUENCES,),
+         (TensorSpec("hiddens", DType.FP32, (-1, "H"), doc="every token's hidden state, 0 on padding"), MASK),
          role="hiddens", planner="encoder", check="encoder", client_method="seqs_to_hidden"),
     Task("decodes", "greedy decoding of hidden states back into sequences",
-         (TensorDef("hiddens", DType.FP32, (-1, "H"), "hidden states, as N_hiddens answers them"),
-          TensorDef("mask", DType.BOOL, (-1,), "True on real tokens")),
-         (TensorDef("sequences", DType.BYTES, (1,), "the decoded sequence"),),
+         (TensorSpec("hiddens", DType.FP32, (-1, "H"), doc="hidden states, as N_hiddens answers them"),
+          TensorSpec("mask", DType.BOOL, (-1,), doc="True on real tokens")),
+         (TensorSpec("sequences", DType.BYTES, (1,), doc="the decoded sequence"),),
          role="decodes", planner="seq2seq", check="decoding", graphs=SEQ2SEQ_GRAPHS,
          requires=(Requirement.DECODER,), role_defaults=RoleDefaults(Instances.DECODE, batched=True),
          client_method="hidden_to_seqs"),
     Task("samplings", "new sequences sampled around each input, in its neighbourhood of the latent space",
          (SEQUENCES,
-          TensorDef("num_samples", DType.INT32, (1,), "outputs per sequence", default=1, optional=True),
-          TensorDef("scaled_radius", DType.FP32, (1,), "noise scale added to the hidden states", default=1.0,
-                    optional=True),
-          TensorDef("sampling_method", DType.BYTES, (1,), ", ".join(SAMPLING_METHODS), default=SAMPLING_METHODS[0],
-                    optional=True),
-          TensorDef("seed", DType.INT64, (1,), "random seed: the same seed and inputs give the same output",
-                    optional=True),
-          TensorDef("top_k", DType.INT32, (1,), "topkp-perturbate: keep the k most likely tokens (0: off)", default=0,
-                    optional=True),
-          TensorDef("top_p", DType.FP32, (1,), "topkp-perturbate: nucleus probability mass", default=0.9,
-                    optional=True),
-          TensorDef("temperature", DType.FP32, (1,), "topkp-perturbate: softmax temperature", default=1.0,
-                    optional=True),
-          TensorDef("beam_size", DType.INT32, (1,), "beam-search-perturbate(-sample): beams per search", default=5,
-                    optional=True)),
-         (TensorDef("generated", DType.BYTES, (-1,), "num_samples sequences"),),
+          TensorSpec("num_samples", DType.INT32, (1,), doc="outputs per sequence", default=1, optional=True),
+          TensorSpec("scaled_radius", DType.FP32, (1,), doc="noise scale added to the hidden states", default=1.0,
+                     optional=True),
+          TensorSpec("sampling_method", DType.BYTES, (1,), doc=", ".join(SAMPLING_METHODS), default=SAMPLING_METHODS[0],
+                     optional=True),
+          TensorSpec("seed", DType.INT64, (1,), doc="random seed: the same seed and inputs give the same output",
+                     optional=True),
+          TensorSpec("top_k", DType.INT32, (1,), doc="topkp-perturbate: keep the k most likely tokens (0: off)",
+                     default=0, optional=True),
+          TensorSpec("top_p", DType.FP32, (1,), doc="topkp-perturbate: nucleus probability mass", default=0.9,
+                     optional=True),
+          TensorSpec("temperature", DType.FP32, (1,), doc="topkp-perturbate: softmax temperature", default=1.0,
+                     optional=True),
+          TensorSpec("beam_size", DType.INT32, (1,), doc="beam-search-perturbate(-sample): beams per search", default=5,
+                     optional=True)),
+         (TensorSpec("generated", DType.BYTES, (-1,), doc="num_samples sequences"),),
          role="samplings", planner="seq2seq", check="decoding", graphs=SEQ2SEQ_GRAPHS,
          requires=(Requirement.DECODER,), role_defaults=RoleDefaults(Instances.SAMPLING, batched=True),
          client_method="sample_seqs"),
     Task("logits", "log-probabilities over the residue alphabet at every token, from the masked-LM head",
-         (TensorDef("sequences", DType.BYTES, (1,), "one sequence per row; the mask character `_` may stand for "
-                    "any residue"),),
-         (TensorDef("log_probs", DType.FP32, (-1, "A"), "log_softmax over the alphabet (special tokens excluded), "
-                    "rows laid out like hiddens"), MASK),
+         (TensorSpec("sequences", DType.BYTES, (1,), doc="one sequence per row; the mask character `_` may stand for "
+                     "any residue"),),
+         (TensorSpec("log_probs", DType.FP32, (-1, "A"), doc="log_softmax over the alphabet (special tokens excluded), "
+                     "rows laid out like hiddens"), MASK),
          role="logits", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
          requires=(Requirement.LM_HEAD,), client_method="seqs_to_log_probs",
          notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",)),
     Task("scores", "variant-effect scores (ESM's marginals) or the pseudo-log-likelihood of the sequence",
-         (TensorDef("sequences", DType.BYTES, (1,), "the wild type"),
-          TensorDef("variants", DType.BYTES, (-1,), "`A42G`, multi-mutants `A42G:L43P`, 1-based positions",
-                    optional=True),
-          TensorDef("method", DType.BYTES, (1,), ", ".join(SCORING_METHODS) + " (default: wt-marginal with "
-                    "variants, pll without)", optional=True)),
-         (TensorDef("scores", DType.FP32, (-1,), "one per variant: the sum over its mutations of log p(mutant) - "
-                    "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
+         (TensorSpec("sequences", DType.BYTES, (1,), doc="the wild type"),
+          TensorSpec("variants", DType.BYTES, (-1,), doc="`A42G`, multi-mutants `A42G:L43P`, 1-based positions",
+                     optional=True),
+          TensorSpec("method", DType.BYTES, (1,), doc=", ".join(SCORING_METHODS) + " (default: wt-marginal with "
+                     "variants, pll without)", optional=True)),
+         (TensorSpec("scores", DType.FP32, (-1,), doc="one per variant: the sum over its mutations of log p(mutant) - "
+                     "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
          role="scores", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
          requires=(Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES), calls=("logits",),
          # like samplings: a long request (a deep mutational scan) holds one instance
@@ -301,11 +210,11 @@ TASKS: dict[str, Task] = {task.name: task for task in (
     Task("predictions", "the fine-tuned head's logits and predicted label (sequence heads: one per sequence; "
          "token heads: one per token)",
          (SEQUENCES,),
-         (TensorDef("logits", DType.FP32, ("C",), "the head's logits (regression: its values); token heads "
-                    "[-1, C], rows laid out like hiddens"),
-          TensorDef("label", DType.BYTES, (1,), "the argmax's name from id2label (LABEL_i where unnamed); "
-                    "multi-label: the names whose sigmoid > 0.5 joined by ','; regression: the values as text; "
-                    "token heads [-1]")),
+         (TensorSpec("logits", DType.FP32, ("C",), doc="the head's logits (regression: its values); token heads "
+                     "[-1, C], rows laid out like hiddens"),
+          TensorSpec("label", DType.BYTES, (1,), doc="the argmax's name from id2label (LABEL_i where unnamed); "
+                     "multi-label: the names whose sigmoid > 0.5 joined by ','; regression: the values as text; "
+                     "token heads [-1]")),
          role="predictions", planner="classifier", check="predictions",
          graphs=(Graph.ENCODER, Graph.CLASSIFIER), requires=(Requirement.CLASSIFIER,), client_method="predict",
          notes=("Token heads (*ForTokenClassification) answer `logits` [-1, C], `mask` BOOL [-1] and `label` "

@@ -322,7 +322,7 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
         client = stack.enter_context(Seq2SeqClient(manifest.name, url))
         tolerances, notes = precision_checks(manifest, family)
         served = VerifyContext(client, loaded, manifest, batches, samples, tolerances, notes)
-        carried = loaded.servable(tuple(manifest.tasks))
+        carried = loaded.servable(manifest.tasks)
         unchecked = {TASKS[t].check for t in carried} - set(CHECKS)
         if unchecked:
             raise InvalidInputError(f"{repository}: verify has no check {', '.join(sorted(unchecked))} (a task entry's "

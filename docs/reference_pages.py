@@ -224,7 +224,8 @@ def _summary(command: Any) -> str:
 def served_api() -> str:
     """The served-API page (Markdown): the summary table `served_api_table()` writes, then each
     task's tensors with their types, shapes, defaults and meaning, from `TASKS`."""
-    from bionemo_export.tasks import REQUIREMENTS, SIZES_DOC, TASKS, served_api_table
+    from bionemo_export.tasks import REQUIREMENTS, TASKS, served_api_table
+    from bionemo_export.tensors import SIZES_DOC
 
     out = [
         _GENERATED_NOTE.format(source="bionemo_export/tasks.py"),
@@ -251,7 +252,7 @@ def served_api() -> str:
     for task in TASKS.values():
         out.append(f"## N_{task.name} {{ #{task.name} }}\n")
         out.append(inline(task.doc[0].upper() + task.doc[1:]) + ".\n")
-        out.append(f"Served for {REQUIREMENTS[task.requires]}; the model's role in the repository is "
+        out.append(f"Served for {REQUIREMENTS[task.requires[0]]}; the model's role in the repository is "
                    f"`{task.role}` (its scheduling settings).\n")
         out.append("**Inputs**\n")
         out.append(table(("name", "type", "shape", "required", "default", "meaning"), [

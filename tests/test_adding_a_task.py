@@ -19,10 +19,11 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.dev_server import DevModels
 from bionemo_export.model_repository.encoder import ensemble_model
 from bionemo_export.model_repository.options import roles
-from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, Tensor
+from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan
 from bionemo_export.models import get_family, load_checkpoint
 from bionemo_export.runtime import TritonServer
-from bionemo_export.tasks import SEQUENCES, TASKS, DType, Task, TensorDef, served_api_table
+from bionemo_export.tasks import SEQUENCES, TASKS, Task, served_api_table
+from bionemo_export.tensors import DType, TensorSpec
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import TaskCheck, compare_outputs, verify_repository
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.e2e
 NAME = "made"
 
 NORMS = Task("norms", "the L2 norm of each sequence's embedding", (SEQUENCES,),
-             (TensorDef("norms", DType.FP32, (1,), "|embedding|"),), role="norms", planner="norms", check="norms")
+             (TensorSpec("norms", DType.FP32, (1,), doc="|embedding|"),), role="norms", planner="norms", check="norms")
 
 # The serving module: what Triton's Python backend runs as N_norm (standard library + numpy).
 NORM_MODEL = '''"""N_norm: the L2 norm of each row of `embeddings` (a made-up task of tests/test_adding_a_task.py)."""
@@ -53,8 +54,8 @@ class TritonPythonModel:
 
 def plan_norms(request, loaded, tasks, serving, graphs) -> list[ModelPlan]:
     """The planner: N_norm (Python) after the encoder's embeddings, and the public ensemble N_norms."""
-    outputs = [Tensor(t.name, t.dtype.value, t.shape()) for t in NORMS.outputs]
-    norm = ModelPlan(f"{request.name}_norm", [Tensor("embeddings", "FP32", (loaded.hidden_size,))], outputs,
+    outputs = [TensorSpec(t.name, t.dtype, t.shape()) for t in NORMS.outputs]
+    norm = ModelPlan(f"{request.name}_norm", [TensorSpec("embeddings", DType.FP32, (loaded.hidden_size,))], outputs,
                      max_batch_size=serving.max_batch_size, backend="python", files={"model.py": NORM_MODEL},
                      description="norm of the embeddings (Python)")
     public = ensemble_model(request.name, "norms", outputs, serving, {"embeddings": "embeddings"},

@@ -38,7 +38,8 @@ from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.options import RoleOptions
 from bionemo_export.model_repository.pbtxt import read_config, write_config
-from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan, Tensor
+from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
+from bionemo_export.tensors import DType, TensorSpec
 
 MAX_LENGTH = 64
 
@@ -63,8 +64,8 @@ def _graph(path: Path, axes: tuple[str | None, str | None] = ("batch", "length")
 def _repository(root: Path, backend: str, axes: tuple[str | None, str | None] = ("batch", "length")) -> Path:
     """A one-model repository whose graph model `m_encoder` the backend `backend` planned."""
     graph = _graph(root.parent / f"{root.name}-graph" / "model.onnx", axes)
-    plan = ModelPlan(name="m_encoder", inputs=[Tensor("input_ids", "INT64", (-1,))],
-                     outputs=[Tensor("hiddens", "FP32", (-1,))], max_batch_size=8)
+    plan = ModelPlan(name="m_encoder", inputs=[TensorSpec("input_ids", DType.INT64, (-1,))],
+                     outputs=[TensorSpec("hiddens", DType.FP32, (-1,))], max_batch_size=8)
     shapes = ShapeRange(axes={"input_ids": ("batch", "length")}, sizes={"batch": (1, 8), "length": (1, MAX_LENGTH)},
                         split_axis="length")
     planned = get_backend(backend).plan_graph(GraphModel(plan=plan, role=RoleOptions(), what="encoder",

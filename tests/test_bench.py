@@ -21,7 +21,6 @@ from bionemo_export.bench import (
     LengthDistribution,
     ModelStats,
     Target,
-    TensorSpec,
     generate_inputs,
     random_proteins,
     read_sequences,
@@ -30,9 +29,10 @@ from bionemo_export.bench import (
 from bionemo_export.bench.inputs import STANDARD_AMINO_ACIDS
 from bionemo_export.bench.run import primary_batch_model, repository_max_residues, statistics_delta
 from bionemo_export.cli.main import app, error_line
+from bionemo_export.tensors import DType, TensorSpec
 
-SEQUENCES = [TensorSpec("sequences", "BYTES", (1,))]
-HIDDENS = [TensorSpec("hiddens", "FP32", (-1, 16)), TensorSpec("mask", "BOOL", (-1,))]
+SEQUENCES = [TensorSpec("sequences", DType.BYTES, (1,))]
+HIDDENS = [TensorSpec("hiddens", DType.FP32, (-1, 16)), TensorSpec("mask", DType.BOOL, (-1,))]
 
 
 # -- length distributions ----------------------------------------------------------------------
@@ -164,11 +164,11 @@ def test_hiddens_json_has_b64_float32_and_a_full_mask():
 
 
 def test_optional_inputs_are_left_out_and_unsupported_inputs_refused():
-    data = generate_inputs([*SEQUENCES, TensorSpec("num_samples", "INT32", (1,), optional=True)],
+    data = generate_inputs([*SEQUENCES, TensorSpec("num_samples", DType.INT32, (1,), optional=True)],
                            InputSpec(lengths="fixed:10", count=2))
     assert list(data.entries[0]) == ["sequences"] and "num_samples" in data.notes[0]
     with pytest.raises(InputError, match="cannot generate inputs.*input_ids INT64"):
-        generate_inputs([TensorSpec("input_ids", "INT64", (-1,))], InputSpec())
+        generate_inputs([TensorSpec("input_ids", DType.INT64, (-1,))], InputSpec())
     with pytest.raises(InputError, match="`file` gives sequences.*use `lengths`") as hiddens:
         generate_inputs(HIDDENS, InputSpec(file=Path(__file__)))
     # The library names InputSpec's fields; the command line words them as bench's flags.
@@ -284,8 +284,8 @@ def test_a_scores_model_gets_random_single_substitutions_of_each_sequence():
     each a valid substitution of its own sequence, and leaves `method` to its default."""
     import re
 
-    scores = [TensorSpec("sequences", "BYTES", (1,)), TensorSpec("variants", "BYTES", (-1,), optional=True),
-              TensorSpec("method", "BYTES", (1,), optional=True)]
+    scores = [TensorSpec("sequences", DType.BYTES, (1,)), TensorSpec("variants", DType.BYTES, (-1,), optional=True),
+              TensorSpec("method", DType.BYTES, (1,), optional=True)]
     data = generate_inputs(scores, InputSpec(lengths="uniform:20-40", count=8, seed=1, variants=5))
     for entry in data.entries:
         sequence = entry["sequences"]["content"][0]

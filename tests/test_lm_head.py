@@ -116,7 +116,7 @@ def esm2_loaded(esm2_dir) -> LoadedModel:
 def test_esm2_alphabet_is_the_25_residue_letters(esm2_loaded):
     assert esm2_loaded.alphabet == tuple("LAGVSERTIDPKQNFYMHWCXBUZO")
     assert esm2_loaded.lm_head.alphabet_ids == tuple(range(4, 29))
-    assert esm2_loaded.lm_head_outputs[0].axes == ("batch", "length", 25)
+    assert esm2_loaded.lm_head_outputs[0].dims == ("batch", "length", 25)
 
 
 def test_esm2_huggingface_log_probs_match_esm_for_masked_lm(esm2_mlm, esm2_loaded):

@@ -75,7 +75,7 @@ def test_random_checkpoint_loads(tiny, name):
     assert not model.encoder.training
     assert all(p.dtype == torch.float32 and p.isfinite().all() for p in model.encoder.parameters())
     assert [t.name for t in model.outputs] == ["hiddens", "embeddings"]
-    assert model.outputs[0].axes == ("batch", "length", 32)
+    assert model.outputs[0].dims == ("batch", "length", 32)
 
 
 def test_the_same_seed_gives_the_same_checkpoint(tiny, tmp_path):

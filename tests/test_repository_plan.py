@@ -11,7 +11,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import RoleOptions, ServingOptions
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
-from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan, Tensor
+from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan
+from bionemo_export.tensors import DType, TensorSpec
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers.character import CharacterTokenizer
 
@@ -138,9 +139,12 @@ def test_write_creates_folders_configs_and_files(tmp_path):
 
 
 def _two_step(out_dtype: str = "FP32", mapped: str = "y", ensemble_batch: int = 4) -> RepositoryPlan:
-    first = ModelPlan("first", [Tensor("x", "BYTES", (1,))], [Tensor("y", "FP32", (-1,))], 8, backend="python")
-    second = ModelPlan("second", [Tensor("y", out_dtype, (-1,))], [Tensor("z", "FP32", (3,))], 8, backend="python")
-    ensemble = ModelPlan("ens", [Tensor("x", "BYTES", (1,))], [Tensor("z", "FP32", (3,))], ensemble_batch,
+    first = ModelPlan("first", [TensorSpec("x", DType.BYTES, (1,))], [TensorSpec("y", DType.FP32, (-1,))], 8,
+                      backend="python")
+    second = ModelPlan("second", [TensorSpec("y", DType.of(out_dtype), (-1,))], [TensorSpec("z", DType.FP32, (3,))], 8,
+                       backend="python")
+    ensemble = ModelPlan("ens", [TensorSpec("x", DType.BYTES, (1,))], [TensorSpec("z", DType.FP32, (3,))],
+                         ensemble_batch,
                          platform="ensemble", steps=[
                              EnsembleStep("first", {"x": "x"}, {"y": "y_t"}),
                              EnsembleStep("second", {"y": mapped}, {"z": "z"}),

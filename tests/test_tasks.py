@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.client.repository import SAMPLING_INPUTS
 from bionemo_export.model_repository.reader import PUBLIC_SUFFIXES, is_public
-from bionemo_export.tasks import TASKS, DType, TensorDef, get_task, public_suffixes, served_api_table, task_of
+from bionemo_export.tasks import TASKS, Task, get_task, public_suffixes, served_api_table, task_of
+from bionemo_export.tensors import DType, TensorSpec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -33,13 +35,18 @@ def test_onnx_numbers_are_onnxs_own():
     assert DType.BF16.onnx == onnx.TensorProto.BFLOAT16 and DType.BYTES.onnx == onnx.TensorProto.STRING
 
 
+MISPLACED_DOC: Any = "a doc given where `optional` goes"
+
+
 def test_unknown_names_are_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown tensor type 'FP8'; known: FP32, FP16"):
         DType.of("FP8")
     with pytest.raises(ValueError, match=r"unknown task 'fold'; tasks are embeddings, hiddens"):
         get_task("fold")
     with pytest.raises(ValueError, match="unknown size 'Q'"):
-        TensorDef("x", DType.FP32, ("Q",), "")
+        Task("x", "", (TensorSpec("x", DType.FP32, ("Q",)),), (), role="x", planner="encoder", check="encoder")
+    with pytest.raises(TypeError, match="the doc is the keyword `doc`"):
+        TensorSpec("x", DType.FP32, (1,), MISPLACED_DOC)
     with pytest.raises(KeyError, match="no samplings input 'radius'"):
         TASKS["samplings"].input("radius")
 
@@ -86,3 +93,22 @@ def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones(
     with pytest.raises(BuildError,
                        match=r"family 'esm2' serves embeddings, hiddens, logits, scores, predictions; not samplings"):
         _check_tasks(get_family("esm2"), ("samplings",))
+
+
+def test_every_name_an_entry_declares_has_its_code():
+    """Each registry keyed by the entries' declarations has an entry for every task (a task whose
+    planner, check or client method is missing would fail only when built, verified or asked)."""
+    from bionemo_export.build import GRAPH_EXPORTS, MISSING, PLANNERS
+    from bionemo_export.client.repository import RepositoryClient
+    from bionemo_export.model_repository.options import ServingOptions, roles
+    from bionemo_export.verify import CHECKS
+
+    for name, task in TASKS.items():
+        assert task.planner in PLANNERS and task.check in CHECKS, name
+        assert set(task.graphs) <= set(GRAPH_EXPORTS) and set(task.requires) <= set(MISSING), name
+        assert callable(getattr(RepositoryClient, task.client_method)), name
+        assert task.role in roles() and set(task.calls) <= set(TASKS), name
+    options = ServingOptions(response_cache=True, sampling_instances=3, decode_instances=2)
+    assert options.role("embeddings").response_cache and options.role("embeddings").batching is None
+    assert options.role("scores").instances == 3 and options.role("scores").batching is not None
+    assert options.role("decodes").instances == 2 and not options.role("decodes").response_cache

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from bionemo_export.errors import UserError
+from bionemo_export.tensors import DType, TensorSpec
 
 # Amino-acid composition of UniProtKB/Swiss-Prot (its release statistics, percent; rounded), the
 # 20 standard residues; normalized where used.
@@ -224,16 +225,6 @@ def _parse_lines(lines: list[str]) -> list[tuple[str, str, str | None]]:
 # -- tensors and the JSON ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One model input: name, Triton datatype (BYTES, FP32, ...), shape without the batch axis."""
-
-    name: str
-    datatype: str
-    shape: tuple[int, ...]
-    optional: bool = False
-
-
 @dataclass
 class InputSpec:
     """What to send: a length distribution (random sequences / hiddens) or a file's sequences."""
@@ -280,7 +271,7 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
     """perf_analyzer input data for a model with these (required) inputs."""
     required = [t for t in inputs if not t.optional]
     # A scores model (tasks.py: N_scores) gets generated variants; its other optional inputs keep their defaults.
-    sends_variants = spec.variants > 0 and any(t.name == "variants" and t.optional and t.datatype == "BYTES"
+    sends_variants = spec.variants > 0 and any(t.name == "variants" and t.optional and t.dtype is DType.BYTES
                                                for t in inputs)
     skipped = [t.name for t in inputs if t.optional and not (sends_variants and t.name == "variants")]
     notes = [f"optional input(s) left out: {', '.join(skipped)}"] if skipped else []
@@ -288,8 +279,8 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
     if spec.count < 1:
         raise InputError("the number of generated inputs must be at least 1")
 
-    strings = [t for t in required if t.datatype == "BYTES"]
-    if len(required) == 1 and strings and strings[0].shape in ((1,), (-1,)):
+    strings = [t for t in required if t.dtype is DType.BYTES]
+    if len(required) == 1 and strings and strings[0].dims in ((1,), (-1,)):
         name = strings[0].name
         if spec.file is not None:
             records = read_sequences(spec.file)
@@ -316,13 +307,13 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
             description += f"; {spec.variants} random single substitutions each (variants)"
         return InputData(entries, [len(s) for s in sequences], description, "sequences", notes)
 
-    floats = [t for t in required if t.datatype == "FP32" and len(t.shape) == 2]
-    bools = [t for t in required if t.datatype == "BOOL" and len(t.shape) == 1]
+    floats = [t for t in required if t.dtype is DType.FP32 and len(t.dims) == 2]
+    bools = [t for t in required if t.dtype is DType.BOOL and len(t.dims) == 1]
     if len(required) == 2 and floats and bools:
         hiddens, mask = floats[0], bools[0]
-        width = hiddens.shape[1]
-        if width < 1:
-            raise InputError(f"input {hiddens.name!r} has no fixed hidden width: {list(hiddens.shape)}")
+        width = hiddens.dims[1]
+        if not isinstance(width, int) or width < 1:
+            raise InputError(f"input {hiddens.name!r} has no fixed hidden width: {list(hiddens.dims)}")
         if spec.file is not None:
             raise InputError(f"`file` gives sequences; the model's inputs are {hiddens.name!r} and {mask.name!r} "
                              "(hidden states): use `lengths`")
@@ -340,7 +331,7 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
                        f"lengths {dist.describe()}, mask all True")
         return InputData(entries, [int(n) for n in lengths], description, "hiddens", notes)
 
-    described = ", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in required)
+    described = ", ".join(f"{t.name} {t.dtype} {list(t.dims)}" for t in required)
     raise InputError(
         f"cannot generate inputs for a model whose inputs are: {described}. Supported: one BYTES [1] "
         "input (sequences), or FP32 [-1, H] + BOOL [-1] (hiddens + mask)"

@@ -28,8 +28,9 @@ from bionemo_export.client.triton import InferenceError, TritonClient
 from bionemo_export.errors import InvalidInputError, UserError
 from bionemo_export.model_repository.reader import dependencies
 from bionemo_export.runtime import PerfAnalyzer, TritonServer, find_perf_analyzer, find_tritonserver
+from bionemo_export.tensors import DType, TensorSpec
 
-from .inputs import InputData, InputSpec, TensorSpec, generate_inputs
+from .inputs import InputData, InputSpec, generate_inputs
 
 DEFAULT_CONCURRENCIES = (1, 8, 32)
 DEFAULT_WINDOW_S = 5.0  # perf_analyzer --measurement-interval; >= 5 s on small shared hosts
@@ -106,10 +107,9 @@ def model_inputs(client: TritonClient, model: str) -> list[TensorSpec]:
     config = client.model_config(model)
     specs = []
     for tensor in config.get("input", []):
-        datatype = tensor.get("data_type", "TYPE_FP32").removeprefix("TYPE_")
-        datatype = "BYTES" if datatype == "STRING" else datatype
         dims = tuple(int(d) for d in tensor.get("dims", []))
-        specs.append(TensorSpec(tensor["name"], datatype, dims, bool(tensor.get("optional", False))))
+        specs.append(TensorSpec(tensor["name"], DType.of(tensor.get("data_type", "TYPE_FP32")), dims,
+                                bool(tensor.get("optional", False))))
     return specs
 
 

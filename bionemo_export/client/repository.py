@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
-from bionemo_export.tasks import TASKS, DType, get_task
+from bionemo_export.tasks import TASKS, get_task
+from bionemo_export.tensors import DType
 
 from .batches import DEFAULT_IN_FLIGHT, infer_rows
 from .triton import DEFAULT_URL, TritonClient

@@ -32,7 +32,7 @@ from bionemo_export.errors import UserError
 if TYPE_CHECKING:  # annotations only: importing the models package imports every family, and torch
     import torch
 
-    from bionemo_export.models.base import TensorSpec
+    from bionemo_export.tensors import TensorSpec
 
 ONNX_MODEL_KEY = "onnx"
 """Navigator's key (and workspace folder) for the ONNX format."""

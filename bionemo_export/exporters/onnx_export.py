@@ -38,7 +38,7 @@ from bionemo_export.exporters.signature import (
     dynamic_axes,
     sample_arguments,
 )
-from bionemo_export.models.base import TensorSpec
+from bionemo_export.tensors import TensorSpec
 
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
 """Weights above this are saved as external data: a protobuf file cannot exceed 2 GiB, and the

@@ -15,16 +15,7 @@ import onnx
 import torch
 
 from bionemo_export.errors import UserError
-from bionemo_export.models.base import TensorSpec
-
-ONNX_DTYPES: dict[str, int] = {
-    "BOOL": onnx.TensorProto.BOOL,
-    "INT32": onnx.TensorProto.INT32,
-    "INT64": onnx.TensorProto.INT64,
-    "FP16": onnx.TensorProto.FLOAT16,
-    "FP32": onnx.TensorProto.FLOAT,
-}
-"""Triton dtype name -> ONNX element type, for the dtypes graph tensors may have."""
+from bionemo_export.tensors import TensorSpec
 
 
 class SignatureError(UserError, ValueError):
@@ -35,7 +26,7 @@ def dynamic_axes(specs: Sequence[TensorSpec]) -> dict[str, dict[int, str]]:
     """`{tensor: {axis index: axis name}}` for every dynamic (str) axis: torch.onnx's
     `dynamic_axes` format, which Model Navigator's OnnxConfig takes too."""
     return {
-        spec.name: {i: axis for i, axis in enumerate(spec.axes) if isinstance(axis, str)}
+        spec.name: {i: axis for i, axis in enumerate(spec.dims) if isinstance(axis, str)}
         for spec in specs
     }
 
@@ -54,11 +45,11 @@ def sample_arguments(
     arguments = []
     for spec in inputs:
         array = np.asarray(sample_inputs[spec.name])
-        expected = onnx.helper.tensor_dtype_to_np_dtype(ONNX_DTYPES[spec.dtype])
-        if array.dtype != expected or array.ndim != len(spec.axes):
+        expected = onnx.helper.tensor_dtype_to_np_dtype(spec.dtype.onnx)
+        if array.dtype != expected or array.ndim != len(spec.dims):
             raise SignatureError(
                 f"sample input {spec.name!r} is {array.dtype} with shape {array.shape}; "
-                f"expected {expected} with {len(spec.axes)} axes {spec.axes}"
+                f"expected {expected} with {len(spec.dims)} axes {spec.dims}"
             )
         arguments.append(torch.from_numpy(np.ascontiguousarray(array)))
     return tuple(arguments)
@@ -87,15 +78,15 @@ def _compare(
     problems = []
     for value, spec in zip(values, specs):
         tensor_type = value.type.tensor_type
-        if tensor_type.elem_type != ONNX_DTYPES[spec.dtype]:
+        if tensor_type.elem_type != spec.dtype.onnx:
             got = onnx.TensorProto.DataType.Name(tensor_type.elem_type)
             problems.append(f"{kind} {spec.name!r} has element type {got}, expected {spec.dtype}")
         dims = [dim.dim_param or (dim.dim_value if dim.HasField("dim_value") else "?")
                 for dim in tensor_type.shape.dim]
-        if len(dims) != len(spec.axes):
-            problems.append(f"{kind} {spec.name!r} has shape {dims}, expected {list(spec.axes)}")
+        if len(dims) != len(spec.dims):
+            problems.append(f"{kind} {spec.name!r} has shape {dims}, expected {list(spec.dims)}")
             continue
-        for index, (dim, axis) in enumerate(zip(dims, spec.axes)):
+        for index, (dim, axis) in enumerate(zip(dims, spec.dims)):
             dynamic_ok = isinstance(axis, str) and isinstance(dim, str)
             if not (dynamic_ok or dim == axis):
                 problems.append(

@@ -35,7 +35,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from bionemo_export.choices import ChoiceError, Device, EnginePrecision
 
 from .graph_io import GraphIO
-from .plan import ModelPlan
+from .plan import ModelPlan, data_type
 
 AUTO = "auto"
 """The backend choice that picks one for the host (`resolve_auto`)."""
@@ -484,7 +484,7 @@ def zero_warmup(plan: ModelPlan, shapes: ShapeRange, length: int = 16) -> mc.Mod
             axes = axes[1:]
         dims = [axis if isinstance(axis, int) else min(max(length, shapes.sizes[axis][0]), shapes.sizes[axis][1])
                 for axis in axes]
-        warmup.inputs[tensor.name].data_type = tensor.data_type
+        warmup.inputs[tensor.name].data_type = data_type(tensor)
         warmup.inputs[tensor.name].dims.extend(dims)
         warmup.inputs[tensor.name].zero_data = True
     return warmup

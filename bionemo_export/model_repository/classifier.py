@@ -26,11 +26,12 @@ from pathlib import Path
 from bionemo_export import __version__
 from bionemo_export.tasks import planned_by
 from bionemo_export.templates import render
+from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import GraphModel, ShapeRange
 from .encoder import RESPONDING, RUNS_GRAPH, _io_lines, ensemble_model, graph_input_parameters, serving_files
 from .options import ServingOptions
-from .plan import EnsembleStep, ModelPlan, Tensor
+from .plan import EnsembleStep, ModelPlan
 
 CLASSIFIER_TASKS = planned_by("classifier")
 
@@ -62,8 +63,8 @@ def classifier_model(name: str, hidden_size: int, head: ClassifierGraph, options
     """N_classifier: the head graph, batched like the encoder."""
     role = options.role("classifier")
     backend = options.serving_backend
-    inputs = [Tensor("hiddens", "FP32", (-1, hidden_size), ragged=backend.runs_python)]
-    outputs = [Tensor("logits", "FP32", head.logits_dims)]
+    inputs = [TensorSpec("hiddens", DType.FP32, (-1, hidden_size), ragged=backend.runs_python)]
+    outputs = [TensorSpec("logits", DType.FP32, head.logits_dims)]
     plan = ModelPlan(name=f"{name}_classifier", inputs=inputs, outputs=outputs,
                      max_batch_size=options.max_batch_size, dynamic_batching=role.batching)
     shapes = ShapeRange(axes={"hiddens": ("batch", "length", hidden_size)},
@@ -83,8 +84,8 @@ def classifier_model(name: str, hidden_size: int, head: ClassifierGraph, options
 def labels_model(name: str, head: ClassifierGraph, options: ServingOptions) -> ModelPlan:
     """N_labels: logits -> label names (Python, serving/labels.py)."""
     role = options.role("labels")
-    inputs = [Tensor("logits", "FP32", head.logits_dims, ragged=head.per_token)]
-    outputs = [Tensor("label", "BYTES", head.label_dims)]
+    inputs = [TensorSpec("logits", DType.FP32, head.logits_dims, ragged=head.per_token)]
+    outputs = [TensorSpec("label", DType.BYTES, head.label_dims)]
     return ModelPlan(
         name=f"{name}_labels", inputs=inputs, outputs=outputs, max_batch_size=options.max_batch_size,
         backend="python", instance_count=role.instances, dynamic_batching=role.batching,
@@ -99,12 +100,12 @@ def labels_model(name: str, head: ClassifierGraph, options: ServingOptions) -> M
 
 def predictions_ensemble(name: str, head: ClassifierGraph, options: ServingOptions) -> ModelPlan:
     """N_predictions: the encoder's steps, then N_classifier, then N_labels."""
-    outputs = [Tensor("logits", "FP32", head.logits_dims)]
+    outputs = [TensorSpec("logits", DType.FP32, head.logits_dims)]
     encoder_outputs = {"hiddens": "hiddens"}
     if head.per_token:
-        outputs.append(Tensor("mask", "BOOL", (-1,)))
+        outputs.append(TensorSpec("mask", DType.BOOL, (-1,)))
         encoder_outputs["mask"] = "mask"
-    outputs.append(Tensor("label", "BYTES", head.label_dims))
+    outputs.append(TensorSpec("label", DType.BYTES, head.label_dims))
     plan = ensemble_model(name, "predictions", outputs, options, encoder_outputs, after=[
         EnsembleStep(f"{name}_classifier", {"hiddens": "hiddens"}, {"logits": "logits"}),
         EnsembleStep(f"{name}_labels", {"logits": "logits"}, {"label": "label"})])

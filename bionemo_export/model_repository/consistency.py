@@ -30,11 +30,13 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
+from bionemo_export.tensors import TensorSpec
+
 from .backends import ServingBackend, graph_backend
 from .graph_io import GraphIO, graph_io
 from .manifest import MANIFEST_NAME, Manifest
 from .pbtxt import read_config
-from .plan import ModelPlan, PlanError, RepositoryPlan, Tensor
+from .plan import ModelPlan, PlanError, RepositoryPlan
 
 __all__ = ["caller_sizes", "check_repository"]
 
@@ -99,7 +101,7 @@ def _check_graph_model(folder: Path, plan: ModelPlan, backend: type[ServingBacke
     return findings + backend.check_version(version, plan, inputs, sizes)
 
 
-def _compare_io(plan: ModelPlan, kind: str, tensors: Sequence[Tensor], graph: list[GraphIO]) -> list[str]:
+def _compare_io(plan: ModelPlan, kind: str, tensors: Sequence[TensorSpec], graph: list[GraphIO]) -> list[str]:
     findings = []
     config_names, graph_names = [t.name for t in tensors], [g.name for g in graph]
     if sorted(config_names) != sorted(graph_names):

@@ -36,11 +36,12 @@ from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.tokenizer_file import TOKENIZER_CLASSES, TOKENIZER_FILE
 from bionemo_export.tasks import TASKS, Requirement, planned_by
 from bionemo_export.templates import render
+from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import BACKENDS, GraphModel, ShapeRange
 from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import RoleOptions, ServingOptions
-from .plan import EnsembleStep, ModelPlan, RepositoryPlan, Tensor
+from .plan import EnsembleStep, ModelPlan, RepositoryPlan
 
 __all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_repository"]
 
@@ -50,7 +51,7 @@ TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 SERVING_DIR = Path(__file__).resolve().parent.parent / "serving"
 
 
-def _io_lines(inputs: list[Tensor], outputs: list[Tensor], batched: bool = True) -> list[str]:
+def _io_lines(inputs: list[TensorSpec], outputs: list[TensorSpec], batched: bool = True) -> list[str]:
     """Docstring lines describing the tensors, aligned like a table."""
     lines = []
     for label, tensors in (("Inputs", inputs), ("Outputs", outputs)):
@@ -109,9 +110,9 @@ def _instances(role: RoleOptions) -> dict:
 
 
 def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan:
-    sequences = Tensor("sequences", "BYTES", (1,))
-    outputs = [Tensor("input_ids", "INT64", (-1,)), Tensor("attention_mask", "INT64", (-1,)),
-               Tensor("mask", "BOOL", (-1,))]
+    sequences = TensorSpec("sequences", DType.BYTES, (1,))
+    outputs = [TensorSpec("input_ids", DType.INT64, (-1,)), TensorSpec("attention_mask", DType.INT64, (-1,)),
+               TensorSpec("mask", DType.BOOL, (-1,))]
     tokenizer_parameters, files = tokenizer_files(tokenizer)
     code = render(
         "tokenizer_model.py.j2",
@@ -134,7 +135,7 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
     )
 
 
-def graph_model(model_name: str, family: str, inputs: list[Tensor], outputs: list[Tensor],
+def graph_model(model_name: str, family: str, inputs: list[TensorSpec], outputs: list[TensorSpec],
                 onnx_files: dict[str, Path], *, role: RoleOptions, options: ServingOptions, what: str,
                 shapes: ShapeRange, token_inputs: dict[str, int] | None = None) -> ModelPlan:
     """A model that runs one exported ONNX graph whose batch is not its first axis (key/value
@@ -163,7 +164,7 @@ def graph_input_parameters(axes: dict[str, tuple], axis_limits: dict[str, int],
             "axis_limits": json.dumps(axis_limits), "token_inputs": json.dumps(token_inputs)}
 
 
-GRAPH_INPUTS = (("input_ids", "INT64"), ("attention_mask", "INT64"), ("residue_mask", "BOOL"))
+GRAPH_INPUTS = (("input_ids", DType.INT64), ("attention_mask", DType.INT64), ("residue_mask", DType.BOOL))
 
 
 def encoder_shapes(tokenizer, options: ServingOptions) -> ShapeRange:
@@ -182,12 +183,13 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     fused = options.fused
     backend = options.serving_backend
     if fused:
-        inputs = [Tensor("sequences", "BYTES", (1,))]
+        inputs = [TensorSpec("sequences", DType.BYTES, (1,))]
     else:  # Python: requests of different lengths may be batched together (the model joins them).
-        inputs = [Tensor(n, dtype, (-1,), ragged=backend.runs_python) for n, dtype in GRAPH_INPUTS]
-    outputs = [Tensor("hiddens", "FP32", (-1, hidden_size)), Tensor("embeddings", "FP32", (hidden_size,))]
+        inputs = [TensorSpec(n, dtype, (-1,), ragged=backend.runs_python) for n, dtype in GRAPH_INPUTS]
+    outputs = [TensorSpec("hiddens", DType.FP32, (-1, hidden_size)),
+               TensorSpec("embeddings", DType.FP32, (hidden_size,))]
     if fused:
-        outputs.append(Tensor("mask", "BOOL", (-1,)))
+        outputs.append(TensorSpec("mask", DType.BOOL, (-1,)))
     plan = ModelPlan(name=f"{name}_encoder", inputs=inputs, outputs=outputs,
                      max_batch_size=options.max_batch_size, dynamic_batching=role.batching)
     tokenizer_parameters, files = tokenizer_files(tokenizer)
@@ -229,7 +231,7 @@ the model for want of a version.
 """
 
 
-def ensemble_model(name: str, task: str, outputs: list[Tensor], options: ServingOptions,
+def ensemble_model(name: str, task: str, outputs: list[TensorSpec], options: ServingOptions,
                    encoder_outputs: dict[str, str], after: Sequence[EnsembleStep] = ()) -> ModelPlan:
     """The public ensemble N_<task>: sequences through the encoder's steps (tokenizer first in the
     ensemble layout), whose `encoder_outputs` (encoder output -> ensemble tensor) go on to the
@@ -253,7 +255,7 @@ def ensemble_model(name: str, task: str, outputs: list[Tensor], options: Serving
     steps += list(after)
     return ModelPlan(
         name=f"{name}_{task}",
-        inputs=[Tensor("sequences", "BYTES", (1,))],
+        inputs=[TensorSpec("sequences", DType.BYTES, (1,))],
         outputs=outputs,
         max_batch_size=options.max_batch_size,
         platform="ensemble",
@@ -289,7 +291,7 @@ def plan_encoder_repository(
     models = [] if options.fused else [_tokenizer_model(name, tokenizer, options)]
     models.append(_encoder_model(name, family, hidden_size, tokenizer, onnx_files, options, graph_optimization_level))
     for task in (TASKS[t] for t in ENCODER_TASKS if t in tasks):  # the public models, as tasks.py declares them
-        outputs = [Tensor(t.name, t.dtype.value, t.shape({"H": hidden_size})) for t in task.outputs]
+        outputs = [TensorSpec(t.name, t.dtype, t.shape({"H": hidden_size})) for t in task.outputs]
         models.append(ensemble_model(name, task.name, outputs, options, {t.name: t.name for t in outputs}))
     plan = RepositoryPlan(models)
     plan.validate()

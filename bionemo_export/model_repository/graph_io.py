@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bionemo_export.tasks import DType
+from bionemo_export.tensors import DType
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,13 @@ from bionemo_export import __version__
 from bionemo_export.serving.scoring import ScoringLimits
 from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
+from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import GraphModel, ShapeRange
 from .encoder import RESPONDING, RUNS_GRAPH, ensemble_model, serving_files
 from .options import ServingOptions
 from .parameters import BLS_MODELS
-from .plan import EnsembleStep, ModelPlan, Tensor
+from .plan import EnsembleStep, ModelPlan
 
 MASKED_LM_TASKS = planned_by("masked_lm")
 
@@ -54,8 +55,8 @@ def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: Serv
     """N_lm_head: the head graph, batched like the encoder (ragged rows in the Python backend)."""
     role = options.role("lm_head")
     backend = options.serving_backend
-    inputs = [Tensor("hiddens", "FP32", (-1, hidden_size), ragged=backend.runs_python)]
-    outputs = [Tensor("log_probs", "FP32", (-1, len(head.alphabet)))]
+    inputs = [TensorSpec("hiddens", DType.FP32, (-1, hidden_size), ragged=backend.runs_python)]
+    outputs = [TensorSpec("log_probs", DType.FP32, (-1, len(head.alphabet)))]
     plan = ModelPlan(name=f"{name}_lm_head", inputs=inputs, outputs=outputs, max_batch_size=options.max_batch_size,
                      dynamic_batching=role.batching)
     shapes = ShapeRange(axes={"hiddens": ("batch", "length", hidden_size)},
@@ -77,7 +78,7 @@ def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: Serv
 def logits_ensemble(name: str, head: MaskedLMHead, options: ServingOptions) -> ModelPlan:
     """N_logits: the encoder's steps (hiddens and mask), then N_lm_head."""
     task = TASKS["logits"]
-    outputs = [Tensor(t.name, t.dtype.value, t.shape({"A": len(head.alphabet)})) for t in task.outputs]
+    outputs = [TensorSpec(t.name, t.dtype, t.shape({"A": len(head.alphabet)})) for t in task.outputs]
     plan = ensemble_model(name, task.name, outputs, options, {"hiddens": "hiddens", "mask": "mask"},
                           after=[EnsembleStep(f"{name}_lm_head", {"hiddens": "hiddens"}, {"log_probs": "log_probs"})])
     plan.parameters = {"alphabet": json.dumps(list(head.alphabet)), "mask_char": head.mask_char or ""}
@@ -92,8 +93,8 @@ def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
     logits = f"{name}_logits"
     return ModelPlan(
         name=task.model(name),
-        inputs=[Tensor(t.name, t.dtype.value, t.shape(), optional=t.optional) for t in task.inputs],
-        outputs=[Tensor(t.name, t.dtype.value, t.shape()) for t in task.outputs],
+        inputs=[TensorSpec(t.name, t.dtype, t.shape(), optional=t.optional) for t in task.inputs],
+        outputs=[TensorSpec(t.name, t.dtype, t.shape()) for t in task.outputs],
         max_batch_size=options.max_batch_size,
         backend="python",
         instance_count=role.instances,

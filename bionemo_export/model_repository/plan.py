@@ -16,7 +16,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.errors import UserError
-from bionemo_export.tasks import DType
+from bionemo_export.tensors import Dim, DType, TensorSpec
 
 from .pbtxt import write_config
 
@@ -25,21 +25,9 @@ class PlanError(UserError, ValueError):
     """The repository plan is inconsistent; the message names the model and tensor."""
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """A model input or output. `dims` excludes the batch dimension; -1 is a variable size."""
-
-    name: str
-    dtype: str  # Triton's name without the TYPE_ prefix: FP32, INT64, BOOL, BYTES (= STRING)
-    dims: tuple[int, ...]
-    optional: bool = False
-    ragged: bool = False
-    """allow_ragged_batch: the dynamic batcher may join requests whose shapes differ (the model
-    handles the different lengths itself)."""
-
-    @property
-    def data_type(self) -> int:
-        return mc.DataType.Value(DType.of(self.dtype).config)
+def data_type(tensor: TensorSpec) -> int:
+    """The tensor's type as ModelConfig's DataType number."""
+    return mc.DataType.Value(tensor.dtype.config)
 
 
 @dataclass(frozen=True)
@@ -94,8 +82,8 @@ class ModelPlan:
     """One model folder of the repository."""
 
     name: str
-    inputs: list[Tensor]
-    outputs: list[Tensor]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
     max_batch_size: int
     backend: str | None = None  # "python"
     platform: str | None = None  # "onnxruntime_onnx", "tensorrt_plan", "ensemble"
@@ -118,7 +106,7 @@ class ModelPlan:
     def is_ensemble(self) -> bool:
         return self.platform == "ensemble"
 
-    def tensor(self, name: str, *, output: bool) -> Tensor | None:
+    def tensor(self, name: str, *, output: bool) -> TensorSpec | None:
         for tensor in self.outputs if output else self.inputs:
             if tensor.name == name:
                 return tensor
@@ -134,11 +122,11 @@ class ModelPlan:
         if self.default_model_filename:
             config.default_model_filename = self.default_model_filename
         for tensor in self.inputs:
-            config.input.append(mc.ModelInput(name=tensor.name, data_type=tensor.data_type,
+            config.input.append(mc.ModelInput(name=tensor.name, data_type=data_type(tensor),
                                               dims=list(tensor.dims), optional=tensor.optional,
                                               allow_ragged_batch=tensor.ragged))
         for tensor in self.outputs:
-            config.output.append(mc.ModelOutput(name=tensor.name, data_type=tensor.data_type,
+            config.output.append(mc.ModelOutput(name=tensor.name, data_type=data_type(tensor),
                                                 dims=list(tensor.dims)))
         if self.is_ensemble:
             for step in self.steps:
@@ -162,10 +150,10 @@ class ModelPlan:
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> ModelPlan:
         """The plan of a written config (files aside): what the consistency checks read back."""
-        def tensors(entries) -> list[Tensor]:
-            return [Tensor(t.name, mc.DataType.Name(t.data_type).removeprefix("TYPE_").replace("STRING", "BYTES"),
-                           tuple(t.dims), optional=getattr(t, "optional", False),
-                           ragged=getattr(t, "allow_ragged_batch", False)) for t in entries]
+        def tensors(entries) -> list[TensorSpec]:
+            return [TensorSpec(t.name, DType.of(mc.DataType.Name(t.data_type)), tuple(t.dims),
+                               optional=getattr(t, "optional", False), ragged=getattr(t, "allow_ragged_batch", False))
+                    for t in entries]
 
         group = config.instance_group[0] if config.instance_group else None
         batching = DynamicBatching.read(config) if config.HasField("dynamic_batching") else None
@@ -185,7 +173,7 @@ class ModelPlan:
         )
 
 
-def _dims_compatible(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+def _dims_compatible(a: tuple[Dim, ...], b: tuple[Dim, ...]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
 
 
@@ -217,7 +205,7 @@ class RepositoryPlan:
 
     def _validate_ensemble(self, ensemble: ModelPlan) -> None:
         # Tensors available so far: ensemble inputs, then each step's outputs in order.
-        available: dict[str, Tensor] = {t.name: t for t in ensemble.inputs}
+        available: dict[str, TensorSpec] = {t.name: t for t in ensemble.inputs}
         for step in ensemble.steps:
             where = f"ensemble {ensemble.name}, step {step.model}"
             target = self.model(step.model)
@@ -241,7 +229,7 @@ class RepositoryPlan:
                     raise PlanError(f"{where}: the model has no output {model_output!r}")
                 if ensemble_tensor in available:
                     raise PlanError(f"{where}: ensemble tensor {ensemble_tensor!r} is produced twice")
-                available[ensemble_tensor] = Tensor(ensemble_tensor, produced.dtype, produced.dims)
+                available[ensemble_tensor] = TensorSpec(ensemble_tensor, produced.dtype, produced.dims)
         for output in ensemble.outputs:
             have = available.get(output.name)
             if have is None:
@@ -249,7 +237,7 @@ class RepositoryPlan:
             self._check_match(f"ensemble {ensemble.name}", output.name, have, output)
 
     @staticmethod
-    def _check_match(where: str, name: str, have: Tensor, wanted: Tensor) -> None:
+    def _check_match(where: str, name: str, have: TensorSpec, wanted: TensorSpec) -> None:
         if have.dtype != wanted.dtype:
             raise PlanError(f"{where}: tensor {name!r} is {have.dtype} but {wanted.dtype} is expected")
         if not _dims_compatible(have.dims, wanted.dims):

@@ -40,9 +40,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
-from bionemo_export.models.base import TensorSpec
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
+from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import ShapeRange
 from .encoder import (
@@ -58,7 +58,7 @@ from .encoder import (
 from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import ServingOptions
 from .parameters import BLS_MODELS
-from .plan import ModelPlan, RepositoryPlan, Tensor
+from .plan import ModelPlan, RepositoryPlan
 
 SEQ2SEQ_TASKS = (*ENCODER_TASKS, "decodes", "samplings")
 GENERATION_DIR = Path(__file__).resolve().parent.parent / "generation"
@@ -69,12 +69,12 @@ SAMPLING_PARAMETERS = {t.name: (t.dtype.value, t.doc + ("" if t.default is None 
                        for t in TASKS["samplings"].optional_inputs}
 
 
-def tensors_from_specs(specs: tuple[TensorSpec, ...], *, batched: bool) -> list[Tensor]:
+def tensors_from_specs(specs: tuple[TensorSpec, ...], *, batched: bool) -> list[TensorSpec]:
     """Triton tensors for graph specs: dynamic axes become -1; a batched model drops the batch axis."""
     tensors = []
     for spec in specs:
-        axes = spec.axes[1:] if batched else spec.axes
-        tensors.append(Tensor(spec.name, spec.dtype, tuple(-1 if isinstance(a, str) else a for a in axes)))
+        axes = spec.dims[1:] if batched else spec.dims
+        tensors.append(TensorSpec(spec.name, spec.dtype, tuple(-1 if isinstance(a, str) else a for a in axes)))
     return tensors
 
 
@@ -119,7 +119,7 @@ def decoder_shapes(specs: tuple[TensorSpec, ...], tokenizer, options: ServingOpt
     length. TensorRT tunes for a full batch of one hypothesis each, of typical SMILES lengths."""
     limits = options.limits
     rows = min(options.max_batch_size * limits.max_samples_x_beams, limits.max_decode_tokens)
-    return ShapeRange(axes={spec.name: spec.axes for spec in specs},
+    return ShapeRange(axes={spec.name: spec.dims for spec in specs},
                       sizes={"batch": (1, rows), "src_length": (1, tokenizer.max_length),
                              "past_length": (0, max_decode_length)},
                       opt={"batch": options.max_batch_size, "src_length": 64, "past_length": 64})
@@ -197,9 +197,9 @@ def plan_seq2seq_repository(
         models.append(ModelPlan(
             name=f"{name}_decodes",
             # Ragged: the dynamic batcher joins requests of different lengths (the model pads them).
-            inputs=[Tensor("hiddens", "FP32", (-1, hidden_size), ragged=True),
-                    Tensor("mask", "BOOL", (-1,), ragged=True)],
-            outputs=[Tensor("sequences", "BYTES", (1,))],
+            inputs=[TensorSpec("hiddens", DType.FP32, (-1, hidden_size), ragged=True),
+                    TensorSpec("mask", DType.BOOL, (-1,), ragged=True)],
+            outputs=[TensorSpec("sequences", DType.BYTES, (1,))],
             max_batch_size=options.max_batch_size,
             backend="python",
             instance_count=options.role("decodes").instances,
@@ -216,12 +216,13 @@ def plan_seq2seq_repository(
                                                                   else ", BLS to the decoder graphs)"),
         ))
     if "samplings" in tasks:
-        inputs = [Tensor("sequences", "BYTES", (1,))] + [
-            Tensor(parameter, dtype, (1,), optional=True) for parameter, (dtype, _) in SAMPLING_PARAMETERS.items()]
+        inputs = [TensorSpec("sequences", DType.BYTES, (1,))] + [
+            TensorSpec(parameter, DType.of(dtype), (1,), optional=True)
+            for parameter, (dtype, _) in SAMPLING_PARAMETERS.items()]
         models.append(ModelPlan(
             name=f"{name}_samplings",
             inputs=inputs,
-            outputs=[Tensor("generated", "BYTES", (-1,))],
+            outputs=[TensorSpec("generated", DType.BYTES, (-1,))],
             max_batch_size=options.max_batch_size,
             backend="python",
             instance_count=options.role("samplings").instances,

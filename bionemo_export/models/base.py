@@ -27,6 +27,7 @@ with `@register` (the package imports every module in it); adding a form is one 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS, Requirement
+from bionemo_export.tensors import DType, TensorSpec
 
 if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
@@ -44,38 +46,29 @@ if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     from bionemo_export.tokenizers.protocol import DecodingTokenizer, Tokenizer
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """A named graph tensor: dtype as Triton names it, shape with symbolic dynamic axes."""
-
-    name: str
-    dtype: str  # Triton dtype name: "INT64", "BOOL", "FP32", "BYTES"
-    axes: tuple[str | int, ...]  # e.g. ("batch", "length", 320); str = dynamic axis name
-
-
 ENCODER_INPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("input_ids", "INT64", ("batch", "length")),
-    TensorSpec("attention_mask", "INT64", ("batch", "length")),
-    TensorSpec("residue_mask", "BOOL", ("batch", "length")),
+    TensorSpec("input_ids", DType.INT64, ("batch", "length")),
+    TensorSpec("attention_mask", DType.INT64, ("batch", "length")),
+    TensorSpec("residue_mask", DType.BOOL, ("batch", "length")),
 )
 
 
 def encoder_outputs(hidden_size: int) -> tuple[TensorSpec, ...]:
     return (
-        TensorSpec("hiddens", "FP32", ("batch", "length", hidden_size)),
-        TensorSpec("embeddings", "FP32", ("batch", hidden_size)),
+        TensorSpec("hiddens", DType.FP32, ("batch", "length", hidden_size)),
+        TensorSpec("embeddings", DType.FP32, ("batch", hidden_size)),
     )
 
 
 def classifier_outputs(num_labels: int, per_token: bool) -> tuple[TensorSpec, ...]:
     """The fine-tuned head graph's output (its input is the encoder's `hiddens`)."""
     axes = ("batch", "length", num_labels) if per_token else ("batch", num_labels)
-    return (TensorSpec("logits", "FP32", axes),)
+    return (TensorSpec("logits", DType.FP32, axes),)
 
 
 def lm_head_outputs(alphabet_size: int) -> tuple[TensorSpec, ...]:
     """The masked-LM head graph's output (its input is the encoder's `hiddens`)."""
-    return (TensorSpec("log_probs", "FP32", ("batch", "length", alphabet_size)),)
+    return (TensorSpec("log_probs", DType.FP32, ("batch", "length", alphabet_size)),)
 
 
 @dataclass
@@ -149,7 +142,7 @@ class LoadedModel:
                 Requirement.ONE_CHARACTER_RESIDUES: self.serves_scores,
                 Requirement.CLASSIFIER: getattr(self, "classifier", None) is not None}[requirement]
 
-    def servable(self, tasks: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    def servable(self, tasks: Collection[str] | None = None) -> tuple[str, ...]:
         """Those of `tasks` (default: every task of the table) whose requirements it carries, in the
         table's order."""
         return tuple(name for name, task in TASKS.items() if (tasks is None or name in tasks)
@@ -179,7 +172,7 @@ class LoadedModel:
     @property
     def lm_head_inputs(self) -> tuple[TensorSpec, ...]:
         """The head graph's input: the encoder's hiddens."""
-        return (TensorSpec("hiddens", "FP32", ("batch", "length", self.hidden_size)),)
+        return (TensorSpec("hiddens", DType.FP32, ("batch", "length", self.hidden_size)),)
 
     @property
     def lm_head_outputs(self) -> tuple[TensorSpec, ...]:
@@ -363,34 +356,34 @@ def seq2seq_graph_specs(seq2seq: Seq2SeqModules, hidden_size: int
     tensors are [layers, batch, heads, length, head_dim]: their batch is not the first axis."""
 
     def kv(name: str, length: str) -> TensorSpec:
-        return TensorSpec(name, "FP32", (seq2seq.num_layers, "batch", seq2seq.num_heads, length, seq2seq.head_dim))
+        return TensorSpec(name, DType.FP32, (seq2seq.num_layers, "batch", seq2seq.num_heads, length, seq2seq.head_dim))
 
     return {
         "cross_kv": (
-            (TensorSpec("hiddens", "FP32", ("batch", "src_length", hidden_size)),),
+            (TensorSpec("hiddens", DType.FP32, ("batch", "src_length", hidden_size)),),
             (kv("cross_k", "src_length"), kv("cross_v", "src_length")),
         ),
         "decoder_step": (
             (
-                TensorSpec("tokens", "INT64", ("batch", 1)),
-                TensorSpec("enc_mask", "BOOL", ("batch", "src_length")),
+                TensorSpec("tokens", DType.INT64, ("batch", 1)),
+                TensorSpec("enc_mask", DType.BOOL, ("batch", "src_length")),
                 kv("cross_k", "src_length"),
                 kv("cross_v", "src_length"),
                 kv("past_k", "past_length"),
                 kv("past_v", "past_length"),
             ),
             (
-                TensorSpec("logits", "FP32", ("batch", seq2seq.vocab_size)),
+                TensorSpec("logits", DType.FP32, ("batch", seq2seq.vocab_size)),
                 kv("present_k", "present_length"),
                 kv("present_v", "present_length"),
             ),
         ),
         "decoder_full": (
             (
-                TensorSpec("tokens", "INT64", ("batch", "tgt_length")),
-                TensorSpec("hiddens", "FP32", ("batch", "src_length", hidden_size)),
-                TensorSpec("enc_mask", "BOOL", ("batch", "src_length")),
+                TensorSpec("tokens", DType.INT64, ("batch", "tgt_length")),
+                TensorSpec("hiddens", DType.FP32, ("batch", "src_length", hidden_size)),
+                TensorSpec("enc_mask", DType.BOOL, ("batch", "src_length")),
             ),
-            (TensorSpec("logits", "FP32", ("batch", "tgt_length", seq2seq.vocab_size)),),
+            (TensorSpec("logits", DType.FP32, ("batch", "tgt_length", seq2seq.vocab_size)),),
         ),
     }

@@ -23,7 +23,8 @@ from bionemo_export.client.triton import (
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.reader import PUBLIC_SUFFIXES, is_public, parameter
-from bionemo_export.tasks import DType, task_of
+from bionemo_export.tasks import task_of
+from bionemo_export.tensors import DType
 
 # Optional config parameter of a public model: the sequence its probe sends.
 HEALTH_PROBE = "health_probe"
