@@ -1,8 +1,8 @@
 """N_scores logic (bionemo_export/serving/scoring.py), without a server: every refused request with
-its exact message, the limits, and the scores against brute-force references that run one copy
-per mutation: (a) a deterministic numpy fake of a masked LM, (b) a tiny random transformers
-EsmForMaskedLM following ESM's predict.py formula over the full vocabulary, and AntiBERTy's
-pseudo-log-likelihood (special tokens' logits -inf, mean over residues)."""
+its exact message, the limits, and the scores against a brute-force reference that runs one copy
+per mutation on a deterministic numpy fake of a masked LM. The served path against ESM's predict.py
+formula in transformers' own EsmForMaskedLM is test_scores_model.py (and, served, the masked-LM
+end-to-end tests)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,7 @@ from bionemo_export.serving.scoring import (
     METHODS,
     ScoringError,
     ScoringLimits,
-    chunk_slices,
     masked_sequences,
-    masked_token_rows,
     mutated_positions,
     pack_passes,
     parse_variant,
@@ -250,32 +248,14 @@ def test_limits_are_enforced_naming_the_limit_and_the_value():
 
 
 # ----------------------------------------------------------------------------------- copies and chunks
-def test_masked_copies_as_strings_and_token_rows():
+def test_masked_copies_as_strings():
     assert masked_sequences("MSLK", [0, 2], MASK_CHAR) == ["_SLK", "MS_K"]
     assert masked_sequences("MSLK", np.array([], dtype=np.int64), MASK_CHAR) == []
-    ids = np.array([0, 10, 11, 12, 13, 2], dtype=np.int32)
-    rows = masked_token_rows(ids, [0, 3], offset=1, mask_id=32)
-    assert rows.dtype == np.int32
-    assert rows.tolist() == [[0, 32, 11, 12, 13, 2], [0, 10, 11, 12, 32, 2]]
-    assert ids.tolist() == [0, 10, 11, 12, 13, 2]  # the wild type's row is untouched
-    with pytest.raises(ValueError, match="fall outside a row of 6 tokens"):
-        masked_token_rows(ids, [5], offset=1, mask_id=32)
     plan = plan_request("MSLK", ["S2A", "S2C:K4A"], "masked-marginal", alphabet=AMINO_ACIDS)
     assert plan.inputs(MASK_CHAR) == ["M_LK", "MSL_"]
-    assert plan.token_rows(ids, offset=1, mask_id=32).tolist() == [[0, 10, 32, 12, 13, 2], [0, 10, 11, 12, 32, 2]]
+    assert plan.inputs(MASK_CHAR, slice(1, 2)) == ["MSL_"]
     plan = plan_request("MSLK", ["S2A"], "wt-marginal", alphabet=AMINO_ACIDS)
     assert plan.inputs(MASK_CHAR) == ["MSLK"]
-    assert plan.token_rows(ids, offset=1, mask_id=32).tolist() == [ids.tolist()]
-    with pytest.raises(ValueError, match="cannot hold 4 residues from offset 1"):
-        plan.token_rows(ids[:4], offset=1, mask_id=32)
-
-
-def test_chunk_slices():
-    assert chunk_slices(0, 4) == []
-    assert chunk_slices(10, 4) == [slice(0, 4), slice(4, 8), slice(8, 10)]
-    assert chunk_slices(3, 8) == [slice(0, 3)]
-    with pytest.raises(ValueError, match="chunk size must be at least 1, got 0"):
-        chunk_slices(3, 0)
 
 
 def test_pack_passes_fills_every_call_but_the_last_across_plans():
@@ -316,7 +296,7 @@ def test_a_mutation_to_the_wild_type_residue_scores_zero():
     assert plan.scores(plan.site_log_probs(log_probs)).tolist() == [0.0, 0.0]
 
 
-# ----------------------------------------------------------------------------------- (a) numpy fake model
+# ----------------------------------------------------------------------------------- a numpy fake model
 class FakeMaskedLM:
     """A deterministic stand-in for a masked LM: token row -> log-probabilities over the alphabet,
     each row depending on its own token, its position and the whole row (so masking one residue
@@ -368,9 +348,9 @@ def _brute_force_pll(model: FakeMaskedLM, sequence: str) -> float:
 
 
 def _served_scores(plan, run_rows, chunk: int) -> np.ndarray:
-    """What the served model does: copies in chunks, site rows kept, scores at the end."""
-    inputs = plan.inputs(MASK_CHAR)
-    sites = [plan.site_log_probs(run_rows(inputs[part]), part) for part in chunk_slices(len(inputs), chunk)]
+    """What the served model does: copies in calls of at most `chunk`, site rows kept, scores at the end."""
+    sites = [plan.site_log_probs(run_rows(plan.inputs(MASK_CHAR, part)), part)
+             for call in pack_passes([plan.passes], chunk) for _, part in call]
     return plan.scores(np.concatenate(sites))
 
 
@@ -402,10 +382,6 @@ def test_marginal_scores_match_a_brute_force_fake_model(method, chunk):
     assert scores.dtype == np.float32 and scores.shape == (len(variants),)
     np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-5)
     assert scores[-1] == 0.0
-    # The token-row form builds exactly the copies the strings tokenize to.
-    tokenized = np.stack([model.tokenize(text) for text in plan.inputs(MASK_CHAR)])
-    np.testing.assert_array_equal(plan.token_rows(model.tokenize(wild_type), offset=1,
-                                                  mask_id=model.ids["<mask>"]), tokenized)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
@@ -425,103 +401,6 @@ def test_the_wt_marginal_pass_accepts_a_two_dimensional_log_prob_array():
     log_probs = model(model.tokenize(WILD_TYPE))[1:-1]
     np.testing.assert_array_equal(plan.scores(plan.site_log_probs(log_probs)),
                                   plan.scores(plan.site_log_probs(log_probs[None])))
-
-
-# ----------------------------------------------------------------------------------- (b) tiny ESM-2
-ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
-ESM_ALPHABET = "LAGVSERTIDPKQNFYMHWCXBUZO"  # the residues: every token with a column of log_probs
-ESM_ALPHABET_IDS = [ESM_VOCAB.index(c) for c in ESM_ALPHABET]
-ESM_SPECIAL_IDS = [i for i in range(len(ESM_VOCAB)) if i not in ESM_ALPHABET_IDS]
-ESM_MASK_ID = 32
-
-
-@pytest.fixture(scope="module")
-def tiny_esm():
-    pytest.importorskip("transformers")
-    from tests.helpers.random_models import sharpened_tiny_esm
-
-    return sharpened_tiny_esm()  # a head less flat than random initialisation gives: scores differ
-
-
-def _esm_ids(text: str) -> list[int]:
-    return [0, *(ESM_MASK_ID if c == MASK_CHAR else ESM_VOCAB.index(c) for c in text), 2]
-
-
-def _esm_logits(model, rows):
-    import torch
-    with torch.no_grad():
-        return model(input_ids=torch.as_tensor(rows, dtype=torch.long)).logits.double()
-
-
-def _esm_served_log_probs(model, texts) -> np.ndarray:
-    """What N_logits returns: log-softmax over the alphabet's columns, BOS/EOS rows dropped."""
-    import torch
-    logits = _esm_logits(model, [_esm_ids(text) for text in texts])
-    return torch.log_softmax(logits[:, 1:-1][..., ESM_ALPHABET_IDS], dim=-1).float().numpy()
-
-
-def _esm_predict_py(model, wild_type: str, variant: str, masked: bool) -> float:
-    """ESM's predict.py: token_probs = log_softmax over the WHOLE vocabulary; a mutation's score is
-    token_probs[1 + i, mt] - token_probs[1 + i, wt] (masked-marginals: from the copy masking i,
-    one copy per mutation here). Checks on the way that the difference is the alphabet-restricted
-    one (the normalizer cancels)."""
-    import torch
-    total = 0.0
-    for mutation in variant.split(":"):
-        wt, i, mt = mutation[0], int(mutation[1:-1]) - 1, mutation[-1]
-        assert wild_type[i] == wt
-        ids = _esm_ids(wild_type)
-        if masked:
-            ids[1 + i] = ESM_MASK_ID
-        logits = _esm_logits(model, [ids])[0]
-        token_probs = torch.log_softmax(logits, dim=-1)
-        score = (token_probs[1 + i, ESM_VOCAB.index(mt)] - token_probs[1 + i, ESM_VOCAB.index(wt)]).item()
-        restricted = torch.log_softmax(logits[:, ESM_ALPHABET_IDS], dim=-1)
-        assert score == pytest.approx((restricted[1 + i, ESM_ALPHABET.index(mt)]
-                                       - restricted[1 + i, ESM_ALPHABET.index(wt)]).item(), abs=1e-9)
-        total += score
-    return total
-
-
-def _antiberty_pll(model, sequence: str) -> float:
-    """AntiBERTy's pseudo_log_likelihood: one copy per residue with it masked, the special tokens'
-    logits set to -inf, minus the mean cross-entropy of the true residues (a MEAN, not a sum)."""
-    import torch
-    rows = []
-    for i in range(len(sequence)):
-        ids = _esm_ids(sequence)
-        ids[1 + i] = ESM_MASK_ID
-        rows.append(ids)
-    logits = _esm_logits(model, rows)
-    logits[..., ESM_SPECIAL_IDS] = -float("inf")
-    positions = torch.arange(len(sequence))
-    masked_logits = logits[positions, 1 + positions]  # [L, V]: each copy's masked position
-    targets = torch.tensor([ESM_VOCAB.index(c) for c in sequence])
-    return -torch.nn.functional.cross_entropy(masked_logits, targets, reduction="mean").item()
-
-
-@pytest.mark.parametrize("method", ["wt-marginal", "masked-marginal"])
-def test_marginal_scores_match_esm_predict_py_on_a_tiny_esm2(tiny_esm, method):
-    rng = np.random.default_rng(2)
-    standard = "ACDEFGHIKLMNPQRSTVWY"
-    wild_type = "".join(rng.choice(list(standard), size=24)) + "X" + "".join(rng.choice(list(standard), size=11))
-    variants = _random_variants(rng, wild_type, standard, 20) + [f"X25{wild_type[0]}"]  # X has a column in ESM
-    plan = plan_request(wild_type, variants, method, alphabet=ESM_ALPHABET, mask_char=MASK_CHAR)
-    scores = _served_scores(plan, lambda texts: _esm_served_log_probs(tiny_esm, texts), chunk=4)
-    expected = [_esm_predict_py(tiny_esm, wild_type, v, method == "masked-marginal") for v in variants]
-    assert np.ptp(expected) > 0.1  # the model is not flat: the comparison means something
-    np.testing.assert_allclose(scores, expected, rtol=0, atol=1e-4)
-
-
-def test_pll_matches_antiberty_style_pll_on_a_tiny_esm2(tiny_esm):
-    rng = np.random.default_rng(4)
-    sequence = "".join(rng.choice(list("ACDEFGHIKLMNPQRSTVWY"), size=33))
-    plan = plan_request(sequence, None, "pll", alphabet=ESM_ALPHABET, mask_char=MASK_CHAR)
-    scores = _served_scores(plan, lambda texts: _esm_served_log_probs(tiny_esm, texts), chunk=8)
-    expected = _antiberty_pll(tiny_esm, sequence)
-    np.testing.assert_allclose(scores, [expected], rtol=0, atol=1e-4)
-    # The mean, not the sum: the sum would be len(sequence) times larger.
-    assert abs(scores[0] * len(sequence) - expected) > 1.0
 
 
 def test_masking_changes_the_scores():
