@@ -1,4 +1,5 @@
-"""Shared fixtures: one real tritonserver per test module, on free loopback ports; a tiny random
+"""The markers of the folders (tests/e2e: `e2e`, tests/export: `export`; tests/unit: none), and the
+shared fixtures: one real tritonserver per test module, on free loopback ports; a tiny random
 checkpoint; the real AntiBERTy loaded."""
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ from tests.helpers.tiny_repository import tiny_repository
 
 if TYPE_CHECKING:  # torch and transformers load only in the modules that ask for a model
     from bionemo_export.models import LoadedModel
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = {"e2e": pytest.mark.e2e, "export": pytest.mark.export}
+"""The marker every test in a folder carries: a test's kind is where it sits, so `-m` selects by folder."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.resolve()
+        if path.is_relative_to(TESTS) and (marker := FOLDER_MARKERS.get(path.relative_to(TESTS).parts[0])):
+            item.add_marker(marker)
 
 
 @pytest.fixture(scope="module")

@@ -224,8 +224,8 @@ def test_esm1nv_nemo_log_probs_match_esm_for_masked_lm(tmp_path):
     """An ESM-1nv archive written by test_esm1's converter (the documented Megatron BERT layout) from
     an EsmForMaskedLM with learned positions, plus its head: `model.lm_head.dense`, `.layernorm`
     and `.bias` in ESM-1nv id order, zero-padded to 128 rows."""
-    from tests.test_esm1 import MAX_TOKENS, megatron_state_dict
-    from tests.test_esm1 import write_nemo as write_esm1nv
+    from tests.e2e.test_esm1 import MAX_TOKENS, megatron_state_dict
+    from tests.e2e.test_esm1 import write_nemo as write_esm1nv
 
     config = esm_config(position_embedding_type="absolute", token_dropout=False, emb_layer_norm_before=False,
                         max_position_embeddings=MAX_TOKENS + 2)

@@ -32,8 +32,6 @@ from bionemo_export.model_repository.options import GenerationLimits, ServingOpt
 from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
-pytestmark = pytest.mark.e2e
-
 INVALID = {"grpc": "StatusCode.INVALID_ARGUMENT", "http": "400"}
 INTERNAL = {"grpc": "StatusCode.INTERNAL", "http": "500"}
 LIMITS = GenerationLimits(max_decode_tokens=400_000)  # room for the long requests of the cancellation test
@@ -67,7 +65,7 @@ def mmb(tmp_path_factory, triton_install):
     assert result.exit_code == 0, result.output
     _copy_model(repo, "mmb_cross_kv", "mmb_broken_cross_kv")
     shutil.copy(repo / "mmb_decoder_step" / "1" / "model.onnx", repo / "mmb_broken_cross_kv" / "1" / "model.onnx")
-    # Its golden answers would refuse the swapped graph at load (tests/test_golden.py); what this
+    # Its golden answers would refuse the swapped graph at load (tests/e2e/test_golden.py); what this
     # model is for is a failure while serving, as a repository without golden answers would show.
     (repo / "mmb_broken_cross_kv" / "1" / "golden.npz").unlink()
     _copy_model(repo, "mmb_decoder_step", "mmb_short_step", {"'past_length': 511": "'past_length': 0"})

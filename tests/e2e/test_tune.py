@@ -213,6 +213,15 @@ def test_tune_writes_the_winner_reports_it_and_restores_the_previous_settings(es
     assert all(t["points"] for t in data["trials"])
     manifest = Manifest.read(repo)
     assert not check_files(repo).problems  # digests of the rewritten configs recorded
+    # Whether a winner is written depends on this host's figures; that tune writes exactly when its
+    # confirmation says the winner still wins (and writes that winner) does not.
+    if data["confirmation"] is None:  # no candidate beat the baseline during the search
+        assert not data["written"] and data["settings"] == data["untuned_settings"]
+    else:
+        confirmed_baseline, confirmed_winner = data["confirmation"]
+        assert [t["role"] for t in data["confirmation"]] == ["confirm-baseline", "confirm-winner"]
+        assert data["written"] == (confirmed_winner["score"] >= confirmed_baseline["score"])
+        assert data["settings"] == (confirmed_winner if data["written"] else confirmed_baseline)["settings"]
     if data["written"]:
         assert manifest.tuning is not None and manifest.tuning["host"]["cores"] >= 1
         served = read_settings(read_config(repo / "esm2nv_encoder"))

@@ -36,7 +36,7 @@ from bionemo_export.models import load_checkpoint
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import serve_process as sp
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 NAME = "load"
 CLIENTS = 48  # concurrent clients, half HTTP, half gRPC

@@ -20,8 +20,6 @@ from bionemo_export.runtime import TritonServer
 from bionemo_export.tokenizers.smiles import tokenize
 from bionemo_export.verify import SAMPLING_CHECKS, _expected_outputs, verify_repository
 
-pytestmark = pytest.mark.e2e
-
 NAME = "megamolbart"
 MAX_DECODE = None  # the model's own limit
 

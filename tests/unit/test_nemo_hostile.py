@@ -28,7 +28,7 @@ from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.models.readers import nemo as nemo_reader
 from tests.helpers.nemo_archives import write_nemo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MOST_SECONDS = 2.0
 """Most a refusal may take (the hostile archives took from 1.5 s to minutes before)."""
 MOST_GROWTH_MIB = 32

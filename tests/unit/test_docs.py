@@ -19,7 +19,7 @@ from bionemo_export._layers import LAYERS
 from bionemo_export.cli.main import app
 from bionemo_export.tasks import TASKS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

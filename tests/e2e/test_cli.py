@@ -37,7 +37,6 @@ def test_version():
     assert result.output.strip() == f"bionemo-export {__version__}"
 
 
-@pytest.mark.e2e
 def test_doctor_reports_tritonserver_python_backend_and_perf_analyzer():
     result = runner.invoke(app, ["doctor"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output

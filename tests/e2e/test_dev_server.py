@@ -37,8 +37,6 @@ from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import SAMPLING_CHECKS, _expected_outputs, verify_repository
 from tests.helpers.cli import CLI
 
-pytestmark = pytest.mark.e2e
-
 NAME = "mmb"
 MAX_DECODE = 12
 TASKS = ("embeddings", "hiddens", "decodes", "samplings")
@@ -282,7 +280,7 @@ def test_verify_passes_against_the_dev_server(servers):
 
 def test_the_benchmark_baseline_runs_the_packages_dev_server(servers, tmp_path):
     """benchmarks/serving.py starts benchmarks/dev_server.py, a wrapper of the package's dev server."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:  # a script folder, not a package: found on the path it is given here, not by the type checker
         serving = importlib.import_module("serving")
     finally:

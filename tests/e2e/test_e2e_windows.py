@@ -19,8 +19,6 @@ from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.masked_lm_reference import ESM_VOCAB
 from tests.helpers.window_reference import brute_merge
 
-pytestmark = pytest.mark.e2e
-
 NAME = "win"
 WINDOW, OVERLAP, MAX_RESIDUES = 20, 6, 100
 LONG = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQF"[:57]

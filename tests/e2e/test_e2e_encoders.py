@@ -25,8 +25,6 @@ from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import cosine_rows, verify_repository
 
-pytestmark = pytest.mark.e2e
-
 ATOL = 1e-4
 MAX_BATCH = 8
 

@@ -25,8 +25,6 @@ from bionemo_export.client.triton import TritonClient
 from bionemo_export.runtime import TritonServer, free_ports
 from tests.helpers import serve_process as sp
 
-pytestmark = pytest.mark.e2e
-
 
 def _affine(http: int) -> list[float]:
     with TritonClient(f"http://127.0.0.1:{http}", timeout_s=10) as client:

@@ -18,8 +18,6 @@ from bionemo_export import procfs
 from bionemo_export.runtime import TritonServer, TritonStartError, find_perf_analyzer, probe_server
 from tests.helpers.tiny_repository import broken_repository, tiny_repository
 
-pytestmark = pytest.mark.e2e
-
 
 def _group_members(pgid: int) -> list[int]:
     """PIDs whose process group is `pgid` (the server and the Python-backend stubs it spawned)."""

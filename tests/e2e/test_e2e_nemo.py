@@ -34,8 +34,6 @@ from tests.helpers.nemo_archives import (
     write_nemo_ranks,
 )
 
-pytestmark = pytest.mark.e2e
-
 PROTEINS = ["MKTAYIAKQRQISFVKSHFSRQ", "MSLKRKNIALIPAAGIGVRFG", "AC", "LAGVSERTIDPKQNFYMHWCXBUZO"]
 SMILES = ["CCO", "c1ccccc1O", "CC(=O)Oc1ccccc1C(=O)O", "CN1C=NC2=C1C(=O)N(C(=O)N2C)C", "Clc1ccc(Br)cc1I"]
 MAX_DECODE = 24

@@ -14,7 +14,7 @@ from bionemo_export.client.repository import SAMPLING_INPUTS
 from bionemo_export.runtime.supervisor import PUBLIC_SUFFIXES, is_public
 from bionemo_export.tasks import TASKS, DType, TensorDef, get_task, public_suffixes, served_api_table, task_of
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_every_dtype_names_a_triton_config_type_and_round_trips():

@@ -20,8 +20,6 @@ from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers.masked_lm_reference import brute_force, brute_force_pll, reference_log_probs
 
-pytestmark = pytest.mark.e2e
-
 NAME = "mlm"
 WILD_TYPE = "MKTAYIAKQRQISFVKSHFSRQ"
 VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T", "I12L"]
@@ -150,7 +148,7 @@ def test_the_dev_server_serves_logits_and_scores_as_the_repository_does(served, 
     import tritonclient.grpc as grpcclient
 
     from bionemo_export.runtime.server import free_ports
-    from tests.test_dev_server import start_dev_server, stop_dev_server
+    from tests.e2e.test_dev_server import start_dev_server, stop_dev_server
 
     result, _, repository = served
     http, grpc, metrics = free_ports(3)

@@ -403,7 +403,7 @@ def test_verify_fails_on_a_served_repository_whose_outputs_are_all_zeros(esm2_ch
     manifest = json.loads((repository / "manifest.json").read_text())
     (repository / "manifest.json").write_text(json.dumps({**manifest, "precision": "int8"}))
     # The graphs were edited after the build on purpose: --no-check skips the digests' refusal, and
-    # the golden check at load is told to warn, not refuse (tests/test_golden.py sees it refuse):
+    # the golden check at load is told to warn, not refuse (tests/e2e/test_golden.py sees it refuse):
     # what is tested here is verify's own check of served answers.
     result = runner.invoke(app, ["verify", str(repository), "--checkpoint", str(esm2_checkpoint), "--no-check"],
                            env={**WIDE, "BIONEMO_EXPORT_GOLDEN_CHECK": "warn"})

@@ -4,7 +4,7 @@ picks it, what a deployment image needs, its help; and that adding a backend is 
 The consistency rules run on a tiny repository written here: one graph model over a two-op ONNX
 graph (input_ids [batch, length] -> hiddens [batch, length]), planned by the backend itself. Each
 rule a backend brought out of consistency.py is broken on purpose and must be reported;
-tests/test_backends.py breaks the others on built repositories.
+tests/export/test_backends.py breaks the others on built repositories.
 """
 
 from __future__ import annotations

@@ -17,9 +17,7 @@ from bionemo_export.models import get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB
 from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from tests.test_classifier_head import make
-
-pytestmark = pytest.mark.e2e
+from tests.export.test_classifier_head import make
 
 LABELS = {0: "binder", 1: "non-binder", 2: "weak"}
 PROTEINS = ["MKTAYIAKQR", "EVQLVESGGGLVQPGGSLRLSCAAS", "GVSE"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(p for p in ROOT.glob("benchmarks/*.py") if not p.name.startswith("_"))  # _*: shared code
 
 # Runs each script as `python <script> --help` would, one after the other in one interpreter (torch

@@ -34,7 +34,7 @@ from tests.helpers.nemo_archives import (
     write_nemo,
     write_nemo_ranks,
 )
-from tests.test_nemo_import import PROTEINS, hf_reference, run_encoder
+from tests.unit.test_nemo_import import PROTEINS, hf_reference, run_encoder
 
 HEADS = 4
 LAYERS = 4

@@ -1,16 +1,12 @@
-"""The package's layers hold, and the serving host's commands run without torch.
+"""The serving host's commands run without torch.
 
-Static (no server): every import of the package, read with `ast`, goes down the layers of
-`bionemo_export/_layers.py` and no import circle remains; the checker itself fails on a made-up
-package that climbs or circles. The modules the serving host's commands load import none of torch,
-onnx, transformers, Model Navigator, safetensors, ONNX Runtime or TensorRT at module level.
-
-End to end (e2e): a tiny ESM-2 repository is built here (torch is available to the tests), then
-`serve`, `health`, `client`, `deploy`, `repo push`, `doctor` and `engines build` run as separate
-processes in which torch, onnx, transformers, model_navigator and safetensors cannot be imported (a
-`sitecustomize.py` on PYTHONPATH puts a finder in front of the import system that refuses them),
-as on a host with only the base install. The served repository's own Python models load ONNX
-Runtime and numpy only (no library of torch is mapped into tritonserver's Python stubs).
+A tiny ESM-2 repository is built here (torch is available to the tests), then `serve`, `health`,
+`client`, `deploy`, `repo push`, `doctor` and `engines build` run as separate processes in which
+torch, onnx, transformers, model_navigator and safetensors cannot be imported (a `sitecustomize.py`
+on PYTHONPATH puts a finder in front of the import system that refuses them), as on a host with only
+the base install. The served repository's own Python models load ONNX Runtime and numpy only (no
+library of torch is mapped into tritonserver's Python stubs). The static half (the modules those
+commands load import none of them) is tests/unit/test_layers.py.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,176 +23,15 @@ import numpy as np
 import pytest
 
 import bionemo_export
-from bionemo_export._layers import (
-    LAYERS,
-    Import,
-    Layer,
-    check,
-    circles,
-    climbs,
-    heavy_imports,
-    import_graph,
-    module_name,
-    package_imports,
-)
 
 PACKAGE_ROOT = Path(bionemo_export.__file__).parent
 BLOCKED = ("torch", "onnx", "transformers", "model_navigator", "safetensors")
 CLI = [sys.executable, "-m", "bionemo_export.cli.main"]
 
-
-def _modules(root: Path) -> set[str]:
-    return {module_name(path, root) for path in root.rglob("*.py")}
-
-
-@pytest.fixture(scope="module")
-def imports() -> list[Import]:
-    return package_imports(PACKAGE_ROOT)
-
-
-# -- the package ----------------------------------------------------------------------------------------------------
-
-def test_the_package_keeps_its_layers_and_has_no_import_circle(imports):
-    problems = check(imports, _modules(PACKAGE_ROOT))
-    assert problems == [], "\n".join(problems)
-
-
-def test_each_part_sits_in_one_layer():
-    units = [unit for layer in LAYERS for unit in layer.units]
-    assert len(units) == len(set(units)), units
-
-
-# The modules `serve`, `health`, `client`, `deploy`, `repo push`, `doctor` and `engines build` load:
-# the whole CLI (main imports every command module) and what those commands import when they run.
-SERVING_HOST_MODULES = (
-    "bionemo_export.cli.main",
-    "bionemo_export.runtime.supervisor",
-    "bionemo_export.runtime.object_storage",
-    "bionemo_export.runtime.doctor",
-    "bionemo_export.runtime.engines",
-    "bionemo_export.exporters.navigator",  # doctor asks it whether Model Navigator is usable
-    "bionemo_export.deploy.kubernetes",
-    "bionemo_export.client",
-    "bionemo_export.client.files",
-    "bionemo_export.client.repository",
-    "bionemo_export.client.variants",
-)
-
-
-@pytest.mark.parametrize("module", SERVING_HOST_MODULES)
-def test_the_serving_hosts_modules_import_no_heavy_package(imports, module):
-    assert module in _modules(PACKAGE_ROOT)
-    assert heavy_imports(imports, module) == []
-
-
-# -- the checker can fail -------------------------------------------------------------------------------------------
-
-def _package(root: Path, files: dict[str, str]) -> Path:
-    """A made-up `bionemo_export` package under `root`: relative path -> source."""
-    package = root / "bionemo_export"
-    for relative, source in {"__init__.py": "", **files}.items():
-        path = package / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(source))
-    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
-        (folder / "__init__.py").touch()
-    return package
-
-
-def _problems(package: Path) -> list[str]:
-    return check(package_imports(package), _modules(package))
-
-
-def test_a_planner_importing_the_runtime_is_a_climb(tmp_path):
-    package = _package(tmp_path, {
-        "runtime/supervisor.py": "BLS_MODELS = 'bls_models'\n",
-        "model_repository/masked_lm.py": "from bionemo_export.runtime.supervisor import BLS_MODELS\n",
-    })
-    assert _problems(package) == [
-        "bionemo_export.model_repository.masked_lm -> bionemo_export.runtime.supervisor (line 1): "
-        "climbs from planners and clients to runtime"]
-
-
-def test_a_climb_inside_a_function_or_for_type_checkers_is_still_a_climb(tmp_path):
-    package = _package(tmp_path, {
-        "cli/serve.py": "",
-        "runtime/server.py": """\
-            from typing import TYPE_CHECKING
-            if TYPE_CHECKING:
-                from ..cli import serve
-            def start():
-                from bionemo_export.cli.serve import main
-            """,
-    })
-    problems = _problems(package)
-    assert len(problems) == 2
-    assert problems[0].endswith("(line 3) (if TYPE_CHECKING): climbs from runtime to cli")
-    assert problems[1].endswith("(line 5) (inside a function): climbs from runtime to cli")
-
-
-def test_parts_of_one_layer_are_independent(tmp_path):
-    package = _package(tmp_path, {"client/triton.py": "", "model_repository/plan.py": "from ..client import triton\n"})
-    assert _problems(package) == [
-        "bionemo_export.model_repository.plan -> bionemo_export.client.triton (line 1): model_repository and "
-        "client share the layer planners and clients and are independent"]
-
-
-def test_an_import_circle_is_found_at_module_level_and_through_a_package(tmp_path):
-    package = _package(tmp_path, {
-        "runtime/a.py": "from . import b\n",
-        "runtime/b.py": "from bionemo_export.runtime.a import x\n",
-        # runtime/server.py takes a name from runtime/__init__.py, which imports server.py.
-        "runtime/__init__.py": "from .server import start\n",
-        "runtime/server.py": "from bionemo_export.runtime import free_ports\n",
-    })
-    assert _problems(package) == [
-        "import circle: bionemo_export.runtime <-> bionemo_export.runtime.server",
-        "import circle: bionemo_export.runtime.a <-> bionemo_export.runtime.b"]
-
-
-def test_a_circle_for_type_checkers_counts_and_one_inside_functions_does_not(tmp_path):
-    package = _package(tmp_path, {
-        "model_repository/backends.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                        "    from .options import RoleOptions\n",
-        "model_repository/options.py": "from .backends import get_backend\n",
-        # A registry: the package imports its modules, which look the package up when called.
-        "models/__init__.py": "from .base import REGISTRY\n",
-        "models/base.py": "def get_family():\n    from bionemo_export import models\n",
-    })
-    assert _problems(package) == [
-        "import circle: bionemo_export.model_repository.backends <-> bionemo_export.model_repository.options"]
-
-
-def test_a_part_in_no_layer_is_reported(tmp_path):
-    package = _package(tmp_path, {"plugins/extra.py": "from bionemo_export.tasks import TASKS\n", "tasks.py": ""})
-    assert _problems(package) == ["plugins: a part of the package in no layer: add it to LAYERS"]
-
-
-def test_a_made_up_layer_order_decides_what_climbs(tmp_path):
-    package = _package(tmp_path, {"low.py": "", "high.py": "from bionemo_export import low\n"})
-    imports = package_imports(package)
-    upward = (Layer("a", ("low",), ""), Layer("b", ("high",), ""))
-    assert climbs(imports, upward) == []
-    assert climbs(imports, upward[::-1]) == [
-        "bionemo_export.high -> bionemo_export.low (line 1): climbs from b to a"]
-
-
-def test_a_heavy_import_is_found_through_the_modules_a_command_loads(tmp_path):
-    package = _package(tmp_path, {
-        "cli/engines.py": "from bionemo_export.runtime import engines\n",
-        "runtime/engines.py": "from bionemo_export.model_repository.consistency import check\n",
-        "model_repository/consistency.py": "import onnx\n\ndef read():\n    import torch\n",
-    })
-    imports = package_imports(package)
-    assert heavy_imports(imports, "bionemo_export.cli.engines") == [
-        "bionemo_export.model_repository.consistency -> onnx (line 1)"]  # torch: only when read() runs
-    assert circles(import_graph(imports)) == []
-
-
 # -- end to end: the commands, without torch ------------------------------------------------------------------------
 
 BLOCKER = f'''\
-"""Tests (test_layers.py): make {", ".join(BLOCKED)} unimportable, as on a host without them."""
+"""Tests (test_serving_host.py): make {", ".join(BLOCKED)} unimportable, as on a host without them."""
 import sys
 
 BLOCKED = {set(BLOCKED)!r}
@@ -206,7 +40,7 @@ BLOCKED = {set(BLOCKED)!r}
 class _Unimportable:
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by test_layers.py)", name=name)
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by test_serving_host.py)", name=name)
         return None
 
 
@@ -275,7 +109,6 @@ def bare_host(tmp_path_factory) -> Iterator[BareHost]:
             served.stop()
 
 
-@pytest.mark.e2e
 def test_torch_and_its_kin_cannot_be_imported_there(bare_host):
     for module in BLOCKED:
         result = subprocess.run([sys.executable, "-c", f"import {module}"], env=bare_host.env, capture_output=True,
@@ -283,14 +116,12 @@ def test_torch_and_its_kin_cannot_be_imported_there(bare_host):
         assert result.returncode == 1 and "blocked by test_layers.py" in result.stderr, (module, result.stderr)
 
 
-@pytest.mark.e2e
 def test_serve_serves_and_health_finds_every_public_model_answering(bare_host):
     result = bare_host.run("health", f"http://127.0.0.1:{bare_host.http_port}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split()[:2] == ["ok", f"{NAME}_embeddings"], result.stdout
 
 
-@pytest.mark.e2e
 def test_the_served_models_load_no_torch(bare_host):
     """The repository's Python models (tritonserver's stubs, which do not read the environment's
     sitecustomize) load ONNX Runtime and numpy, and no library of torch, onnx or transformers."""
@@ -306,7 +137,6 @@ def test_the_served_models_load_no_torch(bare_host):
         assert not packages & {"torch", "onnx", "transformers", "safetensors", "model_navigator"}, packages
 
 
-@pytest.mark.e2e
 def test_client_gets_the_pytorch_embeddings(bare_host):
     out = bare_host.work / "embeddings.json"
     args = [arg for sequence in SEQUENCES for arg in ("-s", sequence)]
@@ -318,7 +148,6 @@ def test_client_gets_the_pytorch_embeddings(bare_host):
     assert np.abs(embeddings - bare_host.reference_embeddings).max() <= 1e-4
 
 
-@pytest.mark.e2e
 def test_deploy_writes_the_kubernetes_manifests(bare_host):
     import yaml
 
@@ -333,7 +162,6 @@ def test_deploy_writes_the_kubernetes_manifests(bare_host):
     assert f"public: {NAME}_embeddings" in result.stdout
 
 
-@pytest.mark.e2e
 def test_repo_push_uploads_the_repository(bare_host):
     import boto3
 
@@ -347,7 +175,6 @@ def test_repo_push_uploads_the_repository(bare_host):
     assert f"uploaded {len(files)} objects" in result.stdout
 
 
-@pytest.mark.e2e
 def test_doctor_reports_what_is_missing_instead_of_failing_on_it(bare_host):
     result = bare_host.run("doctor", columns=400)  # wide enough that no row of its table wraps
     assert "Traceback" not in result.stderr and "error:" not in result.stderr, result.stderr
@@ -364,7 +191,6 @@ def test_doctor_reports_what_is_missing_instead_of_failing_on_it(bare_host):
     assert "Missing required components: Model Navigator, onnx, torch, transformers" in result.stdout
 
 
-@pytest.mark.e2e
 def test_doctor_finds_a_serving_host_ready_to_serve(bare_host):
     result = bare_host.run("doctor", "--job", "serve", columns=400)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -373,7 +199,6 @@ def test_doctor_finds_a_serving_host_ready_to_serve(bare_host):
     assert "not available" in rows["torch"], rows["torch"]  # absent, but serving does not need it
 
 
-@pytest.mark.e2e
 def test_engines_build_says_where_engines_can_be_built(bare_host):
     result = bare_host.run("engines", "build", str(bare_host.tensorrt_repository))
     assert result.returncode == 1, result.stdout + result.stderr

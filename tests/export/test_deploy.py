@@ -272,7 +272,7 @@ def test_a_folder_that_is_not_a_repository_is_named(tmp_path):
 
 
 def test_a_repository_built_for_gpus_needs_gpu_pods(repository, tmp_path):
-    """manifest.json's device (gpu for --backend tensorrt or --device gpu) decides; tests/test_backends.py
+    """manifest.json's device (gpu for --backend tensorrt or --device gpu) decides; tests/export/test_backends.py
     checks that such builds record it."""
     gpu_repository = Path(shutil.copytree(repository, tmp_path / "repo"))
     manifest = json.loads((gpu_repository / "manifest.json").read_text())

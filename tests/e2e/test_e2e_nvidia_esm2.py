@@ -19,9 +19,7 @@ from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.runtime import TritonServer
 from tests.helpers.nemo2_checkpoints import write_esm2_nemo2
 from tests.helpers.nv_esm_checkpoints import write_nv_esm
-from tests.test_nv_esm import te_gelu
-
-pytestmark = pytest.mark.e2e
+from tests.unit.test_nv_esm import te_gelu
 
 PROTEINS = ["MKTAYIAKQRQISFVKSHFSRQ", "MSLKRKNIALIPAAGIGVRFG", "AC", "LAGVSERTIDPKQNFYMHWCXBUZO"]
 WRITERS = {"nemo2": lambda model, path: write_esm2_nemo2(path, model),

@@ -24,8 +24,6 @@ from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
-pytestmark = pytest.mark.e2e
-
 NAME = "adm"
 LONG = "MKTAYIAKQRQISFVKSHFSRQ" * 46  # 1012 residues
 CLIENTS = 30
