@@ -65,7 +65,7 @@ def encoder_server(request, tmp_path_factory, triton_install):
     build_repository(BuildRequest(
         family="esm2", checkpoint=checkpoint, name="tiny", out=work / "repo", backend="python",
         serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=50_000, layout=request.param,
-                               length_bucket=16, token_budget=512),
+                               length_bucket=16, token_budget=512), optimize=False,
     ))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
         yield server
@@ -137,7 +137,7 @@ def samplings_server(tmp_path_factory, triton_install):
     build_repository(BuildRequest(
         family="megamolbart", checkpoint=checkpoint, name="mmb", out=work / "repo", backend="python",
         tasks=("hiddens", "samplings"), max_decode_length=12,
-        serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=100_000),
+        serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=100_000), optimize=False,
     ))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
         yield server, family.sample_sequences()

@@ -8,7 +8,6 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 import tritonclient.http as httpclient
 from typer.testing import CliRunner
 
@@ -62,7 +61,6 @@ def _read_until(process: subprocess.Popen[str], marker: str, timeout: float = 12
     raise AssertionError(f"never printed {marker!r}:\n" + "".join(seen))
 
 
-@pytest.mark.e2e
 def test_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
     repo = tiny_repository(tmp_path / "models")
     http, grpc, metrics = free_ports(3)
@@ -94,7 +92,6 @@ def test_serve_runs_in_the_foreground_and_stops_on_sigterm(tmp_path):
     assert "tritonserver stopped (exit code 0)" in output
 
 
-@pytest.mark.e2e
 def test_serve_explains_a_model_that_fails_to_load(tmp_path):
     repo = broken_repository(tmp_path / "models")
     http, grpc, metrics = free_ports(3)

@@ -48,7 +48,7 @@ def server(tmp_path_factory, triton_install):
     # hidden 64: 32 sequences of 600 residues answer 4.9 MB of hidden states, over gRPC's 4 MiB default.
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=2, hidden_size=64)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=MAX_BATCH)))
+                                  backend="python", serving=ServingOptions(max_batch_size=MAX_BATCH), optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as running:
         yield running
 
@@ -70,7 +70,6 @@ def _one_by_one(server, sequences: list[str]) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------- BioNeMo's clients
-@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_pytriton_model_client_infer_batch(server, protocol):
     """BioNeMo's client_encode: PyTriton's ModelClient with the strings as np.char.encode makes them."""
@@ -101,7 +100,6 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-@pytest.mark.e2e
 def test_raw_kserve_v2_json_request_with_bytes_data(server):
     """What curl sends: the KServe v2 JSON protocol, strings as BYTES data, no client library."""
     sequences = _sequences(3, seed=2)
@@ -126,7 +124,6 @@ def _stats(server, model: str) -> int:
     return read_statistics(InferenceServerClient(server.endpoints.grpc_url))[model]["requests"]
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_python_client_splits_by_the_servers_max_batch_size_and_keeps_order(server, protocol):
     sequences = _sequences(75, seed=3, high=90)
@@ -149,7 +146,6 @@ def test_python_client_splits_by_the_servers_max_batch_size_and_keeps_order(serv
     np.testing.assert_allclose(embeddings, _one_by_one(server, sequences), atol=1e-5)
 
 
-@pytest.mark.e2e
 def test_python_client_errors_carry_the_servers_message(server):
     sequences = _sequences(70, seed=4)
     sequences[40] = "MKTAYJAK"
@@ -173,7 +169,6 @@ def test_python_client_errors_carry_the_servers_message(server):
             client.seqs_to_embedding(["MKT"])
 
 
-@pytest.mark.e2e
 def test_grpc_answers_over_four_mib(server):
     """Hidden states of 32 long sequences (4.9 MB in one response) over gRPC: gRPC's default
     receive limit is 4 MiB; the client raises it."""
@@ -183,7 +178,6 @@ def test_grpc_answers_over_four_mib(server):
     assert hiddens.nbytes > 4 * 2**20 and hiddens.shape == (MAX_BATCH, 602, 64) and mask.sum() == 600 * MAX_BATCH
 
 
-@pytest.mark.e2e
 def test_infer_rows_isolates_refused_rows(server):
     sequences = _sequences(40, seed=6)
     bad = {3: "MKJ", 17: "", 35: "MK1"}
@@ -216,7 +210,6 @@ def _fasta(path, records: list[tuple[str, str]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.e2e
 def test_encode_a_fasta_of_1000_records_in_one_command(server, tmp_path):
     sequences = _sequences(1000, seed=7, low=3, high=80)
     records = [(f"prot{i:04d}", s) for i, s in enumerate(sequences)]
@@ -255,7 +248,6 @@ def test_encode_a_fasta_of_1000_records_in_one_command(server, tmp_path):
     assert not (tmp_path / "stopped.npz").exists()
 
 
-@pytest.mark.e2e
 def test_encode_writes_bionemos_json_shape(server, tmp_path):
     sequences = _sequences(3, seed=8)
     out = tmp_path / "hiddens.json"

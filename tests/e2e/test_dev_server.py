@@ -80,7 +80,7 @@ def servers(tmp_path_factory, triton_install):
     checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=5)
     build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", max_decode_length=MAX_DECODE,
-                                  serving=ServingOptions(max_batch_size=16)))
+                                  serving=ServingOptions(max_batch_size=16), optimize=False))
     http, grpc, metrics = free_ports(3)
     dev = start_dev_server([*CLI, "dev-server", "--model", "megamolbart", "--checkpoint", str(checkpoint),
                             "--name", NAME, "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",

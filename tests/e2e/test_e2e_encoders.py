@@ -42,6 +42,7 @@ def served(request, tmp_path_factory, triton_install):
     build_repository(BuildRequest(
         family=request.param, checkpoint=checkpoint, name=name, out=work / "repo", backend="python",
         serving=ServingOptions(max_batch_size=MAX_BATCH, max_queue_delay_microseconds=0, response_cache=True),
+        optimize=False,
     ))
     loaded = family.load(checkpoint)
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log",

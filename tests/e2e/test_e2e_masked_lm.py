@@ -30,7 +30,7 @@ def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("masked_lm")
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=11)
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                           backend="python"))
+                                           backend="python", optimize=False))
     reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
         with RepositoryClient(NAME, f"grpc://{server.endpoints.grpc_url}") as client:
@@ -99,7 +99,7 @@ def test_logits_without_a_head_is_one_error_naming_the_checkpoint(tmp_path):
     (plain / "vocab.txt").write_text((masked / "vocab.txt").read_text())
     with pytest.raises(BuildError, match=r"plain has no masked-LM head .* cannot serve logits"):
         build_repository(BuildRequest(family="esm2", checkpoint=plain, name="p", out=tmp_path / "repo",
-                                      backend="python", tasks=("embeddings", "logits")))
+                                      backend="python", tasks=("embeddings", "logits"), optimize=False))
 
 
 @pytest.mark.slow
@@ -114,7 +114,7 @@ def test_the_real_antibertys_served_plls_follow_its_runner(tmp_path, triton_inst
 
     checkpoint = antiberty_checkpoint()
     build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="ab", out=tmp_path / "repo",
-                                  backend="python", tasks=("logits", "scores")))
+                                  backend="python", tasks=("logits", "scores"), optimize=False))
     vocab = (checkpoint / "vocab.txt").read_text().splitlines() if (checkpoint / "vocab.txt").is_file() else \
         (checkpoint.parent / "vocab.txt").read_text().splitlines()
     reference = transformers.BertForMaskedLM.from_pretrained(checkpoint).eval()

@@ -47,7 +47,7 @@ def served(trained, tmp_path_factory, triton_install):
     build_repository(BuildRequest(
         family="megamolbart", checkpoint=checkpoint, name=NAME, out=work / "repo", backend="python",
         max_decode_length=MAX_DECODE,
-        serving=ServingOptions(max_batch_size=32, max_queue_delay_microseconds=0),
+        serving=ServingOptions(max_batch_size=32, max_queue_delay_microseconds=0), optimize=False,
     ))
     loaded = get_family("megamolbart").load(checkpoint)
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:

@@ -53,7 +53,8 @@ def esm2nv(tmp_path_factory, triton_install):
     shards = tensor_parallel_shards(weights, 2)
     archive = write_nemo_ranks(work / "esm2nv_tp2.nemo", {**esm2nv_config(config), "tensor_model_parallel_size": 2},
                                {f"mp_rank_{rank:02d}": shard for rank, shard in enumerate(shards)})
-    result = CliRunner().invoke(app, ["build", "repo", "--checkpoint", str(archive), "--name", "esm2nv",
+    result = CliRunner().invoke(app, ["build", "repo", "--no-optimize", "--checkpoint", str(archive),
+                                      "--name", "esm2nv",
                                       "--out", str(work / "repo"), "--backend", "python", "--max-batch-size", "8"])
     assert result.exit_code == 0, result.output
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
@@ -99,7 +100,8 @@ def megamolbart_nemo(tmp_path_factory, triton_install):
     archive = write_nemo(work / "megamolbart.nemo", config, weights, artifacts)
     build_repository(BuildRequest(family=None, checkpoint=archive, name="megamolbart", out=work / "repo",
                                   backend="python", max_decode_length=MAX_DECODE,
-                                  serving=ServingOptions(max_batch_size=8, max_queue_delay_microseconds=0)))
+                                  serving=ServingOptions(max_batch_size=8, max_queue_delay_microseconds=0),
+                                  optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
         yield folder, model, load_checkpoint(archive), server
 

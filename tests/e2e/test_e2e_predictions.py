@@ -17,7 +17,7 @@ from bionemo_export.models import get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB
 from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from tests.export.test_classifier_head import make
+from tests.unit.test_classifier_head_pytorch import make
 
 LABELS = {0: "binder", 1: "non-binder", 2: "weak"}
 PROTEINS = ["MKTAYIAKQR", "EVQLVESGGGLVQPGGSLRLSCAAS", "GVSE"]
@@ -31,9 +31,9 @@ def served(tmp_path_factory, triton_install):
     tok_model, tok_dir = make("esm-token", work / "tok", seed=8, num_labels=4)
     results: dict[str, Any] = {  # the two build results, and (below) the checkpoint folders
         "seq": build_repository(BuildRequest(family="bert", checkpoint=seq_dir, name="seq", out=work / "repo",
-                                             backend="python")),
+                                             backend="python", optimize=False)),
         "tok": build_repository(BuildRequest(family="esm2", checkpoint=tok_dir, name="tok", out=work / "repo2",
-                                             backend="python")),
+                                             backend="python", optimize=False)),
     }
     # one server, both repositories' models
     for model in (work / "repo2").iterdir():
@@ -102,7 +102,7 @@ def test_asking_for_predictions_without_a_fine_tuned_head_names_the_checkpoint(t
     checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     with pytest.raises(BuildError, match=f"{checkpoint} has no fine-tuned head"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="x", out=tmp_path / "repo",
-                                      backend="python", tasks=("predictions",)))
+                                      backend="python", tasks=("predictions",), optimize=False))
 
 
 @pytest.mark.parametrize("which, family", [("seq", "bert"), ("tok", "esm2")])
@@ -126,7 +126,7 @@ def test_rxnfps_real_fine_tuned_classifier_served_equals_transformers(tmp_path, 
 
     checkpoint = rxnfp_checkpoint("bert_ft_10k_25s")
     build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="rx", out=tmp_path / "repo",
-                                  backend="python", tasks=("predictions",)))
+                                  backend="python", tasks=("predictions",), optimize=False))
     reactions = ["CC(=O)O.OCC>>CC(=O)OCC", "c1ccccc1Br.OB(O)c1ccccc1>>c1ccc(-c2ccccc2)cc1"]
     encoded = get_family("bert").load(checkpoint).tokenizer.encode(reactions)
     reference = transformers.BertForSequenceClassification.from_pretrained(checkpoint).eval()

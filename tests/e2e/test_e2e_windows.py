@@ -30,7 +30,8 @@ def served(tmp_path_factory, triton_install):
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=21)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", max_length=WINDOW + 2, tasks=("embeddings", "hiddens", "logits"),
-                                  serving=ServingOptions(max_residues=MAX_RESIDUES, window_overlap=OVERLAP)))
+                                  serving=ServingOptions(max_residues=MAX_RESIDUES, window_overlap=OVERLAP),
+                                  optimize=False))
     reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
         with RepositoryClient(NAME, f"grpc://{server.endpoints.grpc_url}") as client:
@@ -92,4 +93,4 @@ def test_windows_need_the_fused_layout(tmp_path):
     checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=1)
     with pytest.raises(BuildError, match="`max_residues` .* use `backend` python"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="x", out=tmp_path / "repo",
-                                      backend="native", serving=ServingOptions(max_residues=100)))
+                                      backend="native", serving=ServingOptions(max_residues=100), optimize=False))

@@ -7,7 +7,7 @@ files changed, naming them (exit code 2; `--no-check` skips the comparison). Als
 tokenizer.json is refused naming the file, not with a bare JSONDecodeError.
 
 One tiny random ESM-2 repository is built for the module; each test that changes files changes a
-copy of it. The CLI tests run the real command but never start a tritonserver.
+copy of it. The checks that need no build: tests/unit/test_integrity_records.py.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ from pathlib import Path
 
 import pytest
 
-from bionemo_export.model_repository.backends import ENGINE_FILE
 from bionemo_export.model_repository.integrity import (
     IntegrityError,
     check_files,
     check_repository_files,
-    record_files,
     require_intact,
 )
 from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.tokenizers import CharacterTokenizer, SmilesTokenizer
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
+from bionemo_export.tokenizers import CharacterTokenizer
 from tests.helpers import serve_process as sp
+from tests.unit.test_integrity_records import _without_digests
 
 NAME = "integ"
 ENCODER_ONNX = f"{NAME}_encoder/1/model.onnx"
@@ -53,7 +51,7 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     work = tmp_path_factory.mktemp("integrity")
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=5)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=4)))
+                                  backend="python", serving=ServingOptions(max_batch_size=4), optimize=False))
     return work / "repo", checkpoint
 
 
@@ -86,11 +84,6 @@ def _serve(repository: Path, *args: str) -> subprocess.CompletedProcess:
     return _cli("serve", str(repository), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", *args)
 
 
-def _without_digests(repository: Path) -> None:
-    """Rewrite manifest.json as builds before digests wrote it: no `files`."""
-    replace(Manifest.read(repository), files={}).write(repository)
-
-
 # -- what the build records -----------------------------------------------------------------------
 
 def test_the_manifest_records_a_digest_of_every_file_the_build_wrote_but_itself(built):
@@ -106,15 +99,6 @@ def test_the_manifest_records_a_digest_of_every_file_the_build_wrote_but_itself(
         assert record == {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content)}, name
     assert check_repository_files(repository) == []
     assert require_intact(repository).startswith(f"files: {len(files)} match {repository / MANIFEST_NAME}")
-
-
-def test_a_manifest_without_digests_writes_no_files_key_and_one_with_them_reads_back(tmp_path):
-    manifest = Manifest(name="m", family="esm2", tasks=["embeddings"])
-    assert "files" not in manifest.write(tmp_path).to_dict()
-    assert Manifest.read(tmp_path).files == {}
-    recorded = {"m_encoder/1/model.onnx": {"sha256": "ab" * 32, "bytes": 3}}
-    replace(manifest, files=recorded).write(tmp_path)
-    assert Manifest.read(tmp_path).files == recorded
 
 
 # -- what the check finds -------------------------------------------------------------------------
@@ -250,68 +234,8 @@ def test_repo_push_refuses_a_changed_repository_before_uploading(repo):
 
 # -- TensorRT engines (runtime/engines.py; TensorRT itself is not needed for the record) ---------------
 
-def _engine_repository(root: Path) -> tuple[Path, dict[str, Path]]:
-    """A --backend tensorrt repository as `engines build` leaves it: model.onnx and engine.json from
-    the build (recorded), then model.plan, a rewritten engine.json and the timing cache."""
-    version = root / "m_encoder" / "1"
-    version.mkdir(parents=True)
-    (root / "m_encoder" / "config.pbtxt").write_text('name: "m_encoder"\nplatform: "tensorrt_plan"\n')
-    (version / "model.onnx").write_bytes(b"onnx graph")
-    (version / ENGINE_FILE).write_text(json.dumps({"onnx": "model.onnx", "plan": "model.plan"}))
-    Manifest(tool={"name": "bionemo-export"}, name="m", family="esm2", tasks=["embeddings"],
-             files=record_files(root)).write(root)
-    (version / "model.plan").write_bytes(b"serialized engine")
-    (version / ENGINE_FILE).write_text(json.dumps({"onnx": "model.onnx", "plan": "model.plan",
-                                                   "built": {"tensorrt": "10.3", "bytes": 17}}))
-    (root / "engines.timing_cache").write_bytes(b"tactics")
-    return root, {"m_encoder": version}
-
-
-def test_engines_build_records_the_plans_and_engine_records_it_wrote(tmp_path):
-    from bionemo_export.runtime.engines import recorded_engines
-
-    repository, recipes = _engine_repository(tmp_path / "repo")
-    recorded = Manifest.read(repository).files[f"m_encoder/1/{ENGINE_FILE}"]["bytes"]
-    assert sorted(check_repository_files(repository)) == [  # what the engine build changed, unrecorded
-        f"{repository}/m_encoder/1/{ENGINE_FILE} changed since the build "
-        f"({(recipes['m_encoder'] / ENGINE_FILE).stat().st_size} bytes, recorded {recorded})",
-        f"{repository}/m_encoder/1/model.plan was not written by the build (Triton loads what is in a model's folder)",
-    ]
-    recorded_engines(Manifest.read(repository), repository, "10.3", "H100", recipes).write(repository)
-    manifest = Manifest.read(repository)
-    assert manifest.engines == {"tensorrt": "10.3", "gpu": "H100", "models": {"m_encoder": {"tensorrt": "10.3",
-                                                                                            "bytes": 17}}}
-    assert sorted(manifest.files) == ["m_encoder/1/engine.json", "m_encoder/1/model.onnx", "m_encoder/1/model.plan",
-                                      "m_encoder/config.pbtxt"]  # not the timing cache: generated state
-    assert manifest.files["m_encoder/1/model.plan"]["sha256"] == hashlib.sha256(b"serialized engine").hexdigest()
-    assert check_repository_files(repository) == []
-
-
-def test_engines_build_keeps_the_build_s_other_digests_and_adds_none_where_none_were(tmp_path):
-    from bionemo_export.runtime.engines import recorded_engines
-
-    repository, recipes = _engine_repository(tmp_path / "repo")
-    (recipes["m_encoder"] / "model.onnx").write_bytes(b"changed graph")  # before the engine build
-    recorded_engines(Manifest.read(repository), repository, "10.3", "H100", recipes).write(repository)
-    assert check_repository_files(repository) == [
-        f"{repository}/m_encoder/1/model.onnx changed since the build (13 bytes, recorded 10)"]
-    _without_digests(repository)
-    recorded_engines(Manifest.read(repository), repository, "10.3", "H100", recipes).write(repository)
-    assert Manifest.read(repository).files == {}
-
 
 # -- every file error names the file --------------------------------------------------------------
-
-def _smiles(folder: Path) -> Path:
-    SmilesTokenizer(["<PAD>", "?", "^", "&", "<MASK>", "<SEP>", "C", "O"], max_length=16).save_json(
-        folder / "tokenizer.json")
-    return folder / "tokenizer.json"
-
-
-def _sentencepiece(folder: Path) -> Path:
-    SentencePieceTokenizer(["<pad>", "</s>", "<unk>", "A", "C"], residues="AC", pad_token="<pad>", bos_token=None,
-                           eos_token="</s>", unk_token="<unk>", max_length=16).save_json(folder / "tokenizer.json")
-    return folder / "tokenizer.json"
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -332,23 +256,8 @@ def test_a_corrupt_tokenizer_json_is_refused_naming_the_file(built, tmp_path, co
     assert message.endswith("rebuild the model repository it belongs to, or restore the file the build wrote")
 
 
-@pytest.mark.parametrize("write, cls", [(_smiles, SmilesTokenizer), (_sentencepiece, SentencePieceTokenizer)])
-def test_the_other_tokenizers_name_a_corrupt_file_too(tmp_path, write, cls):
-    path = write(tmp_path)
-    assert cls.from_json(path).to_dict() == json.loads(path.read_text())
-    settings = json.loads(path.read_text())
-    settings["max_length"] = "many"
-    path.write_text(json.dumps(settings))
-    with pytest.raises(ValueError, match=f"^{path} is not a valid tokenizer file \\("):
-        cls.from_json(path)
-    path.write_bytes(path.read_bytes()[:20])
-    with pytest.raises(ValueError, match=f"^{path} is not a valid tokenizer file \\(.*char"):
-        cls.from_json(path)
-
-
 # -- a served repository stays intact ---------------------------------------------------------------
 
-@pytest.mark.e2e
 def test_a_repository_still_matches_its_digests_after_it_was_served(repo, triton_install, tmp_path):
     """Serving writes into the version folders (the Python backend compiles model.py and its
     modules into __pycache__/): that must not make the next `serve` refuse the repository."""
@@ -361,7 +270,6 @@ def test_a_repository_still_matches_its_digests_after_it_was_served(repo, triton
     assert check_repository_files(repo) == []
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("corrupt, named", [
     (lambda repo: (repo / TOKENIZER_JSON).write_bytes(b'{"vocab": ["<cls>", '),
      f"{TOKENIZER_JSON} is not a valid tokenizer file (Expecting value"),
@@ -377,18 +285,3 @@ def test_a_served_model_whose_file_is_broken_fails_to_load_naming_the_file(repo,
     result = _serve(repo, "--no-check", "--timeout", "120", "--log-file", str(tmp_path / "server.log"))
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{repo}/{named}" in result.stdout + result.stderr, result.stdout + result.stderr
-
-
-def test_config_parameters_that_are_not_numbers_are_named_with_their_config_file():
-    """The generated model's parameter reader (serving/parameters.py, copied beside model.py)."""
-    from bionemo_export.serving.parameters import model_parameters, number_parameter
-
-    args = {"model_name": "m_encoder", "model_repository": "/models/m_encoder",
-            "model_config": json.dumps({"parameters": {"length_bucket": {"string_value": "16x"},
-                                                       "max_hidden_magnitude": {"string_value": "1e4"}}})}
-    parameters = model_parameters(args)
-    assert number_parameter(args, parameters, "max_hidden_magnitude", kind=float) == 1e4
-    assert number_parameter(args, parameters, "token_budget", "0") == 0
-    with pytest.raises(ValueError, match="^/models/m_encoder/config.pbtxt: parameter length_bucket is '16x', "
-                                         "not an integer; correct it, or rebuild the repository$"):
-        number_parameter(args, parameters, "length_bucket", "0")

@@ -77,7 +77,7 @@ def checkpoint(tmp_path_factory) -> Path:
 def served(checkpoint, tmp_path_factory):
     work = tmp_path_factory.mktemp("load")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=8)))
+                                  backend="python", serving=ServingOptions(max_batch_size=8), optimize=False))
     serve = sp.serve(work / "repo", work, "--health-interval", "2", "--health-timeout", "20")
     yield serve
     serve.stop()

@@ -92,7 +92,7 @@ def esm2(tmp_path_factory):
     checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=7)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4),
-                                  tasks=("embeddings", "hiddens")))
+                                  tasks=("embeddings", "hiddens"), optimize=False))
     return work / "repo", family.load(checkpoint)
 
 
@@ -169,7 +169,6 @@ def test_push_marks_the_empty_folders_of_an_older_repository(esm2, object_store,
     assert check_s3_repository(uri)
 
 
-@pytest.mark.e2e
 def test_tritonserver_reads_the_location_itself(served, pushed):
     """The server process was given the s3:// location, not a local copy."""
     server = sp.tritonserver_of(served.process.pid)
@@ -177,7 +176,6 @@ def test_tritonserver_reads_the_location_itself(served, pushed):
     assert f"--model-repository={pushed}" in arguments
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_answers_from_object_storage_match_pytorch(served, esm2, protocol):
     loaded = esm2[1]
@@ -197,7 +195,6 @@ def test_answers_from_object_storage_match_pytorch(served, esm2, protocol):
     assert [int(row.sum()) for row in mask] == [len(s) for s in SEQUENCES]
 
 
-@pytest.mark.e2e
 def test_the_supervisor_probes_the_models_of_an_s3_repository(served):
     """serve's supervisor finds the public models through the server (the manifest is not local)."""
     served.wait_for(f"health: watching {NAME}_embeddings, {NAME}_hiddens", timeout=30)

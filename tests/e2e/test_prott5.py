@@ -340,7 +340,8 @@ def test_nemo_named_as_another_family_is_refused(nemo):
 
 def test_cli_builds_a_nemo_without_model(nemo, tmp_path):
     out = tmp_path / "repo"
-    result = CliRunner().invoke(app, ["build", "repo", "--checkpoint", str(nemo[1]["gzip"]), "--name", "prott5nv",
+    result = CliRunner().invoke(app, ["build", "repo", "--no-optimize", "--checkpoint", str(nemo[1]["gzip"]),
+                                      "--name", "prott5nv",
                                       "--out", str(out), "--backend", "python", "--no-warmup"])
     assert result.exit_code == 0, result.output
     manifest = Manifest.read(out)
@@ -354,13 +355,12 @@ def served(hf, tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("prott5_e2e")
     build_repository(BuildRequest(
         family="prott5", checkpoint=hf["spiece"], name="prott5", out=work / "repo", backend="python",
-        serving=ServingOptions(max_batch_size=8, max_queue_delay_microseconds=0),
+        serving=ServingOptions(max_batch_size=8, max_queue_delay_microseconds=0), optimize=False,
     ))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
         yield FAMILY.load(hf["spiece"]), server
 
 
-@pytest.mark.e2e
 def test_served_embeddings_and_hiddens_match_pytorch(served):
     loaded, server = served
     samples = sorted(FAMILY.sample_sequences(), key=len)

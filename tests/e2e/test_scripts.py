@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(p for p in ROOT.glob("benchmarks/*.py") if not p.name.startswith("_"))  # _*: shared code
 
@@ -49,7 +47,6 @@ def test_every_benchmark_answers_help():
         assert code == 0 and out.startswith(f"usage: {Path(script).name}"), f"{script}: exit {code}\n{out}{err}"
 
 
-@pytest.mark.e2e
 def test_demo_builds_serves_queries_and_verifies_antiberty(tmp_path):
     # demo.py writes beside the checkout (<root>/demo_out); a copy in tmp_path writes under tmp_path.
     (tmp_path / "scripts").mkdir()

@@ -44,7 +44,7 @@ def esm(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("esm-errors")
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=1)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=8)))
+                                  backend="python", serving=ServingOptions(max_batch_size=8), optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
         yield server
 
@@ -59,7 +59,8 @@ def mmb(tmp_path_factory, triton_install):
     checkpoint = save_random_checkpoint("megamolbart", work / "checkpoint", seed=2)
     repo = work / "repo"
     result = CliRunner().invoke(app, [  # the command line's limit flags reach the configs
-        "build", "repo", "--model", "megamolbart", "--checkpoint", str(checkpoint), "--name", "mmb", "--out", str(repo),
+        "build", "repo", "--no-optimize", "--model", "megamolbart", "--checkpoint", str(checkpoint), "--name", "mmb",
+        "--out", str(repo),
         "--backend", "python", "--layout", "ensemble", "--max-batch-size", "32",
         "--max-decode-tokens", str(LIMITS.max_decode_tokens), "--max-num-samples", str(LIMITS.max_num_samples)])
     assert result.exit_code == 0, result.output

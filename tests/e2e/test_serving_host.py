@@ -88,7 +88,7 @@ def bare_host(tmp_path_factory) -> Iterator[BareHost]:
     built = {backend: work / f"repo-{backend}" for backend in ("python", "tensorrt")}
     for backend, out in built.items():
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=out, backend=backend,
-                                      serving=ServingOptions(max_batch_size=4), tasks=("embeddings",)))
+                                      serving=ServingOptions(max_batch_size=4), tasks=("embeddings",), optimize=False))
     loaded = get_family("esm2").load(checkpoint)
     encoded = loaded.tokenizer.encode(SEQUENCES)
     with torch.no_grad():

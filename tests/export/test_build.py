@@ -17,7 +17,9 @@ runner = CliRunner()
 
 
 def _request(checkpoint, out, **kwargs) -> BuildRequest:
-    return BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2nv", out=out, **kwargs)
+    """The tiny ESM-2's build without graph optimization (what is tested here is not optimization:
+    tests/export/test_optimize.py)."""
+    return BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2nv", out=out, **{"optimize": False, **kwargs})
 
 
 def _leftovers(folder) -> list[str]:
@@ -101,7 +103,7 @@ def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpo
     out = tmp_path / "repo"
     result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                  "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4",
-                                 "--exporter", "navigator"],
+                                 "--exporter", "navigator", "--no-optimize"],
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "navigator exporter" in result.output and "encoder" in result.output

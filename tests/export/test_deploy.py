@@ -38,7 +38,7 @@ def repository(tmp_path_factory) -> Path:
     checkpoint = save_random_checkpoint("esm2", root / "checkpoint", seed=0)
     out = root / "repo"
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2nv", out=out, backend="python",
-                                  serving=ServingOptions(max_batch_size=4)))
+                                  serving=ServingOptions(max_batch_size=4), optimize=False))
     return out
 
 
