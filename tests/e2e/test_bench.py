@@ -45,9 +45,9 @@ def test_bench_cli_measures_a_tiny_esm2_repository(esm2_repository, tmp_path):
     for r in target["results"]:
         assert r["sequences_per_s"] > 0 and r["tokens_per_s"] > r["sequences_per_s"]
         assert 0 < r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"]
-        assert r["batch_model"] == "benchtest_encoder" and r["server_batch_size"] >= 1.0
-        assert {m["name"] for m in r["models"]} >= {"benchtest_embeddings", "benchtest_encoder"}
+        assert r["batch_model"] == "esm2nv_encoder" and r["server_batch_size"] >= 1.0
+        assert {m["name"] for m in r["models"]} >= {"esm2nv_embeddings", "esm2nv_encoder"}
     report = (out / "report.md").read_text()
-    assert "benchtest_embeddings" in report and "perf_analyzer: 2.51.0" in report and "| 2" in report
+    assert "esm2nv_embeddings" in report and "perf_analyzer: 2.51.0" in report and "| 2" in report
     print(json.dumps([{k: r[k] for k in ("concurrency", "sequences_per_s", "p50_ms", "server_batch_size")}
                       for r in target["results"]]))
