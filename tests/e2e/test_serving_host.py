@@ -113,7 +113,7 @@ def test_torch_and_its_kin_cannot_be_imported_there(bare_host):
     for module in BLOCKED:
         result = subprocess.run([sys.executable, "-c", f"import {module}"], env=bare_host.env, capture_output=True,
                                 text=True, timeout=60)
-        assert result.returncode == 1 and "blocked by test_layers.py" in result.stderr, (module, result.stderr)
+        assert result.returncode == 1 and "blocked by test_serving_host.py" in result.stderr, (module, result.stderr)
 
 
 def test_serve_serves_and_health_finds_every_public_model_answering(bare_host):
@@ -181,7 +181,7 @@ def test_doctor_reports_what_is_missing_instead_of_failing_on_it(bare_host):
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") == 6}
     assert "ok" in rows["tritonserver"] and "ok" in rows["tritonclient"], result.stdout
     for missing in ("torch", "onnx", "transformers"):
-        assert "missing" in rows[missing] and "blocked by test_layers.py" in rows[missing], rows[missing]
+        assert "missing" in rows[missing] and "blocked by test_serving_host.py" in rows[missing], rows[missing]
         assert "build" in rows[missing], rows[missing]  # the "needed for" column
     assert "not importable" in rows["Model Navigator"], result.stdout
     # Exporting needs them: doctor, judging every job by default, says so in its exit code.
