@@ -1,6 +1,7 @@
 # The two set-up commands (see README.md):
 #   make demo   build a model repository, serve it with the real embedded tritonserver, query it
 #   make test   lint (ruff), type-check (pyright) and run the test suite (the docs site is built by a test)
+#   make unit   the unit tests only (tests/unit: no server, no export; seconds), for every change
 # Both create/refresh the virtual environment first (scripts/setup.sh: installs requirements/lock.txt,
 # every package at an exact version with hashes; quick when up to date).
 #   make lock   refresh requirements/lock.txt from requirements/runtime.txt + constraints.txt
@@ -9,7 +10,7 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup demo test lint doctor lock
+.PHONY: setup demo test unit lint doctor lock
 
 setup:
 	bash scripts/setup.sh
@@ -22,6 +23,9 @@ demo: setup
 
 test: setup lint
 	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+
+unit: setup
+	$(PYTHON) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle, import order, bugbear, pyupgrade) and pyright (basic mode) over the
 # package and its tests; their settings are in pyproject.toml.

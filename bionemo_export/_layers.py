@@ -12,7 +12,7 @@ and no two modules need each other to be understood. Imports inside functions ma
 one part (the model registry does: the package imports each family, a family looks the registry up
 when called), never across parts, since they may not climb.
 
-`tests/test_layers.py` runs `check(package_imports(root))`; the developer guide describes the
+`tests/unit/test_layers.py` runs `check(package_imports(root))`; the developer guide describes the
 layers. Placing a new part is one line of `LAYERS`; a part missing from it fails the check.
 
 Importable anywhere: the standard library only, and nothing of the package.

@@ -1,7 +1,7 @@
 """The documentation pages written from the code, never by hand: the CLI reference (from the Typer
 app) and the served API (from the task table, `bionemo_export/tasks.py`).
 
-`docs/hooks.py` adds both pages to the site when mkdocs builds it; `tests/test_docs.py` checks
+`docs/hooks.py` adds both pages to the site when mkdocs builds it; `tests/unit/test_docs.py` checks
 that the built pages name every command and every task. Run this file to print a page:
 
     .venv/bin/python docs/reference_pages.py cli|served-api|layers

@@ -67,7 +67,7 @@ log "installing requirements/lock.txt ($(grep -c '^[A-Za-z0-9]' "$LOCK") package
 pip_quiet install -q --require-hashes --no-deps -r "$LOCK"
 
 # A package the lock does not list (dropped from it, or installed by hand) is removed: the
-# environment is the lock (tests/test_lock.py checks it).
+# environment is the lock (tests/unit/test_lock.py checks it).
 UNLISTED_PY='
 import re, sys
 from importlib.metadata import distributions

@@ -1,5 +1,7 @@
-"""Shared fixtures: one real tritonserver per test module, on free loopback ports; a tiny random
-checkpoint; the real AntiBERTy loaded."""
+"""The markers of the folders (tests/e2e: `e2e`, tests/export: `export`; tests/unit: none), and the
+shared fixtures: one real tritonserver per test module, on free loopback ports; a tiny random
+ESM-2 checkpoint and its repository built once per session without graph optimization; the real
+AntiBERTy loaded."""
 
 from __future__ import annotations
 
@@ -14,13 +16,40 @@ from tests.helpers.tiny_repository import tiny_repository
 if TYPE_CHECKING:  # torch and transformers load only in the modules that ask for a model
     from bionemo_export.models import LoadedModel
 
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = {"e2e": pytest.mark.e2e, "export": pytest.mark.export}
+"""The marker every test in a folder carries: a test's kind is where it sits, so `-m` selects by folder."""
 
-@pytest.fixture(scope="module")
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path.resolve()
+        if path.is_relative_to(TESTS) and (marker := FOLDER_MARKERS.get(path.relative_to(TESTS).parts[0])):
+            item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
 def esm2_checkpoint(tmp_path_factory) -> Path:
-    """A tiny random ESM-2 (Hugging Face folder, seed 0) for the module's tests, which only read it."""
+    """A tiny random ESM-2 (Hugging Face folder, seed 0, with its masked-LM head), written once for
+    the session: tests only read it."""
     from bionemo_export.testing.checkpoints import save_random_checkpoint  # torch: only where a test asks for it
 
     return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2") / "checkpoint", seed=0)
+
+
+@pytest.fixture(scope="session")
+def esm2_repository(tmp_path_factory, esm2_checkpoint) -> Path:
+    """`esm2_checkpoint` built once for the session as the repository `esm2nv` (Python backend, the
+    fused layout, every task the checkpoint supports: embeddings, hiddens, logits, scores), WITHOUT
+    graph optimization: for the tests that need a built repository and not its optimization (those
+    build their own). Tests only read it; a test that changes it changes a copy
+    (shutil.copytree(esm2_repository, tmp_path / "repo"))."""
+    from bionemo_export.build import BuildRequest, build_repository  # torch: only where a test asks for it
+
+    out = tmp_path_factory.mktemp("esm2-repository") / "repo"
+    build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm2nv", out=out,
+                                  backend="python", optimize=False))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +59,15 @@ def antiberty() -> LoadedModel:
     from bionemo_export.models.bert import antiberty_checkpoint
 
     return get_family("bert").load(antiberty_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def rxnfp() -> LoadedModel:
+    """rxnfp's real pretrained reaction-SMILES BERT (shipped in the rxnfp wheel) loaded as the bert family."""
+    from bionemo_export.models import get_family  # torch: only where a test asks for it
+    from bionemo_export.models.bert import rxnfp_checkpoint
+
+    return get_family("bert").load(rxnfp_checkpoint())
 
 
 @pytest.fixture(scope="session")

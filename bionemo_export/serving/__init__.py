@@ -4,7 +4,7 @@ Like the tokenizers, these files are copied verbatim into the repository's versi
 (model_repository/encoder.py's `serving_files`), so they import only the standard library, numpy
 and each other (onnx_session.py alone imports onnxruntime; `triton_python_backend_utils` is
 imported by responses.py when a response is built, never at import time). The package imports
-them from here: one source of truth, unit-tested without a server (tests/test_serving_modules.py).
+them from here: one source of truth, unit-tested without a server (tests/unit/test_serving_modules.py).
 
 - responses.py       error responses and codes, the execute() boundary, BLS calls and their codes
 - parameters.py      config.pbtxt `parameters` read at initialize

@@ -6,11 +6,11 @@ onnxruntime or bionemo_export). Everything the served model does besides calling
 head is here, unit-tested without a server; the served model stays wiring:
 
     plan = scoring.plan_request(wild_type, variants, method, alphabet=ALPHABET, limits=LIMITS)
-    inputs = plan.inputs(MASK_CHAR)                  # the sequences to run (masked copies or the wild type)
     sites = []
-    for part in scoring.chunk_slices(len(inputs), max_batch_size):
-        log_probs = run_logits(inputs[part])       # [n, L, A]: BOS/EOS rows dropped, columns = ALPHABET
-        sites.append(plan.site_log_probs(log_probs, part))
+    for call in scoring.pack_passes([plan.passes], max_batch_size):
+        for _, part in call:
+            log_probs = run_logits(plan.inputs(MASK_CHAR, part))  # [n, L, A]: BOS/EOS rows dropped
+            sites.append(plan.site_log_probs(log_probs, part))
     scores = plan.scores(np.concatenate(sites))      # FP32 [variants], or [1]: the PLL
 
 A request of several wild types packs their sequences into the same calls (`pack_passes`: each
@@ -53,8 +53,8 @@ comparable with others. A wild type that holds the mask character is refused (a 
 a masked sequence).
 
 Errors: `ScoringError` (a ValueError) is the request's fault: the served model answers
-INVALID_ARGUMENT with its message. A plain ValueError from `site_log_probs`, `scores` or
-`token_rows` (wrong shapes) is the caller's bug, not the client's.
+INVALID_ARGUMENT with its message. A plain ValueError from `site_log_probs` or `scores` (wrong
+shapes) is the caller's bug, not the client's.
 """
 
 from __future__ import annotations
@@ -289,24 +289,6 @@ def masked_sequences(wild_type: str, positions: Sequence[int] | np.ndarray, mask
     return [wild_type[:p] + mask_char + wild_type[p + 1:] for p in np.asarray(positions, dtype=np.int64).tolist()]
 
 
-def masked_token_rows(token_ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, *,
-                      offset: int, mask_id: int) -> np.ndarray:
-    """One copy of the token row `token_ids` per entry of `positions` (0-based residue indices),
-    the token of that residue (at `offset + position`: `offset` is where residue 0 sits, 1 after a
-    BOS token) replaced by `mask_id`: [len(positions), len(token_ids)], the dtype of `token_ids`."""
-    token_ids = np.asarray(token_ids)
-    positions = np.asarray(positions, dtype=np.int64)
-    if token_ids.ndim != 1:
-        raise ValueError(f"token_ids must be one row, got shape {token_ids.shape}")
-    columns = positions + offset
-    if columns.size and (columns.min() < 0 or columns.max() >= token_ids.size):
-        raise ValueError(f"positions {positions.min()}..{positions.max()} at offset {offset} fall outside "
-                         f"a row of {token_ids.size} tokens")
-    rows = np.repeat(token_ids[None, :], positions.size, axis=0)
-    rows[np.arange(positions.size), columns] = mask_id
-    return rows
-
-
 def pack_passes(passes: Sequence[int], size: int) -> list[list[tuple[int, slice]]]:
     """The model calls of a request of several plans, each of at most `size` sequences: the plans'
     inputs in order (plan 0's, then plan 1's, ...) cut into calls of `size`, each call a list of
@@ -328,15 +310,6 @@ def pack_passes(passes: Sequence[int], size: int) -> list[list[tuple[int, slice]
             room -= stop - start
             start = stop
     return calls
-
-
-def chunk_slices(count: int, size: int) -> list[slice]:
-    """Consecutive slices covering `count` rows, each of at most `size` rows (the last may be
-    shorter): the served model sends its copies to the encoder one slice per call, at most its
-    max_batch_size rows each (the encoder packs them under its own token budget)."""
-    if size < 1:
-        raise ValueError(f"chunk size must be at least 1, got {size}")
-    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
 
 # ----------------------------------------------------------------------------------- the plan
@@ -373,20 +346,10 @@ class ScoringPlan:
 
         Strings, so the served model can send them to the public log-probability model (or the
         fused encoder) as they are, with the mask character where the tokenizer expects it, and
-        needs no tokenizer of its own; `token_rows` is the same for a model holding token ids."""
+        needs no tokenizer of its own."""
         if not self.masked:
             return [self.wild_type][part or slice(None)]
         return masked_sequences(self.wild_type, self.positions[part or slice(None)], mask_char)
-
-    def token_rows(self, token_ids: Sequence[int] | np.ndarray, *, offset: int, mask_id: int) -> np.ndarray:
-        """`inputs` as token rows, from the wild type's `token_ids` (residue 0 at `offset`)."""
-        token_ids = np.asarray(token_ids)
-        if token_ids.ndim != 1 or token_ids.size < offset + len(self.wild_type):
-            raise ValueError(f"token_ids of shape {token_ids.shape} cannot hold {len(self.wild_type)} residues "
-                             f"from offset {offset}")
-        if not self.masked:
-            return token_ids[None, :].copy()
-        return masked_token_rows(token_ids, self.positions, offset=offset, mask_id=mask_id)
 
     def site_log_probs(self, log_probs: np.ndarray, part: slice | None = None) -> np.ndarray:
         """The site rows that `log_probs` of `inputs[part]` (None: all of them) provide:

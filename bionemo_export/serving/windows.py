@@ -58,7 +58,7 @@ fewer than floor(overlap / 2) residues between it and a cut edge. Every merged r
 for that residue (a blend of two hidden vectors is a vector neither window produced, and a blend
 of log-probabilities is no longer a normalized distribution), and the rule is exact and cheap to
 reproduce: a copy per residue, no weights. Its cost is a step at each cut point, where the source
-window changes; the benchmark in tests/test_windows.py measures how far the merged rows are from
+window changes; the benchmark in tests/unit/test_windows.py measures how far the merged rows are from
 a single pass where one is possible.
 
 Batching (`layout_windows`, `WindowLayout`): the windows of several sequences are rows for the

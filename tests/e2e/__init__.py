@@ -1,0 +1,1 @@
+"""Tests against a real tritonserver (marked `e2e` by tests/conftest.py)."""

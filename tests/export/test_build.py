@@ -1,0 +1,115 @@
+"""`build repo`: what lands on disk, atomicity, --force, --backend, and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from bionemo_export.build import BuildError, BuildRequest, build_repository, resolve_backend
+from bionemo_export.cli.main import app
+from bionemo_export.model_repository.encoder import ServingOptions
+from bionemo_export.model_repository.pbtxt import read_config
+
+runner = CliRunner()
+
+
+def _request(checkpoint, out, **kwargs) -> BuildRequest:
+    """The tiny ESM-2's build without graph optimization (what is tested here is not optimization:
+    tests/export/test_optimize.py)."""
+    return BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2nv", out=out, **{"optimize": False, **kwargs})
+
+
+def _leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_native_build_writes_onnxruntime_configs_that_reference_the_graph(esm2_checkpoint, tmp_path):
+    out = tmp_path / "repo"
+    result = build_repository(_request(esm2_checkpoint, out, backend="native",
+                                       serving=ServingOptions(max_batch_size=16)))
+    assert _leftovers(tmp_path) == ["repo"]
+    # A random ESM-2 is an EsmForMaskedLM: its head is served too (N_lm_head, N_logits, N_scores).
+    assert sorted(p.name for p in out.iterdir()) == [
+        "esm2nv_embeddings", "esm2nv_encoder", "esm2nv_hiddens", "esm2nv_lm_head", "esm2nv_logits", "esm2nv_scores",
+        "esm2nv_tokenizer", "manifest.json"]
+    assert read_config(out / "esm2nv_lm_head").platform == "onnxruntime_onnx"
+    encoder = read_config(out / "esm2nv_encoder")
+    assert encoder.platform == "onnxruntime_onnx"
+    graph = onnx.load(out / "esm2nv_encoder" / "1" / encoder.default_model_filename)
+    assert [i.name for i in graph.graph.input] == [i.name for i in encoder.input]
+    assert [o.name for o in graph.graph.output] == [o.name for o in encoder.output]
+    for model in ("esm2nv_tokenizer", "esm2nv_embeddings", "esm2nv_hiddens"):
+        assert read_config(out / model).max_batch_size == 16
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend"] == "native"
+    assert manifest["checkpoint"]["digest"].startswith("sha256:")
+    assert manifest["verification"]["passed"]
+    assert manifest["versions"]["onnxruntime"]
+    assert result.models[-1] == "esm2nv_scores"
+
+
+def test_an_existing_repository_needs_force_and_is_replaced_whole(esm2_checkpoint, tmp_path):
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "user-file.txt").write_text("keep me")
+    with pytest.raises(BuildError, match="already exists; pass `force`"):
+        build_repository(_request(esm2_checkpoint, out))
+    assert (out / "user-file.txt").read_text() == "keep me"
+    build_repository(_request(esm2_checkpoint, out, force=True, tasks=("embeddings",)))
+    assert not (out / "user-file.txt").exists()
+    assert not (out / "esm2nv_hiddens").exists() and (out / "esm2nv_embeddings").is_dir()
+    assert _leftovers(tmp_path) == ["repo"]
+
+
+def test_a_failed_build_leaves_nothing_behind(tmp_path):
+    broken = tmp_path / "broken-checkpoint"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(BuildError, match="cannot load"):
+        build_repository(_request(broken, tmp_path / "repo"))
+    assert _leftovers(tmp_path) == ["broken-checkpoint"]
+
+
+def test_a_failed_export_check_leaves_nothing_behind(esm2_checkpoint, tmp_path, monkeypatch):
+    from bionemo_export.models.esm2 import Esm2Family
+
+    # An impossible tolerance: the real verification must fail the build.
+    monkeypatch.setattr(Esm2Family, "atol", 0.0)
+    monkeypatch.setattr(Esm2Family, "min_cosine", 1.01)
+    from bionemo_export.exporters import ExportVerificationError
+
+    with pytest.raises(ExportVerificationError):
+        build_repository(_request(esm2_checkpoint, tmp_path / "repo"))
+    assert _leftovers(tmp_path) == []
+
+
+def test_unknown_tasks_and_families_are_named(esm2_checkpoint, tmp_path):
+    with pytest.raises(BuildError, match="not decodes"):
+        build_repository(_request(esm2_checkpoint, tmp_path / "repo", tasks=("decodes",)))
+    with pytest.raises(ValueError, match="known families: .*esm2"):
+        build_repository(BuildRequest(family="nope", checkpoint=esm2_checkpoint, name="x", out=tmp_path / "r"))
+
+
+def test_auto_backend_follows_the_servers_backends():
+    # The embedded server has only the python backend.
+    assert resolve_backend("auto") == "python"
+    assert resolve_backend("native") == "native"
+
+
+def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpoint, tmp_path):
+    out = tmp_path / "repo"
+    result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
+                                 "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4",
+                                 "--exporter", "navigator", "--no-optimize"],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "navigator exporter" in result.output and "encoder" in result.output
+    assert "max abs error" in result.output and "esm2nv_embeddings" in result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["exporter"] == "navigator" and manifest["export"]["encoder"]["exporter"] == "navigator"
+    again = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
+                                "--name", "esm2nv", "--out", str(out)], env={"COLUMNS": "200"})
+    assert again.exit_code == 1 and "--force" in again.output
