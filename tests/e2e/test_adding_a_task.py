@@ -33,7 +33,7 @@ NORMS = Task("norms", "the L2 norm of each sequence's embedding", (SEQUENCES,),
              (TensorSpec("norms", DType.FP32, (1,), doc="|embedding|"),), role="norms", planner="norms", check="norms")
 
 # The serving module: what Triton's Python backend runs as N_norm (standard library + numpy).
-NORM_MODEL = '''"""N_norm: the L2 norm of each row of `embeddings` (a made-up task of tests/e2e/test_adding_a_task.py)."""
+NORM_MODEL = '''"""N_norm: the L2 norm of each row of `embeddings` (the made-up task of test_adding_a_task.py)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
