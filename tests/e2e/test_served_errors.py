@@ -69,7 +69,7 @@ def mmb(tmp_path_factory, triton_install):
     # Its golden answers would refuse the swapped graph at load (tests/e2e/test_golden.py); what this
     # model is for is a failure while serving, as a repository without golden answers would show.
     (repo / "mmb_broken_cross_kv" / "1" / "golden.npz").unlink()
-    _copy_model(repo, "mmb_decoder_step", "mmb_short_step", {"'past_length': 511": "'past_length': 0"})
+    _copy_model(repo, "mmb_decoder_step", "mmb_short_step", {r'\"past_length\": 511': r'\"past_length\": 0'})
     _copy_model(repo, "mmb_decodes", "mmb_decodes_broken", {'"mmb_cross_kv"': '"mmb_broken_cross_kv"'})
     _copy_model(repo, "mmb_decodes", "mmb_decodes_short", {'"mmb_decoder_step"': '"mmb_short_step"'})
     with TritonServer(repo, install=triton_install, log_file=work / "server.log") as server:
@@ -77,17 +77,18 @@ def mmb(tmp_path_factory, triton_install):
 
 
 def _copy_model(repo: Path, source: str, name: str, replace: dict[str, str] | None = None) -> None:
-    """A copy of model `source` named `name` (in its messages too), its model.py with `replace`
-    applied (each must match)."""
+    """A copy of model `source` named `name` (in its messages too), its config.pbtxt with `replace`
+    applied (each must match: the served model.py reads its limits and callees from the config's
+    parameters)."""
     shutil.copytree(repo / source, repo / name)
     config = repo / name / "config.pbtxt"
-    config.write_text(config.read_text().replace(f'name: "{source}"', f'name: "{name}"', 1))
-    code = repo / name / "1" / "model.py"
-    text = code.read_text().replace(f'"{source}', f'"{name}').replace(f"{source}:", f"{name}:")
+    text = config.read_text().replace(f'name: "{source}"', f'name: "{name}"', 1)
     for old, new in (replace or {}).items():
         assert old in text, old
         text = text.replace(old, new)
-    code.write_text(text)
+    config.write_text(text)
+    code = repo / name / "1" / "model.py"
+    code.write_text(code.read_text().replace(f'"{source}', f'"{name}').replace(f"{source}:", f"{name}:"))
 
 
 # ------------------------------------------------------------------------------------- helpers
