@@ -96,7 +96,8 @@ def test_threads_and_memory_follow_what_the_process_does():
         stop.set()
         thread.join()
     heap = procfs.memory_bytes(os.getpid(), "RssAnon")
-    block = bytearray(64 << 20)  # zero-filled: every page touched
+    # Written byte by byte, so every page is touched (bytearray(n) may get untouched zero pages from calloc).
+    block = bytearray(b"\x01") * (64 << 20)
     assert procfs.memory_bytes(os.getpid(), "RssAnon") - heap >= 48 << 20
     assert procfs.memory_bytes(os.getpid()) >= procfs.memory_bytes(os.getpid(), "RssAnon") > 0
     del block
