@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from bionemo_export.runtime import TritonServer, find_tritonserver
+from tests.helpers.made_once import made_once
 from tests.helpers.tiny_repository import tiny_repository
 
 if TYPE_CHECKING:  # torch and transformers load only in the modules that ask for a model
@@ -31,10 +32,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def esm2_checkpoint(tmp_path_factory) -> Path:
     """A tiny random ESM-2 (Hugging Face folder, seed 0, with its masked-LM head), written once for
-    the session: tests only read it."""
+    the run: tests only read it."""
     from bionemo_export.testing.checkpoints import save_random_checkpoint  # torch: only where a test asks for it
 
-    return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2") / "checkpoint", seed=0)
+    return made_once(tmp_path_factory, "esm2",
+                     lambda folder: save_random_checkpoint("esm2", folder / "checkpoint", seed=0)) / "checkpoint"
 
 
 @pytest.fixture(scope="session")
@@ -46,10 +48,36 @@ def esm2_repository(tmp_path_factory, esm2_checkpoint) -> Path:
     (shutil.copytree(esm2_repository, tmp_path / "repo"))."""
     from bionemo_export.build import BuildRequest, build_repository  # torch: only where a test asks for it
 
-    out = tmp_path_factory.mktemp("esm2-repository") / "repo"
-    build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm2nv", out=out,
-                                  backend="python", optimize=False))
-    return out
+    def build(folder: Path) -> None:
+        build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm2nv", out=folder / "repo",
+                                      backend="python", optimize=False))
+
+    return made_once(tmp_path_factory, "esm2-repository", build) / "repo"
+
+
+@pytest.fixture(scope="session")
+def trained_megamolbart(tmp_path_factory) -> tuple[Path, float]:
+    """(checkpoint, training seconds) of models/megamolbart_training.py's small copy model (seed 0,
+    its defaults), trained once for the run on 2 CPU threads (about a minute; the time the docs
+    quote): the tests that decode need a model that reconstructs SMILES, not a random one."""
+    import time
+
+    import torch  # only where a test asks for it
+
+    from bionemo_export.models.megamolbart_training import train_copy_model
+
+    def train(folder: Path) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            start = time.perf_counter()
+            train_copy_model(folder / "checkpoint", seed=0)
+            (folder / "training_seconds").write_text(f"{time.perf_counter() - start:.3f}")
+        finally:
+            torch.set_num_threads(threads)
+
+    folder = made_once(tmp_path_factory, "megamolbart-trained", train)
+    return folder / "checkpoint", float((folder / "training_seconds").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -327,27 +327,45 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def _perf_analyzer(pa: PerfAnalyzer, args: list[str], log: Path, timeout: float) -> tuple[int, str]:
-    with open(log, "a") as handle:
-        handle.write("$ perf_analyzer " + " ".join(args) + "\n")
-        handle.flush()
-        start = handle.tell()
-        process = subprocess.Popen([str(pa.binary), *args], env=pa.process_env(), stdout=handle,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-            raise BenchError(f"perf_analyzer ran longer than {timeout:.0f} s; see {log}") from None
-    with open(log) as handle:
-        handle.seek(start)
-        return code, handle.read()
+def run_limit(expected_s: float) -> float:
+    """How long one perf_analyzer run may go on before it is taken for stalled: a minute more than
+    ten times what it should take (a loaded host is slow, not ten times slow)."""
+    return 60.0 + 10.0 * expected_s
+
+
+def _perf_analyzer(pa: PerfAnalyzer, args: list[str], log: Path, timeout: float, attempts: int = 2) -> tuple[int, str]:
+    """Run perf_analyzer with `args`, its output appended to `log`; returns its exit code and output.
+
+    A run still going after `timeout` seconds is killed and started again, `attempts` times in all:
+    perf_analyzer has been seen to stall for good with the server idle (synchronous requests at
+    concurrency 8 with --request-count, on a loaded 2-core host), and a tune must not wait ten
+    minutes on that. A run that stalls every time is a BenchError."""
+    for _ in range(attempts):
+        with open(log, "a") as handle:
+            handle.write("$ perf_analyzer " + " ".join(args) + "\n")
+            handle.flush()
+            start = handle.tell()
+            process = subprocess.Popen([str(pa.binary), *args], env=pa.process_env(), stdout=handle,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                handle.write(f"\n[bionemo-export] perf_analyzer still running after {timeout:.0f} s: stopped\n")
+                continue
+        with open(log) as handle:
+            handle.seek(start)
+            return code, handle.read()
+    raise BenchError(f"perf_analyzer ran longer than {timeout:.0f} s each of {attempts} times (it should take a "
+                     f"tenth of that); see {log}")
 
 
 def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: float, out_dir: Path,
-            stability_percentage: float = 10.0, max_trials: int = 10, timeout: float = 600.0) -> ConcurrencyResult:
-    """One perf_analyzer run at `concurrency`, with the server's counters read around it."""
+            stability_percentage: float = 10.0, max_trials: int = 10,
+            timeout: float | None = None) -> ConcurrencyResult:
+    """One perf_analyzer run at `concurrency`, with the server's counters read around it. `timeout`
+    bounds each perf_analyzer run (default: `run_limit` of what the run should take)."""
     assert live.data is not None and live.data_path is not None
     target = live.target
     csv_path = out_dir / f"perf_{target.label}_c{concurrency}.csv"
@@ -362,7 +380,8 @@ def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: f
     ]
     started = time.monotonic()
     before = read_statistics(live.client)
-    code, output = _perf_analyzer(pa, args, log, timeout)
+    # Each trial is one window (perf_analyzer waits for the requests in flight at its end: two windows).
+    code, output = _perf_analyzer(pa, args, log, timeout or run_limit(2 * window_s * max_trials))
     stable = True
     if code != 0 and (UNSTABLE in output or TOO_SLOW in output):
         # No stable window, or requests slower than the window: measure a fixed number of requests
@@ -373,7 +392,8 @@ def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: f
         served = next((m.requests for m in done if m.name == target.model), 0)
         rate = served / max(time.monotonic() - started, 1e-3)
         count = max(int(rate * window_s * 3), 4 * concurrency, 20)
-        code, output = _perf_analyzer(pa, [*args, "--request-count", str(count)], log, timeout)
+        code, output = _perf_analyzer(pa, [*args, "--request-count", str(count)], log,
+                                      timeout or run_limit(count / max(rate, 1.0)))
     if code != 0 or not csv_path.exists():
         hint = ""
         if "not in the vocabulary" in output or "invalid character" in output:

@@ -25,11 +25,11 @@ MAX_DECODE = None  # the model's own limit
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(trained_megamolbart):
     """(checkpoint, training SMILES, held-out SMILES) of a small model trained to auto-encode."""
-    from bionemo_export.models.megamolbart_training import generate_smiles, train_copy_model, training_smiles
+    from bionemo_export.models.megamolbart_training import generate_smiles, training_smiles
 
-    checkpoint = train_copy_model(tmp_path_factory.mktemp("mmb") / "checkpoint", seed=0)
+    checkpoint, _ = trained_megamolbart
     training = training_smiles()
     tokenizer = get_family("megamolbart").load(checkpoint).tokenizer
     seen = set(training)
