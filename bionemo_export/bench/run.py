@@ -357,8 +357,8 @@ def _perf_analyzer(pa: PerfAnalyzer, args: list[str], log: Path, timeout: float,
         with open(log) as handle:
             handle.seek(start)
             return code, handle.read()
-    raise BenchError(f"perf_analyzer ran longer than {timeout:.0f} s each of {attempts} times (it should take a "
-                     f"tenth of that); see {log}")
+    raise BenchError(f"perf_analyzer ran longer than {timeout:.0f} s each of {attempts} times and was stopped; "
+                     f"see {log}")
 
 
 def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: float, out_dir: Path,
@@ -381,7 +381,7 @@ def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: f
     started = time.monotonic()
     before = read_statistics(live.client)
     # Each trial is one window (perf_analyzer waits for the requests in flight at its end: two windows).
-    code, output = _perf_analyzer(pa, args, log, timeout or run_limit(2 * window_s * max_trials))
+    code, output = _perf_analyzer(pa, args, log, run_limit(2 * window_s * max_trials) if timeout is None else timeout)
     stable = True
     if code != 0 and (UNSTABLE in output or TOO_SLOW in output):
         # No stable window, or requests slower than the window: measure a fixed number of requests
@@ -393,7 +393,7 @@ def measure(pa: PerfAnalyzer, live: LiveTarget, concurrency: int, *, window_s: f
         rate = served / max(time.monotonic() - started, 1e-3)
         count = max(int(rate * window_s * 3), 4 * concurrency, 20)
         code, output = _perf_analyzer(pa, [*args, "--request-count", str(count)], log,
-                                      timeout or run_limit(count / max(rate, 1.0)))
+                                      run_limit(count / max(rate, 1.0)) if timeout is None else timeout)
     if code != 0 or not csv_path.exists():
         hint = ""
         if "not in the vocabulary" in output or "invalid character" in output:
