@@ -8,6 +8,9 @@
 #               (scripts/lock.sh; LOCK_ARGS=--upgrade moves every package to its newest allowed version)
 
 VENV ?= .venv
+# pytest-xdist workers for `make test`; each test module stays on one worker (--dist loadfile), so
+# its one tritonserver and its module fixtures are made once.
+PYTEST_WORKERS ?= 2
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup demo test unit lint doctor lock
@@ -22,7 +25,7 @@ demo: setup
 	$(PYTHON) scripts/demo.py
 
 test: setup lint
-	$(PYTHON) -m pytest -ra $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 unit: setup
 	$(PYTHON) -m pytest -q tests/unit $(PYTEST_ARGS)
