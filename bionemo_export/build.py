@@ -27,6 +27,7 @@ from bionemo_export.build_staging import (
 )
 from bionemo_export.choices import Exporter, Precision
 from bionemo_export.errors import UserError, reason
+from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
@@ -81,6 +82,9 @@ class BuildRequest:
     """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); fp16 (GPU hosts)."""
     optimize: bool = True
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
+    graph_cache: Path | None = field(default_factory=default_graph_cache)
+    """A folder of exported graphs to reuse and fill (exporters/graph_cache.py); by default the one
+    $BIONEMO_EXPORT_GRAPH_CACHE names, else none."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,8 @@ class ExportedGraph:
 def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
                   family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
                   optimize: bool = True, num_heads: int | None = None,
-                  hidden_size: int | None = None, picks_cpu_graph: bool = True) -> ExportedGraph:
+                  hidden_size: int | None = None, picks_cpu_graph: bool = True,
+                  cache: GraphCache | None = None) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
@@ -190,16 +195,25 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     folder = export_dir / name
     folder.mkdir()
     workspace = export_dir / f"{name}.navigator" if exporter == "navigator" else None
-    try:
-        exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter,
-                               workspace=workspace)
-    except NavigatorExportError as err:
-        # Its logs are in the build's folder, which the build removes: quote their end.
-        raise BuildError(f"{err}\n{_log_tail(workspace)}") from err
-    progress(f"checking the {name} graph against PyTorch")
     output_names = [t.name for t in outputs]
-    report = verify_onnx(module, exported.path, batches, atol=family.atol, min_cosine=family.min_cosine,
-                         output_names=output_names, mask_input=mask_input)
+
+    def export_and_check(graph_cache: GraphCache | None):
+        try:
+            exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter,
+                                   workspace=workspace, cache=graph_cache)
+        except NavigatorExportError as err:
+            # Its logs are in the build's folder, which the build removes: quote their end.
+            raise BuildError(f"{err}\n{_log_tail(workspace)}") from err
+        progress(f"checking the {name} graph against PyTorch")
+        return exported, verify_onnx(module, exported.path, batches, atol=family.atol, min_cosine=family.min_cosine,
+                                     output_names=output_names, mask_input=mask_input)
+
+    exported, report = export_and_check(cache)
+    if not report.passed and exported.from_graph_cache and exported.graph_cache_key and cache is not None:
+        LOG.warning("the %s graph from the graph cache %s failed its check against PyTorch; removed from the "
+                    "cache and exported again", name, cache.root)
+        cache.evict(exported.graph_cache_key)
+        exported, report = export_and_check(cache)
     report.raise_for_tolerance()
     if optimize or precision != "fp32":
         progress(f"optimizing the {name} graph ({precision}) and checking it against PyTorch")
@@ -306,7 +320,8 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
         return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
-                             picks_cpu_graph=picks_cpu_graph)
+                             picks_cpu_graph=picks_cpu_graph,
+                             cache=GraphCache(request.graph_cache) if request.graph_cache else None)
 
     # Reduced precision and graph optimization apply to the encoder's graph; the others are stored
     # as exported in fp32 (see GRAPH_EXPORTS).

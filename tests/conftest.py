@@ -5,13 +5,16 @@ AntiBERTy loaded."""
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from bionemo_export.runtime import TritonServer, find_tritonserver
-from tests.helpers.made_once import made_once
+from tests.helpers.made_once import made_once, run_folder
 from tests.helpers.tiny_repository import tiny_repository
 
 if TYPE_CHECKING:  # torch and transformers load only in the modules that ask for a model
@@ -22,11 +25,43 @@ FOLDER_MARKERS = {"e2e": pytest.mark.e2e, "export": pytest.mark.export}
 """The marker every test in a folder carries: a test's kind is where it sits, so `-m` selects by folder."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker's PyTorch (and everything it starts: CLI builds, scripts)
+    computes on its share of the cores. Two workers each running two intra-op threads on two cores
+    spin against each other: the MegaMolBART training fixture took 283 s that way, against 55 s alone
+    on two threads and 95 s alone on one."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    share = str(max(1, (os.cpu_count() or 1) // int(workers)))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    if "torch" in sys.modules:  # read OMP_NUM_THREADS when it was imported; say it again
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = item.path.resolve()
         if path.is_relative_to(TESTS) and (marker := FOLDER_MARKERS.get(path.relative_to(TESTS).parts[0])):
             item.add_marker(marker)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def graph_cache(tmp_path_factory) -> Iterator[Path]:
+    """One graph cache for the run's builds (exporters/graph_cache.py), in-process and in the CLI
+    processes tests start: the suite builds the same tiny checkpoints with different serving
+    options over and over (117 graph exports, 62 distinct, measured). Every cached graph is still
+    checked against PyTorch by the build. Tests of the export itself call export_onnx without it."""
+    from bionemo_export.exporters.graph_cache import ENVIRONMENT_VARIABLE  # imports torch, as every build does
+
+    folder = run_folder(tmp_path_factory) / "graph-cache"
+    previous = os.environ.get(ENVIRONMENT_VARIABLE)
+    os.environ[ENVIRONMENT_VARIABLE] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop(ENVIRONMENT_VARIABLE, None)
+    else:
+        os.environ[ENVIRONMENT_VARIABLE] = previous
 
 
 @pytest.fixture(scope="session")
@@ -58,23 +93,17 @@ def esm2_repository(tmp_path_factory, esm2_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def trained_megamolbart(tmp_path_factory) -> tuple[Path, float]:
     """(checkpoint, training seconds) of models/megamolbart_training.py's small copy model (seed 0,
-    its defaults), trained once for the run on 2 CPU threads (about a minute; the time the docs
-    quote): the tests that decode need a model that reconstructs SMILES, not a random one."""
+    its defaults), trained once for the run on this process's threads (about a minute on two
+    threads of a quiet host, the time the docs quote): the tests that decode need a model that
+    reconstructs SMILES, not a random one."""
     import time
 
-    import torch  # only where a test asks for it
-
-    from bionemo_export.models.megamolbart_training import train_copy_model
+    from bionemo_export.models.megamolbart_training import train_copy_model  # torch: only where asked
 
     def train(folder: Path) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            start = time.perf_counter()
-            train_copy_model(folder / "checkpoint", seed=0)
-            (folder / "training_seconds").write_text(f"{time.perf_counter() - start:.3f}")
-        finally:
-            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        train_copy_model(folder / "checkpoint", seed=0)
+        (folder / "training_seconds").write_text(f"{time.perf_counter() - start:.3f}")
 
     folder = made_once(tmp_path_factory, "megamolbart-trained", train)
     return folder / "checkpoint", float((folder / "training_seconds").read_text())

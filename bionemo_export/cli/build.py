@@ -94,6 +94,11 @@ def repo(
     max_decode_tokens: int = typer.Option(GenerationLimits.max_decode_tokens, help="Decodes/samplings: most tokens "
                                           "of hidden states one decode attends to, rows x hypotheses x length."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
+    graph_cache: Path | None = typer.Option(None, help="A folder of exported graphs to reuse and fill: a rebuild of "
+                                            "the same checkpoint with other serving options copies its graphs "
+                                            "instead of exporting them again (each still checked against PyTorch). "
+                                            "Default: the folder $BIONEMO_EXPORT_GRAPH_CACHE names, else none.",
+                                            resolve_path=True),
 ) -> None:
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
     from bionemo_export.build import BuildInterrupted, BuildRequest, build_repository
@@ -117,6 +122,7 @@ def repo(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize,
+            **({"graph_cache": graph_cache} if graph_cache else {}),
         )
         with console.status("building") as status:
             def progress(message: str) -> None:

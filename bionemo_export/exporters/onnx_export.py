@@ -33,6 +33,7 @@ import torch
 
 from bionemo_export.errors import InvalidInputError, UserError
 from bionemo_export.exporters import navigator
+from bionemo_export.exporters.graph_cache import GraphCache
 from bionemo_export.exporters.signature import (
     check_graph_signature,
     dynamic_axes,
@@ -75,13 +76,21 @@ class ExportResult:
     versions: dict[str, str]
     warnings: tuple[str, ...] = ()
     """Distinct warnings the exporter raised (kept here instead of on the console)."""
+    graph_cache_key: str | None = None
+    """The graph cache's key of this export, when a cache was used (graph_cache.py)."""
+    from_graph_cache: bool = False
+    """Copied from the graph cache: `seconds`, `warnings` and `versions` are those of the export
+    that stored it."""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form (paths as strings)."""
+        """JSON-ready form (paths as strings). The cache's fields only when the graph came from it:
+        a build without a cache records what builds always recorded."""
         result = dataclasses.asdict(self)
         result["path"] = str(self.path)
         result["data_path"] = str(self.data_path) if self.data_path else None
         result["warnings"] = list(self.warnings)
+        if not self.from_graph_cache:
+            del result["graph_cache_key"], result["from_graph_cache"]
         return result
 
 
@@ -112,6 +121,7 @@ def export_onnx(
     opset: int = DEFAULT_OPSET,
     external_data: bool | None = None,
     workspace: Path | None = None,
+    cache: GraphCache | None = None,
 ) -> ExportResult:
     """Export `module` (forward takes the `inputs` positionally, in order, and returns the
     `outputs` as a tuple) to `out_path`.
@@ -120,15 +130,41 @@ def export_onnx(
     traced with it, and every str axis of the specs stays dynamic. `external_data`: None decides
     by the weights' size (see EXTERNAL_DATA_THRESHOLD_BYTES); True/False force it. `workspace`
     (navigator only) keeps Model Navigator's files and logs; by default a temporary folder that
-    is removed on success and kept (and named in the error) on failure.
+    is removed on success and kept (and named in the error) on failure. `cache`: copy the graph
+    from there when it holds this export, and store it there otherwise (graph_cache.py); the
+    caller still checks the graph against PyTorch, and evicts it when that fails.
     """
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    parameters, weight_bytes = _weights(module)
-    external = _decide_external_data(external_data, weight_bytes)
+    external = _decide_external_data(external_data, _weights(module)[1])
     arguments = sample_arguments(inputs, sample_inputs)
+    if cache is None:
+        return _export(module, inputs, outputs, arguments, out_path, exporter, opset, external, workspace)
+    key = cache.key(module, inputs, outputs, arguments, file_name=out_path.name, exporter=exporter, opset=opset,
+                    external=external)
+    with cache.entry(key) as entry:
+        stored = entry.restore(out_path)
+        if stored is not None:
+            try:
+                _check_written(out_path, inputs, outputs)
+            except ExportError:  # a damaged entry: export afresh below
+                _remove_written(out_path)
+            else:
+                return ExportResult(**{
+                    **stored, "path": out_path, "data_path": _data_path(out_path) if external else None,
+                    "warnings": tuple(stored["warnings"]), "graph_cache_key": key, "from_graph_cache": True})
+        result = _export(module, inputs, outputs, arguments, out_path, exporter, opset, external, workspace)
+        entry.store([out_path, *([result.data_path] if result.data_path else [])], result.to_dict())
+    return dataclasses.replace(result, graph_cache_key=key)
+
+
+def _export(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+            arguments: tuple[torch.Tensor, ...], out_path: Path, exporter: str, opset: int, external: bool,
+            workspace: Path | None) -> ExportResult:
+    """Export with `exporter` and check the written file."""
+    parameters, weight_bytes = _weights(module)
     start = time.perf_counter()
     with _eval_mode(module), _collected_warnings() as caught:
         if exporter == "torch":

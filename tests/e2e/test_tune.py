@@ -89,7 +89,13 @@ def test_tune_writes_the_winner_reports_it_and_restores_the_previous_settings(es
     data = json.loads((report / "report.json").read_text())
     assert (report / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Every candidate" in (report / "report.md").read_text()
-    assert data["trials"][0]["role"] == "baseline" and len(data["trials"]) >= 2
+    assert data["trials"][0]["role"] == "baseline"
+    if len(data["trials"]) == 1:
+        # A loaded host (the suite runs on two workers) can make the baseline alone so slow that no
+        # candidate plus the two confirmation runs fits the budget (three times the baseline's time
+        # left after it, give or take the seconds before it began): then tune must say so.
+        baseline_s = data["trials"][0]["seconds"]
+        assert data["stopped_by"] == "budget" and 4 * baseline_s + 5 > data["budget_s"], data
     assert all(t["points"] for t in data["trials"])
     manifest = Manifest.read(repo)
     assert not check_files(repo).problems  # digests of the rewritten configs recorded

@@ -16,14 +16,18 @@ DONE = ".made"
 """Written last: a folder without it is what a worker left when it failed, and is made again."""
 
 
+def run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's temporary folder: pytest's basetemp, or with pytest-xdist the folder above the
+    workers' own (so that every worker finds the same things there)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
     """The folder `name`, made by `make(folder)` the first time any worker of this run asks for it;
     later callers wait for that maker and get the same folder. Callers only read it: a test that
     changes it works on a copy."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's folder, above the workers' own
-    shared = root / "made-once"
+    shared = run_folder(tmp_path_factory) / "made-once"
     shared.mkdir(exist_ok=True)
     folder = shared / name
     with open(shared / f"{name}.lock", "w") as lock:
