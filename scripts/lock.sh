@@ -11,15 +11,12 @@
 # with its reason). Triton Model Navigator, rxnfp and kserve are locked without their requirements
 # (runtime.txt says why); the packages of theirs that are used are lines of runtime.txt.
 #
-# The resolver is uv at a pinned version, installed by this script into its own virtual
-# environment. It is given this host's pip settings (find-links, index URLs, certificate), so it
-# sees what pip sees: PyPI, the local index folders and the local CPU build of torch.
+# The resolver is uv at a pinned version in its own virtual environment, given this host's pip
+# settings (scripts/uv.sh).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-UV_VERSION="0.13.9"
-TOOLS="${BIONEMO_EXPORT_LOCK_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/bionemo-export/uv-$UV_VERSION}"
 # The hosts' Python (3.11.7; pymdown-extensions 13 needs >= 3.11.5) on Debian 12 (glibc 2.36).
 TARGET=(--python-version 3.11.7 --python-platform x86_64-manylinux_2_36)
 NO_DEPS=(triton-model-navigator rxnfp kserve)  # locked without their requirements; pins in constraints.txt
@@ -28,26 +25,9 @@ LOCK="requirements/lock.txt"
 log() { printf '[lock] %s\n' "$*"; }
 cd "$ROOT"
 
-if [ "$("$TOOLS/bin/uv" --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
-  log "installing uv $UV_VERSION into $TOOLS"
-  "$PYTHON" -m venv --clear "$TOOLS"
-  "$TOOLS/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-fi
-UV="$TOOLS/bin/uv"
-
-# One of pip's settings as pip reads it (pip.conf files, PIP_* variables); several values are
-# separated by whitespace.
-pip_setting() {
-  "$TOOLS/bin/python" -m pip config list 2>/dev/null |
-    sed -n "s/^[^=]*\.$1='\(.*\)'\$/\1/p" | tr -s ' \t' '\n' | awk 'NF && !seen[$0]++'
-}
-SOURCES=(--index-strategy unsafe-best-match)  # like pip: the best version across all indexes
-while read -r url; do SOURCES+=(--index-url "$url"); done < <(pip_setting index-url | head -n1)
-while read -r url; do SOURCES+=(--extra-index-url "$url"); done < <(pip_setting extra-index-url)
-while read -r dir; do SOURCES+=(--find-links "$dir"); done < <(pip_setting find-links)
-cert="$(pip_setting cert | head -n1)"
-if [ -n "$cert" ] && [ -z "${SSL_CERT_FILE:-}" ]; then export SSL_CERT_FILE="$cert"; fi
+# shellcheck source=scripts/uv.sh
+source "$ROOT/scripts/uv.sh"
+SOURCES=("${UV_SOURCES[@]}")
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
