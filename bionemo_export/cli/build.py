@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -122,8 +123,9 @@ def repo(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize,
-            **({"graph_cache": graph_cache} if graph_cache else {}),
         )
+        if graph_cache is not None:  # else the request's default: $BIONEMO_EXPORT_GRAPH_CACHE
+            request = dataclasses.replace(request, graph_cache=graph_cache)
         with console.status("building") as status:
             def progress(message: str) -> None:
                 status.update(message)

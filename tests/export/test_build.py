@@ -103,13 +103,16 @@ def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpo
     out = tmp_path / "repo"
     result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                  "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4",
-                                 "--exporter", "navigator", "--no-optimize"],
+                                 "--exporter", "navigator", "--no-optimize", "--graph-cache", str(tmp_path / "graphs")],
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "navigator exporter" in result.output and "encoder" in result.output
     assert "max abs error" in result.output and "esm2nv_embeddings" in result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["exporter"] == "navigator" and manifest["export"]["encoder"]["exporter"] == "navigator"
+    # --graph-cache: every graph stored in the folder given, as Model Navigator exported it
+    stored = [json.loads(p.read_text())["export"] for p in (tmp_path / "graphs").glob("??/*/export.json")]
+    assert len(stored) == len(manifest["export"]) and {e["exporter"] for e in stored} == {"navigator"}
     again = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                 "--name", "esm2nv", "--out", str(out)], env={"COLUMNS": "200"})
     assert again.exit_code == 1 and "--force" in again.output

@@ -17,10 +17,10 @@ from bionemo_export.exporters.graph_cache import (
     GraphCache,
     default_graph_cache,
 )
-from bionemo_export.tensors import TensorSpec
+from bionemo_export.tensors import DType, TensorSpec
 
-INPUTS = (TensorSpec("input_ids", "INT64", ("batch", "length")),)
-OUTPUTS = (TensorSpec("hiddens", "FP32", ("batch", "length", 8)),)
+INPUTS = (TensorSpec("input_ids", DType.INT64, ("batch", "length")),)
+OUTPUTS = (TensorSpec("hiddens", DType.FP32, ("batch", "length", 8)),)
 
 
 class Config:
@@ -58,7 +58,7 @@ def test_the_key_follows_what_decides_the_graph():
         changed.embed.weight[3, 4] += 1e-6
     assert key(changed) != base  # one weight
     buffered = Scaled()
-    buffered.offset += 1
+    buffered.get_buffer("offset").add_(1)
     assert key(buffered) != base  # a buffer
     assert key(Scaled(scale=2.0)) != base  # a setting the forward reads
     assert key(Scaled(), arguments=(torch.ones(2, 4, dtype=torch.int64),)) != base  # the traced shape
@@ -67,7 +67,7 @@ def test_the_key_follows_what_decides_the_graph():
     assert key(Scaled(), external=True) != base
     assert key(Scaled(), exporter="navigator") != base
     assert key(Scaled(), file_name="lm_head.onnx") != base  # external data names its file
-    other_outputs = (TensorSpec("embeddings", "FP32", ("batch", "length", 8)),)
+    other_outputs = (TensorSpec("embeddings", DType.FP32, ("batch", "length", 8)),)
     assert key(Scaled(), outputs=other_outputs) != base
 
 
