@@ -25,7 +25,11 @@ URL_HELP = "http://host:port, or grpc://host:port for gRPC."
 OUTPUT_HELP = ("Write the outputs here: .npz (arrays; with the record ids under `ids` for --input), else JSON "
                "{output_name: nested lists} as BioNeMo's client writes it (strings as strings; `ids` added for "
                "--input).")
-INPUT_HELP = "A FASTA file, or one sequence per line (`SMILES [name]`); for inputs of any size."
+INPUT_HELP = ("A FASTA file, a CSV/TSV with a header naming a sequence column (sequence, seq, smiles, protein) "
+              "and an id column (id, name, accession), or one sequence per line (`SMILES [name]`); .gz read "
+              "directly.")
+SHARD_HELP = ("I/N: only the records whose position in --input is I modulo N (0 <= I < N): N jobs with I = 0..N-1 "
+              "(a Slurm array, a Kubernetes Indexed Job) cover the file once.")
 BATCH_HELP = "Sequences per request (default: the model's max_batch_size, read from the server)."
 IN_FLIGHT_HELP = "Requests in flight at once."
 STOP_HELP = "Stop at the first record the server refuses (default: report it by id and keep the others)."
@@ -37,15 +41,32 @@ def encode(
     model: str = typer.Option(..., "--model", "-m", help="Public model, e.g. esm2nv_embeddings or esm2nv_hiddens."),
     sequences: list[str] | None = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
     input: Path | None = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    shard: str = typer.Option("0/1", help=SHARD_HELP),
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_name: str = typer.Option("sequences", help="Name of the model's string input."),
     output: Path | None = typer.Option(None, help=OUTPUT_HELP),
     batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
     stop_on_error: bool = typer.Option(False, help=STOP_HELP),
+    chunk_size: int = typer.Option(1024, min=1, help="Bulk jobs (--output DIR, .h5 or .parquet): records per "
+                                   "part; a stopped job resumes after its last finished part."),
+    precision: str = typer.Option("fp32", help="Bulk jobs: the stored values' precision, fp32 or fp16."),
+    sequence_column: str | None = typer.Option(None, help="CSV/TSV input: the sequence column (default: sequence, "
+                                               "seq, smiles, protein)."),
+    id_column: str | None = typer.Option(None, help="CSV/TSV input: the id column (default: id, name, accession)."),
 ) -> None:
-    """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask."""
-    _query(ctx, model=model, sequences=sequences, input=input, triton_url=triton_url, output=output,
+    """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask.
+
+    With --input and --output DIR/, FILE.h5 or FILE.parquet it runs a bulk job: the input is
+    streamed, answers are written as they come, duplicates are sent once, records the server
+    refuses are listed in an errors file (exit status 3: partial), and the same command again
+    resumes a stopped job where it stopped."""
+    if input is not None and output is not None and _is_job_output(output):
+        _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_url=triton_url, in_name=in_name,
+                    batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size, precision=precision,
+                    sequence_column=sequence_column, id_column=id_column)
+        return
+    _query(ctx, model=model, sequences=sequences, input=input, shard=shard, triton_url=triton_url, output=output,
            batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
            make_inputs=lambda column: lambda rows, _: {in_name: column[rows]})
 
@@ -56,6 +77,7 @@ def sample(
     model: str = typer.Option(..., "--model", "-m", help="Public samplings model, e.g. megamolbart_samplings."),
     sequences: list[str] | None = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
     input: Path | None = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    shard: str = typer.Option("0/1", help=SHARD_HELP),
     num_samples: int | None = typer.Option(None, help="Outputs per sequence (server default 1)."),
     sampling_method: str | None = typer.Option(
         None, help="greedy-perturbate (server default), topkp-perturbate, beam-search-perturbate, "
@@ -78,7 +100,7 @@ def sample(
 
     extra = sampling_inputs(sampling_method=sampling_method, num_samples=num_samples, scaled_radius=scaled_radius,
                             seed=seed, top_k=top_k, top_p=top_p, temperature=temperature, beam_size=beam_size)
-    _query(ctx, model=model, sequences=sequences, input=input, triton_url=triton_url, output=output,
+    _query(ctx, model=model, sequences=sequences, input=input, shard=shard, triton_url=triton_url, output=output,
            batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
            make_inputs=lambda column: lambda rows, index: {"sequences": column[rows], **extra(rows, index)})
 
@@ -144,7 +166,7 @@ def score(
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
 ) -> None:
     """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score column."""
-    from bionemo_export.client.files import read_records
+    from bionemo_export.client.records import read_records
     from bionemo_export.client.repository import RepositoryClient
     from bionemo_export.client.variants import (
         group_by_wild_type,
@@ -172,8 +194,45 @@ def score(
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, triton_url: str,
-           output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
+def _is_job_output(output: Path) -> bool:
+    from bionemo_export.client.job_files import FORMATS
+
+    return output.suffix in FORMATS or not output.suffix
+
+
+def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, shard: str, triton_url: str,
+                in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
+                sequence_column: str | None, id_column: str | None) -> None:
+    """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
+    from bionemo_export.client import TritonClient
+    from bionemo_export.client.jobs import EncodeJob
+    from bionemo_export.client.records import parse_shard
+
+    console = Console()
+    with _reported(ctx, console):
+        columns = (TextColumn("{task.description}"), TextColumn("{task.completed} records"),
+                   TextColumn("{task.fields[residues]} residues"), TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True)) as bar:
+            task = bar.add_task("encoding", total=None, residues=0)
+            residues = 0
+
+            def advance(records: int, more_residues: int) -> None:
+                nonlocal residues
+                residues += more_residues
+                bar.update(task, advance=records, residues=residues)
+
+            job = EncodeJob(model=model, input=input, output=output, in_name=in_name, shard=parse_shard(shard),
+                            chunk_size=chunk_size, batch_size=batch_size, in_flight=in_flight, precision=precision,
+                            sequence_column=sequence_column, id_column=id_column, progress=advance)
+            with TritonClient(triton_url, concurrency=in_flight) as client:
+                summary = job.run(client)
+    console.print(summary.line(), highlight=False)
+    if summary.partial:
+        raise typer.Exit(3)
+
+
+def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, shard: str,
+           triton_url: str, output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
            make_inputs: Callable) -> None:
     """encode and sample: strings from -s or --input through `model`, outputs printed or written.
 
@@ -181,7 +240,8 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
     run with --stop-on-error), and the outputs carry the ids of the records they belong to.
     -s sequences are one batch, as in BioNeMo's client: a refused sequence fails the command."""
     from bionemo_export.client import TritonClient, infer_rows
-    from bionemo_export.client.files import Record, read_records, write_outputs
+    from bionemo_export.client.files import write_outputs
+    from bionemo_export.client.records import Record, iter_records, parse_shard
     from bionemo_export.client.repository import strings_column
 
     console = Console()
@@ -191,14 +251,15 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
     _check_output(console, output)
     with _reported(ctx, console):
         if input is not None:
-            records = read_records(input)
+            records = list(iter_records(input, shard=parse_shard(shard)))
         else:
             assert sequences is not None  # one of the two, checked above
             records = [Record(f"sequence {i}", s, 0) for i, s in enumerate(sequences)]
         if input is not None and not records:
             from bionemo_export.errors import InvalidInputError
 
-            raise InvalidInputError(f"{input}: no sequences in the file")
+            raise InvalidInputError(f"{input}: no sequences in the file" + (f" for shard {shard}" if shard != "0/1"
+                                                                               else ""))
         # Records with no sequence are not sent, unless the run stops at the first bad record: then
         # the server's refusal of it keeps the file's order of bad records.
         sent = [record for record in records if record.sequence] if input and not stop_on_error else records

@@ -1,7 +1,6 @@
-"""The files the `client` commands read and write.
+"""The files the `client` commands read and write (input records: records.py).
 
-Inputs: a FASTA file (proteins) or one sequence per line (SMILES; `.smi` style, an optional
-name after the sequence); hidden states as BioNeMo's JSON (`{"hiddens": ..., "mask": ...}`) or
+Inputs: hidden states as BioNeMo's JSON (`{"hiddens": ..., "mask": ...}`) or
 `.npz`. Outputs: JSON in BioNeMo's shape, `{output_name: nested lists}` (strings as strings),
 or `.npz` for big results (strings as unicode arrays, so `np.load` needs no pickle), with the
 record ids under `ids` when the input was a file.
@@ -10,62 +9,11 @@ record ids under `ids` when the input was a file.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
-
-
-@dataclass(frozen=True)
-class Record:
-    """One input sequence and what names it in messages and outputs."""
-
-    id: str
-    sequence: str
-    line: int
-    """Line number (1-based) where the record starts."""
-
-
-def read_records(path: Path) -> list[Record]:
-    """The records of a FASTA file (the file's first data line starts with '>'), else one per
-    non-blank line: `SEQUENCE [ID]`, the id defaulting to `line<N>`; lines starting with '#'
-    are comments. FASTA ids are the header's first word; sequence lines are joined without spaces.
-    ValueError names the file if it is not UTF-8 text."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise InvalidInputError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
-    lines = text.splitlines()
-    data = [(number, line.strip()) for number, line in enumerate(lines, 1)
-            if line.strip() and not line.lstrip().startswith("#")]
-    if data and data[0][1].startswith(">"):
-        return _fasta(lines)
-    records = []
-    for number, line in data:
-        fields = line.split()
-        records.append(Record(fields[1] if len(fields) > 1 else f"line{number}", fields[0], number))
-    return records
-
-
-def _fasta(lines: list[str]) -> list[Record]:
-    """FASTA records of `lines`, whose first line that is not blank or a comment is a header."""
-    records: list[Record] = []
-    header: tuple[str, int] | None = None
-    parts: list[str] = []
-    for number, line in enumerate(lines, 1):
-        line = line.strip()
-        if line.startswith(">"):
-            if header is not None:
-                records.append(Record(header[0], "".join(parts), header[1]))
-            words = line[1:].split()
-            header, parts = (words[0] if words else f"line{number}", number), []
-        elif line and header is not None and not line.startswith((";", "#")):  # ';': old FASTA comments
-            parts.append("".join(line.split()))
-    if header is not None:
-        records.append(Record(header[0], "".join(parts), header[1]))
-    return records
 
 
 def to_jsonable(array: np.ndarray) -> list:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bionemo_export.errors import InvalidInputError
 
-from .files import Record
+from .records import Record
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ and `client encode --input` on a 1,000-record FASTA with bad records in it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import urllib.error
 import urllib.request
@@ -27,7 +28,8 @@ from bionemo_export.client import (
     TritonClient,
     infer_rows,
 )
-from bionemo_export.client.files import read_hiddens, read_records, write_outputs
+from bionemo_export.client.files import read_hiddens, write_outputs
+from bionemo_export.client.records import read_records
 from bionemo_export.client.repository import sampling_inputs
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer
@@ -241,6 +243,24 @@ def test_encode_a_fasta_of_1000_records_in_one_command(server, tmp_path):
     with RepositoryClient(NAME, _urls(server)["grpc"]) as client:
         np.testing.assert_allclose(embeddings, client.seqs_to_embedding([s for _, s in good]), atol=1e-5)
 
+    # The same file gzipped, in three shards (a job array): together, every answer once, as one run gave
+    compressed = tmp_path / "proteins.fasta.gz"
+    compressed.write_bytes(gzip.compress((tmp_path / "proteins.fasta").read_bytes()))
+    shards = {}
+    for index in range(3):
+        part = tmp_path / f"part{index}.npz"
+        sharded = runner.invoke(app, ["client", "encode", "--model", f"{NAME}_embeddings", "--input", str(compressed),
+                                      "--shard", f"{index}/3", "--output", str(part), "--triton-url",
+                                      _urls(server)["grpc"]], env=WIDE)
+        assert sharded.exit_code == 0, sharded.output
+        with np.load(part, allow_pickle=False) as saved:
+            shards.update(zip(saved["ids"].tolist(), saved["embeddings"]))
+    assert sorted(shards) == sorted(i for i, _ in good)
+    np.testing.assert_allclose(np.stack([shards[i] for i, _ in good]), embeddings, atol=1e-5)
+    bad_shard = runner.invoke(app, ["client", "encode", "--model", f"{NAME}_embeddings", "--input", str(compressed),
+                                    "--shard", "3/3"], env=WIDE)
+    assert bad_shard.exit_code == 1 and "shard 3/3: give I/N with 0 <= I < N" in bad_shard.output
+
     stop = runner.invoke(app, ["client", "encode", "--model", f"{NAME}_embeddings", "--input",
                                str(tmp_path / "proteins.fasta"), "--output", str(tmp_path / "stopped.npz"),
                                "--triton-url", _urls(server)["http"], "--stop-on-error"], env=WIDE)
@@ -285,23 +305,6 @@ def test_encode_writes_bionemos_json_shape(server, tmp_path):
 
 
 # ------------------------------------------------------------------ files (no server needed)
-def test_fasta_records_keep_ids_lines_and_empty_records(tmp_path):
-    path = tmp_path / "in.fasta"
-    path.write_text("\n# a comment\n>sp|P1|ONE first protein\nMKTAY\nIAK \n;old-style comment\n>empty\n"
-                    ">two\r\nMSL KRK\r\n")
-    assert [(r.id, r.sequence, r.line) for r in read_records(path)] == [
-        ("sp|P1|ONE", "MKTAYIAK", 3), ("empty", "", 7), ("two", "MSLKRK", 8)]
-    (tmp_path / "latin1.txt").write_bytes(b"CCO\n\xe9\n")
-    with pytest.raises(ValueError, match="latin1.txt: not a UTF-8 text file"):
-        read_records(tmp_path / "latin1.txt")
-
-
-def test_smiles_lines_take_an_optional_name(tmp_path):
-    path = tmp_path / "in.smi"
-    path.write_text("CCO ethanol\n\n# skipped\nc1ccccc1\n")
-    assert [(r.id, r.sequence) for r in read_records(path)] == [("ethanol", "CCO"), ("line4", "c1ccccc1")]
-
-
 def test_hiddens_files_are_checked_and_npz_needs_no_pickle(tmp_path):
     hiddens = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     mask = np.array([[True, True, False], [True, True, True]])

@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from bionemo_export.client.files import read_records
+from bionemo_export.client.records import read_records
 from bionemo_export.client.variants import group_by_wild_type, read_variant_table, wild_type_of_rows, write_scored_table
 
 

@@ -1,0 +1,308 @@
+"""Bulk encode jobs: a whole dataset through a served encoder, streamed, resumable and sharded.
+
+    job = EncodeJob(model="esm2nv_embeddings", input=Path("uniref50.fasta.gz"), output=Path("uniref50/"))
+    summary = job.run(TritonClient("grpc://a:8001"))
+
+The input is read a record at a time (records.py) and cut into chunks of `chunk_size` records; a
+chunk goes to the server in requests of the model's batch size, several in flight (batches.py),
+and is written as one part (job_files.py) as soon as it is answered, then recorded in the
+journal. Client memory is bounded by a chunk and what is in flight, never by the input.
+
+- Resume: the same command again continues after the last part the journal records (a killed
+  run loses at most the chunk it was writing); a different model, served configuration, input
+  file or option is refused (the run's fingerprint).
+- Duplicates: a sequence seen before in the run is not sent again; its record gets a copy of the
+  first answer (found by the sequence's SHA-256 in the parts written).
+- Records the server refuses are left out, listed with id, line and reason in the errors file,
+  and the job ends "partial" (JobSummary.partial).
+- `shard=(i, n)`: the records at positions i mod n of the input (a Slurm array, an Indexed Job).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bionemo_export.errors import InvalidInputError
+
+from .batches import DEFAULT_IN_FLIGHT, infer_rows
+from .job_files import (
+    FORMATS,
+    JOURNAL,
+    MANIFEST,
+    Chunk,
+    Journal,
+    merge_hdf5,
+    read_digests,
+    read_metadata,
+    read_rows,
+    sequence_digest,
+    write_parquet,
+    write_part,
+)
+from .records import Record, iter_records
+from .repository import strings_column
+from .triton import TritonClient
+
+DEFAULT_CHUNK_SIZE = 1024
+PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
+
+
+@dataclass
+class JobSummary:
+    """The final account of a job, also stored in its metadata."""
+
+    records: int = 0
+    """Records of the input (its shard) the job covered, answered or not."""
+    answered: int = 0
+    sent: int = 0
+    """Sequences sent to the server: duplicates are sent once."""
+    residues: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    resumed_after: int = 0
+    """Records an earlier run had already done."""
+    output: str = ""
+    errors_file: str | None = None
+
+    @property
+    def partial(self) -> bool:
+        return self.errors > 0
+
+    def line(self) -> str:
+        rate = (self.records - self.resumed_after) / self.seconds if self.seconds else 0.0
+        text = (f"{self.answered} of {self.records} records answered ({self.sent} sequences sent, "
+                f"{self.residues} residues) in {self.seconds:.1f} s, {rate:.1f} records/s")
+        if self.resumed_after:
+            text += f"; resumed after {self.resumed_after} records"
+        if self.errors:
+            text += f"; {self.errors} bad records listed in {self.errors_file}"
+        return text + f"; wrote {self.output}"
+
+
+@dataclass
+class EncodeJob:
+    """One dataset through one encoder model (N_embeddings: pooled rows; N_hiddens: per-residue rows)."""
+
+    model: str
+    input: Path
+    output: Path
+    """A directory (parts + manifest.json), or an .h5 / .parquet file."""
+    in_name: str = "sequences"
+    shard: tuple[int, int] = (0, 1)
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    batch_size: int | None = None
+    in_flight: int = DEFAULT_IN_FLIGHT
+    precision: str = "fp32"
+    sequence_column: str | None = None
+    id_column: str | None = None
+    progress: Callable[[int, int], None] = field(default=lambda records, residues: None)
+    """Told (records, residues) each time a chunk is done."""
+
+    def __post_init__(self) -> None:
+        self.input, self.output = Path(self.input), Path(self.output)
+        if self.precision not in PRECISIONS:
+            raise InvalidInputError(f"precision {self.precision!r}: choose {' or '.join(PRECISIONS)}")
+        if self.chunk_size < 1:
+            raise InvalidInputError(f"chunk size must be at least 1, got {self.chunk_size}")
+        if self.output.suffix and self.output.suffix not in FORMATS:
+            raise InvalidInputError(f"--output {self.output}: give a directory, or a file ending in "
+                                    f"{', '.join(FORMATS)}")
+
+    # -- where things go ---------------------------------------------------------------------------------
+    @property
+    def is_directory(self) -> bool:
+        return not self.output.suffix
+
+    @property
+    def work(self) -> Path:
+        """The parts and the journal: the output directory itself, or `<output>.parts/` beside a file."""
+        return self.output if self.is_directory else self.output.with_name(self.output.name + ".parts")
+
+    @property
+    def errors_path(self) -> Path:
+        return (self.output / "errors.tsv" if self.is_directory
+                else self.output.with_name(self.output.name + ".errors.tsv"))
+
+    # -- the run ------------------------------------------------------------------------------------------
+    def fingerprint(self, client: TritonClient) -> dict[str, Any]:
+        """What makes two runs the same run: a resume must match it."""
+        config = json.dumps(client.model_config(self.model), sort_keys=True)
+        stat = self.input.stat()
+        with self.input.open("rb") as handle:
+            head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
+        return {"model": self.model, "model_config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+                "input": str(self.input.resolve()), "input_bytes": stat.st_size, "input_head_sha256": head,
+                "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
+                "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
+                "id_column": self.id_column}
+
+    def run(self, client: TritonClient) -> JobSummary:
+        started = time.perf_counter()
+        fingerprint = self.fingerprint(client)
+        finished = self._finished(fingerprint)
+        if finished is not None:
+            return finished
+        self.work.mkdir(parents=True, exist_ok=True)
+        journal = Journal(self.work / JOURNAL)
+        journal.start(fingerprint)
+        self._remove_unrecorded_parts(journal)
+        summary = JobSummary(resumed_after=journal.records_done)
+        seen = self._seen(journal)
+        records = iter_records(self.input, shard=self.shard, sequence_column=self.sequence_column,
+                               id_column=self.id_column)
+        for chunk_records in _chunks(itertools.islice(records, journal.records_done, None), self.chunk_size):
+            number = len(journal.parts)
+            chunk = self._answer(client, chunk_records, seen, summary)
+            name = f"part-{number:05d}.h5"
+            write_part(self.work / name, chunk, PRECISIONS[self.precision])
+            residues = sum(len(r) for r in chunk.residues) if chunk.residues is not None else 0
+            journal.finished(name, len(chunk), residues, chunk.errors)
+            for row, digest in enumerate(chunk.digests):
+                seen.setdefault(digest, (name, row))
+            self.progress(len(chunk) + len(chunk.errors), residues)
+        summary.seconds = time.perf_counter() - started
+        self._account(journal, summary)
+        self._finish(journal, fingerprint, summary)
+        return summary
+
+    def _finished(self, fingerprint: dict[str, Any]) -> JobSummary | None:
+        """The summary of this very job when it already finished (the same command run again: a job
+        array's task started twice, a run killed while it cleaned up); a finished output of another
+        job is refused."""
+        metadata = read_metadata(self.output / MANIFEST if self.is_directory else self.output)
+        if metadata is None:
+            return None
+        if metadata.get("fingerprint") != fingerprint:
+            raise InvalidInputError(f"--output {self.output} holds another finished job; remove it or give another "
+                                    "name")
+        if not self.is_directory:
+            shutil.rmtree(self.work, ignore_errors=True)  # a run killed after its output was in place
+        return JobSummary(**{k: v for k, v in metadata["summary"].items() if k in JobSummary.__dataclass_fields__})
+
+    def _answer(self, client: TritonClient, records: list[Record], seen: dict[str, tuple[str, int]],
+                summary: JobSummary) -> Chunk:
+        """One chunk through the server: each new sequence once, duplicates copied from their first answer."""
+        digests = [sequence_digest(record.sequence) for record in records]
+        fresh: dict[str, int] = {}  # digest -> row among the sequences sent
+        for record, digest in zip(records, digests):
+            if record.sequence and digest not in seen and digest not in fresh:
+                fresh[digest] = len(fresh)
+        sent = [next(r for r, d in zip(records, digests) if d == digest).sequence for digest in fresh]
+        column = strings_column(sent)
+        results = infer_rows(client, self.model, len(sent), lambda rows, _: {self.in_name: column[rows]},
+                             batch_size=self.batch_size, in_flight=self.in_flight, isolate=True)
+        summary.sent += len(sent)
+        answered = {int(row): position for position, row in enumerate(results.rows)}
+        refused = dict(results.failures)
+        earlier = self._earlier_answers(seen, [d for d in digests if d in seen and d not in fresh])
+        pooled = "embeddings" in results.outputs or any(a.embeddings is not None for a in earlier.values())
+        per_residue = "hiddens" in results.outputs or any(a.residues is not None for a in earlier.values())
+        chunk = Chunk(ids=[], index=[], digests=[], residues=[] if per_residue else None)
+        pooled_rows: list[np.ndarray] = []
+        for record, digest in zip(records, digests):
+            if not record.sequence:
+                chunk.errors.append((record.id, record.line, "no sequence"))
+                continue
+            if digest in fresh and fresh[digest] in refused:
+                chunk.errors.append((record.id, record.line, refused[fresh[digest]]))
+                continue
+            if digest in fresh:
+                row = answered[fresh[digest]]
+                embedding = results.outputs["embeddings"][row] if "embeddings" in results.outputs else None
+                residues = _residues(results.outputs, row) if per_residue else None
+            else:
+                answer = earlier[digest]
+                embedding = answer.embeddings[0] if answer.embeddings is not None else None
+                residues = answer.residues[0] if answer.residues is not None else None
+            chunk.ids.append(record.id)
+            chunk.index.append(record.index)
+            chunk.digests.append(digest)
+            if pooled and embedding is not None:
+                pooled_rows.append(embedding)
+            if chunk.residues is not None and residues is not None:
+                chunk.residues.append(residues)
+        if pooled:
+            chunk.embeddings = np.stack(pooled_rows) if pooled_rows else np.zeros((0, 0), np.float32)
+        return chunk
+
+    def _earlier_answers(self, seen: dict[str, tuple[str, int]], digests: list[str]) -> dict[str, Chunk]:
+        """The answers of sequences seen in earlier parts, read back (those rows only)."""
+        wanted: dict[str, dict[int, str]] = {}
+        for digest in dict.fromkeys(digests):
+            part, row = seen[digest]
+            wanted.setdefault(part, {})[row] = digest
+        found: dict[str, Chunk] = {}
+        for part, rows in wanted.items():
+            for row, (pooled, residues) in read_rows(self.work / part, list(rows)).items():
+                found[rows[row]] = Chunk(ids=[], index=[], digests=[rows[row]],
+                                         embeddings=pooled[None] if pooled is not None else None,
+                                         residues=[residues] if residues is not None else None)
+        return found
+
+    def _seen(self, journal: Journal) -> dict[str, tuple[str, int]]:
+        """Sequence digest -> (part, row) of its first answer, over the parts an earlier run wrote."""
+        seen: dict[str, tuple[str, int]] = {}
+        for entry in journal.parts:
+            for row, digest in enumerate(read_digests(self.work / entry["part"])):
+                seen.setdefault(digest, (entry["part"], row))
+        return seen
+
+    def _remove_unrecorded_parts(self, journal: Journal) -> None:
+        """A part the journal does not list is what a stopped run was writing: it is written again."""
+        recorded = {entry["part"] for entry in journal.parts}
+        for path in self.work.glob("part-*.h5*"):
+            if path.name not in recorded:
+                path.unlink()
+
+    def _account(self, journal: Journal, summary: JobSummary) -> None:
+        errors = [error for entry in journal.parts for error in entry["errors"]]
+        summary.records = journal.records_done
+        summary.answered = sum(entry["records"] for entry in journal.parts)
+        summary.errors = len(errors)
+        summary.output = str(self.output)
+        if errors:
+            summary.errors_file = str(self.errors_path)
+            lines = ["id\tline\treason", *(f"{i}\t{line}\t{' '.join(reason.split())}" for i, line, reason in errors)]
+            self.errors_path.write_text("\n".join(lines) + "\n")
+        summary.residues = sum(entry["residues"] for entry in journal.parts)
+
+    def _finish(self, journal: Journal, fingerprint: dict[str, Any], summary: JobSummary) -> None:
+        from bionemo_export import __version__
+
+        metadata = {"tool": f"bionemo-export {__version__}", "fingerprint": fingerprint,
+                    "summary": {k: v for k, v in summary.__dict__.items()}}
+        parts = [self.work / entry["part"] for entry in journal.parts]
+        dtype = PRECISIONS[self.precision]
+        if self.is_directory:
+            manifest = {**metadata, "parts": [{"file": entry["part"], "records": entry["records"]}
+                                              for entry in journal.parts]}
+            staging = self.output / (MANIFEST + ".writing")
+            staging.write_text(json.dumps(manifest, indent=1) + "\n")
+            staging.replace(self.output / MANIFEST)
+            return
+        if FORMATS[self.output.suffix] == "hdf5":
+            merge_hdf5(parts, self.output, metadata, dtype)
+        else:
+            write_parquet(parts, self.output, metadata, dtype)
+        shutil.rmtree(self.work)
+
+
+def _residues(outputs: dict[str, np.ndarray], row: int) -> np.ndarray:
+    """Row `row`'s per-residue states: its hidden states where the mask is set (no padding)."""
+    mask = outputs["mask"][row].astype(bool)
+    return outputs["hiddens"][row][mask]
+
+
+def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:
+    while chunk := list(itertools.islice(records, size)):
+        yield chunk

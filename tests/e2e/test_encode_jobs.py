@@ -1,0 +1,156 @@
+"""Bulk encode jobs (client/jobs.py) against a real tritonserver: HDF5, Parquet and directory
+outputs equal to one request per sequence; duplicates sent once; bad records listed; and a client
+killed with SIGKILL at random points resumes to exactly the uninterrupted result."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import h5py
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from bionemo_export.cli.main import app
+from bionemo_export.client import RepositoryClient, TritonClient
+from bionemo_export.client.job_files import JOURNAL, read_part
+from bionemo_export.client.jobs import EncodeJob
+from bionemo_export.runtime import TritonServer
+
+runner = CliRunner()
+AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
+
+
+@pytest.fixture(scope="module")
+def server(esm2_repository, tmp_path_factory, triton_install):
+    work = tmp_path_factory.mktemp("jobs")
+    with TritonServer(esm2_repository, install=triton_install, log_file=work / "server.log") as running:
+        yield running
+
+
+def _url(server) -> str:
+    return f"grpc://{server.endpoints.grpc_url}"
+
+
+def _dataset(path, count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """A gzipped FASTA of `count` proteins, some repeated, one with a character ESM-2 refuses."""
+    rng = np.random.default_rng(seed)
+    records = [(f"p{i:05d}", "".join(rng.choice(list(AMINO_ACIDS), size=int(n))))
+               for i, n in enumerate(rng.integers(5, 60, size=count))]
+    for i in range(7, count, 17):  # repeats of earlier sequences, under their own ids
+        records[i] = (records[i][0], records[i // 3][1])
+    records[count // 2] = ("bad_char", "MKTJAK")
+    with gzip.open(path, "wt") as handle:
+        handle.write("".join(f">{i} description\n{s}\n" for i, s in records))
+    return records
+
+
+def _h5(path) -> Any:
+    return h5py.File(path, "r")
+
+
+def _lines(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_job_equals_one_request_per_sequence_in_every_format(server, tmp_path):
+    records = _dataset(tmp_path / "in.fasta.gz", 150)
+    good = [(i, s) for i, s in records if i != "bad_char"]
+    with RepositoryClient("esm2nv", _url(server)) as client:
+        expected = client.seqs_to_embedding([s for _, s in good])
+        hiddens, mask = client.seqs_to_hidden([s for _, s in good[:40]])
+
+    result = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "-i", str(tmp_path / "in.fasta.gz"),
+                                 "--output", str(tmp_path / "out.h5"), "--chunk-size", "32",
+                                 "--triton-url", _url(server)])
+    assert result.exit_code == 3, result.output  # partial: one bad record
+    assert "149 of 150 records answered" in result.output and "1 bad records listed in" in result.output
+    errors = (tmp_path / "out.h5.errors.tsv").read_text().splitlines()
+    assert errors[0] == "id\tline\treason" and errors[1].startswith("bad_char\t") and "'J'" in errors[1]
+    assert not (tmp_path / "out.h5.parts").exists()  # merged, then the parts removed
+    with _h5(tmp_path / "out.h5") as saved:
+        assert [i.decode() for i in saved["ids"][()]] == [i for i, _ in good]
+        np.testing.assert_allclose(saved["embeddings"][()], expected, atol=1e-5)
+        assert json.loads(saved.attrs["fingerprint"])["model"] == "esm2nv_embeddings"
+        summary = json.loads(saved.attrs["summary"])
+    repeats = len(records) - len({s for _, s in records})
+    assert repeats > 5 and summary["sent"] == len(records) - repeats  # each repeated sequence sent once
+
+    parquet = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "-i", str(tmp_path / "in.fasta.gz"),
+                                  "--output", str(tmp_path / "out.parquet"), "--precision", "fp16",
+                                  "--triton-url", _url(server)])
+    assert parquet.exit_code == 3, parquet.output
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column("id").to_pylist() == [i for i, _ in good]
+    np.testing.assert_allclose(np.array(table.column("embedding").to_pylist()), expected, atol=2e-3)
+
+    # Per-residue states, ragged: each record's rows are its residues, without padding.
+    subset = tmp_path / "subset.fasta"
+    subset.write_text("".join(f">{i}\n{s}\n" for i, s in good[:40]))
+    per_residue = runner.invoke(app, ["client", "encode", "-m", "esm2nv_hiddens", "-i", str(subset), "--output",
+                                      str(tmp_path / "residues"), "--chunk-size", "16", "--triton-url", _url(server)])
+    assert per_residue.exit_code == 0, per_residue.output
+    manifest = json.loads((tmp_path / "residues" / "manifest.json").read_text())
+    assert [p["records"] for p in manifest["parts"]] == [16, 16, 8]
+    rows = [r for p in manifest["parts"] for r in read_part(tmp_path / "residues" / p["file"]).residues or []]
+    for row, (hidden, valid) in enumerate(zip(hiddens, mask)):
+        np.testing.assert_allclose(rows[row], hidden[valid.astype(bool)], atol=1e-5)
+    assert manifest["summary"]["residues"] == int(mask.sum())
+
+
+def test_a_different_run_is_refused_and_a_finished_one_is_reported_not_redone(server, tmp_path):
+    _dataset(tmp_path / "in.fasta.gz", 20)
+    job = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "out", chunk_size=8)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / JOURNAL).write_text(json.dumps({"fingerprint": {"model": "other", "chunk_size": 8}}) + "\n")
+    with TritonClient(_url(server)) as client:
+        with pytest.raises(ValueError, match="journal of another run .*model was 'other', now 'esm2nv_embeddings'"):
+            job.run(client)
+        (tmp_path / "out" / JOURNAL).unlink()
+        first = job.run(client)
+        again = job.run(client)  # the same command once more: the finished job's account, nothing sent
+        assert again == first and first.answered == 19 and first.errors == 1
+        other = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "out",
+                          chunk_size=4)
+        with pytest.raises(ValueError, match="holds another finished job"):
+            other.run(client)
+
+
+def test_a_client_killed_at_random_points_resumes_to_the_uninterrupted_result(server, tmp_path):
+    _dataset(tmp_path / "in.fasta.gz", 400, seed=3)
+    command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
+               "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "16", "--batch-size", "4", "--in-flight", "1",
+               "--triton-url", _url(server)]
+    whole = subprocess.run([*command, "--output", str(tmp_path / "whole.h5")], capture_output=True, text=True)
+    assert whole.returncode == 3, whole.stderr
+
+    out = tmp_path / "resumed.h5"
+    journal = tmp_path / "resumed.h5.parts" / JOURNAL
+    rng = np.random.default_rng(0)
+    kills = 0
+    while True:  # killed a moment after a part is recorded, until a run gets to the end
+        process = subprocess.Popen([*command, "--output", str(out)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        lines = _lines(journal)
+        deadline = time.monotonic() + 60
+        while process.poll() is None and _lines(journal) <= lines + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(float(rng.uniform(0.0, 0.3)))
+        if process.poll() is not None:
+            break
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        kills += 1
+    assert process.returncode == 3 and kills >= 5
+    with _h5(tmp_path / "whole.h5") as a, _h5(out) as b:
+        assert b["ids"][()].tolist() == a["ids"][()].tolist()  # every record once, in order
+        assert b["index"][()].tolist() == a["index"][()].tolist()
+        np.testing.assert_array_equal(b["embeddings"][()], a["embeddings"][()])
+    assert (tmp_path / "resumed.h5.errors.tsv").read_text() == (tmp_path / "whole.h5.errors.tsv").read_text()

@@ -1,0 +1,91 @@
+"""The files of bulk encode jobs (client/job_files.py): parts, merged HDF5 and Parquet, the journal."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from bionemo_export.client.job_files import (
+    Chunk,
+    Journal,
+    h5py_module,
+    merge_hdf5,
+    read_digests,
+    read_part,
+    read_rows,
+    sequence_digest,
+    write_parquet,
+    write_part,
+)
+
+RNG = np.random.default_rng(0)
+
+
+def _chunk(start: int, lengths: list[int], width: int = 4) -> Chunk:
+    ids = [f"r{start + i}" for i in range(len(lengths))]
+    return Chunk(ids=ids, index=list(range(start, start + len(lengths))),
+                 digests=[sequence_digest(i) for i in ids],
+                 embeddings=RNG.standard_normal((len(lengths), width)).astype(np.float32),
+                 residues=[RNG.standard_normal((n, width)).astype(np.float32) for n in lengths])
+
+
+def test_a_part_round_trips_ragged_and_reads_single_rows(tmp_path):
+    chunk = _chunk(0, [3, 1, 5])
+    write_part(tmp_path / "part.h5", chunk, np.dtype(np.float32))
+    back = read_part(tmp_path / "part.h5")
+    assert (back.ids, back.index, back.digests) == (chunk.ids, chunk.index, chunk.digests)
+    assert back.embeddings is not None and chunk.embeddings is not None
+    np.testing.assert_array_equal(back.embeddings, chunk.embeddings)
+    assert back.residues is not None and chunk.residues is not None
+    for got, want in zip(back.residues, chunk.residues):
+        np.testing.assert_array_equal(got, want)
+    assert read_digests(tmp_path / "part.h5") == chunk.digests
+    pooled, residues = read_rows(tmp_path / "part.h5", [2])[2]
+    assert pooled is not None and residues is not None
+    np.testing.assert_array_equal(residues, chunk.residues[2])
+    np.testing.assert_array_equal(pooled, chunk.embeddings[2])
+    assert [p.name for p in tmp_path.iterdir()] == ["part.h5"]  # written beside, then renamed
+
+
+def test_parts_merge_into_one_file_without_padding(tmp_path):
+    chunks = [_chunk(0, [3, 1]), _chunk(2, []), _chunk(2, [2, 6, 1])]
+    for number, chunk in enumerate(chunks):
+        if chunk.ids:
+            write_part(tmp_path / f"part-{number}.h5", chunk, np.dtype(np.float32))
+    parts = sorted(tmp_path.glob("part-*.h5"))
+    merge_hdf5(parts, tmp_path / "all.h5", {"model": "m", "summary": {"records": 5}}, np.dtype(np.float16))
+    merged: Any
+    with h5py_module().File(tmp_path / "all.h5") as merged:
+        handle: dict = {name: merged[name][()] for name in ("ids", "embeddings", "per_residue/values",
+                                                          "per_residue/offsets")}
+        assert merged.attrs["model"] == "m" and json.loads(merged.attrs["summary"]) == {"records": 5}
+    assert [i.decode() for i in handle["ids"]] == ["r0", "r1", "r2", "r3", "r4"]
+    assert handle["embeddings"].dtype == np.float16 and handle["per_residue/offsets"].tolist() == [0, 3, 4, 6, 12, 13]
+    every = [r for chunk in chunks for r in chunk.residues or []]
+    np.testing.assert_allclose(handle["per_residue/values"], np.concatenate(every), atol=1e-2)
+
+    write_parquet(parts, tmp_path / "all.parquet", {"model": "m"}, np.dtype(np.float32))
+    table = pq.read_table(tmp_path / "all.parquet")
+    assert table.column("id").to_pylist() == ["r0", "r1", "r2", "r3", "r4"]
+    np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), dtype=np.float32),
+                                  np.concatenate([c.embeddings for c in chunks if c.embeddings is not None]))
+    assert json.loads(table.schema.metadata[b"bionemo_export"]) == {"model": "m"}
+
+
+def test_the_journal_keeps_what_finished_and_refuses_another_run(tmp_path):
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.start({"model": "a", "input": "x"})
+    journal.finished("part-00000.h5", records=8, residues=40, errors=[("bad", 3, "invalid character")])
+    with (tmp_path / "journal.jsonl").open("a") as handle:
+        handle.write('{"part": "part-00001.h5", "reco')  # a run killed while writing its line
+    again = Journal(tmp_path / "journal.jsonl")
+    again.start({"model": "a", "input": "x"})
+    assert [entry["part"] for entry in again.parts] == ["part-00000.h5"] and again.records_done == 9
+    again.finished("part-00001.h5", records=2, residues=7, errors=[])  # on a line of its own
+    assert [entry["part"] for entry in Journal(tmp_path / "journal.jsonl").parts] == ["part-00000.h5", "part-00001.h5"]
+    with pytest.raises(ValueError, match="another run .*model was 'a', now 'b'"):
+        Journal(tmp_path / "journal.jsonl").start({"model": "b", "input": "x"})
