@@ -13,7 +13,7 @@ VENV ?= .venv
 PYTEST_WORKERS ?= 2
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup demo test unit lint doctor lock
+.PHONY: setup demo test pytest unit lint doctor lock
 
 setup:
 	bash scripts/setup.sh
@@ -24,7 +24,12 @@ lock:
 demo: setup
 	$(PYTHON) scripts/demo.py
 
-test: setup lint
+# lint runs beside the suite (-j2, output by line): pyright is single-threaded, and the suite leaves
+# the cores idle part of the time (servers starting and stopping). Either failing fails make test.
+test: setup
+	@$(MAKE) --no-print-directory -j2 --output-sync=line lint pytest
+
+pytest: setup
 	$(PYTHON) -m pytest -ra -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 unit: setup
