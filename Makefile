@@ -24,10 +24,10 @@ lock:
 demo: setup
 	$(PYTHON) scripts/demo.py
 
-# lint runs beside the suite (-j2, output by line): pyright is single-threaded, and the suite leaves
+# lint runs beside the suite (-j2; pytest prints as it goes): pyright is single-threaded, and the suite leaves
 # the cores idle part of the time (servers starting and stopping). Either failing fails make test.
 test: setup
-	@$(MAKE) --no-print-directory -j2 --output-sync=line lint pytest
+	@$(MAKE) --no-print-directory -j2 lint pytest
 
 pytest: setup
 	$(PYTHON) -m pytest -ra -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

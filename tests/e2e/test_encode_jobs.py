@@ -126,7 +126,7 @@ def test_a_different_run_is_refused_and_a_finished_one_is_reported_not_redone(se
 def test_a_client_killed_at_random_points_resumes_to_the_uninterrupted_result(server, tmp_path):
     _dataset(tmp_path / "in.fasta.gz", 400, seed=3)
     command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
-               "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "16", "--batch-size", "4", "--in-flight", "1",
+               "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "8", "--batch-size", "4", "--in-flight", "1",
                "--triton-url", _url(server)]
     whole = subprocess.run([*command, "--output", str(tmp_path / "whole.h5")], capture_output=True, text=True)
     assert whole.returncode == 3, whole.stderr
@@ -148,7 +148,7 @@ def test_a_client_killed_at_random_points_resumes_to_the_uninterrupted_result(se
         process.send_signal(signal.SIGKILL)
         process.wait()
         kills += 1
-    assert process.returncode == 3 and kills >= 5
+    assert process.returncode == 3 and kills >= 3  # 50 parts; each run gets at least two before its kill
     with _h5(tmp_path / "whole.h5") as a, _h5(out) as b:
         assert b["ids"][()].tolist() == a["ids"][()].tolist()  # every record once, in order
         assert b["index"][()].tolist() == a["index"][()].tolist()
