@@ -39,17 +39,6 @@ class Pending(Protocol):
         ...
 
 
-class Inferrer(Protocol):
-    """What runs rows through a model (batches.infer_rows, jobs): one TritonClient, or a
-    ServerPool of several servers."""
-
-    def submit(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> Pending: ...
-
-    def max_batch_size(self, model: str) -> int: ...
-
-    def model_config(self, model: str) -> dict: ...
-
-
 Client = TypeVar("Client", bound="TritonClient")
 
 

@@ -154,31 +154,3 @@ def test_a_client_killed_at_random_points_resumes_to_the_uninterrupted_result(se
         assert b["index"][()].tolist() == a["index"][()].tolist()
         np.testing.assert_array_equal(b["embeddings"][()], a["embeddings"][()])
     assert (tmp_path / "resumed.h5.errors.tsv").read_text() == (tmp_path / "whole.h5.errors.tsv").read_text()
-
-
-def test_two_servers_share_a_job_and_one_killed_mid_job_loses_nothing(server, esm2_repository, triton_install,
-                                                                       tmp_path):
-    """The job's two servers (this test starts the second): the first is stopped once a third of
-    the parts are written; its requests move to the second and the result equals one server's."""
-    _dataset(tmp_path / "in.fasta.gz", 300, seed=5)
-    reference = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "one.h5",
-                          chunk_size=10)
-    with TritonClient(_url(server)) as client:
-        reference.run(client)
-    with TritonServer(esm2_repository, install=triton_install, log_file=tmp_path / "first.log") as first:
-        parts = tmp_path / "two.h5.parts"
-        command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
-                   "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "10", "--batch-size", "2", "--output",
-                   str(tmp_path / "two.h5"), "--triton-url", _url(first), "--triton-url", _url(server)]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while _lines(parts / JOURNAL) < 11 and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        first.stop()
-        output, _ = process.communicate(timeout=300)
-    assert process.returncode == 3, output  # partial: the bad record
-    assert "moved off a server" in output
-    with _h5(tmp_path / "one.h5") as a, _h5(tmp_path / "two.h5") as b:
-        assert b["ids"][()].tolist() == a["ids"][()].tolist()
-        np.testing.assert_allclose(b["embeddings"][()], a["embeddings"][()], atol=1e-6)
-        assert json.loads(b.attrs["summary"])["moved"] >= 1
