@@ -194,10 +194,11 @@ class EncodeJob:
         """One chunk through the server: each new sequence once, duplicates copied from their first answer."""
         digests = [sequence_digest(record.sequence) for record in records]
         fresh: dict[str, int] = {}  # digest -> row among the sequences sent
+        sent: list[str] = []
         for record, digest in zip(records, digests):
             if record.sequence and digest not in seen and digest not in fresh:
-                fresh[digest] = len(fresh)
-        sent = [next(r for r, d in zip(records, digests) if d == digest).sequence for digest in fresh]
+                fresh[digest] = len(sent)
+                sent.append(record.sequence)
         column = strings_column(sent)
         results = infer_rows(client, self.model, len(sent), lambda rows, _: {self.in_name: column[rows]},
                              batch_size=self.batch_size, in_flight=self.in_flight, isolate=True)
