@@ -214,7 +214,12 @@ def test_instances_kept_after_failed_requests_are_given_back_by_one_restart(serv
     """Once requests have failed on a dead stub, Triton 2.51 keeps the dead instances for good after
     the reload (a zombie, its shared memory and threads each). At --max-kept-instances (2 here) serve
     restarts tritonserver at an idle moment, on the same ports: nothing is kept any more, and the
-    answers are the same."""
+    answers are the same.
+
+    Finding (CI, one run in many): reloading the model under this load can instead abort
+    tritonserver 2.51 inside its Python backend (exit code -6, a C++ exception thrown through
+    libtriton_python.so). serve then restarts it on the same ports at once; that path must end the
+    same way: a new server, no stub kept, the same answers."""
     client = EncoderClient(NAME, f"http://127.0.0.1:{served.http}")
     before = client.seqs_to_embedding(SEQUENCES)
     server = sp.tritonserver_of(served.process.pid)
@@ -236,7 +241,8 @@ def test_instances_kept_after_failed_requests_are_given_back_by_one_restart(serv
         time.sleep(0.5)
         for stub in sp.stubs(server, f"{NAME}_encoder"):
             os.kill(stub, signal.SIGKILL)
-        served.wait_for(f"health: reloaded {NAME}_encoder", timeout=HEAL_SECONDS, since=earlier)
+        healed = served.wait_for(f"health: reloaded {NAME}_encoder", "serve: tritonserver exited unexpectedly",
+                                 timeout=HEAL_SECONDS, since=earlier)
         time.sleep(1.0)
     finally:
         stop.set()
@@ -244,7 +250,11 @@ def test_instances_kept_after_failed_requests_are_given_back_by_one_restart(serv
     assert failures, "no request reached the dead stubs: nothing was kept"
     served.wait_for("serve: tritonserver is ready again", timeout=120, since=earlier)
     log = served.text()[earlier:]
-    assert "dead model instances are kept by tritonserver" in log and "restarting tritonserver on the same ports" in log
+    if healed.startswith("health: reloaded"):
+        assert "dead model instances are kept by tritonserver" in log
+        assert "restarting tritonserver on the same ports" in log
+    else:
+        assert "on the same ports. Its last log lines" in log
     restarted = sp.tritonserver_of(served.process.pid)
     assert restarted != server
     assert not any(stub.zombie for stub in server_stubs(restarted))

@@ -69,12 +69,16 @@ class Serve:
     def text(self) -> str:
         return self.output.read_text(errors="replace")
 
-    def wait_for(self, marker: str, timeout: float = 180, since: int = 0) -> None:
-        """Wait until the output (from character `since` on) holds `marker`."""
+    def wait_for(self, *markers: str, timeout: float = 180, since: int = 0) -> str:
+        """Wait until the output (from character `since` on) holds one of `markers`; return it."""
         deadline = time.monotonic() + timeout
-        while marker not in self.text()[since:]:
+        while True:
+            text = self.text()[since:]
+            found = next((marker for marker in markers if marker in text), None)
+            if found is not None:
+                return found
             assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"serve never printed {marker!r}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"serve never printed any of {markers!r}:\n{self.text()}"
             time.sleep(0.1)
 
     def stop(self) -> None:
