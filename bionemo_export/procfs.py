@@ -139,6 +139,16 @@ def status_value(pid: int, key: str) -> str | None:
     return None
 
 
+def wait_channel(pid: int) -> str:
+    """The kernel function `pid` sleeps in (/proc/PID/wchan: "futex_wait_queue", "do_epoll_wait",
+    ...; "0" when it runs), "" when gone or hidden: a process that never gets anywhere shows here
+    whether it waits on a lock, on I/O or on nothing."""
+    try:
+        return (PROC / str(pid) / "wchan").read_text().strip()
+    except OSError:
+        return ""
+
+
 def threads(pid: int) -> int:
     """How many threads `pid` runs (0 when it is gone)."""
     value = status_value(pid, "Threads")

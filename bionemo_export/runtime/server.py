@@ -37,7 +37,7 @@ from bionemo_export.model_repository.manifest import Manifest
 
 from .discovery import TritonInstall, find_tritonserver
 from .object_storage import check_s3_repository, is_s3_uri
-from .stubs import SHARED_MEMORY_DIR, live_stubs
+from .stubs import SHARED_MEMORY_DIR, describe_stubs, live_stubs
 
 LOOPBACK = "127.0.0.1"
 
@@ -345,7 +345,7 @@ class TritonServer:
                 pass
             if time.monotonic() > deadline:
                 raise TritonStartError(
-                    f"tritonserver was not ready after {timeout:.0f} s.\n{self._log_excerpt()}"
+                    f"tritonserver was not ready after {timeout:.0f} s.\n{self._loading_report()}{self._log_excerpt()}"
                 )
             time.sleep(0.25)
 
@@ -439,6 +439,21 @@ class TritonServer:
                 continue
             errors.append(message)
         return errors
+
+    def _loading_report(self) -> str:
+        """What a server that is not ready is still doing: the models its log shows loading and not
+        loaded (tritonserver opens its endpoints only once the first loads are over, so its log is
+        the only one to ask) and its stubs' processes (runtime/stubs.describe_stubs)."""
+        try:
+            log = self.log_file.read_text(errors="replace")
+        except OSError:
+            log = ""
+        loaded = set(re.findall(r"successfully loaded '([^']+)'", log))
+        loading = [name for name in dict.fromkeys(re.findall(r'"loading: ([^:"]+):', log)) if name not in loaded]
+        parts = [f"Models still loading: {', '.join(loading)}"] if loading else []
+        if self.pid is not None:
+            parts.extend(f"  stub {line}" for line in describe_stubs(self.pid))
+        return "\n".join(parts) + "\n" if parts else ""
 
     def _log_excerpt(self, lines: int = 15) -> str:
         errors = self.log_errors()

@@ -18,6 +18,7 @@ tests read it to find the stubs to end. The process table itself is read by bion
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,3 +98,20 @@ def server_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
 def live_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
     """The running (not zombie) stubs of a tritonserver, of `model` only if given."""
     return [stub for stub in server_stubs(server_pid, model) if not stub.zombie]
+
+
+def describe_stubs(server_pid: int) -> list[str]:
+    """One line per live stub of a tritonserver: its instance, pid, state, CPU seconds, threads and
+    the kernel function it sleeps in. Written into the error of a server that never became ready,
+    so that a load that hangs says where (a stub whose CPU time stays put in a futex waits on a
+    lock; one whose CPU time climbs is still working)."""
+    ticks_per_second = os.sysconf("SC_CLK_TCK")
+    lines = []
+    for stub in live_stubs(server_pid):
+        stat = procfs.process_stat(stub.pid)
+        if stat is None:
+            continue
+        lines.append(f"{stub.instance or stub.model} (pid {stub.pid}): state {stat.state}, "
+                     f"{stat.cpu_ticks / ticks_per_second:.1f} s CPU, {procfs.threads(stub.pid)} threads, "
+                     f"waiting in {procfs.wait_channel(stub.pid) or '?'}")
+    return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,8 +118,13 @@ def test_a_start_that_gives_up_leaves_no_shared_memory_behind(tmp_path, triton_i
     (repo / "reverse" / "1" / "model.py").write_text(SLOW_INITIALIZE)
     server = _ObservedServer(repo, install=triton_install, log_file=tmp_path / "server.log")
     assert f"--backend-config=python,shm-region-prefix-name={server.shm_prefix}" in server.command()
-    with pytest.raises(TritonStartError, match="not ready after"):
+    with pytest.raises(TritonStartError, match="not ready after") as raised:
         server.start(timeout=10)
+    # The error says what is still loading and what its stubs are doing.
+    message = str(raised.value)
+    assert "Models still loading: reverse\n" in message
+    assert re.search(r"stub reverse_\d+_\d+ \(pid \d+\): state [RSD], [\d.]+ s CPU, \d+ threads, waiting in ",
+                     message), message
     assert len(server.regions_at_stop) >= 2  # one per instance: affine loaded, reverse initializing
     assert server.shared_memory_regions() == []
     assert not any(region.exists() for region in server.regions_at_stop)

@@ -78,8 +78,20 @@ def test_a_child_is_listed_with_its_arguments_then_as_a_zombie_then_not_at_all()
     assert child.pid not in [stat.pid for stat in procfs.children(os.getpid())]
 
 
+def test_a_sleeping_child_says_where_it_waits():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        # Once it sleeps, it names the kernel function it sleeps in ("0" or "" while it starts).
+        _until(lambda: procfs.wait_channel(child.pid) not in ("", "0"))
+        assert "sleep" in procfs.wait_channel(child.pid)  # hrtimer_nanosleep, do_nanosleep, ...
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_gone_process_has_no_figures():
     pid = _gone_pid()
+    assert procfs.wait_channel(pid) == ""
     assert procfs.process_stat(pid) is None and procfs.command_line(pid) is None
     assert procfs.status_value(pid, "Threads") is None
     assert procfs.threads(pid) == 0 and procfs.memory_bytes(pid) == 0
