@@ -42,7 +42,9 @@ def encode(
     sequences: list[str] | None = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
     input: Path | None = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
     shard: str = typer.Option("0/1", help=SHARD_HELP),
-    triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
+    triton_url: list[str] = typer.Option(["http://localhost:8000"], help=URL_HELP + " Bulk jobs: repeat it for "
+                                         "several servers of the same repository (work goes to the least loaded; "
+                                         "a busy or dead server's requests are sent again elsewhere)."),
     in_name: str = typer.Option("sequences", help="Name of the model's string input."),
     output: Path | None = typer.Option(None, help=OUTPUT_HELP),
     batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
@@ -62,11 +64,15 @@ def encode(
     refuses are listed in an errors file (exit status 3: partial), and the same command again
     resumes a stopped job where it stopped."""
     if input is not None and output is not None and _is_job_output(output):
-        _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_url=triton_url, in_name=in_name,
-                    batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size, precision=precision,
-                    sequence_column=sequence_column, id_column=id_column)
+        _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
+                    in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
+                    precision=precision, sequence_column=sequence_column, id_column=id_column)
         return
-    _query(ctx, model=model, sequences=sequences, input=input, shard=shard, triton_url=triton_url, output=output,
+    if len(triton_url) > 1:
+        Console().print("[red]several --triton-url are for bulk jobs: give --input and --output DIR/, .h5 or "
+                        ".parquet[/red]", highlight=False)
+        raise typer.Exit(2)
+    _query(ctx, model=model, sequences=sequences, input=input, shard=shard, triton_url=triton_url[0], output=output,
            batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
            make_inputs=lambda column: lambda rows, _: {in_name: column[rows]})
 
@@ -193,6 +199,27 @@ def score(
     console.print(f"wrote {len(table.rows)} scores ({method}) to {output}", highlight=False)
 
 
+@app.command("merge")
+def merge(
+    ctx: typer.Context,
+    shards: list[Path] = typer.Argument(..., help="The finished outputs of every shard of one job (--shard I/N): "
+                                        "directories, .h5 or .parquet files.", exists=True),
+    output: Path = typer.Option(..., "--output", "-o", help="The merged output: a directory (parts and "
+                                "manifest.json), FILE.h5 or FILE.parquet."),
+) -> None:
+    """Put the shards of one bulk job back together, in the input's order: the result is what the
+    job run unsharded writes. Refuses shards of different jobs, a missing or repeated shard, and a
+    shard that has not finished (rerun its command: it resumes)."""
+    from bionemo_export.client.merge import merge_shards
+
+    console = Console()
+    with _reported(ctx, console):
+        summary = merge_shards(shards, output)
+    console.print(f"merged {len(shards)} shards: " + summary.line(), highlight=False)
+    if summary.partial:
+        raise typer.Exit(3)
+
+
 # ------------------------------------------------------------------------------------ helpers
 def _is_job_output(output: Path) -> bool:
     from bionemo_export.client.job_files import FORMATS
@@ -200,13 +227,13 @@ def _is_job_output(output: Path) -> bool:
     return output.suffix in FORMATS or not output.suffix
 
 
-def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, shard: str, triton_url: str,
+def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, shard: str, triton_urls: list[str],
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
                 sequence_column: str | None, id_column: str | None) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
-    from bionemo_export.client import TritonClient
     from bionemo_export.client.jobs import EncodeJob
     from bionemo_export.client.records import parse_shard
+    from bionemo_export.client.server_pool import ServerPool
 
     console = Console()
     with _reported(ctx, console):
@@ -224,8 +251,8 @@ def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, sh
             job = EncodeJob(model=model, input=input, output=output, in_name=in_name, shard=parse_shard(shard),
                             chunk_size=chunk_size, batch_size=batch_size, in_flight=in_flight, precision=precision,
                             sequence_column=sequence_column, id_column=id_column, progress=advance)
-            with TritonClient(triton_url, concurrency=in_flight) as client:
-                summary = job.run(client)
+            with ServerPool(triton_urls, concurrency=in_flight) as servers:
+                summary = job.run(servers)
     console.print(summary.line(), highlight=False)
     if summary.partial:
         raise typer.Exit(3)

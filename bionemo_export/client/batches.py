@@ -19,7 +19,7 @@ import numpy as np
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.batching import stack_padded
 
-from .triton import InferenceError, TritonClient
+from .triton import InferenceError, Inferrer
 
 DEFAULT_IN_FLIGHT = 4
 """Requests kept in flight: enough to keep a server's instances and dynamic batcher busy while
@@ -48,7 +48,7 @@ def plan_requests(count: int, batch_size: int) -> list[np.ndarray]:
     return [np.arange(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
 
 
-def batch_size_for(client: TritonClient, model: str, requested: int | None = None) -> int:
+def batch_size_for(client: Inferrer, model: str, requested: int | None = None) -> int:
     """Rows per request: `requested`, else the model's max_batch_size read from the server; a
     request over the model's max_batch_size is refused here (the server would refuse each one)."""
     limit = client.max_batch_size(model)
@@ -61,7 +61,7 @@ def batch_size_for(client: TritonClient, model: str, requested: int | None = Non
     return requested
 
 
-def in_order(client: TritonClient, model: str, requests: Iterable[dict[str, np.ndarray]], outputs: list[str] | None,
+def in_order(client: Inferrer, model: str, requests: Iterable[dict[str, np.ndarray]], outputs: list[str] | None,
              in_flight: int) -> Iterator[dict[str, np.ndarray] | InferenceError]:
     """Send `requests` with at most `in_flight` awaiting an answer; yield each answer (or the
     InferenceError it got) in the order of `requests`. Other errors (an unreachable server) raise."""
@@ -81,7 +81,7 @@ def _answer(future) -> dict[str, np.ndarray] | InferenceError:
         return err
 
 
-def infer_rows(client: TritonClient, model: str, count: int, make_inputs: MakeInputs, *,
+def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs, *,
                outputs: list[str] | None = None, batch_size: int | None = None,
                in_flight: int = DEFAULT_IN_FLIGHT, isolate: bool = False, stop_on_failure: bool = False,
                progress: Callable[[int], None] | None = None) -> RowResults:
@@ -118,7 +118,7 @@ def infer_rows(client: TritonClient, model: str, count: int, make_inputs: MakeIn
     return _join(pieces, failures, outputs)
 
 
-def _one_by_one(client: TritonClient, model: str, rows: np.ndarray, make_inputs: MakeInputs, index: int,
+def _one_by_one(client: Inferrer, model: str, rows: np.ndarray, make_inputs: MakeInputs, index: int,
                 outputs: list[str] | None, in_flight: int):
     """The rows of refused request `index`, each sent alone (with the request's index, so that
     per-request settings such as a seed stay the same): (answers, failures)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,59 @@ def read_metadata(path: Path) -> dict[str, Any] | None:
                                 "another name") from None
 
 
+def metadata_file(output: Path) -> Path:
+    """Where a finished output keeps its metadata: a directory's manifest.json, else the file itself."""
+    return output / MANIFEST if not output.suffix else output
+
+
+def errors_file(output: Path) -> Path:
+    """Where a job lists the records the server refused: errors.tsv in a directory, else beside the file."""
+    return output / "errors.tsv" if not output.suffix else output.with_name(output.name + ".errors.tsv")
+
+
+def write_manifest(directory: Path, metadata: dict[str, Any], parts: Sequence[tuple[str, int]]) -> None:
+    """A directory output's manifest.json: the metadata and its parts in order, (file, records) each;
+    written beside its name and renamed, so a manifest is there only for a finished output."""
+    manifest = {**metadata, "parts": [{"file": name, "records": records} for name, records in parts]}
+    staging = directory / (MANIFEST + ".writing")
+    staging.write_text(json.dumps(manifest, indent=1) + "\n")
+    staging.replace(directory / MANIFEST)
+
+
+def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
+    """A finished job's output (a directory of parts, an .h5 or a .parquet file) as chunks of at
+    most `rows` records, in its order, one chunk in memory at a time."""
+    if path.is_dir():
+        manifest = json.loads((path / MANIFEST).read_text())
+        for part in manifest["parts"]:
+            yield read_part(path / part["file"])
+    elif FORMATS.get(path.suffix) == "hdf5":
+        with h5py_module().File(path, "r") as handle:
+            total = handle["ids"].shape[0]
+            for start in range(0, total, rows):
+                end = min(start + rows, total)
+                chunk = Chunk(ids=[s.decode() if isinstance(s, bytes) else s for s in handle["ids"][start:end]],
+                              index=handle["index"][start:end].tolist(),
+                              digests=[d.decode() for d in handle["sequence_sha256"][start:end]])
+                if "embeddings" in handle:
+                    chunk.embeddings = handle["embeddings"][start:end]
+                if "per_residue" in handle:
+                    offsets = handle["per_residue/offsets"][start:end + 1]
+                    values = handle["per_residue/values"][offsets[0]:offsets[-1]]
+                    chunk.residues = [values[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]
+                                      for i in range(end - start)]
+                yield chunk
+    else:
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=rows):
+            embedding = batch.column("embedding")
+            yield Chunk(ids=batch.column("id").to_pylist(), index=batch.column("index").to_pylist(),
+                        digests=batch.column("sequence_sha256").to_pylist(),
+                        embeddings=embedding.flatten().to_numpy(zero_copy_only=False).reshape(
+                            -1, embedding.type.list_size))
+
+
 class Journal:
     """journal.jsonl: the fingerprint line, then one line per finished part (flushed to disk)."""
 
@@ -203,8 +256,8 @@ def _complete(line: str) -> bool:
     return True
 
 
-def merge_hdf5(parts: Sequence[Path], out: Path, attributes: dict[str, Any], dtype: np.dtype) -> None:
-    """The parts as one HDF5 file at `out` (written beside it and renamed), one part in memory at a time."""
+def write_hdf5(chunks: Iterable[Chunk], out: Path, attributes: dict[str, Any], dtype: np.dtype) -> None:
+    """`chunks` as one HDF5 file at `out` (written beside it and renamed), one chunk in memory at a time."""
     h5py = h5py_module()
     staging = out.with_name(out.name + ".writing")
     with h5py.File(staging, "w") as handle:
@@ -212,8 +265,7 @@ def merge_hdf5(parts: Sequence[Path], out: Path, attributes: dict[str, Any], dty
             handle.attrs[name] = value if isinstance(value, str | int | float) else json.dumps(value)
         datasets: dict[str, Any] = {}
         residues = 0
-        for path in parts:
-            chunk = read_part(path)
+        for chunk in chunks:
             columns: dict[str, np.ndarray] = {
                 "ids": np.asarray(chunk.ids, dtype=object), "index": np.asarray(chunk.index, dtype=np.int64),
                 "sequence_sha256": np.asarray(chunk.digests, dtype="S64")}
@@ -247,8 +299,8 @@ def _append(dataset: Any, column: np.ndarray) -> None:
         dataset[start:] = column
 
 
-def write_parquet(parts: Iterable[Path], out: Path, metadata: dict[str, Any], dtype: np.dtype) -> None:
-    """Pooled rows as Parquet at `out` (written beside it and renamed), one part in memory at a time."""
+def write_parquet(chunks: Iterable[Chunk], out: Path, metadata: dict[str, Any], dtype: np.dtype) -> None:
+    """Pooled rows as Parquet at `out` (written beside it and renamed), one chunk in memory at a time."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -257,8 +309,7 @@ def write_parquet(parts: Iterable[Path], out: Path, metadata: dict[str, Any], dt
     staging = out.with_name(out.name + ".writing")
     writer = None
     try:
-        for path in parts:
-            chunk = read_part(path)
+        for chunk in chunks:
             if chunk.embeddings is None:
                 raise InvalidInputError(f"{out}: Parquet holds pooled rows; per-residue states go to an .h5 output "
                                         "or a directory")

@@ -1,7 +1,8 @@
 """Bulk encode jobs: a whole dataset through a served encoder, streamed, resumable and sharded.
 
     job = EncodeJob(model="esm2nv_embeddings", input=Path("uniref50.fasta.gz"), output=Path("uniref50/"))
-    summary = job.run(TritonClient("grpc://a:8001"))
+    with ServerPool(["grpc://a:8001", "grpc://b:8001"], concurrency=4) as servers:
+        summary = job.run(servers)
 
 The input is read a record at a time (records.py) and cut into chunks of `chunk_size` records; a
 chunk goes to the server in requests of the model's batch size, several in flight (batches.py),
@@ -38,20 +39,24 @@ from .batches import DEFAULT_IN_FLIGHT, infer_rows
 from .job_files import (
     FORMATS,
     JOURNAL,
-    MANIFEST,
     Chunk,
     Journal,
-    merge_hdf5,
+    errors_file,
+    metadata_file,
     read_digests,
     read_metadata,
+    read_part,
     read_rows,
     sequence_digest,
+    write_hdf5,
+    write_manifest,
     write_parquet,
     write_part,
 )
 from .records import Record, iter_records
 from .repository import strings_column
-from .triton import TritonClient
+from .server_pool import ServerPool
+from .triton import Inferrer
 
 DEFAULT_CHUNK_SIZE = 1024
 PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
@@ -68,6 +73,10 @@ class JobSummary:
     """Sequences sent to the server: duplicates are sent once."""
     residues: int = 0
     errors: int = 0
+    busy_retries: int = 0
+    """Requests sent again after a server turned them away for load (ServerPool)."""
+    moved: int = 0
+    """Requests sent to another server after theirs could not be reached (ServerPool)."""
     seconds: float = 0.0
     resumed_after: int = 0
     """Records an earlier run had already done."""
@@ -84,6 +93,8 @@ class JobSummary:
                 f"{self.residues} residues) in {self.seconds:.1f} s, {rate:.1f} records/s")
         if self.resumed_after:
             text += f"; resumed after {self.resumed_after} records"
+        if self.busy_retries or self.moved:
+            text += f"; {self.busy_retries} requests retried after a busy answer, {self.moved} moved off a server"
         if self.errors:
             text += f"; {self.errors} bad records listed in {self.errors_file}"
         return text + f"; wrote {self.output}"
@@ -130,11 +141,10 @@ class EncodeJob:
 
     @property
     def errors_path(self) -> Path:
-        return (self.output / "errors.tsv" if self.is_directory
-                else self.output.with_name(self.output.name + ".errors.tsv"))
+        return errors_file(self.output)
 
     # -- the run ------------------------------------------------------------------------------------------
-    def fingerprint(self, client: TritonClient) -> dict[str, Any]:
+    def fingerprint(self, client: Inferrer) -> dict[str, Any]:
         """What makes two runs the same run: a resume must match it."""
         config = json.dumps(client.model_config(self.model), sort_keys=True)
         stat = self.input.stat()
@@ -146,7 +156,7 @@ class EncodeJob:
                 "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
                 "id_column": self.id_column}
 
-    def run(self, client: TritonClient) -> JobSummary:
+    def run(self, client: Inferrer) -> JobSummary:
         started = time.perf_counter()
         fingerprint = self.fingerprint(client)
         finished = self._finished(fingerprint)
@@ -171,6 +181,8 @@ class EncodeJob:
                 seen.setdefault(digest, (name, row))
             self.progress(len(chunk) + len(chunk.errors), residues)
         summary.seconds = time.perf_counter() - started
+        if isinstance(client, ServerPool):
+            summary.busy_retries, summary.moved = client.statistics.busy_retries, client.statistics.moved
         self._account(journal, summary)
         self._finish(journal, fingerprint, summary)
         return summary
@@ -179,7 +191,7 @@ class EncodeJob:
         """The summary of this very job when it already finished (the same command run again: a job
         array's task started twice, a run killed while it cleaned up); a finished output of another
         job is refused."""
-        metadata = read_metadata(self.output / MANIFEST if self.is_directory else self.output)
+        metadata = read_metadata(metadata_file(self.output))
         if metadata is None:
             return None
         if metadata.get("fingerprint") != fingerprint:
@@ -189,7 +201,7 @@ class EncodeJob:
             shutil.rmtree(self.work, ignore_errors=True)  # a run killed after its output was in place
         return JobSummary(**{k: v for k, v in metadata["summary"].items() if k in JobSummary.__dataclass_fields__})
 
-    def _answer(self, client: TritonClient, records: list[Record], seen: dict[str, tuple[str, int]],
+    def _answer(self, client: Inferrer, records: list[Record], seen: dict[str, tuple[str, int]],
                 summary: JobSummary) -> Chunk:
         """One chunk through the server: each new sequence once, duplicates copied from their first answer."""
         digests = [sequence_digest(record.sequence) for record in records]
@@ -285,16 +297,12 @@ class EncodeJob:
         parts = [self.work / entry["part"] for entry in journal.parts]
         dtype = PRECISIONS[self.precision]
         if self.is_directory:
-            manifest = {**metadata, "parts": [{"file": entry["part"], "records": entry["records"]}
-                                              for entry in journal.parts]}
-            staging = self.output / (MANIFEST + ".writing")
-            staging.write_text(json.dumps(manifest, indent=1) + "\n")
-            staging.replace(self.output / MANIFEST)
+            write_manifest(self.output, metadata, [(entry["part"], entry["records"]) for entry in journal.parts])
             return
         if FORMATS[self.output.suffix] == "hdf5":
-            merge_hdf5(parts, self.output, metadata, dtype)
+            write_hdf5(map(read_part, parts), self.output, metadata, dtype)
         else:
-            write_parquet(parts, self.output, metadata, dtype)
+            write_parquet(map(read_part, parts), self.output, metadata, dtype)
         shutil.rmtree(self.work)
 
 

@@ -39,6 +39,17 @@ class Pending(Protocol):
         ...
 
 
+class Inferrer(Protocol):
+    """What runs rows through a model (batches.infer_rows, jobs): one TritonClient, or a
+    ServerPool of several servers."""
+
+    def submit(self, model: str, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> Pending: ...
+
+    def max_batch_size(self, model: str) -> int: ...
+
+    def model_config(self, model: str) -> dict: ...
+
+
 Client = TypeVar("Client", bound="TritonClient")
 
 
@@ -51,6 +62,17 @@ class ServerBusyError(InferenceError):
     or the request waited past the queue timeout): gRPC UNAVAILABLE, HTTP 503. Retry later, or with
     fewer requests in flight."""
 
+
+class ModelNotServedError(InferenceError):
+    """The server answers but does not serve the model now: it is unloading it (tritonserver shutting
+    down), reloading it (serve's supervisor healing a stub) or never loaded it. Not the request's
+    fault: another server, or the same one a little later, answers it."""
+
+
+NOT_SERVED = ("Request for unknown model",)
+"""How Triton words a request for a model it has no loaded version of (gRPC NOT_FOUND, HTTP 400):
+measured on tritonserver 2.51 while it shut down under load, every request between the unloading
+of the model and the closing of the port got it."""
 
 TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired")
 """How Triton words a rejection by a model's queue policy (its error code is UNAVAILABLE / 503)."""
@@ -183,6 +205,9 @@ class TritonClient:
                     return _chained(ServerBusyError(
                         f"{model}: the server is busy and turned the request away ({err.message()}); "
                         "retry later or send fewer requests at once"), err)
+                if any(marker in str(err.message()) for marker in NOT_SERVED):
+                    return _chained(ModelNotServedError(
+                        f"{model}: the server at {self.url} does not serve it now ({err.message()})"), err)
                 if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
                     return _chained(ServerUnreachableError(
                         f"cannot reach a Triton server at {self.url}: {err.message()}"), err)

@@ -154,3 +154,58 @@ def test_a_client_killed_at_random_points_resumes_to_the_uninterrupted_result(se
         assert b["index"][()].tolist() == a["index"][()].tolist()
         np.testing.assert_array_equal(b["embeddings"][()], a["embeddings"][()])
     assert (tmp_path / "resumed.h5.errors.tsv").read_text() == (tmp_path / "whole.h5.errors.tsv").read_text()
+
+
+def test_two_servers_share_a_job_and_one_killed_mid_job_loses_nothing(server, esm2_repository, triton_install,
+                                                                       tmp_path):
+    """The job's two servers (this test starts the second): the first is stopped once a third of
+    the parts are written; its requests move to the second and the result equals one server's."""
+    _dataset(tmp_path / "in.fasta.gz", 300, seed=5)
+    reference = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "one.h5",
+                          chunk_size=10)
+    with TritonClient(_url(server)) as client:
+        reference.run(client)
+    with TritonServer(esm2_repository, install=triton_install, log_file=tmp_path / "first.log") as first:
+        parts = tmp_path / "two.h5.parts"
+        command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
+                   "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "10", "--batch-size", "2", "--output",
+                   str(tmp_path / "two.h5"), "--triton-url", _url(first), "--triton-url", _url(server)]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while _lines(parts / JOURNAL) < 11 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first.stop()
+        output, _ = process.communicate(timeout=300)
+    assert process.returncode == 3, output  # partial: the bad record
+    assert "moved off a server" in output
+    with _h5(tmp_path / "one.h5") as a, _h5(tmp_path / "two.h5") as b:
+        assert b["ids"][()].tolist() == a["ids"][()].tolist()
+        np.testing.assert_allclose(b["embeddings"][()], a["embeddings"][()], atol=1e-6)
+        assert json.loads(b.attrs["summary"])["moved"] >= 1
+
+
+def test_three_shards_merged_equal_the_unsharded_job(server, tmp_path):
+    """A Slurm array or an Indexed Job's way: `--shard I/3` three times, then `client merge` (in
+    another order than 0, 1, 2): the same ids, order, values and errors as the job run whole, and
+    the whole job's command then finds the merged output finished."""
+    _dataset(tmp_path / "in.fasta.gz", 90, seed=3)
+    whole = ["client", "encode", "-m", "esm2nv_hiddens", "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "8",
+             "--triton-url", _url(server)]
+    assert runner.invoke(app, [*whole, "--output", str(tmp_path / "whole.h5")]).exit_code == 3
+    for index in (2, 0, 1):
+        result = runner.invoke(app, [*whole, "--output", str(tmp_path / f"shard-{index}"), "--shard", f"{index}/3"])
+        assert result.exit_code in (0, 3), result.output
+    shards = [str(tmp_path / f"shard-{index}") for index in (1, 2, 0)]
+    merged = runner.invoke(app, ["client", "merge", *shards, "--output", str(tmp_path / "merged.h5")])
+    assert merged.exit_code == 3, merged.output  # the bad record: partial, as the whole job
+    assert "merged 3 shards: 89 of 90 records answered" in merged.output
+    with _h5(tmp_path / "whole.h5") as a, _h5(tmp_path / "merged.h5") as b:
+        for name in ("ids", "index", "sequence_sha256", "per_residue/offsets", "per_residue/values"):
+            np.testing.assert_array_equal(b[name][()], a[name][()], err_msg=name)
+        assert json.loads(b.attrs["fingerprint"]) == json.loads(a.attrs["fingerprint"])
+    assert (tmp_path / "merged.h5.errors.tsv").read_text() == (tmp_path / "whole.h5.errors.tsv").read_text()
+    again = runner.invoke(app, [*whole, "--output", str(tmp_path / "merged.h5")])
+    assert again.exit_code == 3 and "89 of 90 records answered" in again.output  # finished: nothing sent
+
+    missing = runner.invoke(app, ["client", "merge", *shards[:2], "--output", str(tmp_path / "two.h5")])
+    assert missing.exit_code == 1 and "shards 0/3 are missing" in missing.output, missing.output

@@ -16,6 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from bionemo_export import procfs
+from bionemo_export.client.triton import ModelNotServedError, TritonClient
 from bionemo_export.runtime import TritonServer, TritonStartError, find_perf_analyzer, probe_server
 from tests.helpers.tiny_repository import broken_repository, tiny_repository
 
@@ -62,6 +63,23 @@ def test_server_reports_models_ready_and_binds_loopback(tiny_server):
     assert tiny_server.metadata()["version"].startswith("2.")
     assert tiny_server.endpoints.host == "127.0.0.1"
     assert "--http-address=127.0.0.1" in tiny_server.command()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_model_the_server_has_unloaded_is_not_the_requests_fault(tiny_server, protocol):
+    """What a job's requests meet while a server shuts down (it unloads its models before closing
+    its port) or serve reloads a model: ModelNotServedError, which a ServerPool sends elsewhere,
+    never the record's own InferenceError."""
+    endpoint = tiny_server.endpoints.http_url if protocol == "http" else tiny_server.endpoints.grpc_url
+    with TritonClient(f"{protocol}://{endpoint}") as client:
+        client.unload_model("affine")
+        try:
+            with pytest.raises(ModelNotServedError, match="affine: the server at .* does not serve it now"):
+                client.infer("affine", {"x": np.ones((1, 3), np.float32)})
+        finally:
+            client.load_model("affine")
+        np.testing.assert_array_equal(client.infer("affine", {"x": np.ones((1, 3), np.float32)})["y"],
+                                      np.full((1, 3), 3.0, np.float32))
 
 
 def test_stop_leaves_no_process_behind(tmp_path, triton_install):

@@ -13,11 +13,11 @@ from bionemo_export.client.job_files import (
     Chunk,
     Journal,
     h5py_module,
-    merge_hdf5,
     read_digests,
     read_part,
     read_rows,
     sequence_digest,
+    write_hdf5,
     write_parquet,
     write_part,
 )
@@ -57,7 +57,8 @@ def test_parts_merge_into_one_file_without_padding(tmp_path):
         if chunk.ids:
             write_part(tmp_path / f"part-{number}.h5", chunk, np.dtype(np.float32))
     parts = sorted(tmp_path.glob("part-*.h5"))
-    merge_hdf5(parts, tmp_path / "all.h5", {"model": "m", "summary": {"records": 5}}, np.dtype(np.float16))
+    write_hdf5(map(read_part, parts), tmp_path / "all.h5", {"model": "m", "summary": {"records": 5}},
+               np.dtype(np.float16))
     merged: Any
     with h5py_module().File(tmp_path / "all.h5") as merged:
         handle: dict = {name: merged[name][()] for name in ("ids", "embeddings", "per_residue/values",
@@ -68,7 +69,7 @@ def test_parts_merge_into_one_file_without_padding(tmp_path):
     every = [r for chunk in chunks for r in chunk.residues or []]
     np.testing.assert_allclose(handle["per_residue/values"], np.concatenate(every), atol=1e-2)
 
-    write_parquet(parts, tmp_path / "all.parquet", {"model": "m"}, np.dtype(np.float32))
+    write_parquet(map(read_part, parts), tmp_path / "all.parquet", {"model": "m"}, np.dtype(np.float32))
     table = pq.read_table(tmp_path / "all.parquet")
     assert table.column("id").to_pylist() == ["r0", "r1", "r2", "r3", "r4"]
     np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), dtype=np.float32),
