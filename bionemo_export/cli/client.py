@@ -8,6 +8,7 @@ the server), several in flight, and the answers are written in input order.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,15 @@ from pathlib import Path
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from . import debugging, reason
 
@@ -237,16 +246,20 @@ def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, sh
 
     console = Console()
     with _reported(ctx, console):
-        columns = (TextColumn("{task.description}"), TextColumn("{task.completed} records"),
-                   TextColumn("{task.fields[residues]} residues"), TimeElapsedColumn())
+        # The bar follows the input's bytes (known up front, unlike its records): its share done
+        # and the time left; the rates are this run's (a resumed run skips what is done at once).
+        columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                   TextColumn("{task.fields[records]} records, {task.fields[rates]}"), TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True)) as bar:
-            task = bar.add_task("encoding", total=None, residues=0)
-            residues = 0
+            task = bar.add_task("encoding", total=1.0, records=0, rates="")
+            started, records, residues = time.monotonic(), 0, 0
 
-            def advance(records: int, more_residues: int) -> None:
-                nonlocal residues
-                residues += more_residues
-                bar.update(task, advance=records, residues=residues)
+            def advance(more_records: int, more_residues: int, fraction: float) -> None:
+                nonlocal records, residues
+                records, residues = records + more_records, residues + more_residues
+                seconds = max(time.monotonic() - started, 1e-9)
+                bar.update(task, completed=fraction, records=records,
+                           rates=f"{records / seconds:.1f} records/s, {residues / seconds:.0f} residues/s")
 
             job = EncodeJob(model=model, input=input, output=output, in_name=in_name, shard=parse_shard(shard),
                             chunk_size=chunk_size, batch_size=batch_size, in_flight=in_flight, precision=precision,

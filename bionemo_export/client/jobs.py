@@ -53,7 +53,7 @@ from .job_files import (
     write_parquet,
     write_part,
 )
-from .records import Record, iter_records
+from .records import ReadPosition, Record, iter_records
 from .repository import strings_column
 from .server_pool import ServerPool
 from .triton import Inferrer
@@ -116,8 +116,9 @@ class EncodeJob:
     precision: str = "fp32"
     sequence_column: str | None = None
     id_column: str | None = None
-    progress: Callable[[int, int], None] = field(default=lambda records, residues: None)
-    """Told (records, residues) each time a chunk is done."""
+    progress: Callable[[int, int, float], None] = field(default=lambda records, residues, fraction: None)
+    """Told (records, residues, fraction of the input read) each time a chunk is done: the CLI's
+    rates and ETA."""
 
     def __post_init__(self) -> None:
         self.input, self.output = Path(self.input), Path(self.output)
@@ -168,8 +169,9 @@ class EncodeJob:
         self._remove_unrecorded_parts(journal)
         summary = JobSummary(resumed_after=journal.records_done)
         seen = self._seen(journal)
+        position = ReadPosition()
         records = iter_records(self.input, shard=self.shard, sequence_column=self.sequence_column,
-                               id_column=self.id_column)
+                               id_column=self.id_column, position=position)
         for chunk_records in _chunks(itertools.islice(records, journal.records_done, None), self.chunk_size):
             number = len(journal.parts)
             chunk = self._answer(client, chunk_records, seen, summary)
@@ -179,7 +181,7 @@ class EncodeJob:
             journal.finished(name, len(chunk), residues, chunk.errors)
             for row, digest in enumerate(chunk.digests):
                 seen.setdefault(digest, (name, row))
-            self.progress(len(chunk) + len(chunk.errors), residues)
+            self.progress(len(chunk) + len(chunk.errors), residues, position.fraction())
         summary.seconds = time.perf_counter() - started
         if isinstance(client, ServerPool):
             summary.busy_retries, summary.moved = client.statistics.busy_retries, client.statistics.moved

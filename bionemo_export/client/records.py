@@ -18,10 +18,11 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 from bionemo_export.errors import InvalidInputError
 
@@ -41,13 +42,32 @@ class Record:
     """Position in the file, 0-based, counting every record (shards keep the file's positions)."""
 
 
+class ReadPosition:
+    """How far into its file a reading of `iter_records` is, as a fraction of the file's bytes
+    (compressed bytes for a .gz: what the reading has taken from the disk), for a job's ETA."""
+
+    def __init__(self) -> None:
+        self._handle: IO[bytes] | None = None
+        self._size = 0
+
+    def follow(self, handle: IO[bytes], size: int) -> None:
+        self._handle, self._size = handle, size
+
+    def fraction(self) -> float:
+        """0.0 before the reading starts, 1.0 at the end (read-ahead makes it run a little early)."""
+        if self._handle is None or self._handle.closed or self._size <= 0:
+            return 0.0 if self._handle is None else 1.0
+        return min(1.0, self._handle.tell() / self._size)
+
+
 def iter_records(path: Path, *, shard: tuple[int, int] = (0, 1), sequence_column: str | None = None,
-                 id_column: str | None = None) -> Iterator[Record]:
-    """The records of `path` one at a time (see the module's docstring for the forms). Raises
-    InvalidInputError naming the file and line for text that is not UTF-8, a CSV header without a
-    sequence column, or a shard that is not 0 <= i < n."""
+                 id_column: str | None = None, position: ReadPosition | None = None) -> Iterator[Record]:
+    """The records of `path` one at a time (see the module's docstring for the forms); `position`,
+    when given, follows how far into the file the reading is. Raises InvalidInputError naming the
+    file and line for text that is not UTF-8, a CSV header without a sequence column, or a shard
+    that is not 0 <= i < n."""
     index, count = parse_shard(f"{shard[0]}/{shard[1]}")
-    for record in _all_records(Path(path), sequence_column, id_column):
+    for record in _all_records(Path(path), sequence_column, id_column, position):
         if record.index % count == index:
             yield record
 
@@ -68,16 +88,18 @@ def read_records(path: Path) -> list[Record]:
     return list(iter_records(path))
 
 
-def _open_text(path: Path) -> IO[str]:
-    raw = gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")  # noqa: SIM115 (returned)
-    return io.TextIOWrapper(raw, encoding="utf-8", newline="")
+def _text(raw: IO[bytes], path: Path) -> IO[str]:
+    stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+    return io.TextIOWrapper(cast(IO[bytes], stream), encoding="utf-8", newline="")
 
 
-def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
+def _numbered_lines(path: Path, position: ReadPosition | None = None) -> Iterator[tuple[int, str]]:
     """(line number, line without its end), naming the file and line when it is not UTF-8 text."""
     number = 0
     try:
-        with _open_text(path) as handle:
+        with open(path, "rb") as raw, _text(raw, path) as handle:
+            if position is not None:
+                position.follow(raw, os.fstat(raw.fileno()).st_size)
             for number, line in enumerate(handle, 1):  # noqa: B007 (read after the loop on errors)
                 yield number, line.rstrip("\r\n")
     except UnicodeDecodeError as err:
@@ -91,8 +113,9 @@ def _is_data(line: str) -> bool:
     return bool(stripped) and not stripped.startswith("#")
 
 
-def _all_records(path: Path, sequence_column: str | None, id_column: str | None) -> Iterator[Record]:
-    lines = _numbered_lines(path)
+def _all_records(path: Path, sequence_column: str | None, id_column: str | None,
+                 position: ReadPosition | None = None) -> Iterator[Record]:
+    lines = _numbered_lines(path, position)
     for number, line in lines:
         if not _is_data(line):
             continue

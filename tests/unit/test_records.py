@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from bionemo_export.client.records import Record, iter_records, parse_shard, read_records
+from bionemo_export.client.records import ReadPosition, Record, iter_records, parse_shard, read_records
 from bionemo_export.errors import InvalidInputError
 
 FASTA = """# a comment before the first record
@@ -111,3 +111,24 @@ def test_a_large_file_is_read_in_bounded_memory(tmp_path):
         tracemalloc.stop()
     assert count == 200_000
     assert peak < 2_000_000, f"reading held {peak / 1e6:.1f} MB at its peak"
+
+
+@pytest.mark.parametrize("name", ["in.fasta", "in.fasta.gz"])
+def test_the_read_position_follows_the_file_to_its_end(tmp_path, name):
+    """What a job's ETA is made of: the share of the file's bytes read (compressed bytes for .gz),
+    rising with the records and 1.0 once the file is read."""
+    text = "".join(f">p{i}\n{'MKTAYIAKQR' * 30}\n" for i in range(20_000))
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        with gzip.open(path, "wt", compresslevel=1) as handle:
+            handle.write(text)
+    else:
+        path.write_text(text)
+    position = ReadPosition()
+    assert position.fraction() == 0.0
+    seen = []
+    for record in iter_records(path, position=position):
+        if record.index % 2_000 == 0:
+            seen.append(position.fraction())
+    assert seen == sorted(seen) and 0.0 < seen[1] < 0.3 and 0.7 < seen[-1] <= 1.0, seen
+    assert position.fraction() == 1.0
