@@ -49,13 +49,15 @@ def encode(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", "-m", help="Public model, e.g. esm2nv_embeddings or esm2nv_hiddens."),
     sequences: list[str] | None = typer.Option(None, "--sequences", "-s", help="A sequence; repeat for a batch."),
-    input: Path | None = typer.Option(None, "--input", "-i", help=INPUT_HELP, exists=True, dir_okay=False),
+    input: str | None = typer.Option(None, "--input", "-i", help=INPUT_HELP + " Bulk jobs also read "
+                                     "s3://bucket/path/file (downloaded once)."),
     shard: str = typer.Option("0/1", help=SHARD_HELP),
     triton_url: list[str] = typer.Option(["http://localhost:8000"], help=URL_HELP + " Bulk jobs: repeat it for "
                                          "several servers of the same repository (work goes to the least loaded; "
                                          "a busy or dead server's requests are sent again elsewhere)."),
     in_name: str = typer.Option("sequences", help="Name of the model's string input."),
-    output: Path | None = typer.Option(None, help=OUTPUT_HELP),
+    output: str | None = typer.Option(None, help=OUTPUT_HELP + " A folder, .h5 or .parquet runs a bulk job; "
+                                      "s3://bucket/path/ a bulk job whose folder is kept in object storage."),
     batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
     stop_on_error: bool = typer.Option(False, help=STOP_HELP),
@@ -77,11 +79,12 @@ def encode(
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
                     precision=precision, sequence_column=sequence_column, id_column=id_column)
         return
-    if len(triton_url) > 1:
-        Console().print("[red]several --triton-url are for bulk jobs: give --input and --output DIR/, .h5 or "
-                        ".parquet[/red]", highlight=False)
+    if len(triton_url) > 1 or (input is not None and input.startswith("s3://")):
+        Console().print("[red]several --triton-url and s3:// inputs are for bulk jobs: give --input and --output "
+                        "DIR/, .h5, .parquet or s3://bucket/path/[/red]", highlight=False)
         raise typer.Exit(2)
-    _query(ctx, model=model, sequences=sequences, input=input, shard=shard, triton_url=triton_url[0], output=output,
+    _query(ctx, model=model, sequences=sequences, input=_existing(input), shard=shard, triton_url=triton_url[0],
+           output=Path(output) if output is not None else None,
            batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
            make_inputs=lambda column: lambda rows, _: {in_name: column[rows]})
 
@@ -211,38 +214,60 @@ def score(
 @app.command("merge")
 def merge(
     ctx: typer.Context,
-    shards: list[Path] = typer.Argument(..., help="The finished outputs of every shard of one job (--shard I/N): "
-                                        "directories, .h5 or .parquet files.", exists=True),
+    shards: list[str] = typer.Argument(..., help="The finished outputs of every shard of one job (--shard I/N): "
+                                       "directories, .h5 or .parquet files, or s3://bucket/path/ folders."),
     output: Path = typer.Option(..., "--output", "-o", help="The merged output: a directory (parts and "
                                 "manifest.json), FILE.h5 or FILE.parquet."),
 ) -> None:
     """Put the shards of one bulk job back together, in the input's order: the result is what the
     job run unsharded writes. Refuses shards of different jobs, a missing or repeated shard, and a
     shard that has not finished (rerun its command: it resumes)."""
+    import tempfile
+
+    from bionemo_export.client.job_storage import fetch_output, is_s3
     from bionemo_export.client.merge import merge_shards
 
     console = Console()
-    with _reported(ctx, console):
-        summary = merge_shards(shards, output)
+    with _reported(ctx, console), tempfile.TemporaryDirectory(prefix="bionemo-export-merge-") as downloads:
+        # Shards in object storage are copied here first (an Indexed Job's pods wrote them there).
+        local = [fetch_output(shard, Path(downloads) / str(number)) if is_s3(shard) else Path(shard)
+                 for number, shard in enumerate(shards)]
+        for shard, path in zip(shards, local, strict=True):
+            if not path.exists():
+                raise FileNotFoundError(f"{shard}: no such shard output")
+        summary = merge_shards(local, output)
     console.print(f"merged {len(shards)} shards: " + summary.line(), highlight=False)
     if summary.partial:
         raise typer.Exit(3)
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _is_job_output(output: Path) -> bool:
+def _is_job_output(output: str) -> bool:
     from bionemo_export.client.job_files import FORMATS
 
-    return output.suffix in FORMATS or not output.suffix
+    return output.startswith("s3://") or Path(output).suffix in FORMATS or not Path(output).suffix
 
 
-def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, shard: str, triton_urls: list[str],
+def _existing(input: str | None) -> Path | None:
+    """--input as a file that exists, else the usage error typer gives for a missing path."""
+    if input is None:
+        return None
+    if not Path(input).is_file():
+        Console().print(f"[red]Invalid value for '--input' / '-i': File '{input}' does not exist.[/red]",
+                        highlight=False)
+        raise typer.Exit(2)
+    return Path(input)
+
+
+def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shard: str, triton_urls: list[str],
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
                 sequence_column: str | None, id_column: str | None) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
+    from bionemo_export.client.job_storage import OutputMirror, fetch_input, is_s3, local_folder
     from bionemo_export.client.jobs import EncodeJob
     from bionemo_export.client.records import parse_shard
     from bionemo_export.client.server_pool import ServerPool
+    from bionemo_export.errors import InvalidInputError
 
     console = Console()
     with _reported(ctx, console):
@@ -261,9 +286,21 @@ def _encode_job(ctx: typer.Context, *, model: str, input: Path, output: Path, sh
                 bar.update(task, completed=fraction, records=records,
                            rates=f"{records / seconds:.1f} records/s, {residues / seconds:.0f} residues/s")
 
-            job = EncodeJob(model=model, input=input, output=output, in_name=in_name, shard=parse_shard(shard),
-                            chunk_size=chunk_size, batch_size=batch_size, in_flight=in_flight, precision=precision,
-                            sequence_column=sequence_column, id_column=id_column, progress=advance)
+            local_output, mirror = Path(output), None
+            if is_s3(output):
+                if Path(output).suffix:
+                    raise InvalidInputError(f"--output {output}: an s3:// output is a folder "
+                                            "(s3://bucket/path/); merge shards into a file with client merge")
+                local_output = local_folder(output)
+                mirror = OutputMirror(output, local_output)
+                console.print(f"job folder: {local_output} (mirrored to {output})", highlight=False)
+            local_input = fetch_input(input, local_folder(output) / "input") if is_s3(input) else _existing(input)
+            assert local_input is not None  # given: a bulk job has an input
+            job = EncodeJob(model=model, input=local_input, output=local_output, in_name=in_name,
+                            shard=parse_shard(shard), chunk_size=chunk_size, batch_size=batch_size,
+                            in_flight=in_flight, precision=precision, sequence_column=sequence_column,
+                            id_column=id_column, progress=advance, source=input if is_s3(input) else None,
+                            mirror=mirror)
             with ServerPool(triton_urls, concurrency=in_flight) as servers:
                 summary = job.run(servers)
     console.print(summary.line(), highlight=False)

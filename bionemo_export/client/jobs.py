@@ -53,6 +53,7 @@ from .job_files import (
     write_parquet,
     write_part,
 )
+from .job_storage import OutputMirror
 from .records import ReadPosition, Record, iter_records
 from .repository import strings_column
 from .server_pool import ServerPool
@@ -116,6 +117,10 @@ class EncodeJob:
     precision: str = "fp32"
     sequence_column: str | None = None
     id_column: str | None = None
+    source: str | None = None
+    """What the fingerprint names as the input where `input` is a local copy (an s3:// location)."""
+    mirror: OutputMirror | None = None
+    """Where a directory output is mirrored to (job_storage.py): told of each part and of the end."""
     progress: Callable[[int, int, float], None] = field(default=lambda records, residues, fraction: None)
     """Told (records, residues, fraction of the input read) each time a chunk is done: the CLI's
     rates and ETA."""
@@ -152,7 +157,8 @@ class EncodeJob:
         with self.input.open("rb") as handle:
             head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
         return {"model": self.model, "model_config_sha256": hashlib.sha256(config.encode()).hexdigest(),
-                "input": str(self.input.resolve()), "input_bytes": stat.st_size, "input_head_sha256": head,
+                "input": self.source or str(self.input.resolve()), "input_bytes": stat.st_size,
+                "input_head_sha256": head,
                 "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
                 "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
                 "id_column": self.id_column}
@@ -160,6 +166,8 @@ class EncodeJob:
     def run(self, client: Inferrer) -> JobSummary:
         started = time.perf_counter()
         fingerprint = self.fingerprint(client)
+        if self.mirror is not None:
+            self.mirror.pull()
         finished = self._finished(fingerprint)
         if finished is not None:
             return finished
@@ -179,6 +187,8 @@ class EncodeJob:
             write_part(self.work / name, chunk, PRECISIONS[self.precision])
             residues = sum(len(r) for r in chunk.residues) if chunk.residues is not None else 0
             journal.finished(name, len(chunk), residues, chunk.errors)
+            if self.mirror is not None:
+                self.mirror.part_finished(self.work / name)
             for row, digest in enumerate(chunk.digests):
                 seen.setdefault(digest, (name, row))
             self.progress(len(chunk) + len(chunk.errors), residues, position.fraction())
@@ -284,7 +294,7 @@ class EncodeJob:
         summary.records = journal.records_done
         summary.answered = sum(entry["records"] for entry in journal.parts)
         summary.errors = len(errors)
-        summary.output = str(self.output)
+        summary.output = self.mirror.store.uri + "/" if self.mirror is not None else str(self.output)
         if errors:
             summary.errors_file = str(self.errors_path)
             lines = ["id\tline\treason", *(f"{i}\t{line}\t{' '.join(reason.split())}" for i, line, reason in errors)]
@@ -300,6 +310,8 @@ class EncodeJob:
         dtype = PRECISIONS[self.precision]
         if self.is_directory:
             write_manifest(self.output, metadata, [(entry["part"], entry["records"]) for entry in journal.parts])
+            if self.mirror is not None:
+                self.mirror.finished()
             return
         if FORMATS[self.output.suffix] == "hdf5":
             write_hdf5(map(read_part, parts), self.output, metadata, dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -209,3 +210,49 @@ def test_three_shards_merged_equal_the_unsharded_job(server, tmp_path):
 
     missing = runner.invoke(app, ["client", "merge", *shards[:2], "--output", str(tmp_path / "two.h5")])
     assert missing.exit_code == 1 and "shards 0/3 are missing" in missing.output, missing.output
+
+
+def test_a_job_in_object_storage_resumes_on_a_fresh_machine(server, tmp_path):
+    """An Indexed Job's pod: input and output in S3 (a local S3-compatible server). The first run is
+    killed mid-job; the second runs with an empty local disk (a rescheduled pod), takes up the
+    stored journal and parts, and the stored result equals the job run on local files."""
+    import boto3
+
+    from tests.helpers.object_store import local_s3
+
+    _dataset(tmp_path / "in.fasta.gz", 120, seed=8)
+    with TritonClient(_url(server)) as client:
+        EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "local.h5",
+                  chunk_size=8, batch_size=4, in_flight=1).run(client)  # the same batches as the CLI's
+    with local_s3("jobs") as endpoint:
+        store = boto3.client("s3", endpoint_url=endpoint)
+        store.upload_file(str(tmp_path / "in.fasta.gz"), "jobs", "data/in.fasta.gz")
+        located = f"s3://{endpoint.removeprefix('http://')}/jobs"
+        command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
+                   "-i", f"{located}/data/in.fasta.gz", "--output", f"{located}/out/", "--chunk-size", "8",
+                   "--batch-size", "4", "--in-flight", "1", "--triton-url", _url(server)]
+
+        def stored_parts() -> int:
+            listed = store.list_objects_v2(Bucket="jobs", Prefix="out/part-").get("Contents", [])
+            return len(listed)
+
+        first = subprocess.Popen(command, env={**os.environ, "BIONEMO_EXPORT_JOBS_DIR": str(tmp_path / "pod1")},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while stored_parts() < 4 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before it could be killed"
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = subprocess.run(command, env={**os.environ, "BIONEMO_EXPORT_JOBS_DIR": str(tmp_path / "pod2")},
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 3, second.stdout + second.stderr  # partial: the bad record
+        assert f"wrote {located}/out/" in second.stdout and "resumed after" in second.stdout
+        merged = runner.invoke(app, ["client", "merge", f"{located}/out/", "--output", str(tmp_path / "merged.h5")])
+        assert merged.exit_code == 3, merged.output
+    with _h5(tmp_path / "local.h5") as a, _h5(tmp_path / "merged.h5") as b:
+        assert b["ids"][()].tolist() == a["ids"][()].tolist()
+        np.testing.assert_array_equal(b["embeddings"][()], a["embeddings"][()])
+        fingerprint = json.loads(b.attrs["fingerprint"])
+    assert fingerprint["input"] == f"{located}/data/in.fasta.gz"
+    assert (tmp_path / "merged.h5.errors.tsv").read_text() == (tmp_path / "local.h5.errors.tsv").read_text()
