@@ -67,6 +67,9 @@ def encode(
     sequence_column: str | None = typer.Option(None, help="CSV/TSV input: the sequence column (default: sequence, "
                                                "seq, smiles, protein)."),
     id_column: str | None = typer.Option(None, help="CSV/TSV input: the id column (default: id, name, accession)."),
+    allow_partial: bool = typer.Option(False, help="Bulk jobs: exit 0 when some records were refused (they are "
+                                       "listed in the errors file) instead of 3: for schedulers that retry any "
+                                       "other status (a Kubernetes Job)."),
 ) -> None:
     """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask.
 
@@ -77,7 +80,8 @@ def encode(
     if input is not None and output is not None and _is_job_output(output):
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
-                    precision=precision, sequence_column=sequence_column, id_column=id_column)
+                    precision=precision, sequence_column=sequence_column, id_column=id_column,
+                    allow_partial=allow_partial)
         return
     if len(triton_url) > 1 or (input is not None and input.startswith("s3://")):
         Console().print("[red]several --triton-url and s3:// inputs are for bulk jobs: give --input and --output "
@@ -261,7 +265,7 @@ def _existing(input: str | None) -> Path | None:
 
 def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shard: str, triton_urls: list[str],
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
-                sequence_column: str | None, id_column: str | None) -> None:
+                sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
     from bionemo_export.client.job_storage import OutputMirror, fetch_input, is_s3, local_folder
     from bionemo_export.client.jobs import EncodeJob
@@ -304,7 +308,7 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
             with ServerPool(triton_urls, concurrency=in_flight) as servers:
                 summary = job.run(servers)
     console.print(summary.line(), highlight=False)
-    if summary.partial:
+    if summary.partial and not allow_partial:
         raise typer.Exit(3)
 
 

@@ -33,6 +33,17 @@ def k8s(
     memory: str = typer.Option("8Gi", help="Memory request and limit per replica (/dev/shm counts against it)."),
     shm_size: str = typer.Option("1Gi", help="Size of the in-memory /dev/shm the Python backend exchanges tensors "
                                  "through (a container's default 64 MB is too small)."),
+    embed_input: str | None = typer.Option(None, help="Also write an embedding Job (embedding-job.yaml): the "
+                                           "dataset in object storage, s3://bucket/path/uniref50.fasta.gz."),
+    embed_output: str | None = typer.Option(None, help="Embedding Job: the s3:// folder for its shards "
+                                            "(shard I in <folder>/shard-I/)."),
+    embed_model: str | None = typer.Option(None, help="Embedding Job: the public model its pods call "
+                                           "(default: the repository's N_embeddings model)."),
+    embed_shards: int = typer.Option(8, help="Embedding Job: its pods (completions), one shard of the input each."),
+    embed_parallelism: int | None = typer.Option(None, help="Embedding Job: pods at once (default: 2 per "
+                                                 "server replica, at most --embed-shards)."),
+    client_image: str | None = typer.Option(None, help="Embedding Job: an image with bionemo-export[jobs] "
+                                            "installed (the client only; no torch)."),
 ) -> None:
     """Kubernetes manifests for a repository: a KServe InferenceService (Triton runtime) and a plain
     Deployment + Service + HorizontalPodAutoscaler; readiness and liveness on Triton's health
@@ -47,10 +58,23 @@ def k8s(
     from bionemo_export.model_repository.backends import deployment_note
 
     facts = read_repository(repository)
+    embedding = None
+    if embed_input is not None or embed_output is not None:
+        from bionemo_export.deploy.embedding_job import EmbeddingJobSettings
+
+        missing = [option for option, value in (("--embed-input", embed_input), ("--embed-output", embed_output),
+                                                ("--client-image", client_image)) if value is None]
+        if missing:
+            raise typer.BadParameter(f"an embedding Job also needs {', '.join(missing)}")
+        model = embed_model or next((m for m in facts.public_models if m.endswith("_embeddings")), "")
+        assert embed_input is not None and embed_output is not None and client_image is not None  # checked above
+        embedding = EmbeddingJobSettings(input=embed_input, output=embed_output, model=model,
+                                         client_image=client_image, shards=embed_shards,
+                                         parallelism=embed_parallelism)
     settings = DeploySettings(
         name=name or default_name(facts), image=image, replicas=replicas, max_replicas=max_replicas, gpus=gpus,
         storage=parse_storage_uri(storage) if storage else None, cpu=cpu, memory=memory, shm_size=shm_size)
-    for path in write_manifests(facts, settings, out, target):
+    for path in write_manifests(facts, settings, out, target, embedding):
         typer.echo(f"wrote {path}")
     typer.echo(f"models loaded: {', '.join(facts.models)} (public: {', '.join(facts.public_models) or 'none'})")
     note = deployment_note(facts.backend)

@@ -33,7 +33,7 @@ import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -43,6 +43,9 @@ from bionemo_export.model_repository.backends import deployment_note
 from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest, ManifestError
 from bionemo_export.model_repository.reader import RepositoryModels, RepositoryReadError
 from bionemo_export.runtime.server import check_model_repository
+
+if TYPE_CHECKING:
+    from .embedding_job import EmbeddingJobSettings
 
 # Triton's own ports (the plain Deployment) and those of KServe's Triton runtime, whose
 # container args KServe appends ours to (the runtime's `--model-store`/ports come first).
@@ -62,6 +65,8 @@ _QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
 KSERVE_FILE = "kserve-inferenceservice.yaml"
 DEPLOYMENT_FILE = "triton-deployment.yaml"
 VOLUME_FILE = "repository-volume.yaml"
+JOB_FILE = "embedding-job.yaml"
+"""The optional embedding Job (deploy/embedding_job.py)."""
 
 
 class DeployError(UserError, ValueError):
@@ -493,9 +498,14 @@ def plain_documents(repository: RepositoryFacts, settings: DeploySettings) -> li
 
 
 def write_manifests(repository: RepositoryFacts, settings: DeploySettings, out: Path,
-                    target: str = DeployTarget.ALL) -> list[Path]:
-    """Write the manifests of `target` (all, kserve, plain) into `out`; the files written."""
+                    target: str = DeployTarget.ALL, embedding: EmbeddingJobSettings | None = None) -> list[Path]:
+    """Write the manifests of `target` (all, kserve, plain) into `out`, and the Indexed Job that
+    runs `embedding` against those servers when given; the files written."""
+    from .embedding_job import check_embedding_job, embedding_job, job_header  # it builds on this module
+
     check_settings(settings, target)
+    if embedding is not None:
+        check_embedding_job(embedding, repository)
     if repository.device == "gpu" and settings.gpus < 1:
         raise DeployError(f"`gpus` {settings.gpus}: {repository.path} places its graph models on GPUs (built with "
                           f"`backend` {repository.backend} `device` gpu); pass `gpus` 1 or more, or rebuild it "
@@ -515,8 +525,10 @@ def write_manifests(repository: RepositoryFacts, settings: DeploySettings, out: 
                 f"{loader}`); copy the\nrepository onto the claim with `tar -C {repository.path} -cf - . | "
                 f"kubectl exec -i {loader} -- tar -C {MOUNT_PATH} -xf -`;\nthen `kubectl delete pod {loader}` "
                 f"and apply {DEPLOYMENT_FILE}.")
+    if embedding is not None:
+        files[JOB_FILE] = render([embedding_job(settings, embedding, target)], job_header(settings, embedding))
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (KSERVE_FILE, DEPLOYMENT_FILE, VOLUME_FILE):  # an earlier run's, for other choices
+    for stale in (KSERVE_FILE, DEPLOYMENT_FILE, VOLUME_FILE, JOB_FILE):  # an earlier run's, for other choices
         if stale not in files:
             (out / stale).unlink(missing_ok=True)
     for name, text in files.items():

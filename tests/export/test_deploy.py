@@ -328,3 +328,45 @@ def test_readiness_fails_while_a_models_queue_is_full(repository, tmp_path):
     assert _saturation_check(documents, {encoder: limit - 1}).returncode == 0
     full = _saturation_check(documents, {encoder: limit})
     assert full.returncode == 1 and f"saturated: {encoder}" in full.stderr
+
+
+EMBED = ["--embed-input", "s3://data/uniref50.fasta.gz", "--embed-output", "s3://data/embeddings/",
+         "--client-image", "registry.example/bionemo-export-client:1", "--embed-shards", "16"]
+
+
+@pytest.mark.parametrize(("target", "url"), [("all", "grpc://esm2nv:8001"), ("kserve", "http://esm2nv-predictor:80")])
+def test_the_embedding_job_is_an_indexed_job_against_the_servers_written_beside_it(repository, tmp_path, target, url):
+    documents = _deploy(repository, tmp_path / "k8s", "--storage-uri", "s3://models/esm2nv", "--replicas", "2",
+                        "--target", target, *EMBED)
+    job = _one(documents, "Job")
+    assert validate_kubernetes(job) == "1.34"
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 16, 4)
+    assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["backoffLimitPerIndex"] == 3
+    (container,) = spec["template"]["spec"]["containers"]
+    command = container["command"]
+    assert command[:3] == ["bionemo-export", "client", "encode"]
+    given = dict(zip(command[3::2], command[4::2], strict=False))
+    assert given["--model"] == "esm2nv_embeddings" and given["--triton-url"] == url
+    assert given["--shard"] == "$(JOB_INDEX)/16" and given["--output"] == "s3://data/embeddings/shard-$(JOB_INDEX)/"
+    assert command[-1] == "--allow-partial"  # refused records are listed, not retried
+    # $(JOB_INDEX) is expanded by Kubernetes from the container's own env: the pod's completion index.
+    index = next(env for env in container["env"] if env["name"] == "JOB_INDEX")
+    assert index["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert container["envFrom"][0]["secretRef"]["name"] == "esm2nv-storage-credentials"
+    # Without the embed options, a second run removes the Job it wrote before.
+    again = _deploy(repository, tmp_path / "k8s", "--storage-uri", "s3://models/esm2nv", "--target", target)
+    assert "embedding-job.yaml" not in again
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--embed-input", "/data/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c"],
+     "--embed-input /data/in.fasta: give an s3:// location"),
+    (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-model",
+      "esm2nv_encoder"], "--embed-model esm2nv_encoder: not a public model of repo"),
+    (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-shards", "0"],
+     "--embed-shards 0"),
+])
+def test_bad_embedding_job_options_are_named(repository, options, message):
+    _refused([str(repository), "--storage-uri", "s3://b/p", *options], message)
