@@ -54,6 +54,58 @@ def sequence_digest(sequence: str) -> str:
     return hashlib.sha256(sequence.encode("utf-8")).hexdigest()
 
 
+class SeenSequences:
+    """Sequence digest -> (part number, row) of the sequence's first answer in a job: how a job
+    finds its duplicates, in 16 bytes a sequence, so that a million distinct sequences cost 16 MB
+    and not the ~250 MB a dict of hex strings would.
+
+    Keys are the digest's first 64 bits: two sequences may share one (about once in 10^7 jobs of
+    a million sequences), so a hit is a candidate that the caller confirms against the full digest
+    stored in the part (EncodeJob does), never an answer by itself. New entries go to a dict;
+    every `BLOCK` of them are merged into sorted arrays searched by bisection (a merge briefly
+    holds three copies of the arrays: 50 MB at a million sequences).
+    """
+
+    BLOCK = 1 << 15
+
+    def __init__(self) -> None:
+        self._keys = np.empty(0, np.uint64)
+        self._places = np.empty((0, 2), np.int32)
+        self._recent: dict[int, tuple[int, int]] = {}
+
+    @staticmethod
+    def key(digest: str) -> int:
+        return int(digest[:16], 16)
+
+    def get(self, digest: str) -> tuple[int, int] | None:
+        """(part number, row) of the first sequence with this digest's key, or None."""
+        key = self.key(digest)
+        if key in self._recent:
+            return self._recent[key]
+        at = int(np.searchsorted(self._keys, np.uint64(key)))
+        if at < len(self._keys) and int(self._keys[at]) == key:
+            part, row = self._places[at]
+            return int(part), int(row)
+        return None
+
+    def add(self, digest: str, part: int, row: int) -> None:
+        """Record where `digest` was first answered (a later answer of the same key is ignored)."""
+        if self.get(digest) is None:
+            self._recent[self.key(digest)] = (part, row)
+            if len(self._recent) >= self.BLOCK:
+                self._merge()
+
+    def __len__(self) -> int:
+        return len(self._keys) + len(self._recent)
+
+    def _merge(self) -> None:
+        keys = np.fromiter(self._recent, np.uint64, len(self._recent))
+        places = np.array(list(self._recent.values()), np.int32).reshape(-1, 2)
+        keys, places = np.concatenate([self._keys, keys]), np.concatenate([self._places, places])
+        order = np.argsort(keys, kind="stable")
+        self._keys, self._places, self._recent = keys[order], places[order], {}
+
+
 @dataclass
 class Chunk:
     """One chunk's answers, in input order: what a part holds."""
@@ -70,6 +122,11 @@ class Chunk:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+def part_name(number: int) -> str:
+    """The file name of a job's part `number` (0-based)."""
+    return f"part-{number:05d}.h5"
 
 
 def write_part(path: Path, chunk: Chunk, dtype: np.dtype) -> None:
@@ -113,8 +170,9 @@ def read_digests(path: Path) -> list[str]:
         return [d.decode() for d in handle["sequence_sha256"][()]]
 
 
-def read_rows(path: Path, rows: Sequence[int]) -> dict[int, tuple[np.ndarray | None, np.ndarray | None]]:
-    """row -> (pooled [H] or None, per-residue [L, H] or None) for `rows` of a part, reading those rows only."""
+def read_rows(path: Path, rows: Sequence[int]) -> dict[int, tuple[str, np.ndarray | None, np.ndarray | None]]:
+    """row -> (sequence digest, pooled [H] or None, per-residue [L, H] or None) for `rows` of a
+    part, reading those rows only."""
     found = {}
     with h5py_module().File(path, "r") as handle:
         offsets = handle["per_residue/offsets"] if "per_residue" in handle else None
@@ -124,7 +182,7 @@ def read_rows(path: Path, rows: Sequence[int]) -> dict[int, tuple[np.ndarray | N
             if offsets is not None:
                 start, end = int(offsets[row]), int(offsets[row + 1])
                 residues = handle["per_residue/values"][start:end]
-            found[row] = (pooled, residues)
+            found[row] = (handle["sequence_sha256"][row].decode(), pooled, residues)
     return found
 
 

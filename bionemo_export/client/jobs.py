@@ -41,8 +41,10 @@ from .job_files import (
     JOURNAL,
     Chunk,
     Journal,
+    SeenSequences,
     errors_file,
     metadata_file,
+    part_name,
     read_digests,
     read_metadata,
     read_part,
@@ -183,14 +185,14 @@ class EncodeJob:
         for chunk_records in _chunks(itertools.islice(records, journal.records_done, None), self.chunk_size):
             number = len(journal.parts)
             chunk = self._answer(client, chunk_records, seen, summary)
-            name = f"part-{number:05d}.h5"
+            name = part_name(number)
             write_part(self.work / name, chunk, PRECISIONS[self.precision])
             residues = sum(len(r) for r in chunk.residues) if chunk.residues is not None else 0
             journal.finished(name, len(chunk), residues, chunk.errors)
             if self.mirror is not None:
                 self.mirror.part_finished(self.work / name)
             for row, digest in enumerate(chunk.digests):
-                seen.setdefault(digest, (name, row))
+                seen.add(digest, number, row)
             self.progress(len(chunk) + len(chunk.errors), residues, position.fraction())
         summary.seconds = time.perf_counter() - started
         if isinstance(client, ServerPool):
@@ -213,14 +215,14 @@ class EncodeJob:
             shutil.rmtree(self.work, ignore_errors=True)  # a run killed after its output was in place
         return JobSummary(**{k: v for k, v in metadata["summary"].items() if k in JobSummary.__dataclass_fields__})
 
-    def _answer(self, client: Inferrer, records: list[Record], seen: dict[str, tuple[str, int]],
-                summary: JobSummary) -> Chunk:
+    def _answer(self, client: Inferrer, records: list[Record], seen: SeenSequences, summary: JobSummary) -> Chunk:
         """One chunk through the server: each new sequence once, duplicates copied from their first answer."""
         digests = [sequence_digest(record.sequence) for record in records]
+        earlier = self._earlier_answers(seen, [d for r, d in zip(records, digests) if r.sequence])
         fresh: dict[str, int] = {}  # digest -> row among the sequences sent
         sent: list[str] = []
         for record, digest in zip(records, digests):
-            if record.sequence and digest not in seen and digest not in fresh:
+            if record.sequence and digest not in earlier and digest not in fresh:
                 fresh[digest] = len(sent)
                 sent.append(record.sequence)
         column = strings_column(sent)
@@ -229,7 +231,6 @@ class EncodeJob:
         summary.sent += len(sent)
         answered = {int(row): position for position, row in enumerate(results.rows)}
         refused = dict(results.failures)
-        earlier = self._earlier_answers(seen, [d for d in digests if d in seen and d not in fresh])
         pooled = "embeddings" in results.outputs or any(a.embeddings is not None for a in earlier.values())
         per_residue = "hiddens" in results.outputs or any(a.residues is not None for a in earlier.values())
         chunk = Chunk(ids=[], index=[], digests=[], residues=[] if per_residue else None)
@@ -260,26 +261,29 @@ class EncodeJob:
             chunk.embeddings = np.stack(pooled_rows) if pooled_rows else np.zeros((0, 0), np.float32)
         return chunk
 
-    def _earlier_answers(self, seen: dict[str, tuple[str, int]], digests: list[str]) -> dict[str, Chunk]:
-        """The answers of sequences seen in earlier parts, read back (those rows only)."""
-        wanted: dict[str, dict[int, str]] = {}
+    def _earlier_answers(self, seen: SeenSequences, digests: list[str]) -> dict[str, Chunk]:
+        """The answers of sequences first answered in earlier parts, read back (those rows only);
+        a candidate whose stored digest differs (SeenSequences keys are 64 bits) is left out."""
+        wanted: dict[int, dict[int, set[str]]] = {}  # part -> row -> the digests whose key points there
         for digest in dict.fromkeys(digests):
-            part, row = seen[digest]
-            wanted.setdefault(part, {})[row] = digest
+            place = seen.get(digest)
+            if place is not None:
+                wanted.setdefault(place[0], {}).setdefault(place[1], set()).add(digest)
         found: dict[str, Chunk] = {}
         for part, rows in wanted.items():
-            for row, (pooled, residues) in read_rows(self.work / part, list(rows)).items():
-                found[rows[row]] = Chunk(ids=[], index=[], digests=[rows[row]],
-                                         embeddings=pooled[None] if pooled is not None else None,
-                                         residues=[residues] if residues is not None else None)
+            for row, (stored, pooled, residues) in read_rows(self.work / part_name(part), list(rows)).items():
+                if stored in rows[row]:
+                    found[stored] = Chunk(ids=[], index=[], digests=[stored],
+                                          embeddings=pooled[None] if pooled is not None else None,
+                                          residues=[residues] if residues is not None else None)
         return found
 
-    def _seen(self, journal: Journal) -> dict[str, tuple[str, int]]:
-        """Sequence digest -> (part, row) of its first answer, over the parts an earlier run wrote."""
-        seen: dict[str, tuple[str, int]] = {}
-        for entry in journal.parts:
+    def _seen(self, journal: Journal) -> SeenSequences:
+        """Where each sequence was first answered, over the parts an earlier run wrote."""
+        seen = SeenSequences()
+        for number, entry in enumerate(journal.parts):
             for row, digest in enumerate(read_digests(self.work / entry["part"])):
-                seen.setdefault(digest, (entry["part"], row))
+                seen.add(digest, number, row)
         return seen
 
     def _remove_unrecorded_parts(self, journal: Journal) -> None:

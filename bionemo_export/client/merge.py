@@ -33,6 +33,7 @@ from .job_files import (
     errors_file,
     metadata_file,
     output_chunks,
+    part_name,
     read_metadata,
     write_hdf5,
     write_manifest,
@@ -154,7 +155,7 @@ def _write_directory(chunks: Iterator[Chunk], out: Path, metadata: dict[str, Any
     staging.mkdir(parents=True)
     parts = []
     for number, chunk in enumerate(chunks):
-        name = f"part-{number:05d}.h5"
+        name = part_name(number)
         write_part(staging / name, chunk, dtype)
         parts.append((name, len(chunk)))
     if with_errors:

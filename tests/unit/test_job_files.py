@@ -12,6 +12,7 @@ import pytest
 from bionemo_export.client.job_files import (
     Chunk,
     Journal,
+    SeenSequences,
     h5py_module,
     read_digests,
     read_part,
@@ -44,7 +45,8 @@ def test_a_part_round_trips_ragged_and_reads_single_rows(tmp_path):
     for got, want in zip(back.residues, chunk.residues):
         np.testing.assert_array_equal(got, want)
     assert read_digests(tmp_path / "part.h5") == chunk.digests
-    pooled, residues = read_rows(tmp_path / "part.h5", [2])[2]
+    digest, pooled, residues = read_rows(tmp_path / "part.h5", [2])[2]
+    assert digest == chunk.digests[2]
     assert pooled is not None and residues is not None
     np.testing.assert_array_equal(residues, chunk.residues[2])
     np.testing.assert_array_equal(pooled, chunk.embeddings[2])
@@ -90,3 +92,49 @@ def test_the_journal_keeps_what_finished_and_refuses_another_run(tmp_path):
     assert [entry["part"] for entry in Journal(tmp_path / "journal.jsonl").parts] == ["part-00000.h5", "part-00001.h5"]
     with pytest.raises(ValueError, match="another run .*model was 'a', now 'b'"):
         Journal(tmp_path / "journal.jsonl").start({"model": "b", "input": "x"})
+
+
+def test_seen_sequences_find_first_answers_across_merges(monkeypatch):
+    monkeypatch.setattr(SeenSequences, "BLOCK", 100)  # many merges into the sorted arrays
+    seen = SeenSequences()
+    digests = [sequence_digest(f"SEQ{i}") for i in range(1_000)]
+    for i, digest in enumerate(digests):
+        seen.add(digest, i // 10, i % 10)
+    for digest in digests:
+        seen.add(digest, 99, 99)  # a later answer of the same sequence: the first one stays
+    assert len(seen) == 1_000
+    assert all(seen.get(digest) == (i // 10, i % 10) for i, digest in enumerate(digests))
+    assert seen.get(sequence_digest("never added")) is None
+
+
+def test_seen_sequences_cost_16_bytes_a_sequence():
+    """Finding (review): the job kept a dict of hex digests: measured 290 bytes a sequence (29 MB
+    at the 100,000 here, 290 MB at a million distinct sequences)."""
+    import tracemalloc
+
+    digests = [sequence_digest(str(i)) for i in range(100_000)]  # the job makes and drops these
+    tracemalloc.start()
+    seen = SeenSequences()
+    for i, digest in enumerate(digests):
+        seen.add(digest, i // 1024, i % 1024)
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert current < 4 * 2**20 and peak < 14 * 2**20, (current, peak)  # measured 1.8 MB, 10 MB during a merge
+
+
+def test_two_sequences_sharing_a_64_bit_key_are_never_taken_for_each_other(tmp_path):
+    """SeenSequences keys on 64 bits of the digest; the job confirms a hit against the full digest
+    stored in the part, so a collision is sent to the server, never given another sequence's answer."""
+    from bionemo_export.client.jobs import EncodeJob
+
+    job = EncodeJob(model="m", input=tmp_path / "in.fasta", output=tmp_path / "out")
+    job.work.mkdir()
+    first = sequence_digest("MKT")
+    twin = first[:16] + ("0" if first[16] != "0" else "1") + first[17:]  # the same key, another sequence
+    write_part(job.work / "part-00000.h5", Chunk(ids=["a"], index=[0], digests=[first],
+                                                 embeddings=np.ones((1, 2), np.float32)), np.dtype(np.float32))
+    seen = SeenSequences()
+    seen.add(first, 0, 0)
+    assert seen.get(twin) == (0, 0)  # a candidate ...
+    found = job._earlier_answers(seen, [first, twin])
+    assert list(found) == [first]  # ... that the stored digest turns down
