@@ -13,7 +13,6 @@ remove the ones a failed start leaks from /dev/shm without touching any other se
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import secrets
@@ -26,7 +25,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -48,8 +46,6 @@ _LOG_ERROR = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ [^\]]+\]|error:)\s*(?P<messag
 _HARMLESS_ERRORS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver")
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-SIG_DFL = 0  # signal.h
 
 
 class TritonStartError(UserError, RuntimeError):
@@ -99,29 +95,34 @@ def check_model_repository(folder: str | os.PathLike[str]) -> Path | str:
     )
 
 
-def _die_with_parent(signum: int) -> Callable[[], None] | None:
-    """A `preexec_fn` that makes the child receive `signum` when its parent dies (Linux), so a
-    server never outlives the process that started it, even one killed with SIGKILL.
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+parent, signum = int(sys.argv[1]), int(sys.argv[2])
+for stop_signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(stop_signal, signal.SIG_DFL)
+ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    os.kill(os.getpid(), signum)
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
 
-    The signal is tied to the *thread* that forks: start servers from a thread that lives as long
-    as the server should (the main thread in every caller here).
+
+def dying_with_parent(command: list[str], signum: int = signal.SIGTERM) -> list[str]:
+    """`command` started so that it receives `signum` when the process starting it dies (Linux):
+    a server never outlives the process that started it, even one killed with SIGKILL.
+
+    A short Python launcher sets the parent-death signal (prctl) and execs the command in the same
+    process, rather than a `preexec_fn`: a preexec_fn makes subprocess fork() the whole process
+    instead of vfork(), and fork() runs every pthread_atfork handler, where grpcio 1.85's waits for
+    its own threads. Measured (CI, 3 xdist workers): a test process that had used a gRPC client
+    hung in fork() for good while starting its next tritonserver. The launcher also resets SIGINT
+    and SIGTERM to their defaults: a launcher that ignored them (a script's `cmd &`) must not
+    leave the server deaf to them (ignored dispositions survive exec). The signal is tied to the
+    *thread* that starts the command: start servers from one that lives as long as they should.
     """
     if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # looked up before fork: the child only calls it
-    parent = os.getpid()
-
-    def preexec() -> None:
-        # A launcher that ignored these signals (a script's `cmd &`) must not leave the server
-        # deaf to them: ignored dispositions survive exec, handled ones do not.
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):
-            libc.signal(int(stop_signal), ctypes.c_void_p(SIG_DFL))
-        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-        # The parent may have died between fork and prctl; then nobody would send the signal.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signum)
-
-    return preexec
+        return command
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), str(int(signum)), *command]
 
 
 def python_backend_stubs(server_pid: int, model: str | None = None) -> list[int]:
@@ -306,15 +307,14 @@ class TritonServer:
             # Own process group: the Python-backend stubs are the server's children and must go
             # with it, and a Ctrl-C in the terminal must reach us first, not the server.
             self._process = subprocess.Popen(
-                self.command(),
+                # SIGTERM, not SIGKILL, when this process dies: Triton then shuts down in order and
+                # takes its stubs and their shared memory with it.
+                dying_with_parent(self.command()) if self.die_with_parent else self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.install.process_env(),
                 start_new_session=True,
-                # SIGTERM, not SIGKILL: Triton then shuts down in order and takes its stubs and
-                # their shared memory with it.
-                preexec_fn=_die_with_parent(signal.SIGTERM) if self.die_with_parent else None,
             )
         finally:
             log.close()

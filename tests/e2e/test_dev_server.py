@@ -32,7 +32,7 @@ from bionemo_export.generation.reference import encode_hiddens, reference_decode
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
-from bionemo_export.runtime.server import _die_with_parent, free_ports
+from bionemo_export.runtime.server import dying_with_parent, free_ports
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import SAMPLING_CHECKS, _expected_outputs, verify_repository
 from tests.helpers.cli import CLI
@@ -46,8 +46,8 @@ WIDE = {"COLUMNS": "1000"}
 
 def start_dev_server(command: list[str], log: Path, grpc_port: int, models: list[str]) -> subprocess.Popen:
     """A dev server process (its own process group, ended with its parent) once `models` are ready."""
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                               preexec_fn=_die_with_parent(signal.SIGTERM))
+    process = subprocess.Popen(dying_with_parent(command), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:

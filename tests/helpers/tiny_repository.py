@@ -49,6 +49,31 @@ class TritonPythonModel:
         return responses
 '''
 
+LENGTH_ENCODER_MODEL_PY = '''\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WIDTH = {width}
+
+
+class TritonPythonModel:
+    """A stand-in encoder that costs the server nothing: row i's embedding is
+    [len(sequence_i), sum of its code points, 0.5, 0.5, ...], so a bulk job's throughput and memory
+    are the client's, and every answer can still be checked."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            rows = pb_utils.get_input_tensor_by_name(request, "sequences").as_numpy()
+            out = np.full((len(rows), WIDTH), 0.5, dtype=np.float32)
+            for i, row in enumerate(rows):
+                text = row[0].decode("utf-8")
+                out[i, 0], out[i, 1] = len(text), sum(map(ord, text))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("embeddings", out)]))
+        return responses
+'''
+
+
 BROKEN_MODEL_PY = '''\
 class TritonPythonModel:
     def initialize(self, args):
@@ -99,5 +124,17 @@ def broken_repository(repo: Path) -> Path:
         max_batch_size=1,
         input=[_tensor("x", mc.TYPE_FP32, [1])],
         output=[_output("y", mc.TYPE_FP32, [1])],
+    ))
+    return repo
+
+
+def length_encoder_repository(repo: Path, width: int = 32, max_batch_size: int = 256) -> Path:
+    """Write `length_embeddings` (LENGTH_ENCODER_MODEL_PY: sequences -> [len, code point sum, 0.5...])
+    into `repo` and return it: for measuring the bulk-job client, not a model."""
+    _python_model(repo, "length_embeddings", LENGTH_ENCODER_MODEL_PY.format(width=width), mc.ModelConfig(
+        max_batch_size=max_batch_size,
+        input=[_tensor("sequences", mc.TYPE_STRING, [1])],
+        output=[_output("embeddings", mc.TYPE_FP32, [width])],
+        dynamic_batching=mc.ModelDynamicBatching(),
     ))
     return repo
