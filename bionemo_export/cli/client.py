@@ -7,6 +7,7 @@ the server), several in flight, and the answers are written in input order.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -187,14 +188,16 @@ def score(
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
 ) -> None:
-    """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score column."""
+    """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score
+    column. The CSV (.gz read directly) is read and written in chunks of 50,000 rows: a saturation
+    scan of a proteome costs the client a chunk's memory, not the file's."""
     from bionemo_export.client.records import read_records
     from bionemo_export.client.repository import RepositoryClient
     from bionemo_export.client.variants import (
+        ScoredTableWriter,
         group_by_wild_type,
-        read_variant_table,
+        iter_variant_tables,
         wild_type_of_rows,
-        write_scored_table,
     )
 
     console = Console()
@@ -203,16 +206,21 @@ def score(
         raise typer.Exit(2)
     _check_output(console, output)
     with _reported(ctx, console):
-        table = read_variant_table(variants, column)
-        wild_types = wild_type_of_rows(table, read_records(fasta), id_column)
-        scores = np.zeros(len(table.rows), dtype=np.float32)
-        listed = table.variants()
+        records = read_records(fasta)
+        tables = iter_variant_tables(variants, column)
+        first = next(tables)
         with RepositoryClient(model.removesuffix("_scores"), triton_url, in_flight=in_flight) as client, \
-                _progress(len(table.rows)) as advance:
-            for wild_type, rows in group_by_wild_type(wild_types).items():
-                scores[rows] = client.score_variants(wild_type, [listed[i] for i in rows], method, progress=advance)
-        write_scored_table(table, scores.tolist(), output, score_column or f"{method}_score")
-    console.print(f"wrote {len(table.rows)} scores ({method}) to {output}", highlight=False)
+                _progress(0) as advance, \
+                ScoredTableWriter(output, first.header, score_column or f"{method}_score") as writer:
+            for table in itertools.chain([first], tables):
+                wild_types = wild_type_of_rows(table, records, id_column)
+                scores = np.zeros(len(table.rows), dtype=np.float32)
+                listed = table.variants()
+                for wild_type, rows in group_by_wild_type(wild_types).items():
+                    scores[rows] = client.score_variants(wild_type, [listed[i] for i in rows], method,
+                                                         progress=advance)
+                writer.write(table, scores.tolist())
+    console.print(f"wrote {writer.rows} scores ({method}) to {output}", highlight=False)
 
 
 @app.command("merge")

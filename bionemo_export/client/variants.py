@@ -13,6 +13,8 @@ module only reads, groups and writes.
 from __future__ import annotations
 
 import csv
+import gzip
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,34 +32,60 @@ class VariantTable:
     rows: list[list[str]]
     mutant_column: int
     """Index of the column holding the variants."""
+    first_line: int = 2
+    """The file's line number of the first row (a chunk of a file read in pieces starts later)."""
 
     def variants(self) -> list[str]:
         return [row[self.mutant_column] for row in self.rows]
 
 
+ROWS_PER_CHUNK = 50_000
+"""Rows `client score` holds at a time: a few MB; each wild type's rows of a chunk go to the server
+together (in requests of its max_variants)."""
+
+
 def read_variant_table(path: Path, column: str = "mutant") -> VariantTable:
-    """The CSV at `path`, whose header names `column`. ValueError naming the file and the line for
-    a missing column, ragged rows, an empty variant or a file that is not UTF-8 CSV."""
-    path = Path(path)
+    """The whole CSV at `path` (see `iter_variant_tables` for what is checked)."""
+    chunks = list(iter_variant_tables(path, column))
+    rows = [row for chunk in chunks for row in chunk.rows]
+    return VariantTable(chunks[0].path, chunks[0].header, rows, chunks[0].mutant_column)
+
+
+def iter_variant_tables(path: Path, column: str = "mutant", rows: int | None = None) -> Iterator[VariantTable]:
+    """The CSV at `path` (`.gz` read directly) as tables of at most `rows` rows each (default
+    ROWS_PER_CHUNK), read as it goes: a file of any length is never held whole. Its header must
+    name `column`. ValueError naming the file and the line for a missing column, ragged rows, an
+    empty variant or a file that is not UTF-8 CSV; a file with no rows is one empty table."""
+    path, rows = Path(path), rows or ROWS_PER_CHUNK
+    opened = gzip.open(path, "rt", newline="", encoding="utf-8") if path.name.endswith(".gz") else \
+        path.open(newline="", encoding="utf-8")
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
-            lines = list(csv.reader(handle))
+        with opened as handle:
+            reader = csv.reader(handle)
+            header = next(reader, None)
+            if header is None:
+                raise InvalidInputError(f"{path}: empty; expected a header with a {column!r} column")
+            if column not in header:
+                raise InvalidInputError(f"{path}: no {column!r} column (columns: {', '.join(header)}); name it "
+                                        "with `column`")
+            index = header.index(column)
+            chunk: list[list[str]] = []
+            first = 2
+            for number, row in enumerate(reader, start=2):
+                if len(row) != len(header):
+                    raise InvalidInputError(f"{path}, line {number}: {len(row)} cells, the header has {len(header)}")
+                if not row[index].strip():
+                    raise InvalidInputError(f"{path}, line {number}: the {column!r} cell is empty")
+                chunk.append(row)
+                if len(chunk) == rows:
+                    yield VariantTable(path, header, chunk, index, first)
+                    chunk, first = [], number + 1
+            if chunk or first == 2:
+                yield VariantTable(path, header, chunk, index, first)
     except UnicodeDecodeError as err:
         raise InvalidInputError(f"{path}: not a UTF-8 text file ({err.reason} at byte {err.start})") from None
     except csv.Error as err:
         raise InvalidInputError(f"{path}: not a CSV file ({err})") from None
-    if not lines:
-        raise InvalidInputError(f"{path}: empty; expected a header with a {column!r} column")
-    header, rows = lines[0], lines[1:]
-    if column not in header:
-        raise InvalidInputError(f"{path}: no {column!r} column (columns: {', '.join(header)}); name it with `column`")
-    index = header.index(column)
-    for number, row in enumerate(rows, start=2):
-        if len(row) != len(header):
-            raise InvalidInputError(f"{path}, line {number}: {len(row)} cells, the header has {len(header)}")
-        if not row[index].strip():
-            raise InvalidInputError(f"{path}, line {number}: the {column!r} cell is empty")
-    return VariantTable(path, header, rows, index)
 
 
 def wild_type_of_rows(table: VariantTable, records: list[Record], id_column: str | None) -> list[str]:
@@ -75,7 +103,7 @@ def wild_type_of_rows(table: VariantTable, records: list[Record], id_column: str
     by_id = {record.id: record.sequence for record in records}
     index = table.header.index(id_column)
     sequences = []
-    for number, row in enumerate(table.rows, start=2):
+    for number, row in enumerate(table.rows, start=table.first_line):
         if row[index] not in by_id:
             raise InvalidInputError(f"{table.path}, line {number}: {row[index]!r} is not a record of the FASTA file "
                                     f"(records: {', '.join(list(by_id)[:5])}{', ...' if len(by_id) > 5 else ''})")
@@ -91,28 +119,54 @@ def group_by_wild_type(wild_types: list[str]) -> dict[str, list[int]]:
     return groups
 
 
+class ScoredTableWriter:
+    """The scored CSV, written as its chunks are scored: the input's columns with `score_column`
+    added (or replaced), through a temporary file renamed into place at the end (a failed run
+    leaves no half-written table).
+
+        with ScoredTableWriter(out, header, "wt-marginal_score") as writer:
+            for table in iter_variant_tables(path):
+                writer.write(table, scores_of(table))
+    """
+
+    def __init__(self, out: Path, header: list[str], score_column: str) -> None:
+        self.out = Path(out)
+        self.partial = self.out.with_name(f".{self.out.name}.partial")
+        self.replace = score_column in header
+        self.index = header.index(score_column) if self.replace else len(header)
+        self.header = list(header) if self.replace else [*header, score_column]
+        self.rows = 0
+
+    def __enter__(self) -> ScoredTableWriter:
+        self._handle = self.partial.open("w", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._handle)
+        self._writer.writerow(self.header)
+        return self
+
+    def write(self, table: VariantTable, scores: Sequence[float]) -> None:
+        if len(scores) != len(table.rows):
+            raise ValueError(f"{len(scores)} scores for {len(table.rows)} rows")
+        for row, score in zip(table.rows, scores, strict=True):
+            row = list(row)
+            text = repr(float(score))
+            if self.replace:
+                row[self.index] = text
+            else:
+                row.append(text)
+            self._writer.writerow(row)
+        self.rows += len(table.rows)
+
+    def __exit__(self, kind: object, error: object, traceback: object) -> None:
+        self._handle.close()
+        if kind is None:
+            self.partial.replace(self.out)
+        else:
+            self.partial.unlink(missing_ok=True)
+
+
 def write_scored_table(table: VariantTable, scores: list[float], out: Path, score_column: str) -> Path:
     """`table` with `score_column` added (or replaced), one score per row, written to `out`
     through a temporary file (a failed write leaves no half-written table)."""
-    if len(scores) != len(table.rows):
-        raise ValueError(f"{len(scores)} scores for {len(table.rows)} rows")
-    header = list(table.header)
-    replace = score_column in header
-    index = header.index(score_column) if replace else len(header)
-    if not replace:
-        header.append(score_column)
-    out = Path(out)
-    partial = out.with_name(f".{out.name}.partial")
-    with partial.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(header)
-        for row, score in zip(table.rows, scores):
-            row = list(row)
-            text = repr(float(score))
-            if replace:
-                row[index] = text
-            else:
-                row.append(text)
-            writer.writerow(row)
-    partial.replace(out)
-    return out
+    with ScoredTableWriter(out, table.header, score_column) as writer:
+        writer.write(table, scores)
+    return Path(out)

@@ -196,3 +196,36 @@ def test_client_encode_of_the_logits_model_names_the_alphabet(served, tmp_path):
     assert document["alphabet"] == list("LAGVSERTIDPKQNFYMHWCXBUZO")
     assert np.asarray(document["log_probs"]).shape == (1, 7, 25)
     assert document["mask"][0] == [False] + [True] * 5 + [False]
+
+
+def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path, monkeypatch):
+    """`client score` over a gzipped ProteinGym-style CSV naming two wild types, read and written in
+    chunks (5 rows here): every row's score equals the brute-force reference, other columns kept."""
+    import csv
+    import gzip
+
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+    from bionemo_export.client import variants
+
+    _, reference, client = served
+    other = "GVSEKLMNPQ"
+    (tmp_path / "wt.fasta").write_text(f">wt\n{WILD_TYPE}\n>other\n{other}\n")
+    rows = [(variant, "wt") for variant in VARIANTS] + [(v, "other") for v in ("G1A", "V2L:S3T", "Q10E")]
+    rows = rows * 2  # 18 rows: four chunks of 5
+    with gzip.open(tmp_path / "dms.csv.gz", "wt", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows([["mutant", "protein", "DMS_score"], *[[m, p, str(i)] for i, (m, p) in
+                                                                             enumerate(rows)]])
+    monkeypatch.setattr(variants, "ROWS_PER_CHUNK", 5)
+    result = CliRunner().invoke(app, ["client", "score", "-m", f"{NAME}_scores", "--fasta", str(tmp_path / "wt.fasta"),
+                                      "--variants", str(tmp_path / "dms.csv.gz"), "--id-column", "protein",
+                                      "--output", str(tmp_path / "scored.csv"), "--triton-url", str(client.client.url)])
+    assert result.exit_code == 0, result.output
+    assert "wrote 18 scores (wt-marginal)" in result.output
+    written = list(csv.DictReader((tmp_path / "scored.csv").open(newline="", encoding="utf-8")))
+    assert [(r["mutant"], r["protein"], r["DMS_score"]) for r in written] == \
+        [(m, p, str(i)) for i, (m, p) in enumerate(rows)]
+    sequences = {"wt": WILD_TYPE, "other": other}
+    expected = [brute_force(reference, sequences[p], [m], "wt-marginal")[0] for m, p in rows]
+    np.testing.assert_allclose([float(r["wt-marginal_score"]) for r in written], expected, atol=1e-4)

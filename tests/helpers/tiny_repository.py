@@ -74,6 +74,35 @@ class TritonPythonModel:
 '''
 
 
+LENGTH_HIDDENS_MODEL_PY = '''\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WIDTH = {width}
+
+
+class TritonPythonModel:
+    """The per-residue twin of LENGTH_ENCODER_MODEL_PY: residue j of sequence i is
+    [ord(letter), j, 0.5, ...], padded to the request's longest sequence, with its mask."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            rows = [row[0].decode("utf-8") for row in
+                    pb_utils.get_input_tensor_by_name(request, "sequences").as_numpy()]
+            longest = max(map(len, rows))
+            hiddens = np.full((len(rows), longest, WIDTH), 0.5, dtype=np.float32)
+            mask = np.zeros((len(rows), longest), dtype=np.int32)
+            for i, text in enumerate(rows):
+                hiddens[i, :len(text), 0] = [ord(letter) for letter in text]
+                hiddens[i, :len(text), 1] = np.arange(len(text))
+                mask[i, :len(text)] = 1
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("hiddens", hiddens),
+                                                         pb_utils.Tensor("mask", mask)]))
+        return responses
+'''
+
+
 BROKEN_MODEL_PY = '''\
 class TritonPythonModel:
     def initialize(self, args):
@@ -130,11 +159,18 @@ def broken_repository(repo: Path) -> Path:
 
 def length_encoder_repository(repo: Path, width: int = 32, max_batch_size: int = 256) -> Path:
     """Write `length_embeddings` (LENGTH_ENCODER_MODEL_PY: sequences -> [len, code point sum, 0.5...])
-    into `repo` and return it: for measuring the bulk-job client, not a model."""
+    and `length_hiddens` (its per-residue twin) into `repo` and return it: stand-in encoders for
+    measuring the bulk-job client, not models."""
     _python_model(repo, "length_embeddings", LENGTH_ENCODER_MODEL_PY.format(width=width), mc.ModelConfig(
         max_batch_size=max_batch_size,
         input=[_tensor("sequences", mc.TYPE_STRING, [1])],
         output=[_output("embeddings", mc.TYPE_FP32, [width])],
+        dynamic_batching=mc.ModelDynamicBatching(),
+    ))
+    _python_model(repo, "length_hiddens", LENGTH_HIDDENS_MODEL_PY.format(width=width), mc.ModelConfig(
+        max_batch_size=max_batch_size,
+        input=[_tensor("sequences", mc.TYPE_STRING, [1])],
+        output=[_output("hiddens", mc.TYPE_FP32, [-1, width]), _output("mask", mc.TYPE_INT32, [-1])],
         dynamic_batching=mc.ModelDynamicBatching(),
     ))
     return repo

@@ -64,3 +64,31 @@ def test_rows_find_their_wild_type_in_the_fasta(tmp_path):
     missing = read_variant_table(_csv(tmp_path / "m.csv", [["mutant", "target"], ["M1A", "P9"]]))
     with pytest.raises(ValueError, match=r"m.csv, line 2: 'P9' is not a record of the FASTA file \(records: P1, P2\)"):
         wild_type_of_rows(missing, read_records(two), "target")
+
+
+def test_a_table_is_read_and_written_in_chunks_with_its_lines_named(tmp_path):
+    import gzip
+
+    from bionemo_export.client.variants import ScoredTableWriter, iter_variant_tables
+
+    rows = [["mutant", "DMS_score"]] + [[f"M1{'ACDEFGHIKL'[i % 10]}", str(i)] for i in range(25)]
+    with gzip.open(tmp_path / "dms.csv.gz", "wt", newline="", encoding="utf-8") as handle:
+        csv.writer(handle).writerows(rows)
+    chunks = list(iter_variant_tables(tmp_path / "dms.csv.gz", rows=10))
+    assert [len(c.rows) for c in chunks] == [10, 10, 5] and [c.first_line for c in chunks] == [2, 12, 22]
+    with ScoredTableWriter(tmp_path / "out.csv", chunks[0].header, "score") as writer:
+        for chunk in chunks:
+            writer.write(chunk, [float(row[1]) / 2 for row in chunk.rows])
+    written = list(csv.reader((tmp_path / "out.csv").open(newline="", encoding="utf-8")))
+    assert written[0] == ["mutant", "DMS_score", "score"] and written[-1] == ["M1F", "24", "12.0"]
+    assert len(written) == 26
+
+    (tmp_path / "wt.fasta").write_text(">a\nMKT\n>b\nMRV\n")
+    records = read_records(tmp_path / "wt.fasta")
+    bad = _csv(tmp_path / "ids.csv", [["mutant", "id"], *[["M1A", "a"]] * 12, ["M1A", "c"]])
+    with pytest.raises(ValueError, match=r"ids.csv, line 14: 'c' is not a record of the FASTA file"):
+        for chunk in iter_variant_tables(bad, rows=5):
+            wild_type_of_rows(chunk, records, "id")
+    with pytest.raises(ValueError, match="no score"), ScoredTableWriter(tmp_path / "failed.csv", ["mutant"], "s"):
+        raise ValueError("no score")
+    assert not (tmp_path / "failed.csv").exists() and not list(tmp_path.glob(".*partial"))
