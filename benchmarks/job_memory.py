@@ -1,5 +1,5 @@
 """Bulk-job client memory and speed against input size: `client encode --output X.h5` at its default
-settings over 10k, 100k and 1M records, peak RSS of the client process (getrusage of the child).
+settings over 10k, 100k and 1M records, peak RSS of the client process (its VmHWM: tests/helpers/peak_memory.py).
 
 The server runs `length_embeddings` (tests/helpers/tiny_repository.py), a stand-in encoder whose
 answers cost nothing, so that the figures are the client's: reading and parsing the FASTA.gz,
@@ -16,7 +16,6 @@ import gzip
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bionemo_export.runtime import TritonServer  # noqa: E402
+from tests.helpers.peak_memory import cli_peak_rss  # noqa: E402
 from tests.helpers.tiny_repository import length_encoder_repository  # noqa: E402
 
 AMINO_ACIDS = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
@@ -54,17 +54,14 @@ def write_fasta(path: Path, count: int, seed: int = 0) -> None:
 
 
 def run_job(url: str, data: Path, out: Path) -> dict:
-    """One `client encode` bulk job as a child process: its seconds and peak RSS."""
-    command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "length_embeddings",
-               "-i", str(data), "--output", str(out), "--triton-url", url]
+    """One `client encode` bulk job as a child process: its seconds and peak RSS (VmHWM)."""
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    _, status, usage = os.wait4(process.pid, 0)
+    code, output, peak = cli_peak_rss(["client", "encode", "-m", "length_embeddings", "-i", str(data),
+                                       "--output", str(out), "--triton-url", url])
     seconds = time.perf_counter() - start
-    output = process.stdout.read() if process.stdout else ""
-    if os.waitstatus_to_exitcode(status) != 0:
+    if code != 0:
         raise RuntimeError(f"client encode failed: {output}")
-    return {"seconds": round(seconds, 1), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "summary": output.strip()}
+    return {"seconds": round(seconds, 1), "peak_rss_mb": round(peak, 1), "summary": output.strip()}
 
 
 def main() -> None:

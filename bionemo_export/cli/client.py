@@ -236,8 +236,8 @@ def merge(
     shard that has not finished (rerun its command: it resumes)."""
     import tempfile
 
-    from bionemo_export.client.job_storage import fetch_output, is_s3
     from bionemo_export.client.merge import merge_shards
+    from bionemo_export.runtime.job_storage import fetch_output, is_s3
 
     console = Console()
     with _reported(ctx, console), tempfile.TemporaryDirectory(prefix="bionemo-export-merge-") as downloads:
@@ -275,11 +275,11 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
                 sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
-    from bionemo_export.client.job_storage import OutputMirror, fetch_input, is_s3, local_folder
     from bionemo_export.client.jobs import EncodeJob
     from bionemo_export.client.records import parse_shard
     from bionemo_export.client.server_pool import ServerPool
     from bionemo_export.errors import InvalidInputError
+    from bionemo_export.runtime.job_storage import OutputMirror, fetch_input, is_s3, local_folder
 
     console = Console()
     with _reported(ctx, console):

@@ -60,7 +60,7 @@ def k8s(
     facts = read_repository(repository)
     embedding = None
     if embed_input is not None or embed_output is not None:
-        from bionemo_export.deploy.embedding_job import EmbeddingJobSettings
+        from bionemo_export.deploy.embedding_job import EmbeddingJobSettings, embedding_job_file
 
         missing = [option for option, value in (("--embed-input", embed_input), ("--embed-output", embed_output),
                                                 ("--client-image", client_image)) if value is None]
@@ -74,7 +74,8 @@ def k8s(
     settings = DeploySettings(
         name=name or default_name(facts), image=image, replicas=replicas, max_replicas=max_replicas, gpus=gpus,
         storage=parse_storage_uri(storage) if storage else None, cpu=cpu, memory=memory, shm_size=shm_size)
-    for path in write_manifests(facts, settings, out, target, embedding):
+    extra = embedding_job_file(facts, settings, embedding, target) if embedding is not None else None
+    for path in write_manifests(facts, settings, out, target, extra):
         typer.echo(f"wrote {path}")
     typer.echo(f"models loaded: {', '.join(facts.models)} (public: {', '.join(facts.public_models) or 'none'})")
     note = deployment_note(facts.backend)

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from .job_files import (
     write_parquet,
     write_part,
 )
-from .job_storage import OutputMirror
+from .memory import give_back_memory, map_large_blocks
 from .records import ReadPosition, Record, iter_records
 from .repository import strings_column
 from .server_pool import ServerPool
@@ -63,6 +63,25 @@ from .triton import Inferrer
 
 DEFAULT_CHUNK_SIZE = 1024
 PRECISIONS = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
+
+
+class PartMirror(Protocol):
+    """A copy of a directory output kept elsewhere (runtime/job_storage.OutputMirror: s3://), told
+    what the job does in the order that keeps the copy consistent."""
+
+    def pull(self) -> None:
+        """Before the run: bring the local folder up to where the copy is."""
+
+    def part_finished(self, part: Path) -> None:
+        """After `part` is recorded in the local journal."""
+
+    def finished(self) -> None:
+        """After manifest.json is written: the output is complete."""
+
+    @property
+    def location(self) -> str:
+        """Where the copy is, for the job's summary."""
+        ...
 
 
 @dataclass
@@ -121,8 +140,8 @@ class EncodeJob:
     id_column: str | None = None
     source: str | None = None
     """What the fingerprint names as the input where `input` is a local copy (an s3:// location)."""
-    mirror: OutputMirror | None = None
-    """Where a directory output is mirrored to (job_storage.py): told of each part and of the end."""
+    mirror: PartMirror | None = None
+    """Where a directory output is mirrored to (runtime/job_storage.py: object storage)."""
     progress: Callable[[int, int, float], None] = field(default=lambda records, residues, fraction: None)
     """Told (records, residues, fraction of the input read) each time a chunk is done: the CLI's
     rates and ETA."""
@@ -167,6 +186,7 @@ class EncodeJob:
 
     def run(self, client: Inferrer) -> JobSummary:
         started = time.perf_counter()
+        map_large_blocks()
         fingerprint = self.fingerprint(client)
         if self.mirror is not None:
             self.mirror.pull()
@@ -194,6 +214,8 @@ class EncodeJob:
             for row, digest in enumerate(chunk.digests):
                 seen.add(digest, number, row)
             self.progress(len(chunk) + len(chunk.errors), residues, position.fraction())
+            del chunk
+            give_back_memory()  # the chunk's arrays: freed heap stays with the process unless given back
         summary.seconds = time.perf_counter() - started
         if isinstance(client, ServerPool):
             summary.busy_retries, summary.moved = client.statistics.busy_retries, client.statistics.moved
@@ -298,7 +320,7 @@ class EncodeJob:
         summary.records = journal.records_done
         summary.answered = sum(entry["records"] for entry in journal.parts)
         summary.errors = len(errors)
-        summary.output = self.mirror.store.uri + "/" if self.mirror is not None else str(self.output)
+        summary.output = self.mirror.location if self.mirror is not None else str(self.output)
         if errors:
             summary.errors_file = str(self.errors_path)
             lines = ["id\tline\treason", *(f"{i}\t{line}\t{' '.join(reason.split())}" for i, line, reason in errors)]

@@ -6,7 +6,7 @@
         --triton-url <the Service or InferenceService> --allow-partial
 
 so each pod embeds the records at positions I mod N of the input into its own folder in object
-storage (client/job_storage.py: parts uploaded as they are written, manifest.json last). A pod
+storage (runtime/job_storage.py: parts uploaded as they are written, manifest.json last). A pod
 that is evicted, preempted or OOM-killed is started again and resumes from what its shard folder
 holds; records the server refuses are listed in the shard's errors.tsv and do not fail the pod.
 Afterwards `bionemo-export client merge s3://.../out/shard-0/ ... --output all.h5` puts the shards
@@ -29,7 +29,7 @@ from typing import Any
 
 from bionemo_export.choices import DeployTarget
 
-from .kubernetes import TRITON_PORTS, DeployError, DeploySettings, RepositoryFacts, labels
+from .kubernetes import JOB_FILE, TRITON_PORTS, DeployError, DeploySettings, RepositoryFacts, labels, render
 
 JOBS_DIR = "/var/tmp/bionemo-export-jobs"
 CLIENT_CONTAINER = "client"
@@ -141,3 +141,10 @@ def job_header(settings: DeploySettings, job: EmbeddingJobSettings) -> str:
     return (f"Indexed Job: {job.shards} pods embed {job.input} with {job.model}, shard I into {output}/shard-I/.\n"
             f"Apply once the servers are ready; `kubectl wait --for=condition=complete job/{settings.name}-embed`;\n"
             f"then: bionemo-export client merge {shards}{more} --output all.h5")
+
+
+def embedding_job_file(repository: RepositoryFacts, settings: DeploySettings, job: EmbeddingJobSettings,
+                       target: str) -> dict[str, str]:
+    """{file name: text} of the checked Job, for `write_manifests(extra=...)`."""
+    check_embedding_job(job, repository)
+    return {JOB_FILE: render([embedding_job(settings, job, target)], job_header(settings, job))}

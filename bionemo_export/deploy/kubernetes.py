@@ -30,10 +30,10 @@ import json
 import math
 import re
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -43,9 +43,6 @@ from bionemo_export.model_repository.backends import deployment_note
 from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest, ManifestError
 from bionemo_export.model_repository.reader import RepositoryModels, RepositoryReadError
 from bionemo_export.runtime.server import check_model_repository
-
-if TYPE_CHECKING:
-    from .embedding_job import EmbeddingJobSettings
 
 # Triton's own ports (the plain Deployment) and those of KServe's Triton runtime, whose
 # container args KServe appends ours to (the runtime's `--model-store`/ports come first).
@@ -498,14 +495,11 @@ def plain_documents(repository: RepositoryFacts, settings: DeploySettings) -> li
 
 
 def write_manifests(repository: RepositoryFacts, settings: DeploySettings, out: Path,
-                    target: str = DeployTarget.ALL, embedding: EmbeddingJobSettings | None = None) -> list[Path]:
-    """Write the manifests of `target` (all, kserve, plain) into `out`, and the Indexed Job that
-    runs `embedding` against those servers when given; the files written."""
-    from .embedding_job import check_embedding_job, embedding_job, job_header  # it builds on this module
-
+                    target: str = DeployTarget.ALL, extra: Mapping[str, str] | None = None) -> list[Path]:
+    """Write the manifests of `target` (all, kserve, plain) into `out`, and the `extra` files
+    (name -> text: the embedding Job, deploy/embedding_job.py) with them; the files written.
+    Files of an earlier run that this one does not write are removed."""
     check_settings(settings, target)
-    if embedding is not None:
-        check_embedding_job(embedding, repository)
     if repository.device == "gpu" and settings.gpus < 1:
         raise DeployError(f"`gpus` {settings.gpus}: {repository.path} places its graph models on GPUs (built with "
                           f"`backend` {repository.backend} `device` gpu); pass `gpus` 1 or more, or rebuild it "
@@ -525,8 +519,7 @@ def write_manifests(repository: RepositoryFacts, settings: DeploySettings, out: 
                 f"{loader}`); copy the\nrepository onto the claim with `tar -C {repository.path} -cf - . | "
                 f"kubectl exec -i {loader} -- tar -C {MOUNT_PATH} -xf -`;\nthen `kubectl delete pod {loader}` "
                 f"and apply {DEPLOYMENT_FILE}.")
-    if embedding is not None:
-        files[JOB_FILE] = render([embedding_job(settings, embedding, target)], job_header(settings, embedding))
+    files.update(extra or {})
     out.mkdir(parents=True, exist_ok=True)
     for stale in (KSERVE_FILE, DEPLOYMENT_FILE, VOLUME_FILE, JOB_FILE):  # an earlier run's, for other choices
         if stale not in files:

@@ -1,7 +1,8 @@
-"""Bulk jobs whose input or output lives in S3-compatible object storage: a Kubernetes Indexed Job's
-pods, a cloud batch job, a laptop reading a bucket.
+"""Bulk jobs (client/jobs.py) whose input or output lives in S3-compatible object storage: a
+Kubernetes Indexed Job's pods, a cloud batch job, a laptop reading a bucket. It sits with the
+runtime's object storage; the job sees only the `PartMirror` protocol it implements.
 
-Locations are written as tritonserver writes them (runtime/object_storage.py): s3://bucket/key on
+Locations are written as tritonserver writes them (object_storage.py): s3://bucket/key on
 AWS, s3://host:port/bucket/key on any S3-compatible store; credentials from AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION or AWS_PROFILE, as for a repository.
 
@@ -24,9 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bionemo_export.client.job_files import JOURNAL, MANIFEST
 from bionemo_export.errors import InvalidInputError
-
-from .job_files import JOURNAL, MANIFEST
 
 JOBS_DIR_ENV = "BIONEMO_EXPORT_JOBS_DIR"
 """Where jobs with an s3:// input or output keep their local folder (default: the temporary folder)."""
@@ -48,7 +48,7 @@ class S3Folder:
     """A folder in object storage: list, download and upload its files by name."""
 
     def __init__(self, uri: str) -> None:
-        from bionemo_export.runtime.object_storage import S3RepositoryError, parse_s3_uri, s3_client
+        from .object_storage import S3RepositoryError, parse_s3_uri, s3_client
 
         try:
             self.location = parse_s3_uri(uri)
@@ -134,6 +134,10 @@ class OutputMirror:
 
     def __init__(self, uri: str, folder: Path) -> None:
         self.store, self.folder = S3Folder(uri), folder
+
+    @property
+    def location(self) -> str:
+        return self.store.uri + "/"
 
     def pull(self) -> None:
         """Make the local folder and the location agree on where the job is: a finished output's
