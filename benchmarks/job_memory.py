@@ -26,11 +26,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bionemo_export import procfs  # noqa: E402
 from bionemo_export.runtime import TritonServer  # noqa: E402
 from tests.helpers.peak_memory import cli_peak_rss  # noqa: E402
 from tests.helpers.tiny_repository import length_encoder_repository  # noqa: E402
 
-AMINO_ACIDS = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
+AMINO_ACIDS = np.frombuffer(b"ACDEFGHIKLMNPQRSTVWY", dtype="S1")
 
 
 def write_fasta(path: Path, count: int, seed: int = 0) -> None:
@@ -41,9 +42,8 @@ def write_fasta(path: Path, count: int, seed: int = 0) -> None:
         for start in range(0, count, block):
             n = min(block, count - start)
             lengths = rng.integers(50, 400, size=n)
-            letters = AMINO_ACIDS[rng.integers(0, 20, size=int(lengths.sum()))]
+            text = AMINO_ACIDS[rng.integers(0, 20, size=int(lengths.sum()))].tobytes().decode("ascii")
             ends = np.cumsum(lengths)
-            text = "".join(letters)
             lines = []
             for i in range(n):
                 sequence = text[ends[i] - lengths[i]:ends[i]]
@@ -84,7 +84,7 @@ def main() -> None:
                 results.append(result)
                 data.unlink()
     report = {"command": " ".join(["benchmarks/job_memory.py", "--records", *map(str, args.records)]),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "machine": f"{procfs.cpu_model() or platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "results": results}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -31,6 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bionemo_export import procfs  # noqa: E402
 from bionemo_export.runtime import TritonServer, find_perf_analyzer  # noqa: E402
 
 AMINO_ACIDS = np.array(list("ACDEFGHIKLMNPQRSTVWY"))
@@ -59,7 +60,7 @@ def perf_analyzer_records_per_s(url: str, model: str, data: Path, concurrency: i
     csv = work / "perf.csv"
     result = pa.run(["-m", model, "-u", url, "-i", "grpc", "-b", str(batch), "--input-data", str(data),
                      "--concurrency-range", str(concurrency), "--measurement-interval", str(int(window_s * 1000)),
-                     "--stability-percentage", "20", "--max-trials", "6", "-f", str(csv)], timeout=600)
+                     "--stability-percentage", "50", "--max-trials", "10", "-f", str(csv)], timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
     header, row = csv.read_text().splitlines()[:2]
@@ -113,7 +114,7 @@ def main() -> None:
                 print(json.dumps(rounds[-1]), flush=True)
     ratios = [r["ratio"] for r in rounds]
     report = {"command": " ".join(["benchmarks/job_throughput.py", *sys.argv[1:]]),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+              "machine": f"{procfs.cpu_model() or platform.machine()}, {os.cpu_count()} cores",
               "python": platform.python_version(), "records": args.records, "concurrency": args.concurrency,
               "batch_size": args.batch_size, "rounds": rounds, "median_ratio": float(np.median(ratios)),
               "target": ">= 0.95"}

@@ -39,6 +39,7 @@ from .batches import DEFAULT_IN_FLIGHT, infer_rows
 from .job_files import (
     FORMATS,
     JOURNAL,
+    SEEN_INDEX,
     Chunk,
     Journal,
     SeenSequences,
@@ -211,11 +212,11 @@ class EncodeJob:
             journal.finished(name, len(chunk), residues, chunk.errors)
             if self.mirror is not None:
                 self.mirror.part_finished(self.work / name)
-            for row, digest in enumerate(chunk.digests):
-                seen.add(digest, number, row)
+            seen.add(number, chunk.digests)
             self.progress(len(chunk) + len(chunk.errors), residues, position.fraction())
             del chunk
             give_back_memory()  # the chunk's arrays: freed heap stays with the process unless given back
+        seen.close()
         summary.seconds = time.perf_counter() - started
         if isinstance(client, ServerPool):
             summary.busy_retries, summary.moved = client.statistics.busy_retries, client.statistics.moved
@@ -287,10 +288,8 @@ class EncodeJob:
         """The answers of sequences first answered in earlier parts, read back (those rows only);
         a candidate whose stored digest differs (SeenSequences keys are 64 bits) is left out."""
         wanted: dict[int, dict[int, set[str]]] = {}  # part -> row -> the digests whose key points there
-        for digest in dict.fromkeys(digests):
-            place = seen.get(digest)
-            if place is not None:
-                wanted.setdefault(place[0], {}).setdefault(place[1], set()).add(digest)
+        for digest, (part, row) in seen.find(dict.fromkeys(digests)).items():
+            wanted.setdefault(part, {}).setdefault(row, set()).add(digest)
         found: dict[str, Chunk] = {}
         for part, rows in wanted.items():
             for row, (stored, pooled, residues) in read_rows(self.work / part_name(part), list(rows)).items():
@@ -301,11 +300,12 @@ class EncodeJob:
         return found
 
     def _seen(self, journal: Journal) -> SeenSequences:
-        """Where each sequence was first answered, over the parts an earlier run wrote."""
-        seen = SeenSequences()
-        for number, entry in enumerate(journal.parts):
-            for row, digest in enumerate(read_digests(self.work / entry["part"])):
-                seen.add(digest, number, row)
+        """Where each sequence was first answered: the index in the job's folder, made to agree
+        with the parts the journal records."""
+        seen = SeenSequences(self.work / SEEN_INDEX)
+        seen.forget_parts_from(len(journal.parts))
+        for number in range(seen.parts, len(journal.parts)):
+            seen.add(number, read_digests(self.work / journal.parts[number]["part"]))
         return seen
 
     def _remove_unrecorded_parts(self, journal: Journal) -> None:
@@ -335,6 +335,8 @@ class EncodeJob:
         parts = [self.work / entry["part"] for entry in journal.parts]
         dtype = PRECISIONS[self.precision]
         if self.is_directory:
+            for index_file in self.work.glob(SEEN_INDEX + "*"):  # with SQLite's -wal and -shm files
+                index_file.unlink()
             write_manifest(self.output, metadata, [(entry["part"], entry["records"]) for entry in journal.parts])
             if self.mirror is not None:
                 self.mirror.finished()

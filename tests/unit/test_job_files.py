@@ -94,32 +94,21 @@ def test_the_journal_keeps_what_finished_and_refuses_another_run(tmp_path):
         Journal(tmp_path / "journal.jsonl").start({"model": "b", "input": "x"})
 
 
-def test_seen_sequences_find_first_answers_across_merges(monkeypatch):
-    monkeypatch.setattr(SeenSequences, "BLOCK", 100)  # many merges into the sorted arrays
-    seen = SeenSequences()
+def test_seen_sequences_find_first_answers_and_agree_with_the_journal(tmp_path):
+    seen = SeenSequences(tmp_path / "seen.sqlite")
     digests = [sequence_digest(f"SEQ{i}") for i in range(1_000)]
-    for i, digest in enumerate(digests):
-        seen.add(digest, i // 10, i % 10)
-    for digest in digests:
-        seen.add(digest, 99, 99)  # a later answer of the same sequence: the first one stays
-    assert len(seen) == 1_000
-    assert all(seen.get(digest) == (i // 10, i % 10) for i, digest in enumerate(digests))
-    assert seen.get(sequence_digest("never added")) is None
-
-
-def test_seen_sequences_cost_16_bytes_a_sequence():
-    """Finding (review): the job kept a dict of hex digests: measured 290 bytes a sequence (29 MB
-    at the 100,000 here, 290 MB at a million distinct sequences)."""
-    import tracemalloc
-
-    digests = [sequence_digest(str(i)) for i in range(100_000)]  # the job makes and drops these
-    tracemalloc.start()
-    seen = SeenSequences()
-    for i, digest in enumerate(digests):
-        seen.add(digest, i // 1024, i % 1024)
-    current, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert current < 4 * 2**20 and peak < 14 * 2**20, (current, peak)  # measured 1.8 MB, 10 MB during a merge
+    for part in range(10):
+        seen.add(part, digests[part * 100:(part + 1) * 100])
+    seen.add(10, digests[:50])  # later answers of the same sequences: the first ones stay
+    assert len(seen) == 1_000 and seen.parts == 10
+    found = seen.find([*digests, sequence_digest("never added")])
+    assert found == {digest: (i // 100, i % 100) for i, digest in enumerate(digests)}
+    seen.close()
+    # Reopened after a stop whose journal records 7 parts: what parts 7.. added is forgotten.
+    again = SeenSequences(tmp_path / "seen.sqlite")
+    again.forget_parts_from(7)
+    assert again.parts == 7 and len(again) == 700
+    assert again.find(digests[650:750]) == {d: (6, 50 + i) for i, d in enumerate(digests[650:700])}
 
 
 def test_two_sequences_sharing_a_64_bit_key_are_never_taken_for_each_other(tmp_path):
@@ -133,8 +122,8 @@ def test_two_sequences_sharing_a_64_bit_key_are_never_taken_for_each_other(tmp_p
     twin = first[:16] + ("0" if first[16] != "0" else "1") + first[17:]  # the same key, another sequence
     write_part(job.work / "part-00000.h5", Chunk(ids=["a"], index=[0], digests=[first],
                                                  embeddings=np.ones((1, 2), np.float32)), np.dtype(np.float32))
-    seen = SeenSequences()
-    seen.add(first, 0, 0)
-    assert seen.get(twin) == (0, 0)  # a candidate ...
+    seen = SeenSequences(tmp_path / "seen.sqlite")
+    seen.add(0, [first])
+    assert seen.find([twin]) == {twin: (0, 0)}  # a candidate ...
     found = job._earlier_answers(seen, [first, twin])
     assert list(found) == [first]  # ... that the stored digest turns down
