@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -120,10 +121,18 @@ def test_raw_kserve_v2_json_request_with_bytes_data(server):
 
 
 # ---------------------------------------------------------------------- the Python client
-def _stats(server, model: str) -> int:
-    """The requests `model` has answered so far, as `bench` reads Triton's statistics."""
+def _stats(server, model: str, settled_at: int | None = None) -> int:
+    """The requests `model` has answered so far, as `bench` reads Triton's statistics. Triton
+    counts a request once its response is sent, so a count read the moment the client has its
+    answer can lag (CI, 3 workers: 3 of 4): with `settled_at`, it is read again for up to 5 s
+    until it reaches that number (and a count past it still shows)."""
+    deadline = time.monotonic() + 5
     with TritonClient(f"grpc://{server.endpoints.grpc_url}") as client:
-        return read_statistics(client)[model]["requests"]
+        while True:
+            count = read_statistics(client)[model]["requests"]
+            if settled_at is None or count >= settled_at or time.monotonic() > deadline:
+                return count
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -135,7 +144,7 @@ def test_python_client_splits_by_the_servers_max_batch_size_and_keeps_order(serv
         hiddens, mask = client.seqs_to_hidden(sequences)
         embeddings = client.seqs_to_embedding(sequences)
         first_hiddens, first_mask = client.seqs_to_hidden(sequences[:MAX_BATCH])
-    assert _stats(server, f"{NAME}_hiddens") - before == 4  # 75 rows: 3 requests of 32 + 1 of the first 32
+    assert _stats(server, f"{NAME}_hiddens", settled_at=before + 4) - before == 4  # 3 requests of 32 + 1 of 32
     longest = max(map(len, sequences)) + 2
     assert hiddens.shape == (75, longest, 64) and mask.shape == (75, longest)
     np.testing.assert_array_equal(mask.sum(axis=1), [len(s) for s in sequences])
