@@ -10,8 +10,10 @@
 VENV ?= .venv
 # pytest-xdist workers for `make test`; each test module stays on one worker (--dist loadfile), so
 # its one tritonserver and its module fixtures are made once. On a 2-core host, two took 17 min for a
-# fresh clone's make test and three 14 min, but one run on three had a tritonserver whose two
-# samplings instances never finished loading (not yet understood): two until that is.
+# fresh clone's make test and three 14 min at first; of five runs on three, one had a samplings model
+# that never finished loading (not understood; a start that times out now says what each stub is
+# doing), one a worker hung in fork() (fixed: servers start without a preexec_fn) and one a request
+# count read too early (fixed), and with today's suite three took 15.6 min of pytest: two it is.
 PYTEST_WORKERS ?= 2
 PYTHON := $(VENV)/bin/python
 
