@@ -48,6 +48,7 @@ def k8s(
     """Kubernetes manifests for a repository: a KServe InferenceService (Triton runtime) and a plain
     Deployment + Service + HorizontalPodAutoscaler; readiness and liveness on Triton's health
     endpoints, metrics port annotated for Prometheus."""
+    from bionemo_export.deploy.embedding_job import EmbeddingJobSettings, embedding_job_file
     from bionemo_export.deploy.kubernetes import (
         DeploySettings,
         default_name,
@@ -60,8 +61,6 @@ def k8s(
     facts = read_repository(repository)
     embedding = None
     if embed_input is not None or embed_output is not None:
-        from bionemo_export.deploy.embedding_job import EmbeddingJobSettings, embedding_job_file
-
         missing = [option for option, value in (("--embed-input", embed_input), ("--embed-output", embed_output),
                                                 ("--client-image", client_image)) if value is None]
         if missing:

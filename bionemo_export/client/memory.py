@@ -4,18 +4,20 @@ glibc keeps freed heap memory for reuse, and raises its mmap threshold each time
 (a chunk's arrays) is freed, so that later blocks of that size come from the heap too: a bulk job
 of 3,000 proteins' per-residue states grew by about their whole size (measured: 90 -> 193 MB for
 83 MB of states) although it held one chunk at a time. malloc_trim(0) after each chunk gives the
-freed pages back. Where there is no glibc it does nothing.
+freed pages back (serving/responses.release_memory, what the served models call after a large
+request). Where there is no glibc it does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 
+from bionemo_export.serving.responses import TRIM_BYTES, release_memory
+
 try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _MALLOC_TRIM, _MALLOPT = _LIBC.malloc_trim, _LIBC.mallopt
+    _MALLOPT = ctypes.CDLL("libc.so.6").mallopt
 except (OSError, AttributeError):
-    _MALLOC_TRIM = _MALLOPT = None
+    _MALLOPT = None
 M_MMAP_THRESHOLD = -3  # malloc.h
 LARGE_BLOCK = 1 << 20
 """Blocks from this size up are mapped on their own and unmapped when freed."""
@@ -32,5 +34,4 @@ def map_large_blocks() -> None:
 
 def give_back_memory() -> None:
     """malloc_trim(0): tens of microseconds to a few milliseconds; call it once per chunk, not per row."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    release_memory(TRIM_BYTES)
