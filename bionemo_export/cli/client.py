@@ -65,6 +65,11 @@ def encode(
     chunk_size: int = typer.Option(1024, min=1, help="Bulk jobs (--output DIR, .h5 or .parquet): records per "
                                    "part; a stopped job resumes after its last finished part."),
     precision: str = typer.Option("fp32", help="Bulk jobs: the stored values' precision, fp32 or fp16."),
+    include: str | None = typer.Option(None, help="Bulk jobs: what to store of each record, comma-separated (ESM "
+                                       "extract.py's names): mean, bos (the BOS/CLS token), max (pooled rows), "
+                                       "per_tok (per-residue states). An N_embeddings model answers mean only; an "
+                                       "N_hiddens model any of them from one pass, e.g. --include mean,per_tok. "
+                                       "Default: what the model answers."),
     sequence_column: str | None = typer.Option(None, help="CSV/TSV input: the sequence column (default: sequence, "
                                                "seq, smiles, protein)."),
     id_column: str | None = typer.Option(None, help="CSV/TSV input: the id column (default: id, name, accession)."),
@@ -81,9 +86,13 @@ def encode(
     if input is not None and output is not None and _is_job_output(output):
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
-                    precision=precision, sequence_column=sequence_column, id_column=id_column,
+                    precision=precision, include=include, sequence_column=sequence_column, id_column=id_column,
                     allow_partial=allow_partial)
         return
+    if include is not None:
+        Console().print("[red]--include is for bulk jobs: give --input and --output DIR/, .h5, .parquet or "
+                        "s3://...[/red]", highlight=False)
+        raise typer.Exit(2)
     if len(triton_url) > 1 or (input is not None and input.startswith("s3://")):
         Console().print("[red]several --triton-url and s3:// inputs are for bulk jobs: give --input and --output "
                         "DIR/, .h5, .parquet or s3://bucket/path/[/red]", highlight=False)
@@ -273,7 +282,7 @@ def _existing(input: str | None) -> Path | None:
 
 def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shard: str, triton_urls: list[str],
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
-                sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
+                include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
     from bionemo_export.client.jobs import EncodeJob
     from bionemo_export.client.records import parse_shard
@@ -310,7 +319,8 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
             assert local_input is not None  # given: a bulk job has an input
             job = EncodeJob(model=model, input=local_input, output=local_output, in_name=in_name,
                             shard=parse_shard(shard), chunk_size=chunk_size, batch_size=batch_size,
-                            in_flight=in_flight, precision=precision, sequence_column=sequence_column,
+                            in_flight=in_flight, precision=precision, include=include,
+                            sequence_column=sequence_column,
                             id_column=id_column, progress=advance, source=input if is_s3(input) else None,
                             mirror=mirror)
             with ServerPool(triton_urls, concurrency=in_flight) as servers:

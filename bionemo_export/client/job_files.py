@@ -2,19 +2,27 @@
 
 A part, `part-NNNNN.h5`, holds one chunk of records, in input order:
 
-    /ids                     UTF-8 strings [n]        the record ids
-    /index                   int64 [n]                each record's position in the input (0-based)
-    /sequence_sha256         bytes [n] (64 hex)       SHA-256 of each sequence, for joins and duplicates
-    /embeddings              float [n, H]             pooled outputs (an N_embeddings model)
-    /per_residue/values      float [R, H]             per-residue outputs (N_hiddens), rows concatenated
-    /per_residue/offsets     int64 [n + 1]            record i's rows are values[offsets[i]:offsets[i+1]]
+    /ids                     UTF-8 strings [n]      the record ids
+    /index                   int64 [n]              each record's position in the input (0-based)
+    /sequence_sha256         bytes [n] (64 hex)     SHA-256 of each sequence, for joins and duplicates
+    /embeddings              float [n, H]           mean-pooled rows (an N_embeddings model, --include mean)
+    /embeddings_bos          float [n, H]           the BOS/CLS token's state (--include bos)
+    /embeddings_max          float [n, H]           the maximum over residues (--include max)
+    /embedding               float [R, H]           per-residue states (--include per_tok), rows concatenated
+    /embedding_ptr           int64 [n]              record i's rows end at embedding_ptr[i] (start: the
+                                                    previous record's end, 0 for the first)
+    /id, /idptr              uint8 [S], int64 [n]   the sequences' bytes concatenated, and where each ends
 
-A single-file `.h5` output has the same layout over the whole job, and the job's metadata as
-attributes of `/` (model, repository, precision, fingerprint, summary). Per-residue states are
-stored ragged, without padding, so 3,000 proteins cost their residues, not 3,000 x the longest.
-A `.parquet` output has one row per record: `id`, `index`, `sequence_sha256`, `embedding`
-(fixed-size list of H floats), readable by pandas, polars or duckdb. A directory output keeps the
-parts and writes `manifest.json` listing them.
+The per-residue datasets are scikit-bio's `embed` format (skbio.io.format.embed, format-version
+1.0: `embedding`, `embedding_ptr`, `id` holding the sequences, `idptr`, and the attributes
+`format`, `format-version`, `dtype`, `dim`), so `skbio.read(path, format="embed")` yields one
+ProteinEmbedding per record where a record's rows are its residues (protein models). A
+single-file `.h5` output has the same layout over the whole job, and the job's metadata as
+attributes of `/` (fingerprint, summary). Per-residue states are stored ragged, without padding,
+so 3,000 proteins cost their residues, not 3,000 x the longest. A `.parquet` output has one row
+per record: `id`, `index`, `sequence_sha256`, `embedding` (mean: a fixed-size list of H floats) and
+`embedding_bos` / `embedding_max` when asked for, readable by pandas, polars or duckdb. A
+directory output keeps the parts and writes `manifest.json` listing them.
 
 The journal, `journal.jsonl`, says what is done: a first line with the run's fingerprint, then one
 line per part written (records, errors). A part exists only when its line does: parts are written
@@ -44,7 +52,14 @@ SEEN_INDEX = "seen.sqlite"
 """The job's index of the sequences it has answered (SeenSequences); removed when the job finishes."""
 MANIFEST = "manifest.json"
 FORMATS = {".h5": "hdf5", ".hdf5": "hdf5", ".parquet": "parquet"}
-STRINGS = {"vlen": str}
+POOLED = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
+"""A pooling -> the HDF5 dataset of its rows; Parquet's column is the same name in the singular."""
+SKBIO_FORMAT = {"format": "embedding", "format-version": "1.0"}
+"""The root attributes scikit-bio's `embed` format reads (with `dtype` and `dim`)."""
+
+
+def parquet_column(pooling: str) -> str:
+    return POOLED[pooling].replace("embeddings", "embedding", 1)
 
 
 def h5py_module() -> Any:
@@ -130,15 +145,38 @@ class Chunk:
     ids: list[str]
     index: list[int]
     digests: list[str]
-    embeddings: np.ndarray | None = None
-    """[n, H] pooled outputs, when the model answers `embeddings`."""
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
+    """A pooling (mean, bos, max) -> its [n, H] rows."""
     residues: list[np.ndarray] | None = None
-    """One [L_i, H] array per record, when the model answers `hiddens` and `mask`."""
+    """One [L_i, H] array per record, its residues' states, when the job stores them (per_tok)."""
+    sequences: list[str] | None = None
+    """The records' sequences, stored with per-residue states (scikit-bio's `id`)."""
     errors: list[tuple[str, int, str]] = field(default_factory=list)
     """(id, line, the server's reason) of the records left out."""
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def rows(self, selected: Sequence[int]) -> Chunk:
+        """The records at positions `selected`, as a chunk of their own (no errors)."""
+        picked = list(selected)
+        return Chunk(ids=[self.ids[i] for i in picked], index=[self.index[i] for i in picked],
+                     digests=[self.digests[i] for i in picked],
+                     pooled={pooling: rows[picked] for pooling, rows in self.pooled.items()},
+                     residues=None if self.residues is None else [self.residues[i] for i in picked],
+                     sequences=None if self.sequences is None else [self.sequences[i] for i in picked])
+
+    @staticmethod
+    def joined(chunks: Sequence[Chunk]) -> Chunk:
+        """The records of `chunks` (which store the same outputs) in order, as one chunk."""
+        if not chunks:
+            return Chunk(ids=[], index=[], digests=[])
+        first = chunks[0]
+        return Chunk(ids=[i for c in chunks for i in c.ids], index=[i for c in chunks for i in c.index],
+                     digests=[d for c in chunks for d in c.digests],
+                     pooled={pooling: np.concatenate([c.pooled[pooling] for c in chunks]) for pooling in first.pooled},
+                     residues=None if first.residues is None else [r for c in chunks for r in c.residues or []],
+                     sequences=None if first.sequences is None else [s for c in chunks for s in c.sequences or []])
 
 
 def part_name(number: int) -> str:
@@ -148,37 +186,35 @@ def part_name(number: int) -> str:
 
 def write_part(path: Path, chunk: Chunk, dtype: np.dtype) -> None:
     """The chunk as an HDF5 part at `path`, written beside it and renamed (never half a part)."""
-    h5py = h5py_module()
-    staging = path.with_name(path.name + ".writing")
-    with h5py.File(staging, "w") as handle:
-        handle.create_dataset("ids", data=chunk.ids, dtype=h5py.string_dtype())
-        handle.create_dataset("index", data=np.asarray(chunk.index, dtype=np.int64))
-        handle.create_dataset("sequence_sha256", data=np.asarray(chunk.digests, dtype="S64"))
-        if chunk.embeddings is not None:
-            handle.create_dataset("embeddings", data=chunk.embeddings.astype(dtype, copy=False))
-        if chunk.residues is not None:
-            offsets = np.concatenate([[0], np.cumsum([len(r) for r in chunk.residues])]).astype(np.int64)
-            width = chunk.residues[0].shape[-1] if chunk.residues else 0
-            values = np.concatenate(chunk.residues) if chunk.residues else np.zeros((0, width))
-            group = handle.create_group("per_residue")
-            group.create_dataset("values", data=values.astype(dtype, copy=False))
-            group.create_dataset("offsets", data=offsets)
-    os.replace(staging, path)
+    write_hdf5([chunk], path, {}, dtype)
 
 
 def read_part(path: Path) -> Chunk:
     """A part back into memory (merging, duplicates, tests)."""
-    h5py = h5py_module()
-    with h5py.File(path, "r") as handle:
-        chunk = Chunk(ids=[s.decode() if isinstance(s, bytes) else s for s in handle["ids"][()]],
-                      index=handle["index"][()].tolist(),
-                      digests=[d.decode() for d in handle["sequence_sha256"][()]])
-        if "embeddings" in handle:
-            chunk.embeddings = handle["embeddings"][()]
-        if "per_residue" in handle:
-            values, offsets = handle["per_residue/values"][()], handle["per_residue/offsets"][()]
-            chunk.residues = [values[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    with h5py_module().File(path, "r") as handle:
+        return _read_hdf5_rows(handle, 0, handle["ids"].shape[0])
+
+
+def _read_hdf5_rows(handle: Any, start: int, end: int) -> Chunk:
+    """Records `start` to `end` (exclusive) of an open part or .h5 output, reading those rows only."""
+    chunk = Chunk(ids=[s.decode() if isinstance(s, bytes) else s for s in handle["ids"][start:end]],
+                  index=handle["index"][start:end].tolist(),
+                  digests=[d.decode() for d in handle["sequence_sha256"][start:end]],
+                  pooled={pooling: handle[name][start:end] for pooling, name in POOLED.items() if name in handle})
+    if "embedding_ptr" in handle:
+        chunk.residues = _ragged(handle["embedding"], handle["embedding_ptr"], start, end)
+        chunk.sequences = [row.tobytes().decode() for row in _ragged(handle["id"], handle["idptr"], start, end)]
     return chunk
+
+
+def _ragged(values: Any, ends: Any, start: int, end: int) -> list[np.ndarray]:
+    """Records `start` to `end` of a ragged dataset whose record i ends at `ends[i]` (scikit-bio's pointers)."""
+    if end <= start:
+        return []
+    bounds = np.concatenate([[int(ends[start - 1]) if start else 0], ends[start:end]]).astype(np.int64)
+    block = values[bounds[0]:bounds[-1]]
+    bounds -= bounds[0]
+    return [block[bounds[i]:bounds[i + 1]] for i in range(end - start)]
 
 
 def read_digests(path: Path) -> list[str]:
@@ -187,20 +223,10 @@ def read_digests(path: Path) -> list[str]:
         return [d.decode() for d in handle["sequence_sha256"][()]]
 
 
-def read_rows(path: Path, rows: Sequence[int]) -> dict[int, tuple[str, np.ndarray | None, np.ndarray | None]]:
-    """row -> (sequence digest, pooled [H] or None, per-residue [L, H] or None) for `rows` of a
-    part, reading those rows only."""
-    found = {}
+def read_rows(path: Path, rows: Sequence[int]) -> dict[int, Chunk]:
+    """row -> that record of a part, as a chunk of one, reading those rows only."""
     with h5py_module().File(path, "r") as handle:
-        offsets = handle["per_residue/offsets"] if "per_residue" in handle else None
-        for row in rows:
-            pooled = handle["embeddings"][row] if "embeddings" in handle else None
-            residues = None
-            if offsets is not None:
-                start, end = int(offsets[row]), int(offsets[row + 1])
-                residues = handle["per_residue/values"][start:end]
-            found[row] = (handle["sequence_sha256"][row].decode(), pooled, residues)
-    return found
+        return {row: _read_hdf5_rows(handle, row, row + 1) for row in rows}
 
 
 def read_metadata(path: Path) -> dict[str, Any] | None:
@@ -251,27 +277,19 @@ def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
         with h5py_module().File(path, "r") as handle:
             total = handle["ids"].shape[0]
             for start in range(0, total, rows):
-                end = min(start + rows, total)
-                chunk = Chunk(ids=[s.decode() if isinstance(s, bytes) else s for s in handle["ids"][start:end]],
-                              index=handle["index"][start:end].tolist(),
-                              digests=[d.decode() for d in handle["sequence_sha256"][start:end]])
-                if "embeddings" in handle:
-                    chunk.embeddings = handle["embeddings"][start:end]
-                if "per_residue" in handle:
-                    offsets = handle["per_residue/offsets"][start:end + 1]
-                    values = handle["per_residue/values"][offsets[0]:offsets[-1]]
-                    chunk.residues = [values[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]
-                                      for i in range(end - start)]
-                yield chunk
+                yield _read_hdf5_rows(handle, start, min(start + rows, total))
     else:
         import pyarrow.parquet as pq
 
         for batch in pq.ParquetFile(path).iter_batches(batch_size=rows):
-            embedding = batch.column("embedding")
+            pooled = {}
+            for pooling in POOLED:
+                if parquet_column(pooling) in batch.schema.names:
+                    column = batch.column(parquet_column(pooling))
+                    pooled[pooling] = column.flatten().to_numpy(zero_copy_only=False).reshape(
+                        -1, column.type.list_size)
             yield Chunk(ids=batch.column("id").to_pylist(), index=batch.column("index").to_pylist(),
-                        digests=batch.column("sequence_sha256").to_pylist(),
-                        embeddings=embedding.flatten().to_numpy(zero_copy_only=False).reshape(
-                            -1, embedding.type.list_size))
+                        digests=batch.column("sequence_sha256").to_pylist(), pooled=pooled)
 
 
 class Journal:
@@ -341,33 +359,39 @@ def write_hdf5(chunks: Iterable[Chunk], out: Path, attributes: dict[str, Any], d
         for name, value in attributes.items():
             handle.attrs[name] = value if isinstance(value, str | int | float) else json.dumps(value)
         datasets: dict[str, Any] = {}
-        residues = 0
+        residue_rows = sequence_bytes = 0  # where the per-residue pointers stand
         for chunk in chunks:
             give_back_memory()  # the previous chunk's arrays
+            if not len(chunk):
+                continue
             columns: dict[str, np.ndarray] = {
                 "ids": np.asarray(chunk.ids, dtype=object), "index": np.asarray(chunk.index, dtype=np.int64),
                 "sequence_sha256": np.asarray(chunk.digests, dtype="S64")}
-            if chunk.embeddings is not None:
-                columns["embeddings"] = chunk.embeddings.astype(dtype, copy=False)
+            for pooling, rows in chunk.pooled.items():
+                columns[POOLED[pooling]] = rows.astype(dtype, copy=False)
             if chunk.residues is not None:
-                lengths = np.asarray([len(r) for r in chunk.residues], dtype=np.int64)
-                columns["per_residue/offsets"] = residues + np.cumsum(lengths)
-                width = chunk.residues[0].shape[-1] if chunk.residues else 0
-                columns["per_residue/values"] = (np.concatenate(chunk.residues) if chunk.residues
-                                                 else np.zeros((0, width), dtype=dtype)).astype(dtype, copy=False)
-                residues += int(lengths.sum())
+                if chunk.sequences is None:
+                    raise ValueError("per-residue states are stored with their sequences (scikit-bio's `id`)")
+                encoded = [sequence.encode() for sequence in chunk.sequences]
+                columns["embedding"] = np.concatenate(chunk.residues).astype(dtype, copy=False)
+                columns["embedding_ptr"] = residue_rows + np.cumsum([len(r) for r in chunk.residues], dtype=np.int64)
+                columns["id"] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+                columns["idptr"] = sequence_bytes + np.cumsum([len(e) for e in encoded], dtype=np.int64)
+                residue_rows, sequence_bytes = int(columns["embedding_ptr"][-1]), int(columns["idptr"][-1])
+                if "format" not in handle.attrs:
+                    handle.attrs.update({**SKBIO_FORMAT, "dtype": np.dtype(dtype).name,
+                                         "dim": int(columns["embedding"].shape[1])})
             for name, column in columns.items():
                 if name not in datasets:
                     kind = h5py.string_dtype() if name == "ids" else column.dtype
                     datasets[name] = handle.create_dataset(name, shape=(0, *column.shape[1:]), dtype=kind,
                                                            maxshape=(None, *column.shape[1:]),
                                                            chunks=_chunk_shape(column))
-                    if name == "per_residue/offsets":
-                        datasets[name].resize((1,))
-                        datasets[name][0] = 0
                 _append(datasets[name], column)
-        if not datasets:  # no part: an empty job still says what it is
+        if not datasets:  # no record: an empty output still says what it is
             handle.create_dataset("ids", shape=(0,), dtype=h5py.string_dtype())
+            handle.create_dataset("index", shape=(0,), dtype=np.int64)
+            handle.create_dataset("sequence_sha256", shape=(0,), dtype="S64")
     os.replace(staging, out)
 
 
@@ -399,13 +423,17 @@ def write_parquet(chunks: Iterable[Chunk], out: Path, metadata: dict[str, Any], 
     writer = None
     try:
         for chunk in chunks:
-            if chunk.embeddings is None:
+            if not len(chunk):
+                continue
+            if not chunk.pooled:
                 raise InvalidInputError(f"{out}: Parquet holds pooled rows; per-residue states go to an .h5 output "
                                         "or a directory")
-            values = pa.array(chunk.embeddings.astype(dtype).reshape(-1))
-            table = pa.table({"id": pa.array(chunk.ids, pa.string()), "index": pa.array(chunk.index, pa.int64()),
-                              "sequence_sha256": pa.array(chunk.digests, pa.string()),
-                              "embedding": pa.FixedSizeListArray.from_arrays(values, chunk.embeddings.shape[1])})
+            columns = {"id": pa.array(chunk.ids, pa.string()), "index": pa.array(chunk.index, pa.int64()),
+                       "sequence_sha256": pa.array(chunk.digests, pa.string())}
+            for pooling, rows in chunk.pooled.items():
+                values = pa.array(rows.astype(dtype).reshape(-1))
+                columns[parquet_column(pooling)] = pa.FixedSizeListArray.from_arrays(values, rows.shape[1])
+            table = pa.table(columns)
             if writer is None:
                 schema = table.schema.with_metadata({"bionemo_export": json.dumps(metadata)})
                 writer = pq.ParquetWriter(staging, schema)

@@ -17,6 +17,8 @@ journal. Client memory is bounded by a chunk and what is in flight, never by the
 - Records the server refuses are left out, listed with id, line and reason in the errors file,
   and the job ends "partial" (JobSummary.partial).
 - `shard=(i, n)`: the records at positions i mod n of the input (a Slurm array, an Indexed Job).
+- `include`: what is stored of each record (pooling.py): the mean, BOS or max pooling and/or the
+  per-residue states, several from one answer of an `N_hiddens` model.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .job_files import (
     SeenSequences,
     errors_file,
     metadata_file,
+    parquet_column,
     part_name,
     read_digests,
     read_metadata,
@@ -57,6 +60,7 @@ from .job_files import (
     write_part,
 )
 from .memory import give_back_memory, map_large_blocks
+from .pooling import Include
 from .records import ReadPosition, Record, iter_records
 from .repository import strings_column
 from .server_pool import ServerPool
@@ -125,7 +129,8 @@ class JobSummary:
 
 @dataclass
 class EncodeJob:
-    """One dataset through one encoder model (N_embeddings: pooled rows; N_hiddens: per-residue rows)."""
+    """One dataset through one encoder model (N_embeddings: mean-pooled rows; N_hiddens: per-residue
+    states and any pooling of them, as `include` says)."""
 
     model: str
     input: Path
@@ -139,6 +144,9 @@ class EncodeJob:
     precision: str = "fp32"
     sequence_column: str | None = None
     id_column: str | None = None
+    include: str | None = None
+    """Comma-separated choices of pooling.CHOICES (mean, bos, max, per_tok); None: what the model
+    answers (an N_embeddings model's mean, an N_hiddens model's per-residue states)."""
     source: str | None = None
     """What the fingerprint names as the input where `input` is a local copy (an s3:// location)."""
     mirror: PartMirror | None = None
@@ -172,6 +180,17 @@ class EncodeJob:
         return errors_file(self.output)
 
     # -- the run ------------------------------------------------------------------------------------------
+    def stored(self, client: Inferrer) -> Include:
+        """What the job stores of each record, checked against the model and the output's format."""
+        outputs = {output["name"] for output in client.model_config(self.model).get("output", [])}
+        include = Include.parse(self.include, outputs, self.model)
+        if not self.is_directory and FORMATS[self.output.suffix] == "parquet" and (
+                include.per_residue or not include.poolings):
+            raise InvalidInputError(f"--output {self.output}: Parquet holds pooled rows ("
+                                    f"{', '.join(map(parquet_column, ('mean', 'bos', 'max')))}); store per-residue "
+                                    "states in an .h5 file or a directory, or give --include mean (bos, max)")
+        return include
+
     def fingerprint(self, client: Inferrer) -> dict[str, Any]:
         """What makes two runs the same run: a resume must match it."""
         config = json.dumps(client.model_config(self.model), sort_keys=True)
@@ -183,11 +202,12 @@ class EncodeJob:
                 "input_head_sha256": head,
                 "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
                 "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
-                "id_column": self.id_column}
+                "id_column": self.id_column, "include": self.stored(client).text()}
 
     def run(self, client: Inferrer) -> JobSummary:
         started = time.perf_counter()
         map_large_blocks()
+        include = self.stored(client)
         fingerprint = self.fingerprint(client)
         if self.mirror is not None:
             self.mirror.pull()
@@ -205,7 +225,7 @@ class EncodeJob:
                                id_column=self.id_column, position=position)
         for chunk_records in _chunks(itertools.islice(records, journal.records_done, None), self.chunk_size):
             number = len(journal.parts)
-            chunk = self._answer(client, chunk_records, seen, summary)
+            chunk = self._answer(client, chunk_records, seen, summary, include)
             name = part_name(number)
             write_part(self.work / name, chunk, PRECISIONS[self.precision])
             residues = sum(len(r) for r in chunk.residues) if chunk.residues is not None else 0
@@ -238,7 +258,8 @@ class EncodeJob:
             shutil.rmtree(self.work, ignore_errors=True)  # a run killed after its output was in place
         return JobSummary(**{k: v for k, v in metadata["summary"].items() if k in JobSummary.__dataclass_fields__})
 
-    def _answer(self, client: Inferrer, records: list[Record], seen: SeenSequences, summary: JobSummary) -> Chunk:
+    def _answer(self, client: Inferrer, records: list[Record], seen: SeenSequences, summary: JobSummary,
+                include: Include) -> Chunk:
         """One chunk through the server: each new sequence once, duplicates copied from their first answer."""
         digests = [sequence_digest(record.sequence) for record in records]
         earlier = self._earlier_answers(seen, [d for r, d in zip(records, digests) if r.sequence])
@@ -254,34 +275,26 @@ class EncodeJob:
         summary.sent += len(sent)
         answered = {int(row): position for position, row in enumerate(results.rows)}
         refused = dict(results.failures)
-        pooled = "embeddings" in results.outputs or any(a.embeddings is not None for a in earlier.values())
-        per_residue = "hiddens" in results.outputs or any(a.residues is not None for a in earlier.values())
-        chunk = Chunk(ids=[], index=[], digests=[], residues=[] if per_residue else None)
-        pooled_rows: list[np.ndarray] = []
+        rows: list[Chunk] = []
+        errors: list[tuple[str, int, str]] = []
         for record, digest in zip(records, digests):
             if not record.sequence:
-                chunk.errors.append((record.id, record.line, "no sequence"))
+                errors.append((record.id, record.line, "no sequence"))
                 continue
             if digest in fresh and fresh[digest] in refused:
-                chunk.errors.append((record.id, record.line, refused[fresh[digest]]))
+                errors.append((record.id, record.line, refused[fresh[digest]]))
                 continue
             if digest in fresh:
-                row = answered[fresh[digest]]
-                embedding = results.outputs["embeddings"][row] if "embeddings" in results.outputs else None
-                residues = _residues(results.outputs, row) if per_residue else None
+                pooled, residues = include.record(results.outputs, answered[fresh[digest]])
+                row = Chunk(ids=[], index=[], digests=[], pooled={k: v[None] for k, v in pooled.items()},
+                            residues=None if residues is None else [residues])
             else:
-                answer = earlier[digest]
-                embedding = answer.embeddings[0] if answer.embeddings is not None else None
-                residues = answer.residues[0] if answer.residues is not None else None
-            chunk.ids.append(record.id)
-            chunk.index.append(record.index)
-            chunk.digests.append(digest)
-            if pooled and embedding is not None:
-                pooled_rows.append(embedding)
-            if chunk.residues is not None and residues is not None:
-                chunk.residues.append(residues)
-        if pooled:
-            chunk.embeddings = np.stack(pooled_rows) if pooled_rows else np.zeros((0, 0), np.float32)
+                row = earlier[digest]
+            rows.append(Chunk(ids=[record.id], index=[record.index], digests=[digest], pooled=row.pooled,
+                              residues=row.residues,
+                              sequences=[record.sequence] if row.residues is not None else None))
+        chunk = Chunk.joined(rows)
+        chunk.errors = errors
         return chunk
 
     def _earlier_answers(self, seen: SeenSequences, digests: list[str]) -> dict[str, Chunk]:
@@ -292,11 +305,9 @@ class EncodeJob:
             wanted.setdefault(part, {}).setdefault(row, set()).add(digest)
         found: dict[str, Chunk] = {}
         for part, rows in wanted.items():
-            for row, (stored, pooled, residues) in read_rows(self.work / part_name(part), list(rows)).items():
-                if stored in rows[row]:
-                    found[stored] = Chunk(ids=[], index=[], digests=[stored],
-                                          embeddings=pooled[None] if pooled is not None else None,
-                                          residues=[residues] if residues is not None else None)
+            for row, answer in read_rows(self.work / part_name(part), list(rows)).items():
+                if answer.digests[0] in rows[row]:
+                    found[answer.digests[0]] = answer
         return found
 
     def _seen(self, journal: Journal) -> SeenSequences:
@@ -346,12 +357,6 @@ class EncodeJob:
         else:
             write_parquet(map(read_part, parts), self.output, metadata, dtype)
         shutil.rmtree(self.work)
-
-
-def _residues(outputs: dict[str, np.ndarray], row: int) -> np.ndarray:
-    """Row `row`'s per-residue states: its hidden states where the mask is set (no padding)."""
-    mask = outputs["mask"][row].astype(bool)
-    return outputs["hiddens"][row][mask]
 
 
 def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:

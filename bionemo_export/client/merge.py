@@ -44,8 +44,8 @@ from .jobs import PRECISIONS, JobSummary
 from .records import parse_shard
 
 ROWS_PER_CHUNK = 1024
-Row = tuple[int, str, str, "np.ndarray | None", "np.ndarray | None"]
-"""(index, id, sequence digest, pooled row, per-residue rows) of one record."""
+Row = tuple[int, Chunk]
+"""(index in the input, the record as a chunk of one) of one record."""
 
 
 def merge_shards(shards: Sequence[Path], out: Path) -> JobSummary:
@@ -133,17 +133,12 @@ def _summed(summaries: list[dict[str, Any]], out: Path) -> JobSummary:
 def _rows(path: Path) -> Iterator[Row]:
     for chunk in output_chunks(path, ROWS_PER_CHUNK):
         for row in range(len(chunk)):
-            yield (chunk.index[row], chunk.ids[row], chunk.digests[row],
-                   None if chunk.embeddings is None else chunk.embeddings[row],
-                   None if chunk.residues is None else chunk.residues[row])
+            yield chunk.index[row], chunk.rows([row])
 
 
 def _rechunk(rows: Iterator[Row]) -> Iterator[Chunk]:
     while block := list(itertools.islice(rows, ROWS_PER_CHUNK)):
-        index, ids, digests, pooled, residues = zip(*block, strict=True)
-        yield Chunk(ids=list(ids), index=list(index), digests=list(digests),
-                    embeddings=None if pooled[0] is None else np.stack(pooled),
-                    residues=None if residues[0] is None else list(residues))
+        yield Chunk.joined([record for _, record in block])
 
 
 def _write_directory(chunks: Iterator[Chunk], out: Path, metadata: dict[str, Any], dtype: np.dtype,

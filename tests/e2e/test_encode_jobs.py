@@ -106,6 +106,49 @@ def test_a_job_equals_one_request_per_sequence_in_every_format(server, tmp_path)
     assert manifest["summary"]["residues"] == int(mask.sum())
 
 
+def test_pooled_and_per_residue_outputs_come_from_one_pass_of_the_hiddens_model(server, tmp_path):
+    """--include mean,bos,max,per_tok on esm2nv_hiddens: the mean equals what esm2nv_embeddings answers
+    (the graph's pooling), BOS is the <cls> row of the hidden states, max the maximum over each
+    record's residues, all stored with the ragged residues and sequences, duplicates included
+    (copied from an earlier part). What a model or format cannot hold is refused before anything is sent."""
+    records = _dataset(tmp_path / "in.fasta.gz", 60, seed=5)
+    good = [(i, s) for i, s in records if i != "bad_char"]
+    with RepositoryClient("esm2nv", _url(server)) as client:
+        expected = client.seqs_to_embedding([s for _, s in good])
+        hiddens, mask = client.seqs_to_hidden([s for _, s in good])
+    result = runner.invoke(app, ["client", "encode", "-m", "esm2nv_hiddens", "-i", str(tmp_path / "in.fasta.gz"),
+                                 "--output", str(tmp_path / "all.h5"), "--include", "mean,bos,max,per_tok",
+                                 "--chunk-size", "8", "--triton-url", _url(server)])
+    assert result.exit_code == 3, result.output
+    with _h5(tmp_path / "all.h5") as saved:
+        assert [i.decode() for i in saved["ids"][()]] == [i for i, _ in good]
+        np.testing.assert_allclose(saved["embeddings"][()], expected, atol=1e-5)
+        np.testing.assert_allclose(saved["embeddings_bos"][()], hiddens[:, 0], atol=1e-5)
+        ends = saved["embedding_ptr"][()]
+        values, sequences = saved["embedding"][()], saved["id"][()].tobytes().decode()
+        assert ends[-1] == len(values) and saved["idptr"][-1] == len(sequences) == sum(len(s) for _, s in good)
+        assert json.loads(saved.attrs["fingerprint"])["include"] == "mean,bos,max,per_tok"
+        maxima = saved["embeddings_max"][()]
+    starts = [0, *ends[:-1]]
+    for row, (hidden, valid) in enumerate(zip(hiddens, mask)):
+        own = hidden[valid.astype(bool)]
+        np.testing.assert_allclose(values[starts[row]:ends[row]], own, atol=1e-5)
+        np.testing.assert_allclose(maxima[row], own.max(axis=0), atol=1e-5)
+    assert sequences == "".join(s for _, s in good)
+
+    refused = [(["-m", "esm2nv_embeddings", "--include", "mean,bos", "--output", str(tmp_path / "a.h5")],
+                "esm2nv_embeddings answers mean-pooled embeddings only; ask its N_hiddens sibling"),
+               (["-m", "esm2nv_hiddens", "--output", str(tmp_path / "b.parquet")], "Parquet holds pooled rows"),
+               (["-m", "esm2nv_hiddens", "--include", "mean,per_tok", "--output", str(tmp_path / "c.parquet")],
+                "Parquet holds pooled rows")]
+    for arguments, message in refused:
+        bad = runner.invoke(app, ["client", "encode", "-i", str(tmp_path / "in.fasta.gz"), *arguments,
+                                  "--triton-url", _url(server)])
+        assert bad.exit_code == 1 and message in " ".join(bad.output.split()), bad.output
+    written = {p.name for p in tmp_path.iterdir()}
+    assert not written & {"a.h5", "a.h5.parts", "b.parquet", "b.parquet.parts", "c.parquet", "c.parquet.parts"}
+
+
 def test_a_different_run_is_refused_and_a_finished_one_is_reported_not_redone(server, tmp_path):
     _dataset(tmp_path / "in.fasta.gz", 20)
     job = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "out", chunk_size=8)
@@ -201,10 +244,10 @@ def test_three_shards_merged_equal_the_unsharded_job(server, tmp_path):
     assert merged.exit_code == 3, merged.output  # the bad record: partial, as the whole job
     assert "merged 3 shards: 89 of 90 records answered" in merged.output
     with _h5(tmp_path / "whole.h5") as a, _h5(tmp_path / "merged.h5") as b:
-        for name in ("ids", "index", "sequence_sha256", "per_residue/offsets"):
+        for name in ("ids", "index", "sequence_sha256", "embedding_ptr", "id", "idptr"):
             np.testing.assert_array_equal(b[name][()], a[name][()], err_msg=name)
         # Other batches (a shard's records are batched together): float rounding, no more.
-        np.testing.assert_allclose(b["per_residue/values"][()], a["per_residue/values"][()], atol=1e-5)
+        np.testing.assert_allclose(b["embedding"][()], a["embedding"][()], atol=1e-5)
         assert json.loads(b.attrs["fingerprint"]) == json.loads(a.attrs["fingerprint"])
     assert (tmp_path / "merged.h5.errors.tsv").read_text() == (tmp_path / "whole.h5.errors.tsv").read_text()
     again = runner.invoke(app, [*whole, "--output", str(tmp_path / "merged.h5")])

@@ -84,7 +84,7 @@ def test_per_residue_states_cost_a_window_not_their_size(server, tmp_path):
     states_mb = sum(map(len, proteins)) * WIDTH * 4 / 2**20
     assert many <= 1.10 * some and many - pooled < states_mb / 2, (pooled, some, many, states_mb)
     with _h5(tmp_path / "many.h5") as saved:
-        offsets = saved["per_residue/offsets"][()]
-        last = saved["per_residue/values"][offsets[-2]:offsets[-1]]
+        ends = saved["embedding_ptr"][()]
+        last = saved["embedding"][ends[-2]:ends[-1]]
     assert last.shape == (len(proteins[-1]), WIDTH)  # ragged: the last protein's residues, no padding
     np.testing.assert_array_equal(last[:, 0], list(proteins[-1].encode()))

@@ -28,10 +28,12 @@ RNG = np.random.default_rng(0)
 
 def _chunk(start: int, lengths: list[int], width: int = 4) -> Chunk:
     ids = [f"r{start + i}" for i in range(len(lengths))]
+    sequences = ["".join(RNG.choice(list("ACDEFGHIKLMNPQRSTVWY"), n)) for n in lengths]
     return Chunk(ids=ids, index=list(range(start, start + len(lengths))),
-                 digests=[sequence_digest(i) for i in ids],
-                 embeddings=RNG.standard_normal((len(lengths), width)).astype(np.float32),
-                 residues=[RNG.standard_normal((n, width)).astype(np.float32) for n in lengths])
+                 digests=[sequence_digest(s) for s in sequences],
+                 pooled={"mean": RNG.standard_normal((len(lengths), width)).astype(np.float32),
+                         "max": RNG.standard_normal((len(lengths), width)).astype(np.float32)},
+                 residues=[RNG.standard_normal((n, width)).astype(np.float32) for n in lengths], sequences=sequences)
 
 
 def test_a_part_round_trips_ragged_and_reads_single_rows(tmp_path):
@@ -39,17 +41,18 @@ def test_a_part_round_trips_ragged_and_reads_single_rows(tmp_path):
     write_part(tmp_path / "part.h5", chunk, np.dtype(np.float32))
     back = read_part(tmp_path / "part.h5")
     assert (back.ids, back.index, back.digests) == (chunk.ids, chunk.index, chunk.digests)
-    assert back.embeddings is not None and chunk.embeddings is not None
-    np.testing.assert_array_equal(back.embeddings, chunk.embeddings)
+    assert back.pooled.keys() == {"mean", "max"} and back.sequences == chunk.sequences
+    for pooling, rows in chunk.pooled.items():
+        np.testing.assert_array_equal(back.pooled[pooling], rows)
     assert back.residues is not None and chunk.residues is not None
     for got, want in zip(back.residues, chunk.residues):
         np.testing.assert_array_equal(got, want)
     assert read_digests(tmp_path / "part.h5") == chunk.digests
-    digest, pooled, residues = read_rows(tmp_path / "part.h5", [2])[2]
-    assert digest == chunk.digests[2]
-    assert pooled is not None and residues is not None
-    np.testing.assert_array_equal(residues, chunk.residues[2])
-    np.testing.assert_array_equal(pooled, chunk.embeddings[2])
+    one = read_rows(tmp_path / "part.h5", [2])[2]
+    assert one.digests == [chunk.digests[2]] and one.sequences == [chunk.sequences[2]]  # pyright: ignore[reportOptionalSubscript]
+    assert one.residues is not None
+    np.testing.assert_array_equal(one.residues[0], chunk.residues[2])
+    np.testing.assert_array_equal(one.pooled["max"], chunk.pooled["max"][2:3])
     assert [p.name for p in tmp_path.iterdir()] == ["part.h5"]  # written beside, then renamed
 
 
@@ -63,19 +66,25 @@ def test_parts_merge_into_one_file_without_padding(tmp_path):
                np.dtype(np.float16))
     merged: Any
     with h5py_module().File(tmp_path / "all.h5") as merged:
-        handle: dict = {name: merged[name][()] for name in ("ids", "embeddings", "per_residue/values",
-                                                          "per_residue/offsets")}
+        handle: dict = {name: merged[name][()] for name in ("ids", "embeddings", "embeddings_max", "embedding",
+                                                          "embedding_ptr", "id", "idptr")}
         assert merged.attrs["model"] == "m" and json.loads(merged.attrs["summary"]) == {"records": 5}
+        attributes = {k: merged.attrs[k] for k in ("format", "format-version", "dtype", "dim")}
+    assert attributes == {"format": "embedding", "format-version": "1.0", "dtype": "float16", "dim": 4}
     assert [i.decode() for i in handle["ids"]] == ["r0", "r1", "r2", "r3", "r4"]
-    assert handle["embeddings"].dtype == np.float16 and handle["per_residue/offsets"].tolist() == [0, 3, 4, 6, 12, 13]
+    assert handle["embeddings"].dtype == np.float16 and handle["embedding_ptr"].tolist() == [3, 4, 6, 12, 13]
     every = [r for chunk in chunks for r in chunk.residues or []]
-    np.testing.assert_allclose(handle["per_residue/values"], np.concatenate(every), atol=1e-2)
+    np.testing.assert_allclose(handle["embedding"], np.concatenate(every), atol=1e-2)
+    sequences = [s for chunk in chunks for s in chunk.sequences or []]
+    assert handle["id"].tobytes().decode() == "".join(sequences)
+    assert handle["idptr"].tolist() == np.cumsum([len(s) for s in sequences]).tolist()
 
     write_parquet(map(read_part, parts), tmp_path / "all.parquet", {"model": "m"}, np.dtype(np.float32))
     table = pq.read_table(tmp_path / "all.parquet")
     assert table.column("id").to_pylist() == ["r0", "r1", "r2", "r3", "r4"]
-    np.testing.assert_array_equal(np.array(table.column("embedding").to_pylist(), dtype=np.float32),
-                                  np.concatenate([c.embeddings for c in chunks if c.embeddings is not None]))
+    for column, pooling in (("embedding", "mean"), ("embedding_max", "max")):
+        np.testing.assert_array_equal(np.array(table.column(column).to_pylist(), dtype=np.float32),
+                                      np.concatenate([c.pooled[pooling] for c in chunks]))
     assert json.loads(table.schema.metadata[b"bionemo_export"]) == {"model": "m"}
 
 
@@ -121,7 +130,7 @@ def test_two_sequences_sharing_a_64_bit_key_are_never_taken_for_each_other(tmp_p
     first = sequence_digest("MKT")
     twin = first[:16] + ("0" if first[16] != "0" else "1") + first[17:]  # the same key, another sequence
     write_part(job.work / "part-00000.h5", Chunk(ids=["a"], index=[0], digests=[first],
-                                                 embeddings=np.ones((1, 2), np.float32)), np.dtype(np.float32))
+                                                 pooled={"mean": np.ones((1, 2), np.float32)}), np.dtype(np.float32))
     seen = SeenSequences(tmp_path / "seen.sqlite")
     seen.add(0, [first])
     assert seen.find([twin]) == {twin: (0, 0)}  # a candidate ...

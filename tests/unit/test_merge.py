@@ -41,8 +41,9 @@ def _shard(folder: Path, index: int, count: int, total: int, *, per_residue: boo
         chunk = Chunk(ids=[f"r{i}" for i in rows], index=rows, digests=[f"{i:064x}" for i in rows])
         if per_residue:
             chunk.residues = [np.tile(_row(i), (i % 4 + 1, 1)) for i in rows]
+            chunk.sequences = ["M" * (i % 4 + 1) for i in rows]
         else:
-            chunk.embeddings = np.stack([_row(i) for i in rows])
+            chunk.pooled = {"mean": np.stack([_row(i) for i in rows])}
         write_part(folder / f"part-{number:05d}.h5", chunk, np.dtype(np.float32))
         parts.append((f"part-{number:05d}.h5", len(rows)))
     if errors:
@@ -78,6 +79,7 @@ def test_ragged_per_residue_rows_survive_the_merge(tmp_path):
     merge_shards(shards, tmp_path / "all.h5")
     [chunk] = list(output_chunks(tmp_path / "all.h5"))
     assert chunk.index == list(range(7)) and chunk.residues is not None
+    assert chunk.sequences == ["M" * (i % 4 + 1) for i in range(7)]  # each record's own, in order
     for i, residues in enumerate(chunk.residues):
         np.testing.assert_array_equal(residues, np.tile(_row(i), (i % 4 + 1, 1)))
     # Read back in blocks smaller than the file: the offsets of each block start at its first row.

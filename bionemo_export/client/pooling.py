@@ -1,0 +1,84 @@
+"""What a bulk job stores of each record (`client encode --include`, ESM extract.py's names).
+
+    include = Include.parse("mean,per_tok", outputs={"hiddens", "mask"}, model="esm2nv_hiddens")
+    pooled, residues = include.record(answer, row)
+
+- `mean`: the mean of the residues' states: what an `N_embeddings` model answers (DESIGN.md: its
+  embeddings are the mean of `hiddens` over `mask`), or computed here from an `N_hiddens` answer.
+- `bos`: the state of the BOS/CLS token before the first residue (ESM's `<cls>`, BERT's `[CLS]`;
+  ESM extract.py's `bos`). A model whose rows start with a residue (ProtT5) has none.
+- `max`: the element-wise maximum over the residues' states.
+- `per_tok`: every residue's state, stored ragged (job_files.py).
+
+An `N_embeddings` model answers the mean only; the rest needs the model's `N_hiddens` sibling,
+from whose one answer a job stores any of them at once (pooled and per-residue from one pass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from bionemo_export.errors import InvalidInputError
+
+POOLINGS = ("mean", "bos", "max")
+PER_RESIDUE = "per_tok"
+CHOICES = (*POOLINGS, PER_RESIDUE)
+
+
+@dataclass(frozen=True)
+class Include:
+    """The poolings and whether per-residue states are stored, checked against what the model answers."""
+
+    poolings: tuple[str, ...]
+    per_residue: bool
+    model: str = ""
+
+    @classmethod
+    def parse(cls, text: str | None, outputs: Collection[str], model: str) -> Include:
+        """`text` (comma-separated choices; None: what the model answers, the mean of an `N_embeddings`
+        model or an `N_hiddens` model's per-residue states) for a model answering `outputs`."""
+        per_residue_model = {"hiddens", "mask"} <= set(outputs)
+        if not per_residue_model and "embeddings" not in outputs:
+            raise InvalidInputError(f"--model {model} answers {', '.join(sorted(outputs))}: a bulk job needs an "
+                                    "encoder that answers embeddings (N_embeddings) or hiddens and mask (N_hiddens)")
+        if text is None:
+            return cls(poolings=(), per_residue=True, model=model) if per_residue_model else \
+                cls(poolings=("mean",), per_residue=False, model=model)
+        chosen = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [part for part in chosen if part not in CHOICES]
+        if unknown or not chosen:
+            raise InvalidInputError(f"--include {text!r}: choose among {', '.join(CHOICES)} (comma-separated)")
+        if not per_residue_model and set(chosen) != {"mean"}:
+            raise InvalidInputError(f"--include {text}: {model} answers mean-pooled embeddings only; ask its N_hiddens "
+                                    f"sibling (e.g. {model.removesuffix('_embeddings')}_hiddens) for "
+                                    f"{', '.join(c for c in chosen if c != 'mean')}")
+        return cls(poolings=tuple(p for p in POOLINGS if p in chosen), per_residue=PER_RESIDUE in chosen, model=model)
+
+    def text(self) -> str:
+        """The choices as --include takes them, in a fixed order (the run's fingerprint)."""
+        return ",".join([*self.poolings, *([PER_RESIDUE] if self.per_residue else [])])
+
+    def record(self, outputs: Mapping[str, np.ndarray], row: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """(pooling -> [H], per-residue [L, H] or None) of batch row `row` of an answer."""
+        if "hiddens" not in outputs:  # an N_embeddings model: mean only (checked in parse)
+            return {"mean": outputs["embeddings"][row]}, None
+        states, mask = outputs["hiddens"][row], outputs["mask"][row].astype(bool)
+        residues = states[mask]
+        pooled: dict[str, np.ndarray] = {}
+        for pooling in self.poolings:
+            if pooling == "mean":
+                pooled["mean"] = residues.mean(axis=0, dtype=np.float64).astype(states.dtype)
+            elif pooling == "max":
+                pooled["max"] = residues.max(axis=0)
+            else:
+                pooled["bos"] = self._bos(states, mask)
+        return pooled, residues if self.per_residue else None
+
+    def _bos(self, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        if not len(mask) or mask[0]:
+            raise InvalidInputError(f"--include bos: {self.model}'s rows start with a residue (no BOS/CLS token "
+                                    "before it, as in ProtT5); choose mean or max")
+        return states[0]
