@@ -58,7 +58,8 @@ def encode(
                                          "a busy or dead server's requests are sent again elsewhere)."),
     in_name: str = typer.Option("sequences", help="Name of the model's string input."),
     output: str | None = typer.Option(None, help=OUTPUT_HELP + " A folder, .h5 or .parquet runs a bulk job; "
-                                      "s3://bucket/path/ a bulk job whose folder is kept in object storage."),
+                                      "s3://bucket/path/ (or s3://bucket/path/file.h5, .parquet) a bulk job whose "
+                                      "output is kept in object storage."),
     batch_size: int | None = typer.Option(None, min=1, help=BATCH_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
     stop_on_error: bool = typer.Option(False, help=STOP_HELP),
@@ -284,6 +285,7 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
                 include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
+    from bionemo_export.client.job_files import FORMATS
     from bionemo_export.client.jobs import EncodeJob
     from bionemo_export.client.records import parse_shard
     from bionemo_export.client.server_pool import ServerPool
@@ -309,10 +311,11 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
 
             local_output, mirror = Path(output), None
             if is_s3(output):
-                if Path(output).suffix:
-                    raise InvalidInputError(f"--output {output}: an s3:// output is a folder "
-                                            "(s3://bucket/path/); merge shards into a file with client merge")
-                local_output = local_folder(output)
+                name = output.rstrip("/").rpartition("/")[2]
+                if Path(name).suffix and Path(name).suffix not in FORMATS:
+                    raise InvalidInputError(f"--output {output}: give s3://bucket/path/ (a folder of parts) or "
+                                            f"a file ending in {', '.join(FORMATS)}")
+                local_output = local_folder(output) / name if Path(name).suffix else local_folder(output)
                 mirror = OutputMirror(output, local_output)
                 console.print(f"job folder: {local_output} (mirrored to {output})", highlight=False)
             local_input = fetch_input(input, local_folder(output) / "input") if is_s3(input) else _existing(input)

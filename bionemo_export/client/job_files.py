@@ -247,6 +247,11 @@ def read_metadata(path: Path) -> dict[str, Any] | None:
                                 "another name") from None
 
 
+def work_folder(output: Path) -> Path:
+    """Where a job keeps its parts and journal: a directory output itself, `<output>.parts/` beside a file."""
+    return output if not output.suffix else output.with_name(output.name + ".parts")
+
+
 def metadata_file(output: Path) -> Path:
     """Where a finished output keeps its metadata: a directory's manifest.json, else the file itself."""
     return output / MANIFEST if not output.suffix else output

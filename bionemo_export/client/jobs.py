@@ -54,6 +54,7 @@ from .job_files import (
     read_part,
     read_rows,
     sequence_digest,
+    work_folder,
     write_hdf5,
     write_manifest,
     write_parquet,
@@ -81,11 +82,16 @@ class PartMirror(Protocol):
         """After `part` is recorded in the local journal."""
 
     def finished(self) -> None:
-        """After manifest.json is written: the output is complete."""
+        """After the output is complete: a directory's manifest.json, or the single file, written."""
 
     @property
     def location(self) -> str:
         """Where the copy is, for the job's summary."""
+        ...
+
+    @property
+    def errors_location(self) -> str:
+        """Where the copy's errors file is, for the job's summary."""
         ...
 
 
@@ -173,7 +179,7 @@ class EncodeJob:
     @property
     def work(self) -> Path:
         """The parts and the journal: the output directory itself, or `<output>.parts/` beside a file."""
-        return self.output if self.is_directory else self.output.with_name(self.output.name + ".parts")
+        return work_folder(self.output)
 
     @property
     def errors_path(self) -> Path:
@@ -333,7 +339,7 @@ class EncodeJob:
         summary.errors = len(errors)
         summary.output = self.mirror.location if self.mirror is not None else str(self.output)
         if errors:
-            summary.errors_file = str(self.errors_path)
+            summary.errors_file = self.mirror.errors_location if self.mirror is not None else str(self.errors_path)
             lines = ["id\tline\treason", *(f"{i}\t{line}\t{' '.join(reason.split())}" for i, line, reason in errors)]
             self.errors_path.write_text("\n".join(lines) + "\n")
         summary.residues = sum(entry["residues"] for entry in journal.parts)
@@ -356,6 +362,8 @@ class EncodeJob:
             write_hdf5(map(read_part, parts), self.output, metadata, dtype)
         else:
             write_parquet(map(read_part, parts), self.output, metadata, dtype)
+        if self.mirror is not None:
+            self.mirror.finished()
         shutil.rmtree(self.work)
 
 

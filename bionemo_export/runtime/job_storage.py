@@ -9,11 +9,14 @@ AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION or AWS_PROFILE, as for a repository.
 - An input is downloaded once into the job's local folder and kept while the job runs (a job reads
   its input again from the start when it resumes); it is downloaded again only when the object
   changed (its ETag).
-- An output is a directory output (parts, journal, manifest.json) mirrored to the location: the
-  job runs in a local folder, and each finished part is uploaded before the journal that names
-  it, so the stored journal never names a missing part; manifest.json is uploaded last and marks
-  the output finished. A job that starts where that folder is gone (a rescheduled pod) downloads
-  the stored journal and the parts it names, then resumes after them: exactly once, as on disk.
+- A directory output (parts, journal, manifest.json) is mirrored to the location: the job runs in
+  a local folder, and each finished part is uploaded before the journal that names it, so the
+  stored journal never names a missing part; manifest.json is uploaded last and marks the output
+  finished. A job that starts where that folder is gone (a rescheduled pod) downloads the stored
+  journal and the parts it names, then resumes after them: exactly once, as on disk.
+- A single-file output (s3://bucket/path/proteome.h5 or .parquet) keeps its parts and journal the
+  same way under `<location>.parts/` while it runs; the finished file (and its errors file) is
+  uploaded to the location, which marks it finished, then the stored parts are deleted.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bionemo_export.client.job_files import JOURNAL, MANIFEST
+from bionemo_export.client.job_files import FORMATS, JOURNAL, MANIFEST, errors_file, work_folder
 from bionemo_export.errors import InvalidInputError
 
 JOBS_DIR_ENV = "BIONEMO_EXPORT_JOBS_DIR"
@@ -90,6 +93,16 @@ class S3Folder:
         key = self.location.key(name or path.name)
         self._call(f"upload {path.name}", lambda: self.client.upload_file(str(path), self.location.bucket, key))
 
+    def delete_all(self) -> None:
+        """Every object under the folder (a finished single-file output's parts and journal)."""
+        prefix = self.location.key("")
+        pages = self._call("list the folder", lambda: list(self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.location.bucket, Prefix=prefix)))
+        keys = [{"Key": item["Key"]} for page in pages for item in page.get("Contents", [])]
+        for start in range(0, len(keys), 1000):  # S3's limit a request
+            self._call("delete the stored parts", lambda batch=keys[start:start + 1000]: self.client.delete_objects(
+                Bucket=self.location.bucket, Delete={"Objects": batch, "Quiet": True}))
+
     def etag(self, name: str) -> str:
         head = self._call(f"read {name}", lambda: self.client.head_object(
             Bucket=self.location.bucket, Key=self.location.key(name)))
@@ -130,14 +143,28 @@ def fetch_output(uri: str, folder: Path) -> Path:
 
 
 class OutputMirror:
-    """A directory output kept in a local folder and mirrored to an s3:// location (see the module)."""
+    """A job's output kept in a local folder and mirrored to an s3:// location (see the module):
+    `output` is the job's local output, a directory or a single file named like the location."""
 
-    def __init__(self, uri: str, folder: Path) -> None:
-        self.store, self.folder = S3Folder(uri), folder
+    def __init__(self, uri: str, output: Path) -> None:
+        uri = uri.rstrip("/")
+        parent, _, name = uri.rpartition("/")
+        self.file: tuple[S3Folder, Path] | None = None
+        if Path(name).suffix in FORMATS:  # a single file: its parts under <name>.parts/ meanwhile
+            if output.name != name:
+                raise ValueError(f"the local output {output} is not named like {uri}")
+            self.file = (S3Folder(parent), output)
+            uri = f"{uri}.parts"
+        self.store, self.folder = S3Folder(uri), work_folder(output)
+        self.uri = f"{parent}/{name}" if self.file else f"{uri}/"
 
     @property
     def location(self) -> str:
-        return self.store.uri + "/"
+        return self.uri
+
+    @property
+    def errors_location(self) -> str:
+        return f"{self.uri}.errors.tsv" if self.file else f"{self.uri}{ERRORS}"
 
     def pull(self) -> None:
         """Make the local folder and the location agree on where the job is: a finished output's
@@ -145,7 +172,13 @@ class OutputMirror:
         another machine): its parts are downloaded. The local one (this machine stopped between
         recording a part and uploading it): those parts and the journal are uploaded."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        if self.store.exists(MANIFEST):
+        if self.file is not None:
+            store, output = self.file
+            if store.exists(output.name):  # finished: the job finds it so (and a stop before the clean-up is undone)
+                store.download(output.name, output)
+                self.store.delete_all()
+                return
+        elif self.store.exists(MANIFEST):
             self.store.download(MANIFEST, self.folder / MANIFEST)
             return
         journal = self.folder / JOURNAL
@@ -174,7 +207,15 @@ class OutputMirror:
         self.store.upload(self.folder / JOURNAL)
 
     def finished(self) -> None:
-        """The errors file (if any), then the manifest that marks the output finished."""
+        """The errors file (if any), then what marks the output finished: the manifest, or the single
+        file itself (after which its stored parts go)."""
+        if self.file is not None:
+            store, output = self.file
+            if errors_file(output).is_file():
+                store.upload(errors_file(output))
+            store.upload(output)
+            self.store.delete_all()
+            return
         if (self.folder / ERRORS).is_file():
             self.store.upload(self.folder / ERRORS)
         self.store.upload(self.folder / MANIFEST)

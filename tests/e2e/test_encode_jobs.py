@@ -295,6 +295,35 @@ def test_a_job_in_object_storage_resumes_on_a_fresh_machine(server, tmp_path):
         assert f"wrote {located}/out/" in second.stdout and "resumed after" in second.stdout
         merged = runner.invoke(app, ["client", "merge", f"{located}/out/", "--output", str(tmp_path / "merged.h5")])
         assert merged.exit_code == 3, merged.output
+
+        # A single file in object storage: its parts under out.h5.parts/ while it runs, then the file.
+        single = [*command[:command.index("--output") + 1], f"{located}/single/out.h5",
+                  *command[command.index("--output") + 2:]]
+
+        def stored(prefix: str) -> list[str]:
+            return [item["Key"] for item in store.list_objects_v2(Bucket="jobs", Prefix=prefix).get("Contents", [])]
+
+        first = subprocess.Popen(single, env={**os.environ, "BIONEMO_EXPORT_JOBS_DIR": str(tmp_path / "pod3")},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while len(stored("single/out.h5.parts/part-")) < 3 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before it could be killed"
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        summaries = []
+        for pod in ("pod4", "pod5"):  # resumed on a fresh disk, then found finished on another
+            again = subprocess.run(single, env={**os.environ, "BIONEMO_EXPORT_JOBS_DIR": str(tmp_path / pod)},
+                                   capture_output=True, text=True, timeout=300)
+            assert again.returncode == 3, again.stdout + again.stderr
+            summaries.append(" ".join(again.stdout.split()).partition(")")[2])  # after "job folder: ... (mirrored)"
+        assert "resumed after" in summaries[0] and f"listed in {located}/single/out.h5.errors.tsv" in summaries[0]
+        assert summaries[1] == summaries[0]  # the finished job's own account, nothing sent again
+        assert sorted(stored("single/")) == ["single/out.h5", "single/out.h5.errors.tsv"]  # the parts are gone
+        store.download_file("jobs", "single/out.h5", str(tmp_path / "single.h5"))
+    with _h5(tmp_path / "local.h5") as a, _h5(tmp_path / "single.h5") as b:
+        assert b["ids"][()].tolist() == a["ids"][()].tolist()
+        np.testing.assert_array_equal(b["embeddings"][()], a["embeddings"][()])
     with _h5(tmp_path / "local.h5") as a, _h5(tmp_path / "merged.h5") as b:
         assert b["ids"][()].tolist() == a["ids"][()].tolist()
         np.testing.assert_array_equal(b["embeddings"][()], a["embeddings"][()])
