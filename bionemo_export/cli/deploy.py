@@ -39,6 +39,8 @@ def k8s(
                                             "(shard I in <folder>/shard-I/)."),
     embed_model: str | None = typer.Option(None, help="Embedding Job: the public model its pods call "
                                            "(default: the repository's N_embeddings model)."),
+    embed_include: str | None = typer.Option(None, help="Embedding Job: what its pods store of each record "
+                                             "(client encode --include: mean, bos, max, per_tok)."),
     embed_shards: int = typer.Option(8, help="Embedding Job: its pods (completions), one shard of the input each."),
     embed_parallelism: int | None = typer.Option(None, help="Embedding Job: pods at once (default: 2 per "
                                                  "server replica, at most --embed-shards)."),
@@ -68,7 +70,7 @@ def k8s(
         model = embed_model or next((m for m in facts.public_models if m.endswith("_embeddings")), "")
         assert embed_input is not None and embed_output is not None and client_image is not None  # checked above
         embedding = EmbeddingJobSettings(input=embed_input, output=embed_output, model=model,
-                                         client_image=client_image, shards=embed_shards,
+                                         client_image=client_image, shards=embed_shards, include=embed_include,
                                          parallelism=embed_parallelism)
     settings = DeploySettings(
         name=name or default_name(facts), image=image, replicas=replicas, max_replicas=max_replicas, gpus=gpus,

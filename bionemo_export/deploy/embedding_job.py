@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bionemo_export.choices import DeployTarget
+from bionemo_export.client.pooling import Include
+from bionemo_export.errors import InvalidInputError
 
 from .kubernetes import JOB_FILE, TRITON_PORTS, DeployError, DeploySettings, RepositoryFacts, labels, render
 
@@ -52,6 +54,8 @@ class EmbeddingJobSettings:
     shards: int = 8
     parallelism: int | None = None
     """Pods at once; None: as many as the servers' replicas can keep busy (2 per replica)."""
+    include: str | None = None
+    """What the pods store of each record (client encode --include); None: what the model answers."""
     chunk_size: int = 1024
     in_flight: int = 4
     cpu: str = "1"
@@ -70,6 +74,12 @@ def check_embedding_job(job: EmbeddingJobSettings, repository: RepositoryFacts) 
                           f"{', '.join(repository.public_models) or 'none'})")
     if not job.model.endswith(("_embeddings", "_hiddens")):
         raise DeployError(f"`embed_model` {job.model}: a bulk job embeds; give an N_embeddings or N_hiddens model")
+    if job.include is not None:
+        outputs = {"hiddens", "mask"} if job.model.endswith("_hiddens") else {"embeddings"}
+        try:
+            Include.parse(job.include, outputs, job.model)
+        except InvalidInputError as err:
+            raise DeployError(str(err).replace("--include", "`embed_include`", 1)) from None
     if not job.client_image.strip() or any(c.isspace() for c in job.client_image):
         raise DeployError(f"`client_image` {job.client_image!r}: give an image with bionemo-export[jobs] installed")
     if job.shards < 1 or (job.parallelism is not None and job.parallelism < 1):
@@ -90,7 +100,7 @@ def client_command(job: EmbeddingJobSettings, url: str) -> list[str]:
     return ["bionemo-export", "client", "encode", "--model", job.model, "--input", job.input,
             "--shard", f"$(JOB_INDEX)/{job.shards}", "--output", f"{output}/shard-$(JOB_INDEX)/",
             "--triton-url", url, "--chunk-size", str(job.chunk_size), "--in-flight", str(job.in_flight),
-            "--allow-partial"]
+            "--allow-partial", *(["--include", job.include] if job.include is not None else [])]
 
 
 def embedding_job(settings: DeploySettings, job: EmbeddingJobSettings, target: str) -> dict[str, Any]:

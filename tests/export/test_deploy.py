@@ -358,6 +358,11 @@ def test_the_embedding_job_is_an_indexed_job_against_the_servers_written_beside_
     # Without the embed options, a second run removes the Job it wrote before.
     again = _deploy(repository, tmp_path / "k8s", "--storage-uri", "s3://models/esm2nv", "--target", target)
     assert "embedding-job.yaml" not in again
+    # Pooled and per-residue outputs from the hiddens model: the pods are told what to store.
+    both = _deploy(repository, tmp_path / "k8s", "--storage-uri", "s3://models/esm2nv", "--target", target, *EMBED,
+                   "--embed-model", "esm2nv_hiddens", "--embed-include", "mean,per_tok")
+    (container,) = _one(both, "Job")["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["--include", "mean,per_tok"]
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -367,6 +372,8 @@ def test_the_embedding_job_is_an_indexed_job_against_the_servers_written_beside_
       "esm2nv_encoder"], "--embed-model esm2nv_encoder: not a public model of repo"),
     (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-shards", "0"],
      "--embed-shards 0"),
+    (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-include",
+      "bos"], "--embed-include bos: esm2nv_embeddings answers mean-pooled embeddings only"),
 ])
 def test_bad_embedding_job_options_are_named(repository, options, message):
     _refused([str(repository), "--storage-uri", "s3://b/p", *options], message)
