@@ -197,16 +197,20 @@ def score(
     score_column: str | None = typer.Option(None, help="Name of the added column (default: <method>_score)."),
     triton_url: str = typer.Option("http://localhost:8000", help=URL_HELP),
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
+    chunk_size: int = typer.Option(50_000, min=1, help="Rows read, scored and written at a time; a stopped run "
+                                   "resumes after its last chunk written."),
 ) -> None:
     """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score
     column. The CSV (.gz read directly) is read and written in chunks of 50,000 rows: a saturation
-    scan of a proteome costs the client a chunk's memory, not the file's."""
+    scan of a proteome costs the client a chunk's memory, not the file's. A stopped run (Ctrl-C,
+    kill, a server gone) resumes when the same command is run again, after its last chunk written."""
     from bionemo_export.client.records import read_records
     from bionemo_export.client.repository import RepositoryClient
     from bionemo_export.client.variants import (
         ScoredTableWriter,
         group_by_wild_type,
         iter_variant_tables,
+        score_fingerprint,
         wild_type_of_rows,
     )
 
@@ -217,19 +221,27 @@ def score(
     _check_output(console, output)
     with _reported(ctx, console):
         records = read_records(fasta)
-        tables = iter_variant_tables(variants, column)
+        tables = iter_variant_tables(variants, column, rows=chunk_size)
         first = next(tables)
         with RepositoryClient(model.removesuffix("_scores"), triton_url, in_flight=in_flight) as client, \
-                _progress(0) as advance, \
-                ScoredTableWriter(output, first.header, score_column or f"{method}_score") as writer:
-            for table in itertools.chain([first], tables):
-                wild_types = wild_type_of_rows(table, records, id_column)
-                scores = np.zeros(len(table.rows), dtype=np.float32)
-                listed = table.variants()
-                for wild_type, rows in group_by_wild_type(wild_types).items():
-                    scores[rows] = client.score_variants(wild_type, [listed[i] for i in rows], method,
-                                                         progress=advance)
-                writer.write(table, scores.tolist())
+                _progress(0) as advance:
+            run = score_fingerprint(model, client.client.model_config(model), fasta, variants, method=method,
+                                    column=column, id_column=id_column, score_column=score_column,
+                                    chunk_size=chunk_size)
+            with ScoredTableWriter(output, first.header, score_column or f"{method}_score", run) as writer:
+                if writer.resumed_rows:
+                    console.print(f"resuming after {writer.resumed_rows} rows scored by an earlier run",
+                                  highlight=False)
+                for table in itertools.chain([first], tables):
+                    if writer.skips(table):
+                        continue
+                    wild_types = wild_type_of_rows(table, records, id_column)
+                    scores = np.zeros(len(table.rows), dtype=np.float32)
+                    listed = table.variants()
+                    for wild_type, rows in group_by_wild_type(wild_types).items():
+                        scores[rows] = client.score_variants(wild_type, [listed[i] for i in rows], method,
+                                                             progress=advance)
+                    writer.write(table, scores.tolist())
     console.print(f"wrote {writer.rows} scores ({method}) to {output}", highlight=False)
 
 

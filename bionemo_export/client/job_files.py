@@ -70,6 +70,14 @@ def h5py_module() -> Any:
     return h5py
 
 
+def file_identity(path: Path) -> dict[str, Any]:
+    """What a run's fingerprint records of an input file: its size and the SHA-256 of its first MB
+    (a file replaced or edited under the same name is told apart without reading it all)."""
+    with path.open("rb") as handle:
+        head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
+    return {"bytes": path.stat().st_size, "head_sha256": head}
+
+
 def sequence_digest(sequence: str) -> str:
     return hashlib.sha256(sequence.encode("utf-8")).hexdigest()
 
@@ -298,7 +306,8 @@ def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
 
 
 class Journal:
-    """journal.jsonl: the fingerprint line, then one line per finished part (flushed to disk)."""
+    """journal.jsonl: the fingerprint line, then one line per finished part (flushed to disk); also
+    the journal of a resumable `client score` (variants.py), one line per chunk written."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -329,7 +338,10 @@ class Journal:
                 + "): rerun that run's command to finish it, or give another --output")
 
     def finished(self, part: str, records: int, residues: int, errors: list[tuple[str, int, str]]) -> None:
-        entry = {"part": part, "records": records, "residues": residues, "errors": [list(e) for e in errors]}
+        self.add({"part": part, "records": records, "residues": residues, "errors": [list(e) for e in errors]})
+
+    def add(self, entry: dict[str, Any]) -> None:
+        """One more finished step, on disk (fsynced) before this returns."""
         self._append(entry)
         self.parts.append(entry)
 

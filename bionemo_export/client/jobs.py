@@ -46,6 +46,7 @@ from .job_files import (
     Journal,
     SeenSequences,
     errors_file,
+    file_identity,
     metadata_file,
     parquet_column,
     part_name,
@@ -200,12 +201,10 @@ class EncodeJob:
     def fingerprint(self, client: Inferrer) -> dict[str, Any]:
         """What makes two runs the same run: a resume must match it."""
         config = json.dumps(client.model_config(self.model), sort_keys=True)
-        stat = self.input.stat()
-        with self.input.open("rb") as handle:
-            head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
+        identity = file_identity(self.input)
         return {"model": self.model, "model_config_sha256": hashlib.sha256(config.encode()).hexdigest(),
-                "input": self.source or str(self.input.resolve()), "input_bytes": stat.st_size,
-                "input_head_sha256": head,
+                "input": self.source or str(self.input.resolve()), "input_bytes": identity["bytes"],
+                "input_head_sha256": identity["head_sha256"],
                 "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
                 "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
                 "id_column": self.id_column, "include": self.stored(client).text()}

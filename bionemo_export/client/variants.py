@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
+import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bionemo_export.errors import InvalidInputError
 
+from .job_files import Journal, file_identity
 from .records import Record
 
 
@@ -121,27 +126,62 @@ def group_by_wild_type(wild_types: list[str]) -> dict[str, list[int]]:
 
 class ScoredTableWriter:
     """The scored CSV, written as its chunks are scored: the input's columns with `score_column`
-    added (or replaced), through a temporary file renamed into place at the end (a failed run
-    leaves no half-written table).
+    added (or replaced), through a temporary file renamed into place at the end (never a
+    half-written table under the output's name).
 
-        with ScoredTableWriter(out, header, "wt-marginal_score") as writer:
+        with ScoredTableWriter(out, header, "wt-marginal_score", fingerprint=run) as writer:
             for table in iter_variant_tables(path):
+                if writer.skips(table):
+                    continue
                 writer.write(table, scores_of(table))
+
+    With a `fingerprint` (what makes two runs the same run) the writer is resumable: each chunk
+    written is recorded in a journal beside the output (`.<name>.journal.jsonl`: the rows done and
+    the temporary file's length then, after an fsync), a stopped run keeps both, and the same run
+    started again cuts the temporary file back to the last recorded chunk and skips the rows
+    before it (`skips`): every row once, as in an uninterrupted run. Another run's journal is
+    refused, naming what differs. Without one, a failed run removes its temporary file.
     """
 
-    def __init__(self, out: Path, header: list[str], score_column: str) -> None:
+    def __init__(self, out: Path, header: list[str], score_column: str,
+                 fingerprint: dict[str, Any] | None = None) -> None:
         self.out = Path(out)
         self.partial = self.out.with_name(f".{self.out.name}.partial")
+        self.journal_path = self.out.with_name(f".{self.out.name}.journal.jsonl")
+        self.fingerprint = fingerprint
         self.replace = score_column in header
         self.index = header.index(score_column) if self.replace else len(header)
         self.header = list(header) if self.replace else [*header, score_column]
         self.rows = 0
+        self.resumed_rows = 0
+        """Rows an earlier run of the same command had written."""
+        self._seen = 0
 
     def __enter__(self) -> ScoredTableWriter:
-        self._handle = self.partial.open("w", newline="", encoding="utf-8")
-        self._writer = csv.writer(self._handle)
-        self._writer.writerow(self.header)
+        journal = None
+        if self.fingerprint is not None:
+            if not self.partial.is_file():
+                self.journal_path.unlink(missing_ok=True)  # a journal without its table: start afresh
+            journal = Journal(self.journal_path)
+            journal.start(self.fingerprint)
+        done = journal.parts[-1] if journal is not None and journal.parts else None
+        if done is not None:
+            with self.partial.open("r+b") as handle:
+                handle.truncate(done["bytes"])  # what a stopped run wrote after its last recorded chunk
+            self.rows = self.resumed_rows = done["rows"]
+            self._handle = self.partial.open("a", newline="", encoding="utf-8")
+            self._writer = csv.writer(self._handle)
+        else:
+            self._handle = self.partial.open("w", newline="", encoding="utf-8")
+            self._writer = csv.writer(self._handle)
+            self._writer.writerow(self.header)
+        self._journal = journal
         return self
+
+    def skips(self, table: VariantTable) -> bool:
+        """Whether `table` (the next chunk of the input, in order) was written by an earlier run."""
+        self._seen += len(table.rows)
+        return self._seen <= self.resumed_rows
 
     def write(self, table: VariantTable, scores: Sequence[float]) -> None:
         if len(scores) != len(table.rows):
@@ -155,13 +195,29 @@ class ScoredTableWriter:
                 row.append(text)
             self._writer.writerow(row)
         self.rows += len(table.rows)
+        if self._journal is not None:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._journal.add({"rows": self.rows, "bytes": os.fstat(self._handle.fileno()).st_size})
 
     def __exit__(self, kind: object, error: object, traceback: object) -> None:
         self._handle.close()
         if kind is None:
             self.partial.replace(self.out)
-        else:
+            self.journal_path.unlink(missing_ok=True)
+        elif self._journal is None:
             self.partial.unlink(missing_ok=True)
+
+
+def score_fingerprint(model: str, model_config: dict[str, Any], fasta: Path, variants: Path, **options: Any
+                      ) -> dict[str, Any]:
+    """What makes two `client score` runs the same run (a resume must match it): the model and its
+    served configuration, both input files and the options (the chunk size among them)."""
+    config = json.dumps(model_config, sort_keys=True).encode()
+    table = {f"variants_{key}": value for key, value in file_identity(Path(variants)).items()}
+    return {"model": model, "model_config_sha256": hashlib.sha256(config).hexdigest(),
+            "fasta": str(Path(fasta).resolve()), "fasta_sha256": hashlib.sha256(Path(fasta).read_bytes()).hexdigest(),
+            "variants": str(Path(variants).resolve()), **table, **options}
 
 
 def write_scored_table(table: VariantTable, scores: list[float], out: Path, score_column: str) -> Path:

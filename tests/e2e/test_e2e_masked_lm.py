@@ -198,7 +198,7 @@ def test_client_encode_of_the_logits_model_names_the_alphabet(served, tmp_path):
     assert document["mask"][0] == [False] + [True] * 5 + [False]
 
 
-def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path, monkeypatch):
+def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path):
     """`client score` over a gzipped ProteinGym-style CSV naming two wild types, read and written in
     chunks (5 rows here): every row's score equals the brute-force reference, other columns kept."""
     import csv
@@ -207,7 +207,6 @@ def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path, mo
     from typer.testing import CliRunner
 
     from bionemo_export.cli.main import app
-    from bionemo_export.client import variants
 
     _, reference, client = served
     other = "GVSEKLMNPQ"
@@ -217,9 +216,9 @@ def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path, mo
     with gzip.open(tmp_path / "dms.csv.gz", "wt", newline="", encoding="utf-8") as handle:
         csv.writer(handle).writerows([["mutant", "protein", "DMS_score"], *[[m, p, str(i)] for i, (m, p) in
                                                                              enumerate(rows)]])
-    monkeypatch.setattr(variants, "ROWS_PER_CHUNK", 5)
     result = CliRunner().invoke(app, ["client", "score", "-m", f"{NAME}_scores", "--fasta", str(tmp_path / "wt.fasta"),
                                       "--variants", str(tmp_path / "dms.csv.gz"), "--id-column", "protein",
+                                      "--chunk-size", "5",
                                       "--output", str(tmp_path / "scored.csv"), "--triton-url", str(client.client.url)])
     assert result.exit_code == 0, result.output
     assert "wrote 18 scores (wt-marginal)" in result.output
@@ -229,3 +228,46 @@ def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path, mo
     sequences = {"wt": WILD_TYPE, "other": other}
     expected = [brute_force(reference, sequences[p], [m], "wt-marginal")[0] for m, p in rows]
     np.testing.assert_allclose([float(r["wt-marginal_score"]) for r in written], expected, atol=1e-4)
+
+
+def test_client_score_killed_mid_table_resumes_to_the_uninterrupted_result(served, tmp_path):
+    """A saturation scan scored by a client process killed with SIGKILL after a few chunks: the same
+    command again resumes after the last chunk written, and the table equals an uninterrupted run's."""
+    import csv
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _, _, client = served
+    (tmp_path / "wt.fasta").write_text(f">wt\n{WILD_TYPE}\n")
+    scan = [f"{wt}{position}{aa}" for position, wt in enumerate(WILD_TYPE, start=1) for aa in "ACDEFGHIKLMNPQRSTVWY"]
+    with (tmp_path / "scan.csv").open("w", newline="") as handle:
+        csv.writer(handle).writerows([["mutant", "DMS_score"], *[[m, str(i)] for i, m in enumerate(scan)]])
+
+    def command(out: str) -> list[str]:
+        return [sys.executable, "-m", "bionemo_export.cli.main", "client", "score", "-m", f"{NAME}_scores",
+                "--fasta", str(tmp_path / "wt.fasta"), "--variants", str(tmp_path / "scan.csv"), "--method",
+                "masked-marginal", "--chunk-size", "11", "--output", str(tmp_path / out), "--triton-url",
+                str(client.client.url)]
+
+    subprocess.run(command("whole.csv"), check=True, capture_output=True, timeout=300)
+    journal = tmp_path / ".killed.csv.journal.jsonl"
+    first = subprocess.Popen(command("killed.csv"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while (not journal.is_file() or len(journal.read_text().splitlines()) < 4) and first.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first.poll() is None, "the first run ended before it could be killed"
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    assert not (tmp_path / "killed.csv").exists()
+    again = subprocess.run(command("killed.csv"), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resuming after" in again.stdout and f"wrote {len(scan)} scores" in again.stdout
+    whole = list(csv.reader((tmp_path / "whole.csv").open(newline="")))
+    resumed = list(csv.reader((tmp_path / "killed.csv").open(newline="")))
+    assert [row[:2] for row in resumed] == [row[:2] for row in whole]  # every row once, in order
+    np.testing.assert_allclose([float(r[2]) for r in resumed[1:]], [float(r[2]) for r in whole[1:]], atol=1e-6)
+    assert not journal.exists()

@@ -92,3 +92,43 @@ def test_a_table_is_read_and_written_in_chunks_with_its_lines_named(tmp_path):
     with pytest.raises(ValueError, match="no score"), ScoredTableWriter(tmp_path / "failed.csv", ["mutant"], "s"):
         raise ValueError("no score")
     assert not (tmp_path / "failed.csv").exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_a_stopped_scored_table_resumes_to_what_one_run_writes(tmp_path):
+    """With a fingerprint the writer journals each chunk; a run stopped mid-chunk (half its rows
+    written, half a journal line) resumes after the last recorded chunk and ends byte for byte as
+    the uninterrupted run; another run's journal is refused, naming what differs."""
+    from bionemo_export.client.variants import ScoredTableWriter, iter_variant_tables
+
+    _csv(tmp_path / "dms.csv", [["mutant", "DMS_score"], *[[f"M1{'ACDEFGHIKL'[i % 10]}", str(i)] for i in range(25)]])
+    chunks = list(iter_variant_tables(tmp_path / "dms.csv", rows=10))
+    run = {"model": "m_scores", "variants": "dms.csv"}
+
+    def scores(chunk):
+        return [float(row[1]) / 3 for row in chunk.rows]
+
+    with ScoredTableWriter(tmp_path / "whole.csv", chunks[0].header, "score", dict(run)) as writer:
+        for chunk in chunks:
+            writer.write(chunk, scores(chunk))
+    assert not list(tmp_path.glob(".whole.csv.*"))  # finished: no journal, no temporary file left
+
+    with pytest.raises(KeyboardInterrupt), ScoredTableWriter(tmp_path / "out.csv", chunks[0].header, "score",
+                                                             dict(run)) as writer:
+        writer.write(chunks[0], scores(chunks[0]))
+        writer._handle.write("M1A,10,3.33\nM1C,1")  # the next chunk, cut off by the stop
+        writer._handle.flush()
+        with writer.journal_path.open("a") as journal:
+            journal.write('{"rows": 2')
+        raise KeyboardInterrupt
+    assert not (tmp_path / "out.csv").exists() and writer.partial.is_file()
+
+    with pytest.raises(ValueError, match=r"journal of another run \(its model differ: model was 'm_scores', now 'x'"), \
+            ScoredTableWriter(tmp_path / "out.csv", chunks[0].header, "score", {**run, "model": "x"}):
+        pass
+    with ScoredTableWriter(tmp_path / "out.csv", chunks[0].header, "score", dict(run)) as again:
+        assert again.resumed_rows == 10
+        for chunk in chunks:
+            if not again.skips(chunk):
+                again.write(chunk, scores(chunk))
+    assert again.rows == 25
+    assert (tmp_path / "out.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
