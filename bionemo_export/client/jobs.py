@@ -106,6 +106,7 @@ class JobSummary:
     sent: int = 0
     """Sequences sent to the server: duplicates are sent once."""
     residues: int = 0
+    """Residues (sequence characters) of the records answered."""
     errors: int = 0
     busy_retries: int = 0
     """Requests sent again after a server turned them away for load (ServerPool)."""
@@ -233,7 +234,8 @@ class EncodeJob:
             chunk = self._answer(client, chunk_records, seen, summary, include)
             name = part_name(number)
             write_part(self.work / name, chunk, PRECISIONS[self.precision])
-            residues = sum(len(r) for r in chunk.residues) if chunk.residues is not None else 0
+            refused = {(error[0], error[1]) for error in chunk.errors}
+            residues = sum(len(r.sequence) for r in chunk_records if (r.id, r.line) not in refused)
             journal.finished(name, len(chunk), residues, chunk.errors)
             if self.mirror is not None:
                 self.mirror.part_finished(self.work / name)

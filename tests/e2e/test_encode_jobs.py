@@ -83,6 +83,7 @@ def test_a_job_equals_one_request_per_sequence_in_every_format(server, tmp_path)
         summary = json.loads(saved.attrs["summary"])
     repeats = len(records) - len({s for _, s in records})
     assert repeats > 5 and summary["sent"] == len(records) - repeats  # each repeated sequence sent once
+    assert summary["residues"] == sum(len(s) for _, s in good)  # of the records answered, pooled or not
 
     parquet = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "-i", str(tmp_path / "in.fasta.gz"),
                                   "--output", str(tmp_path / "out.parquet"), "--precision", "fp16",
