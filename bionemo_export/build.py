@@ -34,6 +34,7 @@ from bionemo_export.generation.reference import decoder_check_batches
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
 from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
 from bionemo_export.model_repository.consistency import check_repository
+from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
@@ -42,7 +43,7 @@ from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
-from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, seq2seq_graph_specs
 from bionemo_export.serving.host import NO_VNNI_FOLDER
 from bionemo_export.tasks import TASKS, Graph, Requirement, get_task, planned_by
 
@@ -56,7 +57,7 @@ class BuildError(UserError, RuntimeError):
 
 # BuildInterrupted and remove_stale_builds are build_staging's, named here too for a build's callers.
 __all__ = ["BuildError", "BuildInterrupted", "BuildRequest", "BuildResult", "build_repository", "remove_stale_builds",
-           "resolve_backend", "servable_tasks"]
+           "resolve_backend", "servable_tasks", "unserved_tasks"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class BuildRequest:
     name: str
     out: Path
     tasks: tuple[str, ...] | None = None
-    """Public tasks to serve; None: every task the family supports."""
+    """Public tasks to serve; None: every task the family serves by default (`Task.by_default`)."""
     exporter: str = Exporter.TORCH
     backend: str = AUTO
     """A serving backend's name (model_repository/backends.py), or auto: `resolve_backend`."""
@@ -139,8 +140,9 @@ def _check_out(out: Path) -> None:
 
 
 def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
-    """The tasks to serve: those asked for, which the family must serve, or all it serves."""
-    tasks = tasks or family.tasks
+    """The tasks to serve: those asked for, which the family must serve, or all it serves by
+    default (a task entry's `by_default`)."""
+    tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default)
     for task in tasks:
         try:
             get_task(task)
@@ -279,6 +281,11 @@ MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
         lambda loaded, names: f"{loaded.checkpoint} has no fine-tuned head (it is not a *ForSequenceClassification "
                               f"or *ForTokenClassification checkpoint): it cannot serve {', '.join(names)}; build "
                               f"{_other_tasks(loaded)} from it, or give a fine-tuned checkpoint"),
+    Requirement.CONTACT_HEAD: (
+        lambda loaded, names: f"{loaded.checkpoint} has no contact head (no contact_head.regression weights: "
+                              f"a Hugging Face EsmModel or EsmForMaskedLM directory carries it; .nemo, NeMo 2 and "
+                              f"nv_esm checkpoints do not): it cannot serve {', '.join(names)}; build "
+                              f"{_other_tasks(loaded)} from it, or give a checkpoint with the head"),
     Requirement.ONE_CHARACTER_RESIDUES: (
         lambda loaded, names: f"{loaded.checkpoint}: {', '.join(names)} need one character per residue and a mask "
                               f"token; this model's alphabet is {', '.join(loaded.alphabet[:8])}...: build logits "
@@ -286,6 +293,17 @@ MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
 }
 """What a build asked for tasks whose requirements the checkpoint lacks says (LoadedModel.carries);
 checked in this order, the first missing requirement naming the tasks that need it."""
+
+
+def unserved_tasks(loaded: LoadedModel, tasks: tuple[str, ...]) -> dict[str, str]:
+    """Those of `tasks` this checkpoint cannot serve, each with why (MISSING's message for the first
+    requirement it lacks): what `inspect` reports."""
+    why: dict[str, str] = {}
+    for requirement, missing in MISSING.items():
+        needing = [t for t in tasks if requirement in get_task(t).requires and t not in why]
+        if needing and not loaded.carries(requirement):
+            why.update({task: missing(loaded, needing) for task in needing})
+    return {task: why[task] for task in tasks if task in why}
 
 
 def servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> tuple[str, ...]:
@@ -375,6 +393,11 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
                                                         loaded.lm_head_outputs, lm_head_check_batches(loaded))),
     Graph.CLASSIFIER: GraphExport(lambda loaded, batches: (loaded.classifier, loaded.lm_head_inputs,
                                                            loaded.classifier_outputs, lm_head_check_batches(loaded))),
+    # The encoder again with every layer's attention probabilities (eager attention): a graph of its
+    # own, so the encoder's graph keeps its fused attention. Its output is [B, T-2, T-2] residue
+    # pairs, compared whole (padding rows hold the head's answer to zeroed features, in both).
+    Graph.CONTACTS: GraphExport(lambda loaded, batches: (loaded.contacts, CONTACT_INPUTS, CONTACT_OUTPUTS, batches),
+                                mask_input=""),
 }
 """How each graph a task entry names is exported, in the order a build exports them."""
 
@@ -521,9 +544,18 @@ def _plan_classifier(request: BuildRequest, loaded: LoadedModel, tasks: tuple[st
         max_length=loaded.tokenizer.max_length, family=loaded.family.name)
 
 
+def _plan_contacts(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                   graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    tokenizer = loaded.tokenizer
+    return plan_contact_models(request.name, family=loaded.family.name, tokenizer=tokenizer, tasks=tasks,
+                               options=serving, graph=ContactGraph(graphs["contacts"].files,
+                                                                   layers=loaded.description.get("layers", 0),
+                                                                   heads=loaded.description.get("heads", 0)))
+
+
 Planner = Callable[[BuildRequest, LoadedModel, tuple[str, ...], ServingOptions, dict[str, ExportedGraph]],
                    list[ModelPlan]]
 PLANNERS: dict[str, Planner] = {"encoder": _plan_encoder, "seq2seq": _plan_seq2seq, "masked_lm": _plan_masked_lm,
-                                "classifier": _plan_classifier}
+                                "classifier": _plan_classifier, "contacts": _plan_contacts}
 """Each task entry's `planner` by name: the function that plans its models from the exported
 graphs (model_repository/). encoder or seq2seq plans the repository; the others add to it."""

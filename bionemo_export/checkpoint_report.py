@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bionemo_export.build import servable_tasks
+from bionemo_export.build import servable_tasks, unserved_tasks
 from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, get_family, infer_family
 from bionemo_export.models.readers import READERS, Checkpoint, CheckpointError, read_checkpoint
 from bionemo_export.models.readers.base import KeyMismatchError
+from bionemo_export.tasks import get_task
 
 MOST_LISTED = 12
 """Keys listed per group on screen (--json lists them all)."""
@@ -38,6 +39,10 @@ class CheckpointReport:
     keys: dict[str, Any] = field(default_factory=dict)
     heads: dict[str, Any] = field(default_factory=dict)
     tasks: list[str] = field(default_factory=list)
+    on_request: list[str] = field(default_factory=list)
+    """Tasks it can serve that a build serves only when `--tasks` names them (Task.by_default)."""
+    not_served: dict[str, str] = field(default_factory=dict)
+    """The family's tasks this checkpoint cannot serve, with why (what it lacks)."""
     problems: list[str] = field(default_factory=list)
     command: str | None = None
 
@@ -77,6 +82,10 @@ class CheckpointReport:
         if self.heads:
             lines.append("heads       " + ", ".join(f"{k} {v}" for k, v in self.heads.items()))
         lines.append(f"tasks       {', '.join(self.tasks) if self.tasks else '(none: see the problems)'}")
+        if self.on_request:
+            lines.append(f"            and when --tasks names them: {', '.join(self.on_request)}")
+        for why in dict.fromkeys(self.not_served.values()):
+            lines.append(f"not served  {why}")
         for problem in self.problems:
             lines.append(f"problem     {problem}")
         if self.command:
@@ -132,7 +141,10 @@ def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | 
         report.problems.append(str(err))
         return report
     _describe_model(report, loaded)
-    report.tasks = list(servable_tasks(loaded, reader.tasks, asked=False))
+    servable = servable_tasks(loaded, reader.tasks, asked=False)
+    report.tasks = [task for task in servable if get_task(task).by_default]
+    report.on_request = [task for task in servable if not get_task(task).by_default]
+    report.not_served = unserved_tasks(loaded, reader.tasks)
     command = ["bionemo-export", "build", "repo", "--checkpoint", str(path), "--model", name,
                "--name", name, "--out", f"{name}_repository"]
     report.command = shlex.join(command)
@@ -160,7 +172,8 @@ def _family_of(checkpoint: Checkpoint) -> str | None:
 
 
 def _describe_keys(report: CheckpointReport, checkpoint: Checkpoint, description: ModelDescription) -> None:
-    heads = [head.weights for head in (description.lm_head, description.classifier) if head is not None]
+    heads = [head.weights for head in (description.lm_head, description.classifier, description.contact_head)
+             if head is not None]
     report.keys = {
         "stored": len(checkpoint.weights) + len(checkpoint.skipped),
         "mapped": len(description.state_dict) + sum(len(weights) for weights in heads),
@@ -180,6 +193,7 @@ def _describe_model(report: CheckpointReport, loaded: LoadedModel) -> None:
                         "max tokens": tokenizer.max_length,
                         "specials": " ".join(t for t in (tokenizer.bos_token, tokenizer.eos_token) if t) or "none"}
     report.heads = {"masked-LM": "yes" if loaded.lm_head is not None else "no",
+                    "contact": "yes" if loaded.contacts is not None else "no",
                     "fine-tuned": (f"{loaded.classifier.num_labels} labels"
                                    f"{' per residue' if loaded.classifier.per_token else ''}"
                                    if loaded.classifier is not None else "no"),

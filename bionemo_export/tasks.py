@@ -37,6 +37,8 @@ class Requirement(str, Enum):
     """An alphabet of one character per residue and a mask token (LoadedModel.serves_scores)."""
     CLASSIFIER = "classifier"
     """A fine-tuned head (LoadedModel.classifier)."""
+    CONTACT_HEAD = "contact_head"
+    """ESM's contact head over every layer's attention (LoadedModel.contacts)."""
 
 
 class Graph(str, Enum):
@@ -47,6 +49,9 @@ class Graph(str, Enum):
     DECODER_STEP = "decoder_step"
     LM_HEAD = "lm_head"
     CLASSIFIER = "classifier"
+    CONTACTS = "contacts"
+    """The encoder again, with every layer's attention probabilities into the contact head: only
+    this graph computes them (the encoder graph keeps its fused attention)."""
 
 
 class Instances(str, Enum):
@@ -106,6 +111,9 @@ class Task:
     client_method: str = ""
     """The `RepositoryClient` method that asks it (client/repository.py); "" where only the generic
     `RepositoryClient.ask` does."""
+    by_default: bool = True
+    """Built when a build names no tasks (`--tasks` left out); False: only when named (a task whose
+    graph costs the repository a second copy of the weights: contacts)."""
     notes: tuple[str, ...] = field(default=())
     """Further lines of documentation (under the task on the docs site's Served API page)."""
 
@@ -220,6 +228,23 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          notes=("Token heads (*ForTokenClassification) answer `logits` [-1, C], `mask` BOOL [-1] and `label` "
                 "[-1]; the label names are the config's `labels` parameter (a JSON list), its problem type "
                 "`problem_type`.",)),
+    Task("contacts", "residue-residue contact probabilities: ESM's contact head over the attention of every layer",
+         (SEQUENCES,),
+         (TensorSpec("contacts", DType.FP32, (-1, -1), doc="[L, L] symmetric probabilities, row and column i the "
+                     "sequence's residue i; a request of several sequences is padded to its longest with 0"),
+          TensorSpec("mask", DType.BOOL, (-1,), doc="True on the sequence's L residues (the rows and columns of "
+                     "contacts that are its own)")),
+         role="contacts", planner="contacts", check="contacts", graphs=(Graph.CONTACTS,),
+         requires=(Requirement.CONTACT_HEAD,), role_defaults=RoleDefaults(Instances.ONE, batched=True),
+         client_method="predict_contacts", by_default=False,
+         notes=("Built only when named (`--tasks ...,contacts`): its graph holds a second copy of every weight of "
+                "the encoder, doubling the repository's size.",
+                "transformers' `EsmForMaskedLM.predict_contacts` / `EsmModel.predict_contacts`, computed by its own "
+                "graph (`N_contact_graph`, the encoder run again with every layer's attention probabilities); the "
+                "embeddings and hiddens graphs are not changed by it.",
+                "A sequence longer than the config's `max_residues` parameter (default: the model's limit, 1022 "
+                "for ESM-2) is refused with INVALID_ARGUMENT naming its length and the limit; the work grows with "
+                "L^2 x layers x heads. A graph call holds at most `pair_budget` token pairs (rows x T^2).")),
 )}
 """Every served task by name, in the order the docs list them."""
 
@@ -248,7 +273,8 @@ def task_of(model: str) -> Task | None:
 REQUIREMENTS = {Requirement.ENCODER: "every family", Requirement.DECODER: "encoder-decoder families (MegaMolBART)",
                 Requirement.LM_HEAD: "checkpoints with a masked-LM head",
                 Requirement.ONE_CHARACTER_RESIDUES: "checkpoints with one character per residue and a mask token",
-                Requirement.CLASSIFIER: "checkpoints with a fine-tuned head"}
+                Requirement.CLASSIFIER: "checkpoints with a fine-tuned head",
+                Requirement.CONTACT_HEAD: "ESM checkpoints with a contact head"}
 """What `Task.requires` means, as the served-API table says it."""
 
 

@@ -32,7 +32,8 @@ def repo(
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
     tasks: str | None = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that "
-                                     "the checkpoint can: logits and scores need a masked-LM head)."),
+                                     "the checkpoint can: logits and scores need a masked-LM head; contacts, "
+                                     "ESM's contact head, only when named)."),
     backend: BackendChoice = typer.Option(AUTO, help=backend_help()),
     device: Device | None = typer.Option(ServingOptions.device, help=device_help()),
     exporter: Exporter = typer.Option(Exporter.TORCH, help="ONNX exporter: torch (torch.onnx) or navigator (Triton "
@@ -161,12 +162,21 @@ def families() -> None:
     from bionemo_export.models import REGISTRY
     from bionemo_export.tasks import Requirement, get_task
 
+    def described(name: str) -> str:
+        """The task with what it needs beyond an encoder ("with a masked-LM head"), and "when
+        named" for a task a build leaves out unless --tasks names it."""
+        task = get_task(name)
+        needs = [FAMILY_REQUIREMENTS[r] for r in task.requires if r in FAMILY_REQUIREMENTS]
+        notes = ([", ".join(needs)] if needs else []) + ([] if task.by_default else ["when named"])
+        return f"{name} ({'; '.join(notes)})" if notes else name
+
+    FAMILY_REQUIREMENTS = {Requirement.LM_HEAD: "with a masked-LM head", Requirement.CLASSIFIER: "with a fine-tuned head",
+                           Requirement.CONTACT_HEAD: "with the contact head"}
     table = Table()
     for column in ("family", "checkpoint forms", "tasks", "description"):
         table.add_column(column)
     for family_name in sorted(REGISTRY):
         family = REGISTRY[family_name]
-        tasks = [f"{t} (with a masked-LM head)" if Requirement.LM_HEAD in get_task(t).requires else t
-                 for t in family.tasks]
+        tasks = [described(t) for t in family.tasks]
         table.add_row(family_name, ", ".join(family.forms()), ", ".join(tasks), family.description)
     Console().print(table)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
 
     from bionemo_export.models.classifier import ClassifierHead, ClassifierWeights
+    from bionemo_export.models.contact_head import ContactWeights
     from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
     from bionemo_export.tokenizers.protocol import DecodingTokenizer, Tokenizer
@@ -64,6 +65,13 @@ def classifier_outputs(num_labels: int, per_token: bool) -> tuple[TensorSpec, ..
     """The fine-tuned head graph's output (its input is the encoder's `hiddens`)."""
     axes = ("batch", "length", num_labels) if per_token else ("batch", num_labels)
     return (TensorSpec("logits", DType.FP32, axes),)
+
+
+CONTACT_INPUTS: tuple[TensorSpec, ...] = ENCODER_INPUTS[:2]
+"""The contacts graph's inputs: the encoder's token inputs (its residues are positions 1..L)."""
+CONTACT_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec("contacts", DType.FP32, ("batch", "residues", "residues")),)
+"""The contacts graph's output: [B, T-2, T-2], row and column i the sequence's residue i
+(models/contact_head.py)."""
 
 
 def lm_head_outputs(alphabet_size: int) -> tuple[TensorSpec, ...]:
@@ -127,6 +135,10 @@ class LoadedModel:
     *ForTokenClassification), None when the checkpoint has none: forward(hiddens FP32 [B, L, H]) ->
     logits FP32 [B, C] (sequence heads) or [B, L, C] (`per_token`); `labels` (C names),
     `problem_type`; eval mode, fp32."""
+    contacts: torch.nn.Module | None = None
+    """ESM's contact head over the attention of every layer (models/contact_head.py), None when the
+    checkpoint has none: forward(input_ids, attention_mask INT64 [B, T]) -> contacts FP32
+    [B, T-2, T-2]; eval mode, fp32."""
 
     @property
     def serves_scores(self) -> bool:
@@ -140,7 +152,8 @@ class LoadedModel:
         return {Requirement.ENCODER: True, Requirement.DECODER: self.seq2seq is not None,
                 Requirement.LM_HEAD: self.lm_head is not None,
                 Requirement.ONE_CHARACTER_RESIDUES: self.serves_scores,
-                Requirement.CLASSIFIER: getattr(self, "classifier", None) is not None}[requirement]
+                Requirement.CLASSIFIER: getattr(self, "classifier", None) is not None,
+                Requirement.CONTACT_HEAD: getattr(self, "contacts", None) is not None}[requirement]
 
     def servable(self, tasks: Collection[str] | None = None) -> tuple[str, ...]:
         """Those of `tasks` (default: every task of the table) whose requirements it carries, in the
@@ -200,6 +213,8 @@ class ModelDescription:
     """The checkpoint's masked-LM head, None when it has none (models/lm_head.py)."""
     classifier: ClassifierWeights | None = None
     """The checkpoint's fine-tuned head, None when it has none (models/classifier.py)."""
+    contact_head: ContactWeights | None = None
+    """The checkpoint's contact head, None when it has none (models/contact_head.py)."""
     left_out: dict[str, str] = field(default_factory=dict)
     """Stored tensors the family does not use, with why (`leave_out`): heads it does not serve,
     copies of shared tensors, tables it computes from the config. `inspect` reports them."""

@@ -31,6 +31,7 @@ from bionemo_export.models.classifier import (
     config_labels,
     split_classifier,
 )
+from bionemo_export.models.contact_head import ContactPredictor, build_contact_predictor, split_contact_head
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head, split_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.base import KeyMismatchError, describe_checkpoint
@@ -101,12 +102,14 @@ class EncoderFamily(ModelFamily):
         classifier = None
         if description.classifier is not None:
             classifier = build_classifier(description.classifier, hidden, checkpoint.weights_path)
+        encoder = PooledEncoder(backbone).float().eval()
         return LoadedModel(
             lm_head=lm_head,
             classifier=classifier,
+            contacts=self.make_contacts(description, encoder.backbone, layers, heads),
             alphabet=lm_head.alphabet if lm_head is not None else (),
             family=self,
-            encoder=PooledEncoder(backbone).float().eval(),
+            encoder=encoder,
             tokenizer=description.tokenizer,
             hidden_size=hidden,
             checkpoint=checkpoint.path,
@@ -122,6 +125,20 @@ class EncoderFamily(ModelFamily):
             },
         )
 
+
+    def make_contacts(self, description: ModelDescription, backbone: torch.nn.Module, layers: int,
+                      heads: int) -> ContactPredictor | None:
+        """The described checkpoint's contact head over the backbone's attention (weights shared
+        with the encoder); None without a head."""
+        head = description.contact_head
+        if head is None:
+            return None
+        if isinstance(backbone, TransformerEncoder):  # no reader gives one such a head
+            raise CheckpointError(f"{description.checkpoint.weights_path}: a contact head over the project's own "
+                                  "transformer is not supported; remove its contact_head keys")
+        return build_contact_predictor(head, backbone, layers=layers, heads=heads,
+                                       eos_id=getattr(description.tokenizer, "eos_id", None),
+                                       source=description.checkpoint.weights_path)
 
     def make_lm_head(self, description: ModelDescription, backbone: torch.nn.Module) -> MaskedLMHead | None:
         """The described checkpoint's masked-LM head over the tokenizer's alphabet, its output
@@ -163,6 +180,9 @@ class HuggingFaceEncoderFamily(EncoderFamily):
     """The head's keys (after head_prefix) -> lm_head.HEAD_KEYS names, where they differ."""
     classifier_prefix: ClassVar[str] = "classifier."
     """Where a fine-tuned head's keys start (after key_prefix is stripped)."""
+    contact_prefix: ClassVar[str | None] = None
+    """Where ESM's contact head's keys start (after key_prefix is stripped); None: the family
+    reads no contact head (its keys, if any, are left out with the other unused heads)."""
     classifier_renames: ClassVar[dict[str, dict[str, str]]] = {}
     """Per kind ("sequence", "token"): the fine-tuned head's keys -> classifier.SEQUENCE_KEYS /
     TOKEN_KEYS names; empty: the family reads no fine-tuned head."""
@@ -192,8 +212,13 @@ class HuggingFaceEncoderFamily(EncoderFamily):
             )
         weights, head = self.huggingface_head(checkpoint, config)
         weights, classifier = self.huggingface_classifier(checkpoint, weights)
+        contact_head = None
+        if self.contact_prefix is not None:  # the keys are normalized here: key_prefix stripped
+            weights, contact_head = split_contact_head(
+                {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()},
+                self.contact_prefix)
         return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(weights), lm_head=head,
-                                classifier=classifier)
+                                classifier=classifier, contact_head=contact_head)
 
     def huggingface_classifier(self, checkpoint: Checkpoint, weights: Mapping[str, torch.Tensor]
                                ) -> tuple[dict[str, torch.Tensor], ClassifierWeights | None]:

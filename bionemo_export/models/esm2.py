@@ -40,9 +40,10 @@ MAX_TOKENS = 1024
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions")
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "contacts")
     """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
-    fine-tuned head (build leaves them out otherwise)."""
+    fine-tuned head, contacts where it has the contact head (Hugging Face directories:
+    `contact_head.regression`); build leaves them out otherwise."""
     description = ("ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, BioNeMo ESM-2nv "
                    ".nemo (model-parallel too), BioNeMo 2 / NeMo 2 directory, NVIDIA's nv_esm directory")
     model_type = "esm"
@@ -51,6 +52,7 @@ class Esm2Family(HuggingFaceEncoderFamily):
     key_prefix = "esm."
     unused_prefixes = ("lm_head.", "contact_head.", "classifier.")
     head_prefix = "lm_head."
+    contact_prefix = "contact_head."
     classifier_renames = {
         "sequence": {"classifier.dense.weight": "dense.weight", "classifier.dense.bias": "dense.bias",
                      "classifier.out_proj.weight": "out.weight", "classifier.out_proj.bias": "out.bias"},

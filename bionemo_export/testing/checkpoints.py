@@ -193,3 +193,29 @@ def save_random_checkpoint(family: str, out: Path | str, seed: int = 0, **sizes:
         model = entry.model(config)
     entry.save(model, out)
     return out
+
+
+CONTACT_HEAD_KEYS = ("esm.contact_head.regression.weight", "esm.contact_head.regression.bias")
+"""An EsmForMaskedLM checkpoint's contact head (every saved ESM model has one)."""
+
+
+def set_contact_head(checkpoint: Path | str, seed: int = 0, scale: float | None = 1000.0) -> Path:
+    """Rewrite the contact head of a random ESM checkpoint (save_random_checkpoint's esm2 or esm1):
+    `scale` None removes its keys (a checkpoint without the head); a number gives it weights of
+    that standard deviation, drawn under `seed`. A random model's contact features (its attention,
+    symmetrized and corrected) are of order 1e-3, so the head transformers initialises answers 0.5
+    everywhere; a scale of 1000 spreads the probabilities over (0, 1), so a test can tell maps
+    apart. Returns the checkpoint's folder."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(checkpoint) / "model.safetensors"
+    weights = load_file(path)
+    if scale is None:
+        weights = {key: tensor for key, tensor in weights.items() if key not in CONTACT_HEAD_KEYS}
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        weight = weights[CONTACT_HEAD_KEYS[0]]
+        weights[CONTACT_HEAD_KEYS[0]] = torch.randn(weight.shape, generator=generator) * scale
+        weights[CONTACT_HEAD_KEYS[1]] = torch.full_like(weights[CONTACT_HEAD_KEYS[1]], -0.5)
+    save_file(weights, path, metadata={"format": "pt"})
+    return Path(checkpoint)

@@ -1,0 +1,141 @@
+"""ESM's contact head: residue-residue contact probabilities from the attention of every layer
+(served as `N_contacts`).
+
+Hugging Face `EsmModel` (and so `EsmForMaskedLM`, under `esm.`) carries it as
+`contact_head.regression.weight` [1, layers x heads] and `.bias` [1]: a logistic regression over
+the attention maps of every head of every layer (Rao et al. 2020, ESM's `ContactPredictionHead`):
+
+    attentions  [B, layers, heads, T, T]   softmax probabilities, zero on padding rows and columns
+                                           and on the EOS token's row and column
+    features    = the T-2 inner tokens (the BOS and the last position cut), layers x heads channels,
+                  symmetrized (A + A^T), then average-product corrected (A - rowsum x colsum / sum)
+    contacts    = sigmoid(regression(features))        [B, T-2, T-2]
+
+For a tokenizer that writes BOS + residues + EOS (every ESM tokenizer), row and column i of a
+sequence's map are its residue i; positions past its own length (padding, its EOS) are
+don't-care. The padding of a batch changes nothing in a sequence's own [L, L] block: zeroed rows
+and columns add nothing to the sums of the correction.
+
+`ContactPredictor` computes it from the same weights as the encoder (shared, not copied), in a
+copy of the backbone's module tree that runs transformers' eager attention: the encoder's own
+module (and its exported graph) keeps its fused attention, which returns no probabilities. Only
+the contacts graph carries the [B, layers, heads, T, T] probabilities.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from bionemo_export.models.readers import CheckpointError
+from bionemo_export.models.readers.base import some as _some
+
+CONTACT_KEYS = ("regression.weight", "regression.bias")
+"""The head's weights, under the names after the checkpoint's `contact_head.` prefix."""
+
+
+@dataclass
+class ContactWeights:
+    """A checkpoint's contact head as a family's reader found it (ModelDescription.contact_head)."""
+
+    weights: dict[str, torch.Tensor]
+    """CONTACT_KEYS -> tensors."""
+    names: dict[str, str]
+    """CONTACT_KEYS -> the checkpoint's own key, for messages."""
+
+
+class ContactPredictor(torch.nn.Module):
+    """forward(input_ids INT64 [B, T], attention_mask INT64 [B, T]) -> contacts FP32 [B, T-2, T-2].
+
+    `backbone` is a transformers encoder (EsmModel) whose forward returns `attentions` with
+    `output_attentions=True` when its config asks for eager attention; `eos_id` the tokenizer's EOS
+    token, whose attention rows and columns are zeroed as ESM's head does."""
+
+    def __init__(self, backbone: torch.nn.Module, regression: torch.nn.Linear, eos_id: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.regression = regression
+        self.eos_id = int(eos_id)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        output = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        attentions = torch.stack(tuple(output.attentions), dim=1).float()  # [B, layers, heads, T, T]
+        keep = attention_mask.to(attentions.dtype) * input_ids.ne(self.eos_id).to(attentions.dtype)
+        pairs = keep[:, :, None] * keep[:, None, :]
+        attentions = (attentions * pairs[:, None, None])[..., 1:-1, 1:-1]
+        features = attentions.flatten(1, 2)  # [B, layers x heads, L, L]
+        features = features + features.transpose(-1, -2)
+        rows = features.sum(-1, keepdim=True)
+        columns = features.sum(-2, keepdim=True)
+        total = features.sum((-1, -2), keepdim=True)
+        # An empty sequence's block is all zeros: divide by 1 there rather than produce NaN.
+        total = torch.where(total > 0, total, torch.ones_like(total))
+        features = features - rows * columns / total
+        return torch.sigmoid(self.regression(features.permute(0, 2, 3, 1)).squeeze(-1))
+
+
+def eager_copy(backbone: torch.nn.Module) -> torch.nn.Module:
+    """A second module tree of a transformers `backbone` that runs eager attention (which returns
+    the attention probabilities), sharing every parameter and buffer with it: no weights are
+    copied, and `backbone` itself is left as it was."""
+    config = copy.deepcopy(backbone.config)  # pyright: ignore[reportAttributeAccessIssue] - a PreTrainedModel
+    config._attn_implementation = "eager"
+    with torch.device("meta"):  # everything is taken from `backbone` below
+        twin = type(backbone)(config, add_pooling_layer=False)
+    for name, parameter in backbone.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._parameters[leaf] = parameter
+    for name, buffer in backbone.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        twin.get_submodule(owner)._buffers[leaf] = buffer
+    left = [name for name, tensor in (*twin.named_parameters(), *twin.named_buffers()) if tensor.is_meta]
+    if left:  # a backbone whose constructor makes tensors its own tree does not have
+        raise RuntimeError(f"the eager copy of {type(backbone).__name__} lacks {_some(left)}")
+    return twin.eval()
+
+
+def build_contact_predictor(head: ContactWeights, backbone: torch.nn.Module, *, layers: int, heads: int,
+                            eos_id: int | None, source: str) -> ContactPredictor:
+    """The contact head `head` over `backbone`'s attention (layers x heads channels), checked
+    strictly; CheckpointError naming `source` for missing, unexpected or mis-shaped keys."""
+
+    def shown(key: str) -> str:
+        return head.names.get(key, f"contact_head.{key}")
+
+    problems = []
+    if missing := [shown(key) for key in CONTACT_KEYS if key not in head.weights]:
+        problems.append(f"missing keys: {_some(missing)}")
+    if unexpected := sorted(shown(key) for key in head.weights if key not in CONTACT_KEYS):
+        problems.append(f"unexpected keys: {_some(unexpected)}")
+    expected = {"regression.weight": (1, layers * heads), "regression.bias": (1,)}
+    if shapes := [f"{shown(key)} is {tuple(head.weights[key].shape)}, expected {shape} ({layers} layers x {heads} "
+                  "heads)" for key, shape in expected.items()
+                  if key in head.weights and tuple(head.weights[key].shape) != shape]:
+        problems.append(f"wrong shapes: {_some(shapes)}")
+    if eos_id is None:
+        problems.append("the tokenizer has no EOS token, whose attention the head leaves out")
+    if problems:
+        raise CheckpointError(f"{source}: the contact head does not match the model: " + "; ".join(problems)
+                              + ". Fix or remove the contact_head keys (a checkpoint without them serves no "
+                              "contacts)")
+    assert eos_id is not None
+    regression = torch.nn.Linear(layers * heads, 1)
+    with torch.no_grad():
+        regression.weight.copy_(head.weights["regression.weight"].float())
+        regression.bias.copy_(head.weights["regression.bias"].float())
+    return ContactPredictor(eager_copy(backbone), regression, eos_id).float().eval()
+
+
+def split_contact_head(weights: Mapping[str, torch.Tensor], prefix: str
+                       ) -> tuple[dict[str, torch.Tensor], ContactWeights | None]:
+    """(the other weights, the contact head or None) of a state dict (names already normalized)
+    whose contact head's keys start with `prefix`."""
+    rest = {key: tensor for key, tensor in weights.items() if not key.startswith(prefix)}
+    found = {key[len(prefix):]: (key, tensor) for key, tensor in weights.items() if key.startswith(prefix)}
+    if not found:
+        return rest, None
+    return rest, ContactWeights({name: tensor for name, (_, tensor) in found.items()},
+                                {name: key for name, (key, _) in found.items()})
