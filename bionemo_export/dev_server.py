@@ -6,7 +6,8 @@ models, with the same tensors, as a repository built from that checkpoint with `
 (the task table, tasks.py): `N_embeddings` and `N_hiddens`; for encoder-decoder families
 `N_decodes` and `N_samplings`; with a masked-LM head `N_logits` and `N_scores` (planned and
 scored by the repository's own serving/scoring.py); with a fine-tuned head `N_predictions`
-(labels named by serving/labels.py). Any client can be pointed at either and gets the same answers (the
+(labels named by serving/labels.py); with ESM's contact head `N_contacts` (serving/contacts.py's checks and
+batching over the PyTorch head). Any client can be pointed at either and gets the same answers (the
 encoder within the family's tolerance, decodes and seeded samples equal), because both use the
 package's tokenizers and its one decoding and sampling implementation (generation/search.py with
 SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
@@ -41,8 +42,10 @@ from bionemo_export.generation.search import LIMITS, generate, greedy
 from bionemo_export.model_repository.options import GenerationLimits
 from bionemo_export.models.base import LoadedModel
 from bionemo_export.serving.batching import stack_padded
+from bionemo_export.serving.contacts import DEFAULT_PAIR_BUDGET, ContactMaps
 from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.request_options import OPTIONS, parse_options
+from bionemo_export.serving.responses import Responder
 from bionemo_export.serving.scoring import plan_request
 from bionemo_export.tasks import TASKS
 from bionemo_export.tensors import DType
@@ -148,6 +151,26 @@ class DevModels:
                 answer["mask"] = mask
             answers.append(answer)
         return answers
+
+    def contacts(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """Contact maps from the PyTorch contact head, tokenized, checked and batched by the
+        repository's own module (serving/contacts.py: the same limit and messages)."""
+        head = self.loaded.contacts
+        if head is None:  # no contacts model is bound then
+            raise InvalidInputError(f"{self.loaded.checkpoint} has no contact head, so it serves no contacts")
+
+        def run(input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+            with torch.inference_mode():
+                return head(torch.from_numpy(input_ids), torch.from_numpy(attention_mask)).numpy()
+
+        tokenizer = self.loaded.tokenizer
+        limit = getattr(tokenizer, "max_residues", tokenizer.max_length - 2)
+        maps = ContactMaps(tokenizer, run, max_residues=limit, pair_budget=DEFAULT_PAIR_BUDGET,
+                           max_rows=MAX_BATCH_SIZE, responder=Responder("contacts"))
+        answers, failures = maps.answer([np.asarray(request["sequences"]) for request in requests])
+        if failures:  # PyTriton fails the batch with the first error
+            raise next(iter(failures.values()))
+        return [{"contacts": contacts, "mask": mask} for contacts, mask in (answers[i] for i in range(len(requests)))]
 
     def _lm_head(self) -> torch.nn.Module:
         """The masked-LM head (logits and scores are bound only where the checkpoint has one)."""

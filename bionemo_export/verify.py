@@ -240,6 +240,35 @@ def verify_predictions(client, loaded, tasks: list[str], batches: list[list[str]
     return checks
 
 
+def verify_contacts(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float]
+                    ) -> list[TaskCheck]:
+    """contacts: each sequence's served [L, L] map against the PyTorch contact head on that
+    sequence alone (its map does not depend on what it is batched with)."""
+    import torch
+
+    if "contacts" not in tasks or loaded.contacts is None:
+        return []
+    checks = []
+    for batch in batches:
+        served = client.predict_contacts(batch)
+        expected = []
+        for sequence in batch:
+            encoded = loaded.tokenizer.encode([sequence])
+            with torch.no_grad():
+                expected.append(loaded.contacts(torch.from_numpy(encoded.input_ids),
+                                                torch.from_numpy(encoded.attention_mask))[0].numpy())
+        if [m.shape for m in served] != [m.shape for m in expected]:
+            found = Comparison(float("inf"), float("-inf"), f"served maps of shapes {[m.shape for m in served]}, "
+                               f"expected {[m.shape for m in expected]}")
+        else:  # the rows of each map compared as vectors
+            each = [compare_outputs(got, want) for got, want in zip(served, expected)]
+            found = Comparison(max(c.max_abs_error for c in each), min(c.min_cosine for c in each),
+                               next((c.problem for c in each if c.problem), None))
+        checks.append(_task_check(client.model("contacts"), batch, found, None, limits,
+                                  "each [L, L] map against PyTorch's contact head"))
+    return checks
+
+
 def _task_check(model: str, batch: list[str], found: Comparison, mask_exact: bool | None,
                 limits: tuple[float, float], note: str) -> TaskCheck:
     return TaskCheck(model, _describe(batch), found.max_abs_error, found.min_cosine, mask_exact,
@@ -366,6 +395,8 @@ CHECKS: dict[str, Check] = {
                                                         served.head_limits()),
     "predictions": lambda served, tasks: verify_predictions(served.client, served.loaded, tasks, served.batches,
                                                             served.head_limits()),
+    "contacts": lambda served, tasks: verify_contacts(served.client, served.loaded, tasks, served.batches,
+                                                      (served.loaded.family.atol, served.loaded.family.min_cosine)),
     "decoding": lambda served, tasks: verify_decoding(
         served.client, served.loaded, tasks, served.samples, max_decode_length=served.manifest.max_decode_length,
         precision=served.manifest.precision),

@@ -153,4 +153,13 @@ def _join(pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]], failures: list
 def _stack(arrays: list[np.ndarray]) -> np.ndarray:
     if arrays[0].ndim < 2:
         return np.concatenate(arrays)
-    return stack_padded(arrays, b"" if arrays[0].dtype == np.object_ else 0)
+    pad = b"" if arrays[0].dtype == np.object_ else 0
+    if len({a.shape[2:] for a in arrays}) > 1:  # [rows, L, L] maps: every axis after the rows padded
+        shape = tuple(max(sizes) for sizes in zip(*(a.shape[1:] for a in arrays)))
+        out = np.full((sum(len(a) for a in arrays), *shape), pad, dtype=arrays[0].dtype)
+        start = 0
+        for array in arrays:
+            out[(slice(start, start + len(array)), *(slice(0, n) for n in array.shape[1:]))] = array
+            start += len(array)
+        return out
+    return stack_padded(arrays, pad)

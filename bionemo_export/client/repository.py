@@ -183,6 +183,19 @@ class RepositoryClient:
         """The fine-tuned head's label names, in logits' order (N_predictions' `labels` parameter)."""
         return tuple(json.loads(self._parameter("predictions", "labels")))
 
+    def predict_contacts(self, sequences: Sequences) -> list[np.ndarray]:
+        """One FP32 [L_i, L_i] array per sequence: the probability that residues i and j are in
+        contact (ESM's contact head, transformers' `predict_contacts`), symmetric. A sequence
+        over the server's limit (N_contacts' `max_residues` parameter) raises InferenceError
+        naming its length and the limit."""
+        out = self._strings_in("contacts", sequences, ["contacts", "mask"])
+        contacts, mask = out["contacts"], out["mask"]
+        maps = []
+        for row in range(len(mask)):
+            residues = int(mask[row].sum())
+            maps.append(np.ascontiguousarray(contacts[row, :residues, :residues], dtype=np.float32))
+        return maps
+
     # ------------------------------------------------------------------------------ any task
     def ask(self, task: str, sequences: Sequences) -> dict[str, np.ndarray]:
         """Any task whose one required input is `sequences` (its optional inputs left out): every
