@@ -129,13 +129,15 @@ def build_contact_predictor(head: ContactWeights, backbone: torch.nn.Module, *, 
     return ContactPredictor(eager_copy(backbone), regression, eos_id).float().eval()
 
 
-def split_contact_head(weights: Mapping[str, torch.Tensor], prefix: str
+def split_contact_head(weights: Mapping[str, torch.Tensor], prefix: str, stored: Mapping[str, str] | None = None
                        ) -> tuple[dict[str, torch.Tensor], ContactWeights | None]:
     """(the other weights, the contact head or None) of a state dict (names already normalized)
-    whose contact head's keys start with `prefix`."""
+    whose contact head's keys start with `prefix`; `stored` maps normalized names back to the
+    checkpoint's keys, for messages."""
+    stored = stored or {}
     rest = {key: tensor for key, tensor in weights.items() if not key.startswith(prefix)}
     found = {key[len(prefix):]: (key, tensor) for key, tensor in weights.items() if key.startswith(prefix)}
     if not found:
         return rest, None
     return rest, ContactWeights({name: tensor for name, (_, tensor) in found.items()},
-                                {name: key for name, (key, _) in found.items()})
+                                {name: stored.get(key, key) for name, (key, _) in found.items()})

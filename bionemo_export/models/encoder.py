@@ -214,9 +214,10 @@ class HuggingFaceEncoderFamily(EncoderFamily):
         weights, classifier = self.huggingface_classifier(checkpoint, weights)
         contact_head = None
         if self.contact_prefix is not None:  # the keys are normalized here: key_prefix stripped
+            stored = {_modern_name(key.removeprefix(self.key_prefix)): key for key in checkpoint.weights}
             weights, contact_head = split_contact_head(
                 {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()},
-                self.contact_prefix)
+                self.contact_prefix, stored)
         return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(weights), lm_head=head,
                                 classifier=classifier, contact_head=contact_head)
 

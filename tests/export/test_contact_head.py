@@ -1,0 +1,125 @@
+"""ESM's contact head (issue 29, item 3): LoadedModel.contacts against transformers' own
+`EsmForMaskedLM.predict_contacts` on the same files, the contacts graph a build exports, and what a
+checkpoint without the head gets (no task, and `inspect` and the build say why).
+
+The reference is transformers itself, with eager attention (its `predict_contacts` needs the
+attention probabilities, which sdpa does not return). Random checkpoints get a contact head of
+spread-out weights (`set_contact_head`): the head transformers initialises answers 0.5 everywhere
+on a random model, which would make every comparison pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.checkpoint_report import inspect_checkpoint
+from bionemo_export.models import load_checkpoint
+from bionemo_export.models.readers import CheckpointError
+from bionemo_export.testing.checkpoints import CONTACT_HEAD_KEYS, save_random_checkpoint, set_contact_head
+
+ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]
+"""The 33 Hugging Face ESM token ids, written out (not the package's tokenizer)."""
+SEQUENCES = ["MKTAYIAKQRQISFVKSHFSRQ", "GVE", "MSLKRKNIALIPAAGIGVRFGXBUZO", "M"]
+
+
+def reference_tokens(sequences: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """<cls> + residues + <eos>, padded with <pad>, from the literal vocabulary."""
+    length = max(len(s) for s in sequences) + 2
+    ids = torch.full((len(sequences), length), ESM_VOCAB.index("<pad>"), dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        tokens = [ESM_VOCAB.index("<cls>"), *(ESM_VOCAB.index(c) for c in sequence), ESM_VOCAB.index("<eos>")]
+        ids[row, :len(tokens)] = torch.tensor(tokens)
+        mask[row, :len(tokens)] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=["esm2", "esm1"])
+def checkpoint(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, set_contact_head(save_random_checkpoint(request.param, folder / "ck", seed=21), seed=22)
+
+
+def test_the_contact_head_equals_transformers_predict_contacts(checkpoint):
+    family, path = checkpoint
+    loaded = load_checkpoint(path, family)
+    reference = transformers.EsmForMaskedLM.from_pretrained(path, attn_implementation="eager").eval()
+    ids, mask = reference_tokens(SEQUENCES)
+    with torch.no_grad():
+        expected = reference.predict_contacts(ids, mask).numpy()
+        batched = loaded.contacts(ids, mask).numpy()  # pyright: ignore[reportOptionalCall]
+    assert batched.shape == expected.shape == (4, len(SEQUENCES[2]), len(SEQUENCES[2]))
+    np.testing.assert_allclose(batched, expected, atol=1e-5)
+    for row, sequence in enumerate(SEQUENCES):  # each map alone: padding changes nothing in it
+        alone_ids, alone_mask = reference_tokens([sequence])
+        with torch.no_grad():
+            alone = loaded.contacts(alone_ids, alone_mask)[0].numpy()  # pyright: ignore[reportOptionalCall]
+        n = len(sequence)
+        np.testing.assert_allclose(alone, expected[row, :n, :n], atol=1e-4)
+        np.testing.assert_allclose(alone, alone.T, atol=1e-4)
+    assert expected[0].std() > 0.1, "the head must spread its answers for the comparison to mean anything"
+
+
+def test_the_encoder_keeps_its_attention_and_shares_the_weights(checkpoint):
+    family, path = checkpoint
+    loaded = load_checkpoint(path, family)
+    backbone = loaded.encoder.backbone
+    contacts = loaded.contacts
+    assert contacts is not None and backbone.config._attn_implementation != "eager"
+    assert contacts.backbone.config._attn_implementation == "eager"
+    shared = dict(contacts.backbone.named_parameters())
+    assert all(shared[name] is parameter for name, parameter in backbone.named_parameters())
+
+
+def test_a_checkpoint_without_the_head_serves_no_contacts_and_says_why(tmp_path):
+    path = set_contact_head(save_random_checkpoint("esm2", tmp_path / "plain", seed=3), scale=None)
+    loaded = load_checkpoint(path, "esm2")
+    assert loaded.contacts is None and "contacts" not in loaded.servable()
+    report = inspect_checkpoint(path, "esm2")
+    assert report.heads["contact"] == "no" and "contacts" not in report.tasks + report.on_request
+    assert "has no contact head" in report.not_served["contacts"]
+    assert "not served  " in report.render() and "cannot serve contacts" in report.render()
+    with pytest.raises(BuildError, match=r"plain has no contact head .* cannot serve contacts"):
+        build_repository(BuildRequest(family="esm2", checkpoint=path, name="p", out=tmp_path / "repo",
+                                      backend="python", tasks=("embeddings", "contacts"), optimize=False))
+    # With the head, inspect lists contacts among the tasks built when named.
+    with_head = inspect_checkpoint(save_random_checkpoint("esm2", tmp_path / "head", seed=3), "esm2")
+    assert with_head.heads["contact"] == "yes" and with_head.on_request == ["contacts"]
+    assert "contacts" not in with_head.tasks
+
+
+def test_a_mis_shaped_contact_head_is_an_error_naming_the_key(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_random_checkpoint("esm2", tmp_path / "ck", seed=4)
+    weights = load_file(path / "model.safetensors")
+    weights[CONTACT_HEAD_KEYS[0]] = torch.zeros(1, 5)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"esm.contact_head.regression.weight is \(1, 5\), expected \(1, 8\)"):
+        load_checkpoint(path, "esm2")
+
+
+def test_contacts_are_built_only_when_named_and_leave_the_encoder_graph_as_it_was(tmp_path):
+    """A default build has no contacts; one that names them adds N_contact_graph and N_contacts,
+    and its encoder graph is the default build's, byte for byte (both optimized, as by default)."""
+    path = set_contact_head(save_random_checkpoint("esm2", tmp_path / "ck", seed=5), seed=6)
+    default = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "default",
+                                            backend="python", tasks=("embeddings", "hiddens"), graph_cache=None))
+    named = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "named",
+                                          backend="python", tasks=("embeddings", "hiddens", "contacts"),
+                                          graph_cache=None))
+    assert "contacts" not in default.manifest.tasks and "d_contacts" not in default.models
+    assert {"d_contact_graph", "d_contacts"} <= set(named.models)
+
+    def digest(repository):
+        return hashlib.sha256((repository / "d_encoder" / "1" / "model.onnx").read_bytes()).hexdigest()
+
+    assert digest(default.repository) == digest(named.repository)
+    record = named.manifest.verification["graphs"]["contacts"]["outputs"][0]
+    assert record["name"] == "contacts" and record["passed"] and record["max_abs_error"] <= 1e-4
