@@ -162,16 +162,17 @@ def families() -> None:
     from bionemo_export.models import REGISTRY
     from bionemo_export.tasks import Requirement, get_task
 
+    needs_head = {Requirement.LM_HEAD: "with a masked-LM head", Requirement.CLASSIFIER: "with a fine-tuned head",
+                  Requirement.CONTACT_HEAD: "with the contact head"}
+
     def described(name: str) -> str:
-        """The task with what it needs beyond an encoder ("with a masked-LM head"), and "when
-        named" for a task a build leaves out unless --tasks names it."""
+        """The task with the head it needs ("with a masked-LM head"), and "when named" for a task
+        a build leaves out unless --tasks names it."""
         task = get_task(name)
-        needs = [FAMILY_REQUIREMENTS[r] for r in task.requires if r in FAMILY_REQUIREMENTS]
+        needs = [needs_head[r] for r in task.requires if r in needs_head]
         notes = ([", ".join(needs)] if needs else []) + ([] if task.by_default else ["when named"])
         return f"{name} ({'; '.join(notes)})" if notes else name
 
-    FAMILY_REQUIREMENTS = {Requirement.LM_HEAD: "with a masked-LM head", Requirement.CLASSIFIER: "with a fine-tuned head",
-                           Requirement.CONTACT_HEAD: "with the contact head"}
     table = Table()
     for column in ("family", "checkpoint forms", "tasks", "description"):
         table.add_column(column)

@@ -90,4 +90,5 @@ def plan_contact_models(name: str, *, family: str, tokenizer, tasks: tuple[str, 
     """The models `tasks` (among CONTACT_TASKS) need, to add to the encoder repository's plan."""
     if not any(task in CONTACT_TASKS for task in tasks):
         return []
-    return [contact_graph_model(name, family, tokenizer, graph, options), contacts_model(name, family, tokenizer, options)]
+    return [contact_graph_model(name, family, tokenizer, graph, options),
+            contacts_model(name, family, tokenizer, options)]

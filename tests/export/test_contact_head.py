@@ -123,3 +123,23 @@ def test_contacts_are_built_only_when_named_and_leave_the_encoder_graph_as_it_wa
     assert digest(default.repository) == digest(named.repository)
     record = named.manifest.verification["graphs"]["contacts"]["outputs"][0]
     assert record["name"] == "contacts" and record["passed"] and record["max_abs_error"] <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["esm2", "esm1"])
+def test_the_exported_contacts_graph_equals_transformers(tmp_path, family):
+    """The stored graph (N_contact_graph's model.onnx) run by ONNX Runtime, against transformers."""
+    import onnxruntime as ort
+
+    path = set_contact_head(save_random_checkpoint(family, tmp_path / "ck", seed=7), seed=8)
+    result = build_repository(BuildRequest(family=family, checkpoint=path, name="g", out=tmp_path / "repo",
+                                           backend="python", tasks=("embeddings", "contacts"), optimize=False))
+    session = ort.InferenceSession(str(result.repository / "g_contact_graph" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    reference = transformers.EsmForMaskedLM.from_pretrained(path, attn_implementation="eager").eval()
+    ids, mask = reference_tokens(SEQUENCES)
+    (served,) = session.run(["contacts"], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    with torch.no_grad():
+        expected = reference.predict_contacts(ids, mask).numpy()
+    for row, sequence in enumerate(SEQUENCES):  # each sequence's own block (the rest is padding)
+        n = len(sequence)
+        assert np.abs(served[row, :n, :n] - expected[row, :n, :n]).max() <= 1e-4

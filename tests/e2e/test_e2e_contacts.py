@@ -1,0 +1,135 @@
+"""The contact-map task (issue 29, item 3) served by a real tritonserver: N_contacts of a tiny random
+ESM-2 with a contact head, built once with the Python backend (without graph optimization).
+
+The reference is transformers' own `EsmForMaskedLM.predict_contacts` (eager attention) on the same
+files, each sequence alone. Bad requests sent together with good ones fail alone, with
+INVALID_ARGUMENT naming the value; `verify` compares the served maps with PyTorch, and the dev
+server's PyTorch answers are the served ones.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.client import InferenceError, RepositoryClient
+from bionemo_export.dev_server import DevModels
+from bionemo_export.models import load_checkpoint
+from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint, set_contact_head
+from bionemo_export.verify import verify_repository
+
+NAME = "ct"
+ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO"]
+SEQUENCES = ["MKTAYIAKQRQISFVKSHFSRQ", "GVE", "MSLKRKNIALIPAAGIGVRFGXBUZO", "M" * 60]
+
+
+def reference_contacts(reference, sequence: str) -> np.ndarray:
+    ids = torch.tensor([[0, *(ESM_VOCAB.index(c) for c in sequence), 2]])
+    with torch.no_grad():
+        return reference.predict_contacts(ids, torch.ones_like(ids))[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, triton_install):
+    work = tmp_path_factory.mktemp("contacts")
+    checkpoint = set_contact_head(save_random_checkpoint("esm2", work / "checkpoint", seed=41), seed=42)
+    result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
+                                           tasks=("embeddings", "contacts"), backend="python", optimize=False))
+    reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
+        url = f"grpc://{server.endpoints.grpc_url}"
+        with RepositoryClient(NAME, url) as client:
+            yield result, checkpoint, reference, client, server, url
+
+
+def test_served_contacts_equal_transformers_predict_contacts(served):
+    result, _, reference, client, _, _ = served
+    assert {f"{NAME}_contact_graph", f"{NAME}_contacts"} <= set(result.models)
+    assert result.manifest.public_models == [f"{NAME}_embeddings", f"{NAME}_contacts"]
+    maps = client.predict_contacts(SEQUENCES)
+    assert [m.shape for m in maps] == [(len(s), len(s)) for s in SEQUENCES]
+    errors = []
+    for sequence, served_map in zip(SEQUENCES, maps):
+        expected = reference_contacts(reference, sequence)
+        assert served_map.dtype == np.float32 and expected.std() > 0.05
+        errors.append(float(np.abs(served_map - expected).max()))
+    assert max(errors) <= 1e-4, errors
+    # One request of several sequences: padded to the longest with 0, and the mask.
+    answer = client.ask("contacts", SEQUENCES[:2])
+    assert answer["contacts"].shape == (2, 22, 22) and answer["mask"].sum(1).tolist() == [22, 3]
+    assert not answer["contacts"][1, 3:].any()
+
+
+def _infer(url: str, sequences: list[str]):
+    """One plain gRPC request to N_contacts: its (contacts, None) or (None, the error)."""
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        tensor = grpcclient.InferInput("sequences", [len(sequences), 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[s.encode()] for s in sequences], dtype=np.object_))
+        result = client.infer(f"{NAME}_contacts", [tensor])
+        return result.as_numpy("contacts"), None
+    except InferenceServerException as err:
+        return None, err
+    finally:
+        client.close()
+
+
+def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value(served):
+    _, _, reference, _, _, url = served
+    good = [["MKTAYIAKQR"], ["GVE", "MSLKRK"]] * 4
+    bad = {"over the limit": ["A" * 1023], "a bad character": ["MKZ!"], "empty": ["GVE", ""]}
+    batch = [*good[:3], *bad.values(), *good[3:]]
+    with ThreadPoolExecutor(len(batch)) as pool:  # together, so the batcher hands several over at once
+        answers = list(pool.map(lambda sequences: _infer(url, sequences), batch))
+    for sequences, (contacts, error) in zip(batch, answers):
+        if sequences in good:
+            assert error is None, error
+            assert contacts is not None
+            n = len(sequences[0])
+            np.testing.assert_allclose(contacts[0, :n, :n], reference_contacts(reference, sequences[0]), atol=1e-4)
+        else:
+            assert contacts is None and error is not None and error.status() == "StatusCode.INVALID_ARGUMENT"
+    messages = {what: answers[batch.index(sequences)][1].message() for what, sequences in bad.items()}
+    assert "sequence 0 has 1023 residues; contact maps are answered for at most 1022 (config parameter " \
+           "max_residues" in messages["over the limit"]
+    assert "invalid character '!' at position 3" in messages["a bad character"]
+    assert "sequence 1 is empty" in messages["empty"]
+    for message in messages.values():
+        assert "Traceback" not in message and ".py" not in message
+
+
+def test_the_client_raises_the_servers_message(served):
+    client = served[3]
+    with pytest.raises(InferenceError, match="1023 residues; contact maps are answered for at most 1022"):
+        client.predict_contacts(["MKT", "A" * 1023])
+
+
+def test_verify_compares_the_served_maps_with_pytorch(served, tmp_path):
+    _, checkpoint, _, _, server, url = served
+    checks = verify_repository(server.model_repository, checkpoint, url=url)
+    contacts = [check for check in checks if check.model == f"{NAME}_contacts"]
+    assert contacts and all(check.passed for check in checks), checks
+    assert max(check.max_abs_error or 0.0 for check in contacts) <= 1e-4
+    # Another checkpoint's head: the same served maps fail.
+    other = set_contact_head(save_random_checkpoint("esm2", tmp_path / "other", seed=43), seed=44)
+    wrong = [check for check in verify_repository(server.model_repository, other, url=url)
+             if check.model == f"{NAME}_contacts"]
+    assert wrong and not any(check.passed for check in wrong)
+
+
+def test_the_dev_server_answers_what_the_repository_serves(served):
+    _, checkpoint, _, client, _, _ = served
+    models = DevModels(load_checkpoint(checkpoint, "esm2"))
+    assert "contacts" in models.tasks
+    answers = models.contacts([{"sequences": np.array([[s.encode()] for s in SEQUENCES[:2]], dtype=np.object_)}])
+    served_answer = client.ask("contacts", SEQUENCES[:2])
+    np.testing.assert_allclose(answers[0]["contacts"], served_answer["contacts"], atol=1e-4)
+    assert answers[0]["mask"].tolist() == served_answer["mask"].tolist()
