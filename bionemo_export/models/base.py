@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     import torch
 
     from bionemo_export.models.classifier import ClassifierHead, ClassifierWeights
-    from bionemo_export.models.contact_head import ContactWeights
+    from bionemo_export.models.contact_head import ContactPredictor, ContactWeights
     from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
     from bionemo_export.tokenizers.protocol import DecodingTokenizer, Tokenizer
@@ -135,7 +135,7 @@ class LoadedModel:
     *ForTokenClassification), None when the checkpoint has none: forward(hiddens FP32 [B, L, H]) ->
     logits FP32 [B, C] (sequence heads) or [B, L, C] (`per_token`); `labels` (C names),
     `problem_type`; eval mode, fp32."""
-    contacts: torch.nn.Module | None = None
+    contacts: ContactPredictor | None = None
     """ESM's contact head over the attention of every layer (models/contact_head.py), None when the
     checkpoint has none: forward(input_ids, attention_mask INT64 [B, T]) -> contacts FP32
     [B, T-2, T-2]; eval mode, fp32."""

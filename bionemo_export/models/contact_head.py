@@ -27,11 +27,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from bionemo_export.models.readers import CheckpointError
 from bionemo_export.models.readers.base import some as _some
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CONTACT_KEYS = ("regression.weight", "regression.bias")
 """The head's weights, under the names after the checkpoint's `contact_head.` prefix."""
@@ -54,7 +58,10 @@ class ContactPredictor(torch.nn.Module):
     `output_attentions=True` when its config asks for eager attention; `eos_id` the tokenizer's EOS
     token, whose attention rows and columns are zeroed as ESM's head does."""
 
-    def __init__(self, backbone: torch.nn.Module, regression: torch.nn.Linear, eos_id: int) -> None:
+    backbone: PreTrainedModel
+    regression: torch.nn.Linear
+
+    def __init__(self, backbone: PreTrainedModel, regression: torch.nn.Linear, eos_id: int) -> None:
         super().__init__()
         self.backbone = backbone
         self.regression = regression
@@ -77,14 +84,14 @@ class ContactPredictor(torch.nn.Module):
         return torch.sigmoid(self.regression(features.permute(0, 2, 3, 1)).squeeze(-1))
 
 
-def eager_copy(backbone: torch.nn.Module) -> torch.nn.Module:
+def eager_copy(backbone: torch.nn.Module) -> PreTrainedModel:
     """A second module tree of a transformers `backbone` that runs eager attention (which returns
     the attention probabilities), sharing every parameter and buffer with it: no weights are
     copied, and `backbone` itself is left as it was."""
-    config = copy.deepcopy(backbone.config)  # pyright: ignore[reportAttributeAccessIssue] - a PreTrainedModel
+    config = copy.deepcopy(cast("PreTrainedModel", backbone).config)
     config._attn_implementation = "eager"
     with torch.device("meta"):  # everything is taken from `backbone` below
-        twin = type(backbone)(config, add_pooling_layer=False)
+        twin = cast("PreTrainedModel", cast(Any, type(backbone))(config, add_pooling_layer=False))
     for name, parameter in backbone.named_parameters():
         owner, _, leaf = name.rpartition(".")
         twin.get_submodule(owner)._parameters[leaf] = parameter

@@ -75,6 +75,7 @@ def _infer(url: str, sequences: list[str]):
         tensor = grpcclient.InferInput("sequences", [len(sequences), 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[s.encode()] for s in sequences], dtype=np.object_))
         result = client.infer(f"{NAME}_contacts", [tensor])
+        assert result is not None
         return result.as_numpy("contacts"), None
     except InferenceServerException as err:
         return None, err
@@ -97,7 +98,8 @@ def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value(served):
             np.testing.assert_allclose(contacts[0, :n, :n], reference_contacts(reference, sequences[0]), atol=1e-4)
         else:
             assert contacts is None and error is not None and error.status() == "StatusCode.INVALID_ARGUMENT"
-    messages = {what: answers[batch.index(sequences)][1].message() for what, sequences in bad.items()}
+    errors = {what: answers[batch.index(sequences)][1] for what, sequences in bad.items()}
+    messages = {what: error.message() for what, error in errors.items() if error is not None}
     assert "sequence 0 has 1023 residues; contact maps are answered for at most 1022 (config parameter " \
            "max_residues" in messages["over the limit"]
     assert "invalid character '!' at position 3" in messages["a bad character"]

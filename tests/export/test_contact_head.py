@@ -11,6 +11,7 @@ on a random model, which would make every comparison pass.
 from __future__ import annotations
 
 import hashlib
+from typing import cast
 
 import numpy as np
 import pytest
@@ -49,17 +50,18 @@ def checkpoint(request, tmp_path_factory):
 def test_the_contact_head_equals_transformers_predict_contacts(checkpoint):
     family, path = checkpoint
     loaded = load_checkpoint(path, family)
+    assert loaded.contacts is not None
     reference = transformers.EsmForMaskedLM.from_pretrained(path, attn_implementation="eager").eval()
     ids, mask = reference_tokens(SEQUENCES)
     with torch.no_grad():
         expected = reference.predict_contacts(ids, mask).numpy()
-        batched = loaded.contacts(ids, mask).numpy()  # pyright: ignore[reportOptionalCall]
+        batched = loaded.contacts(ids, mask).numpy()
     assert batched.shape == expected.shape == (4, len(SEQUENCES[2]), len(SEQUENCES[2]))
     np.testing.assert_allclose(batched, expected, atol=1e-5)
     for row, sequence in enumerate(SEQUENCES):  # each map alone: padding changes nothing in it
         alone_ids, alone_mask = reference_tokens([sequence])
         with torch.no_grad():
-            alone = loaded.contacts(alone_ids, alone_mask)[0].numpy()  # pyright: ignore[reportOptionalCall]
+            alone = loaded.contacts(alone_ids, alone_mask)[0].numpy()
         n = len(sequence)
         np.testing.assert_allclose(alone, expected[row, :n, :n], atol=1e-4)
         np.testing.assert_allclose(alone, alone.T, atol=1e-4)
@@ -69,7 +71,7 @@ def test_the_contact_head_equals_transformers_predict_contacts(checkpoint):
 def test_the_encoder_keeps_its_attention_and_shares_the_weights(checkpoint):
     family, path = checkpoint
     loaded = load_checkpoint(path, family)
-    backbone = loaded.encoder.backbone
+    backbone = cast("transformers.EsmModel", loaded.encoder.backbone)
     contacts = loaded.contacts
     assert contacts is not None and backbone.config._attn_implementation != "eager"
     assert contacts.backbone.config._attn_implementation == "eager"
@@ -137,7 +139,7 @@ def test_the_exported_contacts_graph_equals_transformers(tmp_path, family):
                                    providers=["CPUExecutionProvider"])
     reference = transformers.EsmForMaskedLM.from_pretrained(path, attn_implementation="eager").eval()
     ids, mask = reference_tokens(SEQUENCES)
-    (served,) = session.run(["contacts"], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    served = np.asarray(session.run(["contacts"], {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0])
     with torch.no_grad():
         expected = reference.predict_contacts(ids, mask).numpy()
     for row, sequence in enumerate(SEQUENCES):  # each sequence's own block (the rest is padding)

@@ -36,7 +36,7 @@ def pb_utils(monkeypatch):
 def graph(loaded, calls: list[tuple[int, int]], fail_at: int | None = None):
     """N_contact_graph as the repository computes it (the PyTorch head); records (rows, length) per call."""
     def run(input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        calls.append(input_ids.shape)
+        calls.append((input_ids.shape[0], input_ids.shape[1]))
         if fail_at is not None and input_ids.shape[1] == fail_at:
             raise RuntimeError("the graph failed")
         with torch.inference_mode():
