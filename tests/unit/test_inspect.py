@@ -41,7 +41,9 @@ def test_a_hugging_face_directory(esm2_dir):
     assert result.exit_code == 0, result.output
     assert "family      esm2" in result.output
     assert "tasks       embeddings, hiddens, logits, scores" in result.output
-    assert "contact_head: a head the esm2 family does not serve" in result.output
+    # ESM's contact head is read (N_contacts, built when --tasks names it), not left out.
+    assert "and when --tasks names them: contacts" in result.output and "contact yes" in result.output
+    assert "contact_head" not in result.output
     assert f"build with  bionemo-export build repo --checkpoint {esm2_dir} --model esm2" in result.output
     report = json.loads(runner.invoke(app, ["inspect", str(esm2_dir), "--json"]).output)
     assert report["ok"] and report["form"] == "huggingface" and report["parallel"] == {}
