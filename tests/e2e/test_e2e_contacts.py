@@ -108,6 +108,17 @@ def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value(served):
         assert "Traceback" not in message and ".py" not in message
 
 
+def test_the_health_probe_answers(served):
+    from bionemo_export.client.triton import TritonClient
+    from bionemo_export.runtime.probes import probe_model, public_models
+
+    url = served[5]
+    with TritonClient(url) as client:
+        assert f"{NAME}_contacts" in public_models(client)
+        result = probe_model(client, f"{NAME}_contacts")
+    assert result.ok, result.line()
+
+
 def test_the_client_raises_the_servers_message(served):
     client = served[3]
     with pytest.raises(InferenceError, match="1023 residues; contact maps are answered for at most 1022"):
