@@ -282,9 +282,9 @@ MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
                               f"or *ForTokenClassification checkpoint): it cannot serve {', '.join(names)}; build "
                               f"{_other_tasks(loaded)} from it, or give a fine-tuned checkpoint"),
     Requirement.CONTACT_HEAD: (
-        lambda loaded, names: f"{loaded.checkpoint} has no contact head (no contact_head.regression weights: "
-                              f"a Hugging Face EsmModel or EsmForMaskedLM directory carries it; .nemo, NeMo 2 and "
-                              f"nv_esm checkpoints do not): it cannot serve {', '.join(names)}; build "
+        lambda loaded, names: f"{loaded.checkpoint} has no contact head (no contact_head.regression weights, "
+                              f"which Hugging Face EsmModel and EsmForMaskedLM directories carry): it cannot serve "
+                              f"{', '.join(names)}; build "
                               f"{_other_tasks(loaded)} from it, or give a checkpoint with the head"),
     Requirement.ONE_CHARACTER_RESIDUES: (
         lambda loaded, names: f"{loaded.checkpoint}: {', '.join(names)} need one character per residue and a mask "

@@ -127,9 +127,10 @@ def test_contacts_are_built_only_when_named_and_leave_the_encoder_graph_as_it_wa
     assert record["name"] == "contacts" and record["passed"] and record["max_abs_error"] <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["esm2", "esm1"])
+@pytest.mark.parametrize("family", ["esm1"])
 def test_the_exported_contacts_graph_equals_transformers(tmp_path, family):
-    """The stored graph (N_contact_graph's model.onnx) run by ONNX Runtime, against transformers."""
+    """The stored graph (N_contact_graph's model.onnx) run by ONNX Runtime, against transformers
+    (ESM-2's is served and compared in tests/e2e/test_e2e_contacts.py)."""
     import onnxruntime as ort
 
     path = set_contact_head(save_random_checkpoint(family, tmp_path / "ck", seed=7), seed=8)
@@ -145,3 +146,19 @@ def test_the_exported_contacts_graph_equals_transformers(tmp_path, family):
     for row, sequence in enumerate(SEQUENCES):  # each sequence's own block (the rest is padding)
         n = len(sequence)
         assert np.abs(served[row, :n, :n] - expected[row, :n, :n]).max() <= 1e-4
+
+
+def test_an_esm_model_directory_carries_the_head_too(tmp_path):
+    """An `EsmModel` saved on its own (keys without the `esm.` prefix): the same head, equal to
+    `EsmModel.predict_contacts`."""
+    masked = set_contact_head(save_random_checkpoint("esm2", tmp_path / "masked", seed=9), seed=10)
+    plain = tmp_path / "plain"
+    model = transformers.EsmModel.from_pretrained(masked, add_pooling_layer=False, attn_implementation="eager").eval()
+    model.save_pretrained(plain)
+    (plain / "vocab.txt").write_text((masked / "vocab.txt").read_text())
+    loaded = load_checkpoint(plain, "esm2")
+    assert loaded.contacts is not None and loaded.lm_head is None
+    ids, mask = reference_tokens(SEQUENCES)
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded.contacts(ids, mask).numpy(), model.predict_contacts(ids, mask).numpy(),
+                                   atol=1e-5)
