@@ -289,9 +289,9 @@ def register(cls: FamilyClass) -> FamilyClass:
     return cls
 
 
-FORM_FAMILIES = {"nv_esm": "esm2"}
+FORM_FAMILIES = {"nv_esm": "esm2", "esm_weights": "esmc"}
 """Checkpoint forms that say which family reads them by being that form (NVIDIA's nv_esm
-directory: config.json's model_type)."""
+directory: config.json's model_type; the esm package's ESM C weight files)."""
 
 
 def form_family(checkpoint: Checkpoint) -> str | None:
