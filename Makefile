@@ -14,6 +14,8 @@ VENV ?= .venv
 # that never finished loading (not understood; a start that times out now says what each stub is
 # doing), one a worker hung in fork() (fixed: servers start without a preexec_fn) and one a request
 # count read too early (fixed), and with today's suite three took 15.6 min of pytest: two it is.
+# --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
+# longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
 PYTEST_WORKERS ?= 2
 PYTHON := $(VENV)/bin/python
 
@@ -34,7 +36,7 @@ test: setup
 	@$(MAKE) --no-print-directory -j2 lint pytest
 
 pytest: setup
-	$(PYTHON) -m pytest -ra -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 unit: setup
 	$(PYTHON) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -44,6 +44,8 @@ from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, seq2seq_graph_specs
+from bionemo_export.models.readers.base import fp32_weight_bytes
+from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
 from bionemo_export.tasks import TASKS, Graph, Requirement, get_task, planned_by
 
@@ -83,6 +85,8 @@ class BuildRequest:
     """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); fp16 (GPU hosts)."""
     optimize: bool = True
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
+    check_memory: bool = True
+    """Refuse before loading a checkpoint this host's memory cannot build (check_build_memory)."""
     graph_cache: Path | None = field(default_factory=default_graph_cache)
     """A folder of exported graphs to reuse and fill (exporters/graph_cache.py); by default the one
     $BIONEMO_EXPORT_GRAPH_CACHE names, else none."""
@@ -283,8 +287,9 @@ MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
                               f"{_other_tasks(loaded)} from it, or give a fine-tuned checkpoint"),
     Requirement.CONTACT_HEAD: (
         lambda loaded, names: f"{loaded.checkpoint} has no contact head (no contact_head.regression weights, "
-                              f"which Hugging Face EsmModel and EsmForMaskedLM directories carry): it cannot serve "
-                              f"{', '.join(names)}; build "
+                              f"which Hugging Face EsmModel and EsmForMaskedLM directories carry, and fair-esm files "
+                              f"with their -contact-regression.pt beside them): it cannot serve {', '.join(names)}; "
+                              "build "
                               f"{_other_tasks(loaded)} from it, or give a checkpoint with the head"),
     Requirement.ONE_CHARACTER_RESIDUES: (
         lambda loaded, names: f"{loaded.checkpoint}: {', '.join(names)} need one character per residue and a mask "
@@ -402,6 +407,28 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
 """How each graph a task entry names is exported, in the order a build exports them."""
 
 
+BUILD_MEMORY_FACTOR = 2.7
+"""A build's peak memory in multiples of the model's fp32 weights (the PyTorch model, the exported
+graph, its check against PyTorch), measured: an ESM C of 600M's sizes (2.3 GB of fp32 weights)
+peaked at 6.1 GB resident (docs/models.md)."""
+
+
+def check_build_memory(checkpoint: Path, available: int | None) -> None:
+    """BuildError before anything is loaded when the checkpoint's fp32 weights times
+    BUILD_MEMORY_FACTOR exceed `available` bytes (None: unknown, not checked): an ESM C 6B (24 GB
+    of fp32 weights) would otherwise be killed by the kernel mid-build on a 24 GB host."""
+    if available is None or not Path(checkpoint).exists():
+        return
+    weights = fp32_weight_bytes(Path(checkpoint))
+    needed = weights * BUILD_MEMORY_FACTOR
+    if needed > available:
+        raise BuildError(f"{checkpoint}: building it needs about {needed / 2**30:.1f} GiB of memory "
+                         f"({BUILD_MEMORY_FACTOR} x its {weights / 2**30:.1f} GiB of fp32 weights: the PyTorch model, "
+                         f"the exported graph and its check); {available / 2**30:.1f} GiB is available here. Build "
+                         "on a host with more memory (the repository then serves anywhere the graph fits: "
+                         "--precision fp16 halves it for GPU hosts), or pass --no-memory-check to try anyway")
+
+
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
     """Build the repository described by `request`; raises BuildError (or the exporter's
     verification error, or BuildInterrupted on SIGTERM, SIGINT or SIGHUP) and leaves nothing on
@@ -423,6 +450,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
         raise BuildError("`precision` int8 is ONNX Runtime's CPU quantization; on `device` gpu use fp16 "
                          "(`backend` tensorrt builds fp16 engines by default)")
 
+    if request.check_memory:
+        check_build_memory(request.checkpoint, available_memory_bytes())
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     try:
         loaded = load_checkpoint(request.checkpoint, request.family, max_length=request.max_length)

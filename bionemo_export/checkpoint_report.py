@@ -154,12 +154,12 @@ def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | 
 def _family_of(checkpoint: Checkpoint) -> str | None:
     """The family a checkpoint names (a .nemo target, a form only one family reads), else the one
     family that describes it without error; None when none or several do."""
-    from bionemo_export.models.base import CONFIG_FILES, FORM_FAMILIES
+    from bionemo_export.models.base import CONFIG_FILES, form_family
 
     if checkpoint.form in CONFIG_FILES:
         return infer_family(checkpoint)
-    if checkpoint.form in FORM_FAMILIES:
-        return FORM_FAMILIES[checkpoint.form]
+    if (found := form_family(checkpoint)) is not None:
+        return found
     readers = [name for name, cls in sorted(REGISTRY.items()) if checkpoint.form in cls.forms()]
     fitting = []
     for name in readers:

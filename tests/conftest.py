@@ -39,11 +39,71 @@ def pytest_configure(config: pytest.Config) -> None:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+MODULE_SECONDS = {
+    "export/test_megamolbart.py": 200,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
+    "export/test_optimize.py": 190,
+    "e2e/test_serve_supervision.py": 180,
+    "e2e/test_cli_edges.py": 160,
+    "e2e/test_dev_server.py": 120,
+    "export/test_build.py": 110,
+    "e2e/test_load_fault.py": 110,
+    "e2e/test_encode_jobs.py": 90,
+    "e2e/test_scripts.py": 90,
+    "export/test_exporters.py": 90,
+    "e2e/test_tune.py": 85,
+    "export/test_graph_cache.py": 80,
+    "e2e/test_e2e_masked_lm.py": 80,
+    "e2e/test_served_errors.py": 70,
+    "e2e/test_integrity.py": 70,
+    "e2e/test_e2e_predictions.py": 65,
+    "e2e/test_runtime_server.py": 55,
+    "e2e/test_job_memory.py": 45,
+    "e2e/test_e2e_nemo.py": 45,
+    "e2e/test_batching.py": 40,
+    "e2e/test_e2e_nvidia_esm2.py": 40,
+    "e2e/test_clients.py": 40,
+    "e2e/test_e2e_encoders.py": 40,
+    "e2e/test_golden.py": 40,
+    "e2e/test_esm1.py": 35,
+    "e2e/test_object_storage.py": 35,
+    "e2e/test_bench.py": 30,
+    "e2e/test_prott5.py": 30,
+    "e2e/test_serve_recovery.py": 30,
+    "e2e/test_e2e_megamolbart.py": 30,
+    "export/test_backends.py": 25,
+    "e2e/test_rxnfp.py": 25,
+    "e2e/test_serving_host.py": 25,
+    "export/test_deploy.py": 20,
+    "unit/test_doctor.py": 15,
+}
+"""Seconds each slow module took in a two-worker `make test` on a 2-core host (rounded; measured
+2026-11-27). Under pytest-xdist the modules run longest first (see pytest_collection_modifyitems)."""
+UNLISTED_SECONDS = {"unit": 0, "export": 20, "e2e": 20}
+"""A module not in MODULE_SECONDS: a unit module takes about a second, any other about 20 s."""
+
+
+def _module_seconds(relative: Path) -> float:
+    return MODULE_SECONDS.get(relative.as_posix(), UNLISTED_SECONDS.get(relative.parts[0], 0))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test by its folder; under pytest-xdist, orders the modules longest first.
+
+    `make test` runs `--dist loadfile --no-loadscope-reorder`: each module goes whole to the next
+    worker that runs short of work, in collection order (pytest-xdist's own order is by number of
+    tests, which put few-test slow modules such as test_load_fault.py and test_scripts.py at the
+    end, one worker left running them while the other had nothing). Longest first leaves only
+    short modules for the end, so both workers finish within seconds of each other. The tests of
+    a module keep their order."""
+    relative: dict[pytest.Item, Path] = {}
     for item in items:
         path = item.path.resolve()
-        if path.is_relative_to(TESTS) and (marker := FOLDER_MARKERS.get(path.relative_to(TESTS).parts[0])):
-            item.add_marker(marker)
+        if path.is_relative_to(TESTS):
+            relative[item] = path.relative_to(TESTS)
+            if marker := FOLDER_MARKERS.get(relative[item].parts[0]):
+                item.add_marker(marker)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order (xdist checks it)
+        items.sort(key=lambda item: -_module_seconds(relative[item]) if item in relative else 0)
 
 
 @pytest.fixture(scope="session", autouse=True)

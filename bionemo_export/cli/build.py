@@ -43,6 +43,8 @@ def repo(
                                         "written in manifest.json); fp16 (for GPU hosts)."),
     optimize: bool = typer.Option(True, help="Store the graphs optimized for ONNX Runtime (attention and transformer "
                                   "fusions, offline graph optimization), kept only if they verify against PyTorch."),
+    memory_check: bool = typer.Option(True, help="Refuse at once a checkpoint whose build needs more memory than this "
+                                      "host has (about 2.7x its fp32 weights), instead of being killed mid-build."),
     max_batch_size: int = typer.Option(ServingOptions.max_batch_size, help="Largest batch any model accepts "
                                        "(requests and dynamic batches)."),
     max_length: int | None = typer.Option(None, help="Maximum tokens per sequence, specials included "
@@ -123,7 +125,7 @@ def repo(
             family=family, checkpoint=checkpoint, name=name, out=out,
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
-            max_decode_length=max_decode_length, precision=precision, optimize=optimize,
+            max_decode_length=max_decode_length, precision=precision, optimize=optimize, check_memory=memory_check,
         )
         if graph_cache is not None:  # else the request's default: $BIONEMO_EXPORT_GRAPH_CACHE
             request = dataclasses.replace(request, graph_cache=graph_cache)

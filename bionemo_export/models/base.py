@@ -304,9 +304,19 @@ def register(cls: FamilyClass) -> FamilyClass:
     return cls
 
 
-FORM_FAMILIES = {"nv_esm": "esm2"}
+FORM_FAMILIES = {"nv_esm": "esm2", "esm_weights": "esmc"}
 """Checkpoint forms that say which family reads them by being that form (NVIDIA's nv_esm
-directory: config.json's model_type)."""
+directory: config.json's model_type; the esm package's ESM C weight files)."""
+
+
+def form_family(checkpoint: Checkpoint) -> str | None:
+    """The family a checkpoint's form says reads it: FORM_FAMILIES, or a fair-esm file's
+    architecture (models/fair_esm.py); None where the form does not say."""
+    if checkpoint.form == "fair_esm":
+        from bionemo_export.models.fair_esm import family_of
+
+        return family_of(checkpoint)
+    return FORM_FAMILIES.get(checkpoint.form)
 
 
 CONFIG_FILES = {"nemo": "model_config.yaml", "nemo2": "context/model.yaml"}
@@ -322,11 +332,12 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
 
     checkpoint = read_checkpoint(Path(path))
     found = (infer_family(checkpoint, required=family is None) if checkpoint.form in CONFIG_FILES
-             else FORM_FAMILIES.get(checkpoint.form))
+             else form_family(checkpoint))
     if family is None:
         if found is None:
             raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with `family` "
-                                  "(only .nemo archives, NeMo 2 and nv_esm directories say what they are)")
+                                  "(only .nemo archives, NeMo 2, nv_esm directories and fair-esm files say what "
+                                  "they are)")
         family = found
     elif found is not None and found != family:
         raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "

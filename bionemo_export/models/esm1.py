@@ -52,7 +52,7 @@ class Esm1Family(Esm2Family):
     classifier_renames = {}
     """No fine-tuned heads read for ESM-1 (docs/models.md's family table); classifier keys are dropped."""
     description = ("ESM-1 protein language model (learned absolute positions, pre-LN): ESM-1nv .nemo, "
-                   "or a Hugging Face ESM-1b-style EsmModel")
+                   "a Hugging Face ESM-1b-style EsmModel, or fair-esm's ESM-1b / ESM-1v .pt file")
     nemo_targets = ("ESM1nvModel",)
     position_embedding_type = "absolute"
     from_nemo2: None = None

@@ -19,6 +19,7 @@ from bionemo_export.models.encoder import (
     read_vocab,
     token_limit,
 )
+from bionemo_export.models.fair_esm import as_huggingface
 from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.megatron import check_gelu, cut_vocab, fused_bias_gelu, megatron_lm_head, rename, split_fused
 from bionemo_export.models.megatron_core import esm2_settings, esm2_weights
@@ -45,7 +46,8 @@ class Esm2Family(HuggingFaceEncoderFamily):
     fine-tuned head, contacts where it has the contact head (Hugging Face directories:
     `contact_head.regression`); build leaves them out otherwise."""
     description = ("ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, BioNeMo ESM-2nv "
-                   ".nemo (model-parallel too), BioNeMo 2 / NeMo 2 directory, NVIDIA's nv_esm directory")
+                   ".nemo (model-parallel too), BioNeMo 2 / NeMo 2 directory, NVIDIA's nv_esm directory, "
+                   "fair-esm .pt file")
     model_type = "esm"
     config_class = transformers.EsmConfig
     backbone_class = transformers.EsmModel
@@ -129,6 +131,11 @@ class Esm2Family(HuggingFaceEncoderFamily):
         return ModelDescription(checkpoint, config, tokenizer, weights,
                                 facts={"nemo_target": checkpoint.model_class, "activation": activation},
                                 lm_head=head)
+
+    def from_fair_esm(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
+        """A fair-esm .pt file (ESM-2 here; ESM-1b and ESM-1v in the esm1 family), read as the
+        EsmForMaskedLM checkpoint it maps to key by key (models/fair_esm.py)."""
+        return self.from_huggingface(as_huggingface(checkpoint, self.name), max_length)
 
     def from_nv_esm(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
         """NVIDIA's TransformerEngine ESM-2 directory (bionemo-recipes; the layout and what it

@@ -22,6 +22,7 @@ import transformers
 from bionemo_export.models.bert import ANTIBERTY_VOCAB
 from bionemo_export.models.esm1 import ESM1B_MAX_POSITIONS
 from bionemo_export.models.esm2 import ALPHABET, MAX_TOKENS
+from bionemo_export.models.esmc import MAX_TOKENS as ESMC_MAX_TOKENS
 from bionemo_export.models.megamolbart import DEFAULT_VOCAB_SMILES, MegaMolBart, MegaMolBartConfig, save
 from bionemo_export.models.prott5 import DEFAULT_MAX_TOKENS, PROTT5_PIECES, T5_EXTRA_IDS, sentencepiece_model
 from bionemo_export.tokenizers.smiles import build_vocab
@@ -64,6 +65,15 @@ def _esm_config(hidden_size: int, num_layers: int, num_heads: int, intermediate_
         attention_probs_dropout_prob=0.0,
         **released,
     )
+
+
+def esmc_config(*, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
+                intermediate_size: int = 64) -> transformers.EsmcConfig:
+    """ESM C's released settings (64-token embedding, no linear biases, SwiGLU, 2048 positions) at a
+    small size."""
+    return transformers.EsmcConfig(vocab_size=64, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                                   num_attention_heads=num_heads, intermediate_size=intermediate_size,
+                                   max_position_embeddings=ESMC_MAX_TOKENS, pad_token_id=1, mask_token_id=32)
 
 
 def bert_config(*, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
@@ -133,6 +143,12 @@ def _with_vocab(vocab: Sequence[str]) -> Callable[[Any, Path], None]:
     return write
 
 
+def _save_esmc(model: Any, out: Path) -> None:
+    """ESM C's Hugging Face folder: save_pretrained's files and transformers' own EsmcTokenizer files."""
+    model.save_pretrained(out)
+    transformers.EsmcTokenizer().save_pretrained(out)
+
+
 def _save_prott5(model: Any, out: Path) -> None:
     """ProtTrans' folder: save_pretrained's files and spiece.model (written without sentencepiece)."""
     model.save_pretrained(out)
@@ -159,6 +175,7 @@ class TinyFamily:
 FAMILIES: dict[str, TinyFamily] = {
     "esm2": TinyFamily(esm2_config, transformers.EsmForMaskedLM, _with_vocab(ALPHABET)),
     "esm1": TinyFamily(esm1_config, transformers.EsmForMaskedLM, _with_vocab(ALPHABET)),
+    "esmc": TinyFamily(esmc_config, transformers.EsmcForMaskedLM, _save_esmc),
     "bert": TinyFamily(bert_config, transformers.BertForMaskedLM, _with_vocab(ANTIBERTY_VOCAB)),
     "prott5": TinyFamily(prott5_config, _t5_model, _save_prott5),
     "megamolbart": TinyFamily(megamolbart_config, MegaMolBart, _save_megamolbart),

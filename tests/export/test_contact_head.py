@@ -162,3 +162,38 @@ def test_an_esm_model_directory_carries_the_head_too(tmp_path):
     with torch.no_grad():
         np.testing.assert_allclose(loaded.contacts(ids, mask).numpy(), model.predict_contacts(ids, mask).numpy(),
                                    atol=1e-5)
+
+
+def test_a_fair_esm_file_answers_what_fair_esm_predicts(tmp_path):
+    """A fair-esm ESM-2 file with its -contact-regression.pt (read as the Hugging Face checkpoint it
+    maps to) against fair-esm's own `ESM2(..., return_contacts=True)`: a second, independent reference."""
+    import argparse
+
+    esm = pytest.importorskip("esm")
+    alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
+    model = esm.model.esm2.ESM2(num_layers=2, embed_dim=32, attention_heads=4, alphabet=alphabet, token_dropout=True)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            scale = 1000.0 if name == "contact_head.regression.weight" else 0.2
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+    model.eval()
+    state = model.state_dict()
+    stored = {(f"encoder.{key}" if key.startswith("lm_head") else f"encoder.sentence_encoder.{key}"): value
+              for key, value in state.items() if not key.startswith("contact_head")}
+    cfg = {"model": argparse.Namespace(encoder_layers=2, encoder_embed_dim=32, encoder_attention_heads=4,
+                                       token_dropout=True, arch="esm2"), "common": {"seed": 1}}
+    torch.save({"model": stored, "cfg": cfg}, tmp_path / "esm2_t2_tiny.pt")
+    torch.save({"model": {k: v for k, v in state.items() if k.startswith("contact_head")}},
+               tmp_path / "esm2_t2_tiny-contact-regression.pt")
+    loaded = load_checkpoint(tmp_path / "esm2_t2_tiny.pt", "esm2")
+    assert loaded.contacts is not None
+    _, _, tokens = alphabet.get_batch_converter()([(str(i), s) for i, s in enumerate(SEQUENCES)])
+    mask = tokens.ne(alphabet.padding_idx).long()
+    with torch.no_grad():
+        expected = model(tokens, return_contacts=True)["contacts"].numpy()
+        served = loaded.contacts(tokens, mask).numpy()
+    assert expected[0].std() > 0.05
+    for row, sequence in enumerate(SEQUENCES):
+        n = len(sequence)
+        assert np.abs(served[row, :n, :n] - expected[row, :n, :n]).max() <= 1e-4

@@ -24,7 +24,7 @@ from bionemo_export.models.readers.base import describe_checkpoint
 
 # ------------------------------------------------------------------------- each form described
 def test_every_reader_describes_its_own_form_and_they_are_tried_in_order():
-    assert list(READERS) == ["nemo", "nemo2", "huggingface", "nv_esm", "saved"]
+    assert list(READERS) == ["nemo", "nemo2", "esm_weights", "fair_esm", "huggingface", "nv_esm", "saved"]
     for form, reader in READERS.items():
         assert type(reader).describe is not CheckpointReader.describe, form
 
@@ -45,6 +45,8 @@ def checkpoint(form: str, weights_name: str, model_class: str | None = None, **p
     (checkpoint("nv_esm", "model.safetensors", "nv_esm"),
      "NVIDIA TransformerEngine ESM-2 directory (nv_esm, model.safetensors)"),
     (checkpoint("saved", "model.safetensors", "megamolbart"), "megamolbart directory (model.safetensors)"),
+    (checkpoint("fair_esm", "model", "ESM-1v"), "fair-esm ESM-1v file x"),
+    (checkpoint("esm_weights", "x", "ESM C"), "esm package ESM C weights x"),
 ], ids=lambda value: value.form if isinstance(value, Checkpoint) else "")
 def test_a_checkpoint_is_described_by_its_reader(made, described):
     assert describe_checkpoint(made) == described == READERS[made.form].describe(made)

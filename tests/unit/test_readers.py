@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bionemo_export.models.readers import READERS, CheckpointError, read_checkpoint
+from bionemo_export.models.readers import CheckpointError, read_checkpoint
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers import CharacterTokenizer, SmilesTokenizer
 from bionemo_export.tokenizers.protocol import Tokenizer
@@ -20,10 +20,6 @@ from tests.helpers.nemo_archives import write_nemo
 @pytest.fixture(scope="module")
 def esm2_folder(tmp_path_factory):
     return save_random_checkpoint("esm2", tmp_path_factory.mktemp("esm2"), seed=1)
-
-
-def test_the_three_forms_are_registered():
-    assert set(READERS) == {"huggingface", "nemo", "nemo2", "nv_esm", "saved"}
 
 
 def test_huggingface_directory(esm2_folder):

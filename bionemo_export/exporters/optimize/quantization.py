@@ -18,8 +18,9 @@ x86 CPUs do not all compute the same integer products:
   (the same figures, to six digits, on AMX and emulated Haswell). Slower than u8s8 on VNNI hosts
   (~1.8x on AntiBERTy), so a build stores it as the graph for hosts without VNNI, beside the u8s8 one.
 
-`keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, the most
-sensitive to int8) in fp32: those whose simulated int8 error on a calibration batch is largest.
+`keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, or by a SwiGLU's
+product as in ESM C: the most sensitive to int8) in fp32: those whose simulated int8 error on a
+calibration batch is largest.
 fp16 = `onnxruntime.transformers.float16` with float32 graph inputs and outputs.
 """
 
@@ -108,7 +109,7 @@ def quantize_int8(model: onnx.ModelProto, keep_fp32: float, calibration: dict[st
 
 def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndarray] | None,
                           weights: str = "int8") -> tuple[list[str], str]:
-    """The feed-forward output MatMuls (input from a GELU, weights constant), largest simulated
+    """The feed-forward output MatMuls (input from a GELU or a SwiGLU, weights constant), largest simulated
     int8 error first: relative error of (uint8 per-tensor input) x (8-bit per-column `weights`)
     against fp32 on the calibration batch. Without a calibration batch: last layers first."""
     view = GraphView(model.graph)
@@ -118,7 +119,7 @@ def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndar
             continue
         producer = view.producer.get(node.input[0])
         if producer is not None and (producer.op_type in ("Gelu", "BiasGelu", "FastGelu", "QuickGelu")
-                                     or _is_erf_gelu(view, producer)):
+                                     or _is_erf_gelu(view, producer) or _is_swiglu(view, producer)):
             node.name = node.name or f"matmul_{index}"
             nodes.append(node)
     if calibration is None or not nodes:
@@ -179,6 +180,20 @@ def _is_erf_gelu(view: GraphView, node: onnx.NodeProto) -> bool:
             return True
         frontier += [view.producer[name] for name in current.input if name in view.producer]
     return False
+
+
+def _is_swiglu(view: GraphView, node: onnx.NodeProto) -> bool:
+    """Whether `node` is a SwiGLU's product: silu(gate) * up, SiLU as one op or x * sigmoid(x)."""
+    if node.op_type != "Mul":
+        return False
+    return any(_is_silu(view, view.producer[name]) for name in node.input if name in view.producer)
+
+
+def _is_silu(view: GraphView, node: onnx.NodeProto) -> bool:
+    if node.op_type in ("Silu", "Swish"):
+        return True
+    return node.op_type == "Mul" and any(view.producer[name].op_type == "Sigmoid" for name in node.input
+                                         if name in view.producer)
 
 
 def convert_fp16(model: onnx.ModelProto, external: bool) -> tuple[onnx.ModelProto, Fp16Conversion]:

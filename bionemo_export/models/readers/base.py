@@ -233,3 +233,38 @@ def some(items: list[str], limit: int = 8) -> str:
     """A readable list of the first `limit` items."""
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".nemo", ".distcp")
+"""Files whose bytes are weights, for `fp32_weight_bytes`."""
+
+
+def fp32_weight_bytes(path: Path) -> int:
+    """About how many bytes the checkpoint at `path` holds as fp32 tensors, before any is read:
+    safetensors files by their headers (elements x 4, whatever their stored dtype), other weight
+    files by their size (a half-precision torch file is under-counted by half)."""
+    import json
+    import struct
+
+    path = Path(path)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES]
+    total = 0
+    for file in files:
+        if file.suffix != ".safetensors":
+            total += file.stat().st_size
+            continue
+        try:
+            with file.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(min(length, 100 << 20)))
+            elements = 0
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    count = 1
+                    for size in entry["shape"]:
+                        count *= int(size)
+                    elements += count
+            total += 4 * elements
+        except (OSError, ValueError, KeyError, TypeError, struct.error):  # the reader will say what is wrong
+            total += file.stat().st_size
+    return total
