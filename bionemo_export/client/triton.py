@@ -211,7 +211,10 @@ class TritonClient:
                 if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
                     return _chained(ServerUnreachableError(
                         f"cannot reach a Triton server at {self.url}: {err.message()}"), err)
-                return _chained(InferenceError(f"{model}: {err.message()}"), err)
+                # The project's Python models already name themselves ("<model>: ..."): once is enough.
+                message = str(err.message())
+                named = message if message.startswith(f"{model}: ") else f"{model}: {message}"
+                return _chained(InferenceError(named), err)
             if isinstance(err, OSError):  # HTTP: refused, reset, unresolvable host, timed out
                 return _chained(ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err}"), err)
             return err

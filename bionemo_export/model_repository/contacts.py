@@ -70,14 +70,8 @@ def contacts_model(name: str, family: str, tokenizer, options: ServingOptions, m
     code = render("contacts_model.py.j2", model_name=task.model(name), family=family, tool_version=__version__,
                   tokenizer_sources=tokenizer_sources(files), layout=describe_layout(tokenizer), graph_model=graph,
                   model_max_residues=limit)
-    return ModelPlan(
-        name=task.model(name),
-        inputs=[TensorSpec(t.name, t.dtype, t.shape(), optional=t.optional) for t in task.inputs],
-        outputs=[TensorSpec(t.name, t.dtype, t.shape()) for t in task.outputs],
-        max_batch_size=options.max_batch_size,
-        backend="python",
-        instance_count=role.instances,
-        dynamic_batching=role.batching,
+    return ModelPlan.public_python(
+        task, name, role, options.max_batch_size,
         parameters={BLS_MODELS: graph, "graph_model": graph, "max_residues": str(min(max_residues or limit, limit)),
                     "pair_budget": str(pair_budget), "max_rows": str(options.max_batch_size), **tokenizer_parameters},
         files={"model.py": code, **files, **serving_files(*RESPONDING, "contacts")},

@@ -89,16 +89,9 @@ def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
                  limits: ScoringLimits = ScoringLimits()) -> ModelPlan:
     """N_scores: the Python model that forms the masked copies and calls N_logits through BLS."""
     task = TASKS["scores"]
-    role = options.role("scores")
     logits = f"{name}_logits"
-    return ModelPlan(
-        name=task.model(name),
-        inputs=[TensorSpec(t.name, t.dtype, t.shape(), optional=t.optional) for t in task.inputs],
-        outputs=[TensorSpec(t.name, t.dtype, t.shape()) for t in task.outputs],
-        max_batch_size=options.max_batch_size,
-        backend="python",
-        instance_count=role.instances,
-        dynamic_batching=role.batching,
+    return ModelPlan.public_python(
+        task, name, options.role("scores"), options.max_batch_size,
         parameters={BLS_MODELS: logits, "logits_model": logits, "alphabet": json.dumps(list(head.alphabet)),
                     "mask_char": head.mask_char or "", "max_batch_size": str(options.max_batch_size),
                     **limits.parameters()},

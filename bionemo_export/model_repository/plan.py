@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -105,6 +106,18 @@ class ModelPlan:
     @property
     def is_ensemble(self) -> bool:
         return self.platform == "ensemble"
+
+    @classmethod
+    def public_python(cls, task: Any, prefix: str, role: Any, max_batch_size: int, *, parameters: dict[str, str],
+                      files: dict[str, Path | str | bytes], description: str) -> ModelPlan:
+        """A task's public model run by the Python backend (tasks.Task `task`, served as
+        `<prefix>_<task>`): its tensors from the task table, its instances and batcher from `role`
+        (options.RoleOptions), its settings in `parameters` and its code in `files`."""
+        return cls(name=task.model(prefix),
+                   inputs=[TensorSpec(t.name, t.dtype, t.shape(), optional=t.optional) for t in task.inputs],
+                   outputs=[TensorSpec(t.name, t.dtype, t.shape()) for t in task.outputs],
+                   max_batch_size=max_batch_size, backend="python", instance_count=role.instances,
+                   dynamic_batching=role.batching, parameters=parameters, files=files, description=description)
 
     def tensor(self, name: str, *, output: bool) -> TensorSpec | None:
         for tensor in self.outputs if output else self.inputs:

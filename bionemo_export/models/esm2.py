@@ -36,6 +36,20 @@ ALPHABET = ["<cls>", "<pad>", "<eos>", "<unk>", *RESIDUES, ".", "-", "<null_1>",
 """The 33 ESM-2 token ids, in order (docs/reference/tokenizers.md)."""
 MAX_TOKENS = 1024
 """ESM-2's length limit: <cls> + 1022 residues + <eos>."""
+ESM_CLASSIFIER_RENAMES = {
+    "sequence": {"classifier.dense.weight": "dense.weight", "classifier.dense.bias": "dense.bias",
+                 "classifier.out_proj.weight": "out.weight", "classifier.out_proj.bias": "out.bias"},
+    "token": {"classifier.weight": "out.weight", "classifier.bias": "out.bias"},
+}
+"""transformers' ESM fine-tuned heads (EsmFor* and EsmcFor*: the same classes): the sequence head's
+EsmClassificationHead (dense -> tanh -> out_proj on <cls>), the token head's Linear."""
+
+
+def esm_classifier_kind(keys: Any) -> str | None:
+    """"sequence" or "token" from the fine-tuned head's keys (without config.json's architectures), None without one."""
+    if "classifier.out_proj.weight" in keys or "classifier.dense.weight" in keys:
+        return "sequence"
+    return "token" if "classifier.weight" in keys else None
 
 
 @register
@@ -55,17 +69,10 @@ class Esm2Family(HuggingFaceEncoderFamily):
     unused_prefixes = ("lm_head.", "contact_head.", "classifier.")
     head_prefix = "lm_head."
     contact_prefix = "contact_head."
-    classifier_renames = {
-        "sequence": {"classifier.dense.weight": "dense.weight", "classifier.dense.bias": "dense.bias",
-                     "classifier.out_proj.weight": "out.weight", "classifier.out_proj.bias": "out.bias"},
-        "token": {"classifier.weight": "out.weight", "classifier.bias": "out.bias"},
-    }
-    """EsmForSequenceClassification's EsmClassificationHead; EsmForTokenClassification's Linear."""
+    classifier_renames = ESM_CLASSIFIER_RENAMES
 
     def guess_classifier(self, keys: Any) -> str | None:
-        if "classifier.out_proj.weight" in keys or "classifier.dense.weight" in keys:
-            return "sequence"
-        return "token" if "classifier.weight" in keys else None
+        return esm_classifier_kind(keys)
 
     nemo_targets = ("ESM2nvModel", "ESM2Config")
     """.nemo targets, and the config class a NeMo 2 directory's context/model.yaml names."""

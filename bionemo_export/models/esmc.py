@@ -47,6 +47,7 @@ from transformers.initialization import no_init_weights
 
 from bionemo_export.models.base import ModelDescription, leave_out, register
 from bionemo_export.models.encoder import HuggingFaceEncoderFamily, token_limit
+from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
@@ -78,16 +79,10 @@ class EsmcFamily(HuggingFaceEncoderFamily):
     head_prefix = "lm_head."
     head_renames = {"decoder.bias": "bias"}
     """EsmcMaskedLMHead's decoder has its own bias: the head's `bias`."""
-    classifier_renames = {
-        "sequence": {"classifier.dense.weight": "dense.weight", "classifier.dense.bias": "dense.bias",
-                     "classifier.out_proj.weight": "out.weight", "classifier.out_proj.bias": "out.bias"},
-        "token": {"classifier.weight": "out.weight", "classifier.bias": "out.bias"},
-    }
+    classifier_renames = ESM_CLASSIFIER_RENAMES
 
     def guess_classifier(self, keys: Any) -> str | None:
-        if "classifier.out_proj.weight" in keys or "classifier.dense.weight" in keys:
-            return "sequence"
-        return "token" if "classifier.weight" in keys else None
+        return esm_classifier_kind(keys)
 
     def from_esm_weights(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
         """The esm package's weight file, read as the EsmcForMaskedLM checkpoint it maps to (see the module)."""

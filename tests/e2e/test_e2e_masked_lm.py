@@ -76,9 +76,10 @@ def test_bad_variants_are_invalid_argument_naming_the_variant_and_the_server_car
         with pytest.raises(InferenceError, match="INVALID_ARGUMENT|" + words) as caught:
             client.score_variants(WILD_TYPE, [variant])
         assert words in str(caught.value)
-    with pytest.raises(InferenceError, match="masked-marginal scores variants"):
+    with pytest.raises(InferenceError, match="masked-marginal scores variants") as named:
         client.client.infer(f"{NAME}_scores", {"sequences": np.array([[b"MKT"]], dtype=np.object_),
                                                "method": np.array([[b"masked-marginal"]], dtype=np.object_)})
+    assert str(named.value).count(f"{NAME}_scores:") == 1  # the server's own prefix, not the client's again
     assert client.score_variants(WILD_TYPE, ["M1A"]).shape == (1,)
 
 
