@@ -130,7 +130,7 @@ def test_inspect_finds_the_esm2_family_alone(exact_dir):
 
     report = inspect_checkpoint(exact_dir)
     assert (report.form, report.family, report.ok) == ("nemo2", "esm2", True), report.problems
-    with pytest.raises(CheckpointError, match="the esm1 family reads nemo, huggingface checkpoints"):
+    with pytest.raises(CheckpointError, match="the esm1 family reads nemo, fair_esm, huggingface checkpoints"):
         get_family("esm1").describe(read_checkpoint(exact_dir))
 
 
