@@ -22,6 +22,8 @@ def test_a_checkpoint_too_large_for_this_host_is_refused_before_it_is_loaded(tmp
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)  # the header alone
     assert fp32_weight_bytes(folder) == 4_000_000
+    (folder / "pytorch_model.bin").write_bytes(bytes(2_000_000))  # the same weights again, as torch.save'd
+    assert fp32_weight_bytes(folder) == 4_000_000  # counted once: the reader reads the safetensors
     check_build_memory(folder, available=int(4_000_000 * 2.7) + 1)
     check_build_memory(folder, available=None)  # unknown: not checked
     with pytest.raises(BuildError, match=r"needs about 0.0 GiB of memory \(2.7 x its 0.0 GiB of fp32 weights.*"

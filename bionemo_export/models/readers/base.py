@@ -241,13 +241,16 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".nemo", ".di
 
 def fp32_weight_bytes(path: Path) -> int:
     """About how many bytes the checkpoint at `path` holds as fp32 tensors, before any is read:
-    safetensors files by their headers (elements x 4, whatever their stored dtype), other weight
-    files by their size (a half-precision torch file is under-counted by half)."""
+    safetensors files by their headers (elements x 4, whatever their stored dtype; a folder's .bin
+    copies of them are not counted again), other weight files by their size (a half-precision torch
+    file is under-counted by half)."""
     import json
     import struct
 
     path = Path(path)
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES]
+    if any(f.suffix == ".safetensors" for f in files):  # Hugging Face folders often hold a .bin copy too: one is read
+        files = [f for f in files if f.suffix == ".safetensors"]
     total = 0
     for file in files:
         if file.suffix != ".safetensors":
