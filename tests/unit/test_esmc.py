@@ -15,9 +15,9 @@ import transformers
 
 from bionemo_export.models import get_family
 from bionemo_export.models.base import load_checkpoint
-from bionemo_export.models.lm_head import MaskedLMHead
 from bionemo_export.models.readers import CheckpointError
 from bionemo_export.testing.checkpoints import save_random_checkpoint
+from tests.helpers.loaded_outputs import masked_lm_outputs
 
 SEQUENCES = ["MKTAYIAKQR", "MSLKRKNIALIPAAGIGVRFG", "LAGVSERTIDPKQNFYMHWCXBUZO", "MKT_YIAK"]
 
@@ -31,23 +31,18 @@ def test_an_esmc_checkpoint_computes_what_transformers_computes(tmp_path, sizes)
     tokenizer = transformers.EsmcTokenizer.from_pretrained(folder)
     texts = [s.replace("_", "<mask>") for s in SEQUENCES]
     expected_ids = tokenizer(texts, padding=True, return_tensors="pt")
-    encoded = loaded.tokenizer.encode(SEQUENCES)
-    assert np.array_equal(encoded.input_ids, expected_ids["input_ids"].numpy())
-    head = loaded.lm_head
-    assert isinstance(head, MaskedLMHead)
+    got = masked_lm_outputs(loaded, SEQUENCES)
+    assert np.array_equal(got.encoded.input_ids, expected_ids["input_ids"].numpy())
     with torch.no_grad():
-        hiddens, embeddings = loaded.encoder(torch.tensor(encoded.input_ids), torch.tensor(encoded.attention_mask),
-                                             torch.tensor(encoded.residue_mask))
-        log_probs = head(hiddens)
         expected = reference(**expected_ids, output_hidden_states=True)
     real = expected_ids["attention_mask"].bool()
     last = expected.hidden_states[-1] if expected.hidden_states is not None else None
     assert last is not None
-    assert (hiddens - last).abs()[real].max().item() < 1e-5
-    wanted = torch.log_softmax(expected.logits[..., list(head.alphabet_ids)], dim=-1)
-    assert (log_probs - wanted).abs()[real].max().item() < 1e-5
-    residues = torch.tensor(encoded.residue_mask).unsqueeze(-1)
-    np.testing.assert_allclose(embeddings, (last * residues).sum(1) / residues.sum(1), atol=1e-5)
+    assert (got.hiddens - last).abs()[real].max().item() < 1e-5
+    wanted = torch.log_softmax(expected.logits[..., got.alphabet_ids], dim=-1)
+    assert (got.log_probs - wanted).abs()[real].max().item() < 1e-5
+    residues = torch.tensor(got.encoded.residue_mask).unsqueeze(-1)
+    np.testing.assert_allclose(got.embeddings, (last * residues).sum(1) / residues.sum(1), atol=1e-5)
 
 
 def _esm_package_state(model: Any) -> dict[str, torch.Tensor]:
@@ -90,20 +85,14 @@ def test_the_esm_packages_weight_file_computes_what_transformers_computes(tmp_pa
     loaded = load_checkpoint(tmp_path / "esmc_tiny_v0.pth")
     assert loaded.family.name == "esmc" and loaded.description["heads"] == 2
     assert loaded.description["checkpoint_form"] == "esm package ESM C weights esmc_tiny_v0.pth"
-    encoded = loaded.tokenizer.encode(SEQUENCES)
-    head = loaded.lm_head
-    assert isinstance(head, MaskedLMHead)
+    got = masked_lm_outputs(loaded, SEQUENCES)
     with torch.no_grad():
-        hiddens, _ = loaded.encoder(torch.tensor(encoded.input_ids), torch.tensor(encoded.attention_mask),
-                                    torch.tensor(encoded.residue_mask))
-        expected = reference(input_ids=torch.tensor(encoded.input_ids),
-                             attention_mask=torch.tensor(encoded.attention_mask), output_hidden_states=True)
-        log_probs = head(hiddens)
-    real = torch.tensor(encoded.attention_mask).bool()
+        expected = reference(input_ids=torch.tensor(got.encoded.input_ids),
+                             attention_mask=torch.tensor(got.encoded.attention_mask), output_hidden_states=True)
     assert expected.hidden_states is not None
-    assert (hiddens - expected.hidden_states[-1]).abs()[real].max().item() < 1e-5
-    wanted = torch.log_softmax(expected.logits[..., list(head.alphabet_ids)], dim=-1)
-    assert (log_probs - wanted).abs()[real].max().item() < 1e-5
+    assert (got.hiddens - expected.hidden_states[-1]).abs()[got.real].max().item() < 1e-5
+    wanted = torch.log_softmax(expected.logits[..., got.alphabet_ids], dim=-1)
+    assert (got.log_probs - wanted).abs()[got.real].max().item() < 1e-5
 
     state = _esm_package_state(reference)
     state["transformer.blocks.0.attn.extra.weight"] = torch.zeros(1)

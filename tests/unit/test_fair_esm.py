@@ -18,9 +18,9 @@ import torch
 esm = pytest.importorskip("esm")  # fair-esm, the reference (requirements/runtime.txt)
 
 from bionemo_export.models.base import load_checkpoint  # noqa: E402
-from bionemo_export.models.lm_head import MaskedLMHead  # noqa: E402
 from bionemo_export.models.readers import CheckpointError, read_checkpoint  # noqa: E402
 from bionemo_export.models.readers.base import describe_checkpoint  # noqa: E402
+from tests.helpers.loaded_outputs import masked_lm_outputs  # noqa: E402
 
 SEQUENCES = ["MKTAYIAKQR", "MSLKRKNIALIPAAGIGVRFG", "LAGVSERTIDPKQNFYMHWC"]
 MASKED = ["MKT<mask>YIAKQR", "MSLKRK<mask>IALIP<mask>AGIGVRFG", "LAGVSERTIDPKQNFYMHWC"]
@@ -84,19 +84,11 @@ def _compare(path: Path, alphabet: Any, sequences: list[str]) -> tuple[float, fl
     layers = len(reference.layers)
     with torch.no_grad():
         expected = reference(tokens, repr_layers=[layers])
-    encoded = loaded.tokenizer.encode([s.replace("<mask>", "_") for s in sequences])
-    assert np.array_equal(encoded.input_ids, tokens.numpy())  # the same tokens, <mask> included
-    head = loaded.lm_head
-    assert isinstance(head, MaskedLMHead)
-    with torch.no_grad():
-        hiddens, _ = loaded.encoder(torch.tensor(encoded.input_ids), torch.tensor(encoded.attention_mask),
-                                    torch.tensor(encoded.residue_mask))
-        log_probs = head(hiddens)
-    real = torch.tensor(encoded.attention_mask).bool()
-    hidden_error = (hiddens - expected["representations"][layers]).abs()[real].max().item()
-    rows = list(head.alphabet_ids)
-    wanted = torch.log_softmax(expected["logits"][..., rows], dim=-1)
-    return hidden_error, (log_probs - wanted).abs()[real].max().item()
+    got = masked_lm_outputs(loaded, [s.replace("<mask>", "_") for s in sequences])
+    assert np.array_equal(got.encoded.input_ids, tokens.numpy())  # the same tokens, <mask> included
+    hidden_error = (got.hiddens - expected["representations"][layers]).abs()[got.real].max().item()
+    wanted = torch.log_softmax(expected["logits"][..., got.alphabet_ids], dim=-1)
+    return hidden_error, (got.log_probs - wanted).abs()[got.real].max().item()
 
 
 def test_an_esm2_file_reads_as_fair_esm_computes_it(tmp_path):
