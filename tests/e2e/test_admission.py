@@ -32,7 +32,7 @@ CLIENTS = 30
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("admission")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=5)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4, max_queue_size=2),
                                   optimize=False))

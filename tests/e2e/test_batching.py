@@ -61,7 +61,7 @@ def _token_counts(server, model: str) -> dict[str, float]:
 def encoder_server(request, tmp_path_factory, triton_install):
     """A tiny random ESM-2 served with a queue delay long enough that concurrent requests batch."""
     work = tmp_path_factory.mktemp(f"batching-{request.param}")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=3)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     build_repository(BuildRequest(
         family="esm2", checkpoint=checkpoint, name="tiny", out=work / "repo", backend="python",
         serving=ServingOptions(max_batch_size=16, max_queue_delay_microseconds=50_000, layout=request.param,

@@ -32,7 +32,7 @@ def _start_build(checkpoint: Path, out: Path, system_tmp: Path) -> subprocess.Po
     system_tmp.mkdir(exist_ok=True)
     return subprocess.Popen(
         [*CLI, "build", "repo", "--model", "esm2", "--checkpoint", str(checkpoint), "--name", "esm2nv",
-         "--out", str(out), "--max-batch-size", "4"],
+         "--out", str(out), "--max-batch-size", "4", "--no-optimize"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **WIDE, "TMPDIR": str(system_tmp)},
     )
@@ -79,7 +79,7 @@ def test_a_build_killed_with_sigkill_leaves_one_folder_that_the_next_build_remov
     assert _escaped(system_tmp) == []
 
     again = subprocess.run([*CLI, "build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
-                            "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4"],
+                            "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4", "--no-optimize"],
                            capture_output=True, text=True, timeout=600,
                            env={**os.environ, **WIDE, "TMPDIR": str(system_tmp)})
     assert again.returncode == 0, again.stdout + again.stderr

@@ -37,7 +37,7 @@ def served(request, tmp_path_factory, triton_install):
     if request.param == "bert":
         checkpoint = antiberty_checkpoint()  # real pretrained weights from the antiberty wheel
     else:
-        checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=1)
+        checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=0)
     name = f"{request.param}test"
     build_repository(BuildRequest(
         family=request.param, checkpoint=checkpoint, name=name, out=work / "repo", backend="python",

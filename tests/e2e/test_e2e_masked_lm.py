@@ -28,7 +28,7 @@ VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T", "I12L"]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("masked_lm")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=11)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                            backend="python", optimize=False))
     reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint).eval()

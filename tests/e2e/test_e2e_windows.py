@@ -27,7 +27,7 @@ LONG = "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQF"[:57
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("windows")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=21)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", max_length=WINDOW + 2, tasks=("embeddings", "hiddens", "logits"),
                                   serving=ServingOptions(max_residues=MAX_RESIDUES, window_overlap=OVERLAP),

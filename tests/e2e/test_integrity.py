@@ -49,7 +49,7 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
     from bionemo_export.testing.checkpoints import save_random_checkpoint
 
     work = tmp_path_factory.mktemp("integrity")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=5)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4), optimize=False))
     return work / "repo", checkpoint

@@ -89,7 +89,7 @@ def esm2(tmp_path_factory):
     """(repository folder, loaded reference model) of a tiny random ESM-2 build."""
     family = get_family("esm2")
     work = tmp_path_factory.mktemp("esm2")
-    checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=7)
+    checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4),
                                   tasks=("embeddings", "hiddens"), optimize=False))

@@ -63,7 +63,7 @@ def esm2_repo(tmp_path_factory) -> Path:
     from bionemo_export.testing.checkpoints import save_random_checkpoint
 
     work = tmp_path_factory.mktemp("esm2")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=3)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=4, encoder_instances=2),
                                   tasks=("embeddings", "hiddens"), optimize=False))

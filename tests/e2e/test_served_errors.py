@@ -42,7 +42,7 @@ LONG_SMILES = "C" * 510  # the tiny MegaMolBART's longest input: 512 positions
 @pytest.fixture(scope="module")
 def esm(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("esm-errors")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=1)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=work / "repo",
                                   backend="python", serving=ServingOptions(max_batch_size=8), optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:
@@ -56,7 +56,7 @@ def mmb(tmp_path_factory, triton_install):
     and copies of the decodes model that call it, or a decoder step allowing no cached position
     (a BLS callee that fails with INTERNAL, and one that refuses its input)."""
     work = tmp_path_factory.mktemp("mmb-errors")
-    checkpoint = save_random_checkpoint("megamolbart", work / "checkpoint", seed=2)
+    checkpoint = save_random_checkpoint("megamolbart", work / "checkpoint", seed=5)
     repo = work / "repo"
     result = CliRunner().invoke(app, [  # the command line's limit flags reach the configs
         "build", "repo", "--no-optimize", "--model", "megamolbart", "--checkpoint", str(checkpoint), "--name", "mmb",

@@ -84,7 +84,7 @@ def bare_host(tmp_path_factory) -> Iterator[BareHost]:
     from tests.helpers.object_store import local_s3
 
     work = tmp_path_factory.mktemp("bare")
-    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=11)
+    checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=0)
     built = {backend: work / f"repo-{backend}" for backend in ("python", "tensorrt")}
     for backend, out in built.items():
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=out, backend=backend,
