@@ -278,6 +278,9 @@ def test_fp16_build_keeps_float32_inputs_and_outputs(tmp_path):
     assert manifest["accuracy"]["outputs"]["embeddings"]["min_cosine"] >= PRECISION_MIN_COSINE["fp16"]["embeddings"]
     optimization = manifest["export"]["encoder"]["optimization"]
     assert optimization["serving_graph_optimization_level"] == "ORT_ENABLE_ALL"  # the GPU host optimizes
+    # layer norms and the residual sums they read stay fp32 (2 layers: 2 x 2 norms + the final one)
+    assert optimization["quantization"]["normalizations_fp32"] == 5
+    assert optimization["quantization"]["residual_additions_fp32"] == 4
     stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))
     assert any(init.data_type == onnx.TensorProto.FLOAT16 for init in stored.graph.initializer)
     assert [o.type.tensor_type.elem_type for o in stored.graph.output] == [onnx.TensorProto.FLOAT] * 2

@@ -21,7 +21,11 @@ x86 CPUs do not all compute the same integer products:
 `keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, or by a SwiGLU's
 product as in ESM C: the most sensitive to int8) in fp32: those whose simulated int8 error on a
 calibration batch is largest.
-fp16 = `onnxruntime.transformers.float16` with float32 graph inputs and outputs.
+fp16 = `onnxruntime.transformers.float16` with float32 graph inputs and outputs, the layer norms and
+the residual stream kept in fp32 (`FP32_NORMALIZATIONS`, and every Add whose sum a layer norm reads):
+outside TransformerEngine the residual stream of ESM C grows to magnitudes where fp16's spacing (2 at
+2048, 32 at 32768) swallows each block's update, and a norm over fp16 inputs sees that rounding.
+The rest (attention, feed-forward: the MatMuls, which are the cost) runs in fp16.
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ INT8_METHOD = ("onnxruntime.quantization.quantize_dynamic: {weights} weights per
 WEIGHT_TYPES = ("int8", "uint8")
 """The weight types quantize_int8 makes: int8 (u8s8, exact on VNNI CPUs only), uint8 (u8u8, exact on every x86 CPU)."""
 PORTABLE_WEIGHTS = "uint8"
-FP16_METHOD = "onnxruntime.transformers.float16: float16 weights and compute; float32 graph inputs and outputs"
+FP16_METHOD = ("onnxruntime.transformers.float16: float16 weights and compute; float32 graph inputs and outputs, "
+               "layer norms and the residual additions they read")
+FP32_NORMALIZATIONS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+                       "SkipSimplifiedLayerNormalization", "RMSNormalization")
+"""Normalizations an fp16 graph computes in fp32 (with the residual additions they read)."""
 
 
 
@@ -74,6 +82,10 @@ class Fp16Conversion:
     """How an fp16 graph was converted (manifest.json's `optimization.quantization`)."""
 
     method: str = FP16_METHOD
+    normalizations_fp32: int = 0
+    """Layer-norm nodes left in fp32."""
+    residual_additions_fp32: int = 0
+    """Add nodes left in fp32 because a layer norm reads their sum (the residual stream)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -197,8 +209,63 @@ def _is_silu(view: GraphView, node: onnx.NodeProto) -> bool:
 
 
 def convert_fp16(model: onnx.ModelProto, external: bool) -> tuple[onnx.ModelProto, Fp16Conversion]:
-    """`model` with float16 weights and compute, its inputs and outputs still float32, and how it was done."""
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+    """`model` with float16 weights and compute, its inputs and outputs still float32, its layer
+    norms and the residual additions they read in float32 (the module's docstring), and how it was done."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    return convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=external), Fp16Conversion()
+    norms = [node for node in model.graph.node if node.op_type in FP32_NORMALIZATIONS]
+    residuals = residual_additions(model)
+    converted = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=external,
+                                         op_block_list=[*DEFAULT_OP_BLOCK_LIST, *FP32_NORMALIZATIONS],
+                                         node_block_list=residuals)
+    _drop_fp16_round_trips(converted)
+    return converted, Fp16Conversion(normalizations_fp32=len(norms), residual_additions_fp32=len(residuals))
+
+
+def _drop_fp16_round_trips(model: onnx.ModelProto) -> None:
+    """Read fp32 values where the converter casts them to fp16 and straight back.
+
+    The converter casts every fp32-kept node's output down to fp16 and every fp32-kept node's input
+    up again, even between two such nodes: the residual sum would reach the norm (and the next
+    residual addition) through fp16 and overflow past 65504 all the same. Each Cast-to-fp32 of a
+    Cast-to-fp16's output is bypassed here (its readers take the fp32 original) and the casts left
+    unread are removed."""
+    view = GraphView(model.graph)
+    float32, float16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+    renamed: dict[str, str] = {}
+    for node in model.graph.node:
+        source = view.producer.get(node.input[0]) if node.op_type == "Cast" and node.input else None
+        if (source is not None and source.op_type == "Cast" and _cast_to(node) == float32
+                and _cast_to(source) == float16 and node.output[0] not in view.outputs):
+            renamed[node.output[0]] = source.input[0]
+    if not renamed:
+        return
+    for node in model.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    while True:  # a removed cast may leave the cast it read unread
+        read = {name for node in model.graph.node for name in node.input} | view.outputs
+        keep = [node for node in model.graph.node
+                if node.op_type != "Cast" or any(name in read for name in node.output)]
+        if len(keep) == len(model.graph.node):
+            return
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+
+
+def _cast_to(node: onnx.NodeProto) -> int | None:
+    return next((attribute.i for attribute in node.attribute if attribute.name == "to"), None)
+
+
+def residual_additions(model: onnx.ModelProto) -> list[str]:
+    """The names of the Add nodes whose sum a layer norm reads: the residual stream of a transformer
+    (pre-norm: the sum also flows on to the next residual addition; post-norm: the norm's input).
+    Nodes without a name are named here, since the converter blocks nodes by name."""
+    norm_inputs = {node.input[0] for node in model.graph.node if node.op_type in FP32_NORMALIZATIONS and node.input}
+    found = []
+    for index, node in enumerate(model.graph.node):
+        if node.op_type == "Add" and node.output[0] in norm_inputs:
+            if not node.name:
+                node.name = f"residual_add_{index}"
+            found.append(node.name)
+    return found
 
