@@ -67,7 +67,7 @@ def test_the_converted_block_answers_as_fp32_does_on_this_cpu():
 
     def run(model: onnx.ModelProto) -> np.ndarray:
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(["y"], {"x": x})[0]
+        return np.asarray(session.run(["y"], {"x": x})[0])
 
     np.testing.assert_allclose(run(convert_fp16(_block(), external=False)[0]), run(_block()), atol=2e-3)
 
