@@ -274,6 +274,9 @@ def _check_alphabet(vocab_file: Path) -> None:
     vocab = read_vocab(vocab_file)
     if vocab == ALPHABET:
         return
+    if any(len(token) == 2 and token[0].isupper() and token[1].islower() for token in vocab[:64]):
+        raise InvalidInputError(f"{vocab_file} pairs residues with Foldseek 3Di letters (SaProt's vocabulary), not "
+                                "the ESM-2 alphabet: use `family` saprot")
     for line, (got, want) in enumerate(zip(vocab, ALPHABET), start=1):
         if got != want:
             raise InvalidInputError(
