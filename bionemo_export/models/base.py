@@ -244,6 +244,8 @@ class ModelFamily(ABC):
     min_cosine: ClassVar[float] = 0.9999
     nemo_targets: ClassVar[tuple[str, ...]] = ()
     """Class names of the `.nemo` `target`s this family reads (how `--model` is inferred)."""
+    scoring_default: ClassVar[str] = "wt-marginal"
+    """N_scores' method for variants when a request names none (serving/scoring.py METHODS)."""
 
     @classmethod
     def forms(cls) -> tuple[str, ...]:

@@ -165,17 +165,20 @@ def test_method_defaults_and_errors():
     assert resolve_method(b"", True) == "wt-marginal"
     assert resolve_method(b"masked-marginal", True) == "masked-marginal"
     assert resolve_method("pll", False) == "pll"
+    assert resolve_method(None, True, "variant-masked") == "variant-masked"  # a model's default_method
+    assert resolve_method(None, False, "variant-masked") == "pll"
+    assert resolve_method("wt-marginal", True, "variant-masked") == "wt-marginal"
     assert _error(resolve_method, "masked-marginals", True) == (
-        "input method: unknown method 'masked-marginals'; methods: wt-marginal, masked-marginal, pll")
+        "input method: unknown method 'masked-marginals'; methods: wt-marginal, masked-marginal, variant-masked, pll")
     assert _error(resolve_method, "pll", True) == (
-        "input method: pll scores the wild-type sequence itself and takes no variants; use wt-marginal or "
-        "masked-marginal to score variants, or send each mutant sequence with method pll")
-    for method in ("wt-marginal", "masked-marginal"):
+        "input method: pll scores the wild-type sequence itself and takes no variants; use wt-marginal, "
+        "masked-marginal or variant-masked to score variants, or send each mutant sequence with method pll")
+    for method in ("wt-marginal", "masked-marginal", "variant-masked"):
         assert _error(resolve_method, method, False) == (
             f"input method: {method} scores variants, and the request has none; send variants (like A42G), or "
             "use method pll to score the sequence itself")
     assert _error(resolve_method, b"\xff", False) == "input method is not UTF-8 (invalid start byte at byte 0)"
-    assert METHODS == ("wt-marginal", "masked-marginal", "pll")
+    assert METHODS == ("wt-marginal", "masked-marginal", "variant-masked", "pll")
 
 
 def test_plan_request_defaults_and_sequence_errors():
