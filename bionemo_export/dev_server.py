@@ -46,8 +46,8 @@ from bionemo_export.serving.contacts import DEFAULT_PAIR_BUDGET, ContactMaps
 from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.responses import Responder
-from bionemo_export.serving.scoring import plan_request
 from bionemo_export.serving.scores import structure_reader
+from bionemo_export.serving.scoring import plan_request
 from bionemo_export.tasks import TASKS
 from bionemo_export.tensors import DType
 
