@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -178,6 +178,15 @@ class StructureAwareTokenizer:
         return tuple(tuple(self._ids[residue + letter] for letter in STRUCTURE_LETTERS + UNKNOWN)
                      for residue in RESIDUES)
 
+    def paired(self, text: str | bytes) -> str:
+        """`text` spelled structure-aware, two characters a residue (a plain residue with `#`): how
+        windows over long proteins cut it (serving/encoding.py). TokenizationError for bad input."""
+        data = _utf8(0, text)
+        if not data.isascii():
+            return self._non_ascii(0, data)
+        residues, letters = split_pairs(data.decode("ascii"))
+        return "".join(residue + letter for residue, letter in zip(residues, letters))
+
     @property
     def max_residues(self) -> int:
         return self.max_length - len(self._specials())
@@ -194,11 +203,7 @@ class StructureAwareTokenizer:
         residue_bytes, letter_bytes = [], []
         for index, data in enumerate(raw):
             if not data.isascii():
-                text = data.decode("utf-8", "surrogatepass")
-                position, char = next((p, c) for p, c in enumerate(text) if not c.isascii())
-                raise TokenizationError(f"sequence {index} has an invalid character {char!r} at character "
-                                        f"{position}; SaProt reads residues {RESIDUES}, 3Di letters "
-                                        f"{STRUCTURE_LETTERS} and '{UNKNOWN}'")
+                self._non_ascii(index, data)
             residues, letters = split_pairs(data.decode("ascii"), index)
             residue_bytes.append(residues.encode("ascii"))
             letter_bytes.append(letters.encode("ascii"))
@@ -214,14 +219,24 @@ class StructureAwareTokenizer:
         return assemble(ids, lengths, limit=self.max_residues, pad_id=self.pad_id, bos_id=self.bos_id,
                         eos_id=self.eos_id)
 
+    @staticmethod
+    def _non_ascii(index: int, data: bytes) -> NoReturn:
+        text = data.decode("utf-8", "surrogatepass")
+        position, char = next((p, c) for p, c in enumerate(text) if not c.isascii())
+        raise TokenizationError(f"sequence {index} has an invalid character {char!r} at character {position}; SaProt "
+                                f"reads residues {RESIDUES}, 3Di letters {STRUCTURE_LETTERS} and '{UNKNOWN}'")
+
     def to_dict(self) -> dict[str, Any]:
-        return {"vocab": list(self.vocab), "max_length": self.max_length, "pad_token": self.pad_token,
-                "bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
-                "mask_token": self.mask_token, "mask_char": self.mask_char}
+        return {"vocab": list(self.vocab), "residues": RESIDUES, "max_length": self.max_length,
+                "pad_token": self.pad_token, "bos_token": self.bos_token, "eos_token": self.eos_token,
+                "unk_token": self.unk_token, "mask_token": self.mask_token, "mask_char": self.mask_char}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StructureAwareTokenizer:
         settings = dict(d)
+        residues = settings.pop("residues", RESIDUES)  # what a plain sequence holds (bench reads it)
+        if residues != RESIDUES:
+            raise ValueError(f"residues is {residues!r}; SaProt's are {RESIDUES}")
         return cls(settings.pop("vocab"), **settings)
 
     def save_json(self, path: str | Path) -> None:

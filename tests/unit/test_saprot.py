@@ -270,3 +270,26 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
     save_file(broken, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"wrong shapes: encoder.layer.0.attention.self.query.weight is \(3, 3\)"):
         load_checkpoint(folder)
+
+
+# ------------------------------------------------------------------------------ windows (--max-residues)
+def test_long_proteins_are_cut_in_windows_of_residues_not_characters(pb_utils):
+    """A model built with --max-residues cuts a structure-aware sequence between residues (two
+    characters each), and a plain one likewise after reading it with unknown structure."""
+    from bionemo_export.serving.encoding import WindowedRows, WindowedSequenceInputs
+    from bionemo_export.serving.responses import RequestError
+
+    tokenizer = StructureAwareTokenizer(saprot_vocabulary(), max_length=10)  # windows of 8 residues
+    inputs = WindowedSequenceInputs(tokenizer, False, RequestError, max_residues=40, overlap=2)
+    vocab = {token: i for i, token in enumerate(saprot_vocabulary())}
+    for text, plain in ((WILD_TYPE, False), (PLAIN, True)):
+        rows = inputs(fake_pb_utils.request({"sequences": np.array([[text.encode()]], dtype=np.object_)}))
+        assert isinstance(rows, WindowedRows)
+        layout = rows.layout
+        tokens = pairs(text, plain=plain)
+        assert layout.rows > 1 and int(layout.end[-1]) == len(tokens) == 22
+        for row, (start, end) in enumerate(zip(layout.start.tolist(), layout.end.tolist())):
+            expected = token_ids(vocab, tokens[start:end])[0].tolist()
+            assert rows[0][row, :len(expected)].tolist() == expected
+    with pytest.raises(TokenizationError, match="has 'z' at character 3"):
+        inputs(fake_pb_utils.request({"sequences": np.array([[b"MdEz" * 6]], dtype=np.object_)}))
