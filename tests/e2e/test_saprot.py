@@ -52,11 +52,11 @@ def served(tmp_path_factory, triton_install):
                                            out=work / "repo", backend="python", optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
         with RepositoryClient(NAME, f"grpc://{server.endpoints.grpc_url}") as client:
-            yield result, reference, vocab_ids(work / "checkpoint"), client, server
+            yield result, reference, vocab_ids(work / "checkpoint"), client, server, work
 
 
 def test_served_embeddings_hiddens_and_log_probs_equal_transformers(served):
-    result, reference, vocab, client, _ = served
+    result, reference, vocab, client, _, _ = served
     assert {f"{NAME}_embeddings", f"{NAME}_hiddens", f"{NAME}_logits", f"{NAME}_scores"} <= set(result.models)
     assert client.alphabet() == tuple(AMINO_ACIDS)
     hiddens, mask = client.seqs_to_hidden(SEQUENCES)
@@ -76,7 +76,7 @@ def test_served_embeddings_hiddens_and_log_probs_equal_transformers(served):
 
 
 def test_served_scores_are_saprots_predict_mut(served):
-    _, reference, vocab, client, _ = served
+    _, reference, vocab, client, _, _ = served
     expected = [predict_mut(reference, vocab, pairs(WILD_TYPE), variant) for variant in VARIANTS]
     assert np.ptp(expected) > 0.5
     np.testing.assert_allclose(client.score_variants(WILD_TYPE, VARIANTS), expected, atol=1e-4)  # the default
@@ -94,7 +94,7 @@ def test_client_score_reads_structure_aware_wild_types(served, tmp_path):
 
     from bionemo_export.cli.main import app
 
-    _, reference, vocab, client, _ = served
+    _, reference, vocab, client, _, _ = served
     (tmp_path / "wt.fasta").write_text(f">wt\n{WILD_TYPE}\n")
     with (tmp_path / "dms.csv").open("w", newline="") as handle:
         csv.writer(handle).writerows([["mutant", "DMS_score"], *[[v, str(i)] for i, v in enumerate(VARIANTS)]])
@@ -147,9 +147,24 @@ def _bytes(*rows: list[str]) -> np.ndarray:
     ("MdEv", ["E1A"], "variants[0] = 'E1A': position 1 is M in the wild type, not E"),
 ])
 def test_bad_input_is_invalid_argument_and_the_server_carries_on(served, wild_type, variants, message):
-    _, _, _, client, server = served
+    _, _, _, client, server, _ = served
     assert message in _refused(server, f"{NAME}_scores", {"sequences": _bytes([wild_type]),
                                                           "variants": _bytes(variants)})
     assert "has 'z' at character 3" in _refused(server, f"{NAME}_embeddings", {"sequences": _bytes(["MdEz"])})
     assert client.score_variants(WILD_TYPE, ["M1A"]).shape == (1,)
     assert client.seqs_to_embedding(["MdEv"]).shape == (1, 64)
+
+
+def test_verify_passes_for_its_checkpoint_and_fails_for_another(served, tmp_path):
+    """`verify` (served answers against PyTorch: hiddens, log-probabilities, scores and PLLs, its
+    masked copies written with SaProt's `#`) passes for the checkpoint built and fails for another."""
+    from bionemo_export.testing.checkpoints import save_random_checkpoint
+    from bionemo_export.verify import verify_repository
+
+    _, _, _, _, server, work = served
+    url = f"grpc://{server.endpoints.grpc_url}"
+    checks = verify_repository(work / "repo", work / "checkpoint", url=url)
+    assert {f"{NAME}_logits", f"{NAME}_scores"} <= {check.model for check in checks}
+    assert all(check.passed for check in checks), [c for c in checks if not c.passed]
+    other = save_random_checkpoint("saprot", tmp_path / "other", seed=3)
+    assert not all(check.passed for check in verify_repository(work / "repo", other, url=url))
