@@ -293,3 +293,31 @@ def test_long_proteins_are_cut_in_windows_of_residues_not_characters(pb_utils):
             assert rows[0][row, :len(expected)].tolist() == expected
     with pytest.raises(TokenizationError, match="has 'z' at character 3"):
         inputs(fake_pb_utils.request({"sequences": np.array([[b"MdEz" * 6]], dtype=np.object_)}))
+
+
+# ------------------------------------------------------------------------------ fine-tuned heads
+@pytest.mark.parametrize("cls", [transformers.EsmForSequenceClassification, transformers.EsmForTokenClassification])
+def test_fine_tuned_heads_compute_what_transformers_computes(tmp_path, cls):
+    """A SaProt fine-tuned for a task (EsmFor*Classification over SaProt's vocabulary) serves
+    predictions: the encoder and head give transformers' logits on vocab.txt's ids."""
+    config = tiny_config("saprot", hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+    config.num_labels, config.id2label = 3, {0: "a", 1: "b", 2: "c"}
+    config.label2id = {"a": 0, "b": 1, "c": 2}
+    torch.manual_seed(2)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+    folder = save_huggingface(model, tmp_path / "finetuned", saprot_vocabulary())
+    loaded = load_checkpoint(folder)
+    assert loaded.family.name == "saprot" and loaded.classifier is not None and loaded.lm_head is None
+    assert loaded.servable() == ("embeddings", "hiddens", "predictions")
+    ids = token_ids(vocab_ids(folder), pairs(WILD_TYPE))
+    encoded = loaded.tokenizer.encode([WILD_TYPE])
+    assert encoded.input_ids.tolist() == ids.tolist()
+    with torch.inference_mode():
+        hiddens, _ = loaded.encoder(*(torch.from_numpy(a) for a in (
+            encoded.input_ids, encoded.attention_mask, encoded.residue_mask)))
+        got = loaded.classifier(hiddens)
+        expected = model(input_ids=ids).logits
+    assert got.shape == expected.shape and float((got - expected).abs().max()) < 1e-5
