@@ -322,7 +322,7 @@ def form_family(checkpoint: Checkpoint) -> str | None:
     if checkpoint.form == "huggingface":
         from bionemo_export.models.saprot import looks_paired
 
-        return "saprot" if looks_paired(checkpoint.path) else None
+        return "saprot" if checkpoint.model_class in ("esm", None) and looks_paired(checkpoint.path) else None
     return FORM_FAMILIES.get(checkpoint.form)
 
 

@@ -34,30 +34,25 @@ from bionemo_export.models.encoder import HuggingFaceEncoderFamily, read_vocab, 
 from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
-from bionemo_export.tokenizers.structure_aware import StructureAwareTokenizer, saprot_vocabulary
+from bionemo_export.tokenizers.structure_aware import (
+    PAIRED_TOKENS,
+    StructureAwareTokenizer,
+    paired_tokens,
+    saprot_vocabulary,
+)
 
 MAX_TOKENS = 1024
 """SaProt's length limit, ESM-2's: <cls> + 1022 residues + <eos> (1026 position slots)."""
 VOCAB_SIZE = 446
 
 
-def is_saprot_vocab(path: Path) -> bool:
-    """Whether a checkpoint directory's vocab.txt is SaProt's paired vocabulary (cheap: one small file)."""
-    vocab_file = path / "vocab.txt"
-    try:
-        return vocab_file.is_file() and read_vocab(vocab_file) == saprot_vocabulary()
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
 def looks_paired(path: Path) -> bool:
-    """Whether vocab.txt looks like a residue/3Di pair vocabulary (SaProt's or a damaged copy): a
-    token of an uppercase letter followed by a lowercase one."""
+    """Whether the directory's vocab.txt is a residue/3Di pair vocabulary (SaProt's, or a damaged
+    copy that the family then refuses with the reason): at least PAIRED_TOKENS such tokens."""
     try:
-        tokens = read_vocab(path / "vocab.txt")
+        return paired_tokens(read_vocab(path / "vocab.txt")) >= PAIRED_TOKENS
     except (OSError, UnicodeDecodeError):
         return False
-    return any(len(t) == 2 and t[0].isupper() and t[1].islower() for t in tokens[:64])
 
 
 def check_vocab(vocab_file: Path) -> None:

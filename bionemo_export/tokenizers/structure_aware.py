@@ -57,6 +57,17 @@ def saprot_vocabulary() -> list[str]:
                                for letter in STRUCTURE_LETTERS + UNKNOWN)]
 
 
+PAIRED_TOKENS = 100
+"""How many residue/3Di tokens make a vocabulary SaProt-like (SaProt's has 441; a SMILES BERT's
+`Cl` and `Br` are two)."""
+
+
+def paired_tokens(tokens: Sequence[str]) -> int:
+    """How many of `tokens` are a SaProt residue (or `#`) followed by a 3Di letter (or `#`)."""
+    residues, letters = set(RESIDUES + UNKNOWN), set(STRUCTURE_LETTERS + UNKNOWN)
+    return sum(1 for t in tokens if len(t) == 2 and t[0] in residues and t[1] in letters)
+
+
 def is_structure_aware(text: str) -> bool:
     """Whether `text` is read as a structure-aware sequence (see the module docstring)."""
     if any("a" <= character <= "z" for character in text):

@@ -260,6 +260,14 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
         get_family("saprot").load(folder)
     (folder / "vocab.txt").write_text("\n".join(saprot_vocabulary()) + "\n")
 
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    with pytest.raises(CheckpointError, match="has model_type 'bert', expected 'esm'"):
+        get_family("saprot").load(folder)
+    with pytest.raises(CheckpointError, match="name its model family"):  # a paired vocab.txt alone says nothing
+        load_checkpoint(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+
     weights = load_file(folder / "model.safetensors")
     key = "esm.encoder.layer.0.attention.self.query.weight"
     broken = {k: v for k, v in weights.items() if k != key}
@@ -321,3 +329,14 @@ def test_fine_tuned_heads_compute_what_transformers_computes(tmp_path, cls):
         got = loaded.classifier(hiddens)
         expected = model(input_ids=ids).logits
     assert got.shape == expected.shape and float((got - expected).abs().max()) < 1e-5
+
+
+def test_other_vocabularies_with_two_letter_tokens_are_not_taken_for_saprots():
+    """rxnfp's SMILES BERT has `Cl` and `Br` (an uppercase residue letter and a lowercase 3Di letter):
+    it is still read as the bert family it names, not routed to saprot."""
+    from bionemo_export.models.base import form_family
+    from bionemo_export.models.bert import rxnfp_checkpoint
+
+    folder = rxnfp_checkpoint("bert_pretrained")
+    assert form_family(_read(folder)) is None
+    assert load_checkpoint(folder, "bert").family.name == "bert"
