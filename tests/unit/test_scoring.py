@@ -415,3 +415,54 @@ def test_masking_changes_the_scores():
     scores = {method: _served_scores(plan_request(WILD_TYPE, variants, method, alphabet=AMINO_ACIDS), run_rows, 2)
               for method in ("wt-marginal", "masked-marginal")}
     assert np.abs(scores["wt-marginal"] - scores["masked-marginal"]).min() > 1e-3
+
+
+# ----------------------------------------------------------------------------------- variant-masked
+def test_variant_masked_runs_one_copy_per_set_of_positions_and_reads_each_variant_from_its_own():
+    """SaProt's convention for any family: every mutated position of a variant masked at once, one
+    copy per distinct set (in the order the variants name them), each mutation read from that copy."""
+    alphabet = tuple(AMINO_ACIDS)
+    variants = ["S2A", "S2C:K4A", "K4G:S2D", "L3L", "S2W"]
+    plan = plan_request("MSLK", variants, "variant-masked", alphabet=alphabet, mask_char=MASK_CHAR)
+    assert plan.copies == ((1,), (1, 3), (2,)) and plan.passes == 3
+    assert plan.inputs(MASK_CHAR) == ["M_LK", "M_L_", "MS_K"]
+    assert plan.inputs(MASK_CHAR, slice(1, 3)) == ["M_L_", "MS_K"]
+    log_probs = np.log(np.random.default_rng(3).dirichlet(np.ones(len(alphabet)), size=(3, 4)))
+    sites = plan.site_log_probs(log_probs)
+    assert sites.shape == (4, len(alphabet))  # copy 0: 1 site, copy 1: 2, copy 2: 1
+    np.testing.assert_array_equal(np.concatenate([plan.site_log_probs(log_probs[:1], slice(0, 1)),
+                                                  plan.site_log_probs(log_probs[1:], slice(1, 3))]), sites)
+
+    def at(copy: int, position: int, residue: str) -> float:
+        return float(log_probs[copy, position, AMINO_ACIDS.index(residue)])
+
+    expected = [at(0, 1, "A") - at(0, 1, "S"),
+                at(1, 1, "C") - at(1, 1, "S") + at(1, 3, "A") - at(1, 3, "K"),
+                at(1, 3, "G") - at(1, 3, "K") + at(1, 1, "D") - at(1, 1, "S"),
+                0.0,
+                at(0, 1, "W") - at(0, 1, "S")]
+    np.testing.assert_allclose(plan.scores(sites), expected, rtol=1e-6)
+    limits = ScoringLimits(max_masked_copies=2)
+    assert _error(plan_request, "MSLK", variants, "variant-masked", alphabet=alphabet, limits=limits) == (
+        "method variant-masked: 3 masked copies of the sequence (one per distinct set of mutated positions); the "
+        "server's max_masked_copies is 2")
+    assert plan_request("MSLK", variants, None, alphabet=alphabet, default_method="variant-masked").method == \
+        "variant-masked"
+
+
+def test_structure_aware_copies_keep_each_residues_3di_letter():
+    """With a structure-aware reader, variants index residues, and every copy is spelled residue +
+    3Di letter, the masked residue `#` followed by its own letter (SaProt's `#d`)."""
+    from bionemo_export.tokenizers.structure_aware import split_pairs
+
+    alphabet = tuple(AMINO_ACIDS)
+    for method, inputs in (("variant-masked", ["#dEv#p", "Md#vVp"]), ("masked-marginal", ["#dEvVp", "Md#vVp",
+                                                                                          "MdEv#p"]),
+                           ("wt-marginal", ["MdEvVp"])):
+        plan = plan_request("MdEvVp", ["M1A:V3L", "E2K"], method, alphabet=alphabet, mask_char="#",
+                            split_structure=split_pairs)
+        assert plan.wild_type == "MEV" and plan.structure == "dvp"
+        assert plan.inputs("#") == inputs
+    plain = plan_request("MEV", ["M1A:V3L"], "variant-masked", alphabet=alphabet, mask_char="#",
+                         split_structure=split_pairs)
+    assert plain.inputs("#") == ["##E###"]
