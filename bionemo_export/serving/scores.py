@@ -28,6 +28,7 @@ import numpy as np
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.responses import RequestError, Responder, call_model, input_array, triton
     from bionemo_export.serving.scoring import (
+        METHODS,
         ScoringError,
         ScoringLimits,
         ScoringPlan,
@@ -37,7 +38,7 @@ if __package__:  # imported from the bionemo_export package
     )
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from responses import RequestError, Responder, call_model, input_array, triton
-    from scoring import ScoringError, ScoringLimits, ScoringPlan, SplitStructure, pack_passes, plan_request
+    from scoring import METHODS, ScoringError, ScoringLimits, ScoringPlan, SplitStructure, pack_passes, plan_request
 
 RunLogits = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
 """sequences -> (log_probs [n, length, A], mask [n, length]), as N_logits answers them."""
@@ -84,6 +85,9 @@ class VariantScorer:
                  structure_aware: bool = False) -> None:
         self.run_logits, self.alphabet, self.mask_char = run_logits, tuple(alphabet), mask_char
         self.limits, self.chunk, self.responder = limits, chunk, responder
+        if default_method not in METHODS or default_method == "pll":
+            raise ValueError(f"parameter default_method is {default_method!r}, not one of the methods that score "
+                             f"variants ({', '.join(m for m in METHODS if m != 'pll')}); rebuild the repository")
         self.default_method = default_method
         self.split_structure = structure_reader() if structure_aware else None
 

@@ -281,8 +281,7 @@ def resolve_method(method: str | bytes | None, has_variants: bool, default: str 
     if method == "pll" and has_variants:
         raise ScoringError("input method: pll scores the wild-type sequence itself and takes no variants; "
                            "use wt-marginal, masked-marginal or variant-masked to score variants, or send each "
-                           "mutant "
-                           "sequence with method pll")
+                           "mutant sequence with method pll")
     if method != "pll" and not has_variants:
         raise ScoringError(f"input method: {method} scores variants, and the request has none; send "
                            "variants (like A42G), or use method pll to score the sequence itself")

@@ -178,6 +178,14 @@ def test_the_default_scores_are_saprots_predict_mut(pb_utils, saprot, wild_type,
                               enumerate(zip(wild_type[0::2] if not plain else wild_type, letters)))
 
 
+def test_a_default_method_that_scores_no_variants_is_refused_at_load(saprot):
+    _, loaded, _ = saprot
+    for wrong in ("pll", "wt-marginals"):
+        with pytest.raises(ValueError, match=f"parameter default_method is '{wrong}', not one of the methods that "
+                                             "score variants"):
+            _scorer(loaded, [], default_method=wrong)
+
+
 @pytest.mark.parametrize("method", ["wt-marginal", "masked-marginal"])
 def test_esms_methods_read_saprots_marginals(pb_utils, saprot, method):
     folder, loaded, reference = saprot
