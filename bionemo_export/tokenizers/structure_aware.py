@@ -29,6 +29,7 @@ lowercased, stripped or replaced by `<unk>`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -68,9 +69,14 @@ def paired_tokens(tokens: Sequence[str]) -> int:
     return sum(1 for t in tokens if len(t) == 2 and t[0] in residues and t[1] in letters)
 
 
+_LOWERCASE = re.compile("[a-z]")
+_RESIDUE_SET = frozenset(RESIDUES + UNKNOWN)
+_LETTER_SET = frozenset(STRUCTURE_LETTERS + UNKNOWN)
+
+
 def is_structure_aware(text: str) -> bool:
     """Whether `text` is read as a structure-aware sequence (see the module docstring)."""
-    if any("a" <= character <= "z" for character in text):
+    if _LOWERCASE.search(text):
         return True
     return len(text) % 2 == 0 and text[1::2] == UNKNOWN * (len(text) // 2)
 
@@ -91,6 +97,8 @@ def split_pairs(text: str, index: int = 0) -> tuple[str, str]:
                 f"{len(text)} characters: write each residue followed by its 3Di letter ('#' where the structure "
                 "is unknown), like MdEvVp")
         residues, letters = text[0::2], text[1::2]
+    if set(residues) <= _RESIDUE_SET and set(letters) <= _LETTER_SET:  # C-speed check; the loop finds the error
+        return residues, letters
     for residue_index, (residue, letter) in enumerate(zip(residues, letters)):
         if residue not in RESIDUES and residue != UNKNOWN:
             place = 2 * residue_index if paired else residue_index
