@@ -327,7 +327,9 @@ def servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> 
 
 
 def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> MaskedLMHead:
-    return MaskedLMHead(onnx_file, tuple(loaded.alphabet), getattr(loaded.tokenizer, "mask_char", None))
+    return MaskedLMHead(onnx_file, tuple(loaded.alphabet), getattr(loaded.tokenizer, "mask_char", None),
+                        default_method=loaded.family.scoring_default,
+                        structure_aware=bool(getattr(loaded.tokenizer, "structure_aware", False)))
 
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,

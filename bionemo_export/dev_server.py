@@ -46,6 +46,7 @@ from bionemo_export.serving.contacts import DEFAULT_PAIR_BUDGET, ContactMaps
 from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.responses import Responder
+from bionemo_export.serving.scores import structure_reader
 from bionemo_export.serving.scoring import plan_request
 from bionemo_export.tasks import TASKS
 from bionemo_export.tensors import DType
@@ -128,7 +129,10 @@ class DevModels:
             for row, wild_type in enumerate(_column(request, "sequences")):
                 plan = plan_request(wild_type, None if variants is None else variants.reshape(len(variants), -1)[row]
                                     .tolist(), None if methods is None else methods[row],
-                                    alphabet=self.loaded.alphabet, mask_char=mask_char)
+                                    alphabet=self.loaded.alphabet, mask_char=mask_char,
+                                    default_method=self.loaded.family.scoring_default,
+                                    split_structure=(structure_reader() if getattr(self.loaded.tokenizer,
+                                                     "structure_aware", False) else None))
                 sequences = plan.inputs(mask_char)
                 answer = self._encode([{"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_)}])
                 hiddens, _, mask = answer[0]

@@ -156,7 +156,7 @@ SEQUENCES = TensorSpec("sequences", DType.BYTES, (1,), doc="one sequence per row
 MASK = TensorSpec("mask", DType.BOOL, (-1,), doc="True exactly on the sequence's residues/tokens")
 SAMPLING_METHODS = ("greedy-perturbate", "topkp-perturbate", "beam-search-perturbate", "beam-search-single-sample",
                     "beam-search-perturbate-sample")
-SCORING_METHODS = ("wt-marginal", "masked-marginal", "pll")
+SCORING_METHODS = ("wt-marginal", "masked-marginal", "variant-masked", "pll")
 SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
 
 TASKS: dict[str, Task] = {task.name: task for task in (
@@ -197,18 +197,20 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          client_method="sample_seqs"),
     Task("logits", "log-probabilities over the residue alphabet at every token, from the masked-LM head",
          (TensorSpec("sequences", DType.BYTES, (1,), doc="one sequence per row; the mask character `_` may stand for "
-                     "any residue"),),
+                     "any residue (SaProt: structure-aware `MdEvVp` or plain residues, `#` a masked residue)"),),
          (TensorSpec("log_probs", DType.FP32, (-1, "A"), doc="log_softmax over the alphabet (special tokens excluded), "
-                     "rows laid out like hiddens"), MASK),
+                     "rows laid out like hiddens (SaProt: over the 20 amino acids, each the log of its 21 structure "
+                     "tokens' summed probability)"), MASK),
          role="logits", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
          requires=(Requirement.LM_HEAD,), client_method="seqs_to_log_probs",
          notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",)),
     Task("scores", "variant-effect scores (ESM's marginals) or the pseudo-log-likelihood of the sequence",
-         (TensorSpec("sequences", DType.BYTES, (1,), doc="the wild type"),
-          TensorSpec("variants", DType.BYTES, (-1,), doc="`A42G`, multi-mutants `A42G:L43P`, 1-based positions",
+         (TensorSpec("sequences", DType.BYTES, (1,), doc="the wild type (SaProt: structure-aware, or plain residues)"),
+          TensorSpec("variants", DType.BYTES, (-1,), doc="`A42G`, multi-mutants `A42G:L43P`, 1-based residue positions",
                      optional=True),
-          TensorSpec("method", DType.BYTES, (1,), doc=", ".join(SCORING_METHODS) + " (default: wt-marginal with "
-                     "variants, pll without)", optional=True)),
+          TensorSpec("method", DType.BYTES, (1,), doc=", ".join(SCORING_METHODS) + " (default: the model's "
+                     "`default_method` parameter with variants, wt-marginal, variant-masked for SaProt; pll without)",
+                     optional=True)),
          (TensorSpec("scores", DType.FP32, (-1,), doc="one per variant: the sum over its mutations of log p(mutant) - "
                      "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
          role="scores", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),

@@ -189,8 +189,10 @@ def score(
                                   help="A CSV with a `mutant` column (A42G, A42G:L43P; 1-based, as ProteinGym); "
                                        "other columns are kept."),
     output: Path = typer.Option(..., "--output", "-o", help="Write the CSV with the score column added here."),
-    method: str = typer.Option("wt-marginal", help="wt-marginal (one pass) or masked-marginal (one masked pass "
-                               "per mutated position)."),
+    method: str | None = typer.Option(None, help="wt-marginal (one pass), masked-marginal (one masked pass "
+                                      "per mutated position) or variant-masked (one pass per variant, all its "
+                                      "positions masked: SaProt's); default: the model's default_method "
+                                      "(variant-masked for SaProt, wt-marginal otherwise)."),
     column: str = typer.Option("mutant", help="The variants column."),
     id_column: str | None = typer.Option(None, help="The column naming each row's FASTA record (needed when "
                                             "the FASTA file holds several)."),
@@ -225,6 +227,7 @@ def score(
         first = next(tables)
         with RepositoryClient(model.removesuffix("_scores"), triton_url, in_flight=in_flight) as client, \
                 _progress(0) as advance:
+            method = method or client.default_scoring_method()
             run = score_fingerprint(model, client.client.model_config(model), fasta, variants, method=method,
                                     column=column, id_column=id_column, score_column=score_column,
                                     chunk_size=chunk_size)

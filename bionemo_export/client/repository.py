@@ -121,12 +121,21 @@ class RepositoryClient:
         parameter, a JSON list)."""
         return tuple(json.loads(self._parameter("logits", "alphabet")))
 
+    def default_scoring_method(self) -> str:
+        """The method N_scores uses for variants when a request names none (its `default_method`
+        parameter: variant-masked for SaProt; wt-marginal for repositories built before it existed)."""
+        try:
+            return self._parameter("scores", "default_method")
+        except KeyError:
+            return "wt-marginal"
+
     def score_variants(self, wild_type: str, variants: Sequences, method: str | None = None,
                        progress: Callable[[int], None] | None = None) -> np.ndarray:
         """FP32 [len(variants)]: each variant's score against `wild_type` (ESM's convention: the sum
         over its mutations of log p(mutant) - log p(wild type) at the position). `variants` are
-        written `A42G` or `A42G:L43P`, 1-based; `method` is wt-marginal (the server's default) or
-        masked-marginal. They go in requests of at most the server's `max_variants` (its config
+        written `A42G` or `A42G:L43P`, 1-based residue positions (SaProt: `wild_type` structure-aware,
+        `MdEvVp`, or plain residues); `method` is wt-marginal, masked-marginal or variant-masked (None:
+        the server's default_method). They go in requests of at most the server's `max_variants` (its config
         parameter; all in one where it states none), several in flight; a bad variant raises
         InferenceError naming it."""
         items = np.array([str(v).encode("utf-8") for v in variants], dtype=np.object_)

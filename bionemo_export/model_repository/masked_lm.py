@@ -30,7 +30,7 @@ from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import GraphModel, ShapeRange
-from .encoder import RESPONDING, RUNS_GRAPH, ensemble_model, serving_files
+from .encoder import RESPONDING, RUNS_GRAPH, TOKENIZERS_DIR, ensemble_model, serving_files
 from .options import ServingOptions
 from .parameters import BLS_MODELS
 from .plan import EnsembleStep, ModelPlan
@@ -48,6 +48,11 @@ class MaskedLMHead:
     """log_probs' last axis, in order."""
     mask_char: str | None
     """The character the tokenizer reads as the mask token (None: no mask token)."""
+    default_method: str = "wt-marginal"
+    """N_scores' method for variants when a request names none (the family's `scoring_default`)."""
+    structure_aware: bool = False
+    """Sequences are SaProt's structure-aware ones: N_scores reads wild types with the tokenizer's
+    module (copied beside it) and sends structure-aware copies."""
 
 
 def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: ServingOptions,
@@ -90,14 +95,17 @@ def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
     """N_scores: the Python model that forms the masked copies and calls N_logits through BLS."""
     task = TASKS["scores"]
     logits = f"{name}_logits"
+    reader = {"structure_aware.py": TOKENIZERS_DIR / "structure_aware.py",
+              "character.py": TOKENIZERS_DIR / "character.py"} if head.structure_aware else {}
     return ModelPlan.public_python(
         task, name, options.role("scores"), options.max_batch_size,
         parameters={BLS_MODELS: logits, "logits_model": logits, "alphabet": json.dumps(list(head.alphabet)),
                     "mask_char": head.mask_char or "", "max_batch_size": str(options.max_batch_size),
+                    "default_method": head.default_method, "structure_aware": str(head.structure_aware).lower(),
                     **limits.parameters()},
         files={"model.py": render("scores_model.py.j2", model_name=task.model(name), tool_version=__version__,
                                   logits_model=logits),
-               **serving_files(*RESPONDING, "scores", "scoring")},
+               **serving_files(*RESPONDING, "scores", "scoring"), **reader},
         description="public: scores (Python, BLS to the log-probabilities)",
     )
 

@@ -244,6 +244,8 @@ class ModelFamily(ABC):
     min_cosine: ClassVar[float] = 0.9999
     nemo_targets: ClassVar[tuple[str, ...]] = ()
     """Class names of the `.nemo` `target`s this family reads (how `--model` is inferred)."""
+    scoring_default: ClassVar[str] = "wt-marginal"
+    """N_scores' method for variants when a request names none (serving/scoring.py METHODS)."""
 
     @classmethod
     def forms(cls) -> tuple[str, ...]:
@@ -310,13 +312,25 @@ directory: config.json's model_type; the esm package's ESM C weight files)."""
 
 
 def form_family(checkpoint: Checkpoint) -> str | None:
-    """The family a checkpoint's form says reads it: FORM_FAMILIES, or a fair-esm file's
-    architecture (models/fair_esm.py); None where the form does not say."""
+    """The family a checkpoint's form says reads it: FORM_FAMILIES, a fair-esm file's
+    architecture (models/fair_esm.py), or a Hugging Face directory whose vocab.txt pairs residues
+    with 3Di letters (SaProt's, models/saprot.py); None where the form does not say."""
     if checkpoint.form == "fair_esm":
         from bionemo_export.models.fair_esm import family_of
 
         return family_of(checkpoint)
+    if checkpoint.form == "huggingface":
+        from bionemo_export.models.saprot import looks_paired
+
+        return "saprot" if checkpoint.model_class in ("esm", None) and looks_paired(checkpoint.path) else None
     return FORM_FAMILIES.get(checkpoint.form)
+
+
+def _what_it_is(checkpoint: Checkpoint) -> str:
+    """What a checkpoint whose form names its family is, for the message refusing another family."""
+    if checkpoint.form == "huggingface":
+        return "Hugging Face directory whose vocab.txt pairs residues with Foldseek 3Di letters (SaProt's)"
+    return f"{checkpoint.model_class} checkpoint"
 
 
 CONFIG_FILES = {"nemo": "model_config.yaml", "nemo2": "context/model.yaml"}
@@ -336,11 +350,11 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
     if family is None:
         if found is None:
             raise CheckpointError(f"{path} is a {checkpoint.form} checkpoint: name its model family with `family` "
-                                  "(only .nemo archives, NeMo 2, nv_esm directories and fair-esm files say what "
-                                  "they are)")
+                                  "(only .nemo archives, NeMo 2, nv_esm directories, fair-esm files and SaProt "
+                                  "directories say what they are)")
         family = found
     elif found is not None and found != family:
-        raise CheckpointError(f"{path} is a {checkpoint.model_class} checkpoint, which the {found} family "
+        raise CheckpointError(f"{path} is a {_what_it_is(checkpoint)}, which the {found} family "
                               f"reads, not {family}: use `family` {found}")
     reader = get_family(family)
     return reader.build(reader.describe(checkpoint, max_length))

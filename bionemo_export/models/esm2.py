@@ -27,6 +27,7 @@ from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
 from bionemo_export.models.transformer_engine_esm import check_tokenizer_json, nv_esm_config, nv_esm_weights
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
+from bionemo_export.tokenizers.structure_aware import PAIRED_TOKENS, paired_tokens
 
 if TYPE_CHECKING:
     from transformers.models.esm.modeling_esm import EsmIntermediate
@@ -274,6 +275,9 @@ def _check_alphabet(vocab_file: Path) -> None:
     vocab = read_vocab(vocab_file)
     if vocab == ALPHABET:
         return
+    if paired_tokens(vocab) >= PAIRED_TOKENS:
+        raise InvalidInputError(f"{vocab_file} pairs residues with Foldseek 3Di letters (SaProt's vocabulary), not "
+                                "the ESM-2 alphabet: use `family` saprot")
     for line, (got, want) in enumerate(zip(vocab, ALPHABET), start=1):
         if got != want:
             raise InvalidInputError(

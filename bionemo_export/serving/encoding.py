@@ -85,15 +85,25 @@ class WindowedSequenceInputs(SequenceInputs):
             texts = [item.decode("utf-8") if isinstance(item, bytes) else str(item) for item in raw]
         except UnicodeDecodeError:  # the tokenizer names the sequence and the problem
             return super().__call__(request)
-        if all(len(text) <= self.window for text in texts):
+        # A structure-aware tokenizer (SaProt's) spells a residue with two characters: windows count
+        # residues, so its sequences are cut in their paired spelling, two characters a residue.
+        paired = getattr(self.tokenizer, "paired", None)
+        width = 1
+        if paired is not None:
+            try:
+                texts, width = [paired(text) for text in texts], 2
+            except ValueError:  # the tokenizer names the sequence and the problem
+                return super().__call__(request)
+        lengths = [len(text) // width for text in texts]
+        if all(length <= self.window for length in lengths):
             return super().__call__(request)
         try:
-            layout = windows.layout_windows([len(t) for t in texts], window=self.window, overlap=self.overlap,
+            layout = windows.layout_windows(lengths, window=self.window, overlap=self.overlap,
                                             max_residues=self.max_residues,
                                             specials=int(self.has_bos) + int(self.has_eos))
         except windows.WindowError as err:
             raise RequestError(f"input 'sequences': {err}") from None
-        encoded = self.tokenizer.encode(layout.texts(texts))
+        encoded = self.tokenizer.encode(layout.texts(texts, width))
         rows = WindowedRows((encoded.input_ids, encoded.attention_mask, encoded.residue_mask))
         rows.layout = layout
         return rows

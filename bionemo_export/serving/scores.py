@@ -27,10 +27,18 @@ import numpy as np
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.responses import RequestError, Responder, call_model, input_array, triton
-    from bionemo_export.serving.scoring import ScoringError, ScoringLimits, ScoringPlan, pack_passes, plan_request
+    from bionemo_export.serving.scoring import (
+        METHODS,
+        ScoringError,
+        ScoringLimits,
+        ScoringPlan,
+        SplitStructure,
+        pack_passes,
+        plan_request,
+    )
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from responses import RequestError, Responder, call_model, input_array, triton
-    from scoring import ScoringError, ScoringLimits, ScoringPlan, pack_passes, plan_request
+    from scoring import METHODS, ScoringError, ScoringLimits, ScoringPlan, SplitStructure, pack_passes, plan_request
 
 RunLogits = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
 """sequences -> (log_probs [n, length, A], mask [n, length]), as N_logits answers them."""
@@ -43,6 +51,16 @@ def logits_caller(model_name: str) -> RunLogits:
         log_probs, mask = call_model(model_name, {"sequences": column}, ["log_probs", "mask"])
         return log_probs, mask
     return run
+
+
+def structure_reader() -> SplitStructure:
+    """SaProt's reader of structure-aware sequences (tokenizers/structure_aware.py: copied beside
+    this module in a structure-aware repository's N_scores folder, imported only there)."""
+    if __package__:
+        from bionemo_export.tokenizers.structure_aware import split_pairs
+    else:
+        from structure_aware import split_pairs  # pyright: ignore[reportMissingImports]
+    return split_pairs
 
 
 def _column(request: Any, name: str, batch: int | None) -> np.ndarray | None:
@@ -59,12 +77,19 @@ def _column(request: Any, name: str, batch: int | None) -> np.ndarray | None:
 class VariantScorer:
     """The N_scores model: `alphabet` is log_probs' last axis (N_logits'), `mask_char` the
     tokenizer's mask character, `limits` the work one request may ask for, `chunk` the most rows
-    per N_logits call (its max_batch_size)."""
+    per N_logits call (its max_batch_size), `default_method` the method for variants when a request
+    names none, `structure_aware` whether wild types are SaProt's structure-aware sequences."""
 
     def __init__(self, run_logits: RunLogits, *, alphabet: Sequence[str], mask_char: str, limits: ScoringLimits,
-                 chunk: int, responder: Responder) -> None:
+                 chunk: int, responder: Responder, default_method: str = "wt-marginal",
+                 structure_aware: bool = False) -> None:
         self.run_logits, self.alphabet, self.mask_char = run_logits, tuple(alphabet), mask_char
         self.limits, self.chunk, self.responder = limits, chunk, responder
+        if default_method not in METHODS or default_method == "pll":
+            raise ValueError(f"parameter default_method is {default_method!r}, not one of the methods that score "
+                             f"variants ({', '.join(m for m in METHODS if m != 'pll')}); rebuild the repository")
+        self.default_method = default_method
+        self.split_structure = structure_reader() if structure_aware else None
 
     def execute(self, requests: Sequence[Any]) -> tuple[list, int]:
         """(one response per request, bytes of work) for Responder.answer_all."""
@@ -95,7 +120,8 @@ class VariantScorer:
             raise RequestError(f"input 'method' must have shape [{batch}, 1], got {list(methods.shape)}")
         plans = [plan_request(sequences[row, 0], None if variants is None else list(variants[row]),
                               None if methods is None else methods[row, 0], alphabet=self.alphabet,
-                              mask_char=self.mask_char, limits=self.limits)
+                              mask_char=self.mask_char, limits=self.limits, default_method=self.default_method,
+                              split_structure=self.split_structure)
                  for row in range(batch)]
         return np.stack(self.score(plans)).astype(np.float32)
 

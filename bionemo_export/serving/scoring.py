@@ -22,11 +22,24 @@ Methods (the conventions of ESM's examples/variant-prediction/predict.py and Ant
   log p(mutant) - log p(wild type) at its position.
 - `masked-marginal` runs one copy per DISTINCT mutated position, that position masked; a mutation's
   score is the same difference, read from the copy that masks the position.
+- `variant-masked` (SaProt's zero-shot convention, `predict_mut` of westlake-repl/SaProt's
+  SaprotFoldseekMutationModel; the default with variants of the saprot family) runs one copy per
+  DISTINCT set of mutated positions, every mutated position of the variant masked at once; each
+  mutation's difference is read from the copy of its own variant. For single mutants it equals
+  masked-marginal.
 - `pll` (default without variants) runs one copy per residue, that residue masked; the result is the
   MEAN over positions of log p(true residue) at the masked position.
 
 A variant's score is the SUM of its mutations' scores (ESM's predict.py; ProteinGym's
-multi-mutants). The PLL is the mean, not the sum (AntiBERTy's `pseudo_log_likelihood`).
+multi-mutants; SaProt's predict_mut). The PLL is the mean, not the sum (AntiBERTy's
+`pseudo_log_likelihood`). The default method with variants is `wt-marginal` unless the served model
+says otherwise (its `default_method` parameter: `variant-masked` for SaProt).
+
+Structure-aware wild types (SaProt: `plan_request`'s `split_structure`): the wild type is read as its
+tokenizer reads it (tokenizers/structure_aware.py: `MdEvVp`, or plain residues with unknown structure), variants
+index its RESIDUES (1-based, pairs, not characters), and the copies sent to the model are
+structure-aware strings whose masked residues are the mask character `#` followed by the residue's
+own 3Di letter (`#d`), as SaProt's predict_mut masks them.
 
 Log-probabilities are rows over `alphabet` (column j is `alphabet[j]`; the characters that have a
 column of their own, special tokens excluded from the softmax, as `N_logits` returns them). A
@@ -60,12 +73,12 @@ shapes) is the caller's bug, not the client's.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-METHODS = ("wt-marginal", "masked-marginal", "pll")
+METHODS = ("wt-marginal", "masked-marginal", "variant-masked", "pll")
 """The scoring methods, in the order error messages list them."""
 
 _MUTATION = re.compile(r"([^0-9:\s])([0-9]+)([^0-9:\s])", re.ASCII)
@@ -256,19 +269,19 @@ def parse_variants(variants: Sequence[str | bytes], wild_type: str, alphabet: Se
             for index, text in enumerate(variants)]
 
 
-def resolve_method(method: str | bytes | None, has_variants: bool) -> str:
-    """The method a request asked for (None or empty: the default, `wt-marginal` with variants,
-    `pll` without), checked against what it sent: `pll` scores the sequence itself and takes no
-    variants; the marginals need some."""
+def resolve_method(method: str | bytes | None, has_variants: bool, default: str = "wt-marginal") -> str:
+    """The method a request asked for (None or empty: the default, `default` with variants (the
+    served model's `default_method`), `pll` without), checked against what it sent: `pll` scores
+    the sequence itself and takes no variants; the others need some."""
     method = _text(method, "input method") if method is not None else ""
     if not method:
-        return "wt-marginal" if has_variants else "pll"
+        return default if has_variants else "pll"
     if method not in METHODS:
         raise ScoringError(f"input method: unknown method {_shown(method)}; methods: {', '.join(METHODS)}")
     if method == "pll" and has_variants:
         raise ScoringError("input method: pll scores the wild-type sequence itself and takes no variants; "
-                           "use wt-marginal or masked-marginal to score variants, or send each mutant "
-                           "sequence with method pll")
+                           "use wt-marginal, masked-marginal or variant-masked to score variants, or send each "
+                           "mutant sequence with method pll")
     if method != "pll" and not has_variants:
         raise ScoringError(f"input method: {method} scores variants, and the request has none; send "
                            "variants (like A42G), or use method pll to score the sequence itself")
@@ -287,6 +300,39 @@ def masked_sequences(wild_type: str, positions: Sequence[int] | np.ndarray, mask
     """One copy of `wild_type` per entry of `positions` (0-based), that residue replaced by
     `mask_char` (`_` in this project: the public models' tokenizers turn it into the mask token)."""
     return [wild_type[:p] + mask_char + wild_type[p + 1:] for p in np.asarray(positions, dtype=np.int64).tolist()]
+
+
+def masked_copy(residues: str, masked: Iterable[int], mask_char: str, structure: str | None = None) -> str:
+    """`residues` with the residues at the 0-based indices `masked` replaced by `mask_char`; with a
+    `structure` (one 3Di letter per residue), the structure-aware string, each residue followed by
+    its letter (a masked one: `mask_char` + its letter, SaProt's `#d`)."""
+    chosen = set(masked)
+    shown = [mask_char if i in chosen else residue for i, residue in enumerate(residues)]
+    if structure is None:
+        return "".join(shown)
+    return "".join(residue + letter for residue, letter in zip(shown, structure))
+
+
+def variant_copies(variants: Sequence[Variant]) -> tuple[tuple[int, ...], ...]:
+    """The copies `variant-masked` runs: each variant's mutated positions (0-based, sorted), each
+    distinct set once, in the order the variants first name them."""
+    return tuple(dict.fromkeys(tuple(sorted(m.index for m in v.mutations)) for v in variants))
+
+
+SplitStructure = Callable[[str], "tuple[str, str]"]
+"""A structure-aware wild type -> (residues, 3Di letters), one character each per residue; a
+ValueError naming the problem otherwise (tokenizers/structure_aware.split_pairs: scoring.py imports
+no tokenizer, its caller hands the reader over)."""
+
+
+def split_structure_aware(text: str, split: SplitStructure) -> tuple[str, str]:
+    """(residues, 3Di letters) of a structure-aware (or plain) wild type, as `split` reads it;
+    ScoringError naming the input otherwise."""
+    try:
+        return split(text)
+    except ValueError as err:  # the tokenizer's TokenizationError
+        raise ScoringError(f"input sequences: the wild type {_shown(text)} {str(err).replace('sequence 0 ', '', 1)}"
+                           ) from None
 
 
 def pack_passes(passes: Sequence[int], size: int) -> list[list[tuple[int, slice]]]:
@@ -322,22 +368,31 @@ class ScoringPlan:
     distinct): the mutated positions for the marginals, every residue for pll. The scores read
     one "site" row of log-probabilities per position, [len(positions), A]: from the unmasked
     wild type (`wt-marginal`) or from the copy that masks that position (`masked-marginal`,
-    `pll`)."""
+    `pll`). For `variant-masked`, `copies` are the runs (each a set of masked positions) and
+    `positions` every copy's positions in turn (a position may come more than once): one site row
+    per (copy, masked position).
+
+    `wild_type` is one character per residue; `structure` (structure-aware models) one 3Di letter
+    per residue, None otherwise."""
 
     method: str
     wild_type: str
     variants: tuple[Variant, ...]
     positions: np.ndarray
     alphabet: tuple[str, ...]
+    structure: str | None = None
+    copies: tuple[tuple[int, ...], ...] = ()
 
     @property
     def masked(self) -> bool:
-        """True when every position needs its own masked copy (all methods but wt-marginal)."""
-        return self.method != "wt-marginal"
+        """True when every position needs its own masked copy (masked-marginal and pll)."""
+        return self.method in ("masked-marginal", "pll")
 
     @property
     def passes(self) -> int:
         """Sequences the model runs for this request (rows of `inputs`)."""
+        if self.method == "variant-masked":
+            return len(self.copies)
         return int(self.positions.size) if self.masked else 1
 
     def inputs(self, mask_char: str, part: slice | None = None) -> list[str]:
@@ -347,9 +402,14 @@ class ScoringPlan:
         Strings, so the served model can send them to the public log-probability model (or the
         fused encoder) as they are, with the mask character where the tokenizer expects it, and
         needs no tokenizer of its own."""
+        chosen = part or slice(None)
+        if self.method == "variant-masked":
+            return [masked_copy(self.wild_type, copy, mask_char, self.structure) for copy in self.copies[chosen]]
         if not self.masked:
-            return [self.wild_type][part or slice(None)]
-        return masked_sequences(self.wild_type, self.positions[part or slice(None)], mask_char)
+            return [masked_copy(self.wild_type, (), mask_char, self.structure)][chosen]
+        if self.structure is None:
+            return masked_sequences(self.wild_type, self.positions[chosen], mask_char)
+        return [masked_copy(self.wild_type, (int(p),), mask_char, self.structure) for p in self.positions[chosen]]
 
     def site_log_probs(self, log_probs: np.ndarray, part: slice | None = None) -> np.ndarray:
         """The site rows that `log_probs` of `inputs[part]` (None: all of them) provide:
@@ -367,6 +427,8 @@ class ScoringPlan:
         if log_probs.shape != expected:
             raise ValueError(f"log_probs of inputs[{start}:{stop}] must have shape {expected} "
                              f"(copies, residues, alphabet), got {log_probs.shape}")
+        if self.method == "variant-masked":
+            return np.concatenate([log_probs[j, list(copy)] for j, copy in enumerate(self.copies[start:stop])])
         if not self.masked:
             return log_probs[0, self.positions]
         return log_probs[np.arange(count), self.positions[start:stop]]
@@ -386,6 +448,8 @@ class ScoringPlan:
             true = np.fromiter((columns[residue] for residue in self.wild_type), dtype=np.int64,
                                count=len(self.wild_type))
             return np.asarray([sites[np.arange(self.positions.size), true[self.positions]].mean()], dtype=np.float32)
+        if self.method == "variant-masked":
+            return copy_scores(self.variants, self.copies, sites, columns)
         return variant_scores(self.variants, self.positions, sites, columns)
 
 
@@ -408,19 +472,48 @@ def variant_scores(variants: Sequence[Variant], positions: np.ndarray, sites: np
                        minlength=len(variants)).astype(np.float32)
 
 
+def copy_scores(variants: Sequence[Variant], copies: Sequence[tuple[int, ...]], sites: np.ndarray,
+                columns: Mapping[str, int]) -> np.ndarray:
+    """variant-masked's scores, FP32: each variant's sum over its mutations of sites[k, mutant] -
+    sites[k, wild type], where k is the site row of that position in the copy that masks exactly
+    the variant's positions (`copies`, whose site rows follow one another in order)."""
+    offsets, start = {}, 0
+    for copy in copies:
+        offsets[copy] = start
+        start += len(copy)
+    owner, site, mutant, wild = [], [], [], []
+    for number, variant in enumerate(variants):
+        copy = tuple(sorted(m.index for m in variant.mutations))
+        for mutation in variant.mutations:
+            owner.append(number)
+            site.append(offsets[copy] + copy.index(mutation.index))
+            mutant.append(columns[mutation.mutant])
+            wild.append(columns[mutation.wild_type])
+    sites = np.asarray(sites, dtype=np.float64)
+    differences = sites[site, mutant] - sites[site, wild]
+    return np.bincount(np.asarray(owner, dtype=np.int64), weights=differences,
+                       minlength=len(variants)).astype(np.float32)
+
+
 def plan_request(wild_type: str | bytes, variants: Sequence[str | bytes] | None, method: str | bytes | None, *,
                  alphabet: Sequence[str], mask_char: str | None = None,
-                 limits: ScoringLimits | None = None) -> ScoringPlan:
+                 limits: ScoringLimits | None = None, default_method: str = "wt-marginal",
+                 split_structure: SplitStructure | None = None) -> ScoringPlan:
     """One `N_scores` request checked and planned (ScoringError naming the input otherwise):
-    the method (`resolve_method`; `variants` None or empty: no variants), the variants
-    (`parse_variants`), the wild type (not empty; without `mask_char`; for pll every residue in
-    the alphabet), and the masked copies against `limits.max_masked_copies`."""
+    the method (`resolve_method`, `default_method` with variants when the request names none;
+    `variants` None or empty: no variants), the wild type (not empty; with `split_structure`, a
+    structure-aware model's: read by it into residues and 3Di letters; without `mask_char`; for pll every
+    residue in the alphabet), the variants (`parse_variants`, against the residues), and the
+    masked copies against `limits.max_masked_copies`."""
     limits = limits or ScoringLimits()
     wild_type = _text(wild_type, "input sequences")
     variants = list(variants) if variants is not None else []
-    method = resolve_method(method, bool(variants))
+    method = resolve_method(method, bool(variants), default_method)
     if not wild_type:
         raise ScoringError("input sequences: the wild-type sequence is empty")
+    structure = None
+    if split_structure is not None:
+        wild_type, structure = split_structure_aware(wild_type, split_structure)
     if mask_char and mask_char in wild_type:
         raise ScoringError(f"input sequences: position {wild_type.index(mask_char) + 1} is the mask character "
                            f"{mask_char!r}; a wild type to score has no masked residues")
@@ -434,10 +527,17 @@ def plan_request(wild_type: str | bytes, variants: Sequence[str | bytes] | None,
                                    "log-probability, so the sequence has no PLL")
         positions = np.arange(len(wild_type), dtype=np.int64)
         why = "one per residue"
+    elif method == "variant-masked":
+        copies = variant_copies(parsed)
+        if len(copies) > limits.max_masked_copies:
+            raise ScoringError(f"method {method}: {len(copies)} masked copies of the sequence (one per distinct set "
+                               f"of mutated positions); the server's max_masked_copies is {limits.max_masked_copies}")
+        positions = np.fromiter((p for copy in copies for p in copy), dtype=np.int64)
+        return ScoringPlan(method, wild_type, tuple(parsed), positions, tuple(alphabet), structure, copies)
     else:
         positions = mutated_positions(parsed)
         why = "one per distinct mutated position"
     if method != "wt-marginal" and positions.size > limits.max_masked_copies:
         raise ScoringError(f"method {method}: {positions.size} masked copies of the sequence ({why}); the "
                            f"server's max_masked_copies is {limits.max_masked_copies}")
-    return ScoringPlan(method, wild_type, tuple(parsed), positions, tuple(alphabet))
+    return ScoringPlan(method, wild_type, tuple(parsed), positions, tuple(alphabet), structure)

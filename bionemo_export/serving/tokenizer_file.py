@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 TOKENIZER_CLASSES = ("character.CharacterTokenizer", "sentencepiece_vocab.SentencePieceTokenizer",
+                     "structure_aware.StructureAwareTokenizer",
                      "smiles.SmilesTokenizer")
 """The tokenizer classes a repository may name (bionemo_export/tokenizers/, copied as modules)."""
 TOKENIZER_FILE = "tokenizer.json"

@@ -245,11 +245,12 @@ class WindowLayout:
         """Encoder rows (windows) in all."""
         return int(self.sequence.size)
 
-    def texts(self, sequences: Sequence[str]) -> list[str]:
-        """Each row's residue string, the substring of its sequence the tokenizer encodes."""
+    def texts(self, sequences: Sequence[str], width: int = 1) -> list[str]:
+        """Each row's residue string, the substring of its sequence the tokenizer encodes; `width`
+        characters spell a residue (2: SaProt's structure-aware sequences, residue + 3Di letter)."""
         if len(sequences) != len(self.spans):
             raise ValueError(f"{len(sequences)} sequences for a layout of {len(self.spans)}")
-        return [sequences[int(s)][a:b]
+        return [sequences[int(s)][width * a:width * b]
                 for s, a, b in zip(self.sequence.tolist(), self.start.tolist(), self.end.tolist())]
 
     def sub_batches(self, *, bucket: int, token_budget: int, limit: int | None = None) -> list[SubBatch]:

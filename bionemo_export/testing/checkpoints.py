@@ -11,6 +11,7 @@ Each family is one entry of `FAMILIES`: its config, its model class and how it i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,23 @@ def _esm_config(hidden_size: int, num_layers: int, num_heads: int, intermediate_
         attention_probs_dropout_prob=0.0,
         **released,
     )
+
+
+SAPROT_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", "<mask>",
+                *("".join(pair) for pair in itertools.product("ACDEFGHIKLMNPQRSTVWY#", "pynwrqhgdlvtmfsaeikc#"))]
+"""SaProt's 446 tokens as its source builds them (utils/esm_loader.py of westlake-repl/SaProt: the
+specials, then every residue with every 3Di letter), written here apart from the tokenizer's copy."""
+
+
+def saprot_config(*, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
+                  intermediate_size: int = 64) -> transformers.EsmConfig:
+    """SaProt's released settings (ESM-2's, over the 446-token paired vocabulary) at a small size."""
+    config = esm2_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                         intermediate_size=intermediate_size)
+    config.vocab_size = len(SAPROT_VOCAB)
+    config.pad_token_id = SAPROT_VOCAB.index("<pad>")
+    config.mask_token_id = SAPROT_VOCAB.index("<mask>")
+    return config
 
 
 def esmc_config(*, hidden_size: int = 32, num_layers: int = 2, num_heads: int = 4,
@@ -175,6 +193,7 @@ class TinyFamily:
 FAMILIES: dict[str, TinyFamily] = {
     "esm2": TinyFamily(esm2_config, transformers.EsmForMaskedLM, _with_vocab(ALPHABET)),
     "esm1": TinyFamily(esm1_config, transformers.EsmForMaskedLM, _with_vocab(ALPHABET)),
+    "saprot": TinyFamily(saprot_config, transformers.EsmForMaskedLM, _with_vocab(SAPROT_VOCAB)),
     "esmc": TinyFamily(esmc_config, transformers.EsmcForMaskedLM, _save_esmc),
     "bert": TinyFamily(bert_config, transformers.BertForMaskedLM, _with_vocab(ANTIBERTY_VOCAB)),
     "prott5": TinyFamily(prott5_config, _t5_model, _save_prott5),

@@ -165,17 +165,20 @@ def test_method_defaults_and_errors():
     assert resolve_method(b"", True) == "wt-marginal"
     assert resolve_method(b"masked-marginal", True) == "masked-marginal"
     assert resolve_method("pll", False) == "pll"
+    assert resolve_method(None, True, "variant-masked") == "variant-masked"  # a model's default_method
+    assert resolve_method(None, False, "variant-masked") == "pll"
+    assert resolve_method("wt-marginal", True, "variant-masked") == "wt-marginal"
     assert _error(resolve_method, "masked-marginals", True) == (
-        "input method: unknown method 'masked-marginals'; methods: wt-marginal, masked-marginal, pll")
+        "input method: unknown method 'masked-marginals'; methods: wt-marginal, masked-marginal, variant-masked, pll")
     assert _error(resolve_method, "pll", True) == (
-        "input method: pll scores the wild-type sequence itself and takes no variants; use wt-marginal or "
-        "masked-marginal to score variants, or send each mutant sequence with method pll")
-    for method in ("wt-marginal", "masked-marginal"):
+        "input method: pll scores the wild-type sequence itself and takes no variants; use wt-marginal, "
+        "masked-marginal or variant-masked to score variants, or send each mutant sequence with method pll")
+    for method in ("wt-marginal", "masked-marginal", "variant-masked"):
         assert _error(resolve_method, method, False) == (
             f"input method: {method} scores variants, and the request has none; send variants (like A42G), or "
             "use method pll to score the sequence itself")
     assert _error(resolve_method, b"\xff", False) == "input method is not UTF-8 (invalid start byte at byte 0)"
-    assert METHODS == ("wt-marginal", "masked-marginal", "pll")
+    assert METHODS == ("wt-marginal", "masked-marginal", "variant-masked", "pll")
 
 
 def test_plan_request_defaults_and_sequence_errors():
@@ -412,3 +415,54 @@ def test_masking_changes_the_scores():
     scores = {method: _served_scores(plan_request(WILD_TYPE, variants, method, alphabet=AMINO_ACIDS), run_rows, 2)
               for method in ("wt-marginal", "masked-marginal")}
     assert np.abs(scores["wt-marginal"] - scores["masked-marginal"]).min() > 1e-3
+
+
+# ----------------------------------------------------------------------------------- variant-masked
+def test_variant_masked_runs_one_copy_per_set_of_positions_and_reads_each_variant_from_its_own():
+    """SaProt's convention for any family: every mutated position of a variant masked at once, one
+    copy per distinct set (in the order the variants name them), each mutation read from that copy."""
+    alphabet = tuple(AMINO_ACIDS)
+    variants = ["S2A", "S2C:K4A", "K4G:S2D", "L3L", "S2W"]
+    plan = plan_request("MSLK", variants, "variant-masked", alphabet=alphabet, mask_char=MASK_CHAR)
+    assert plan.copies == ((1,), (1, 3), (2,)) and plan.passes == 3
+    assert plan.inputs(MASK_CHAR) == ["M_LK", "M_L_", "MS_K"]
+    assert plan.inputs(MASK_CHAR, slice(1, 3)) == ["M_L_", "MS_K"]
+    log_probs = np.log(np.random.default_rng(3).dirichlet(np.ones(len(alphabet)), size=(3, 4)))
+    sites = plan.site_log_probs(log_probs)
+    assert sites.shape == (4, len(alphabet))  # copy 0: 1 site, copy 1: 2, copy 2: 1
+    np.testing.assert_array_equal(np.concatenate([plan.site_log_probs(log_probs[:1], slice(0, 1)),
+                                                  plan.site_log_probs(log_probs[1:], slice(1, 3))]), sites)
+
+    def at(copy: int, position: int, residue: str) -> float:
+        return float(log_probs[copy, position, AMINO_ACIDS.index(residue)])
+
+    expected = [at(0, 1, "A") - at(0, 1, "S"),
+                at(1, 1, "C") - at(1, 1, "S") + at(1, 3, "A") - at(1, 3, "K"),
+                at(1, 3, "G") - at(1, 3, "K") + at(1, 1, "D") - at(1, 1, "S"),
+                0.0,
+                at(0, 1, "W") - at(0, 1, "S")]
+    np.testing.assert_allclose(plan.scores(sites), expected, rtol=1e-6)
+    limits = ScoringLimits(max_masked_copies=2)
+    assert _error(plan_request, "MSLK", variants, "variant-masked", alphabet=alphabet, limits=limits) == (
+        "method variant-masked: 3 masked copies of the sequence (one per distinct set of mutated positions); the "
+        "server's max_masked_copies is 2")
+    assert plan_request("MSLK", variants, None, alphabet=alphabet, default_method="variant-masked").method == \
+        "variant-masked"
+
+
+def test_structure_aware_copies_keep_each_residues_3di_letter():
+    """With a structure-aware reader, variants index residues, and every copy is spelled residue +
+    3Di letter, the masked residue `#` followed by its own letter (SaProt's `#d`)."""
+    from bionemo_export.tokenizers.structure_aware import split_pairs
+
+    alphabet = tuple(AMINO_ACIDS)
+    for method, inputs in (("variant-masked", ["#dEv#p", "Md#vVp"]), ("masked-marginal", ["#dEvVp", "Md#vVp",
+                                                                                          "MdEv#p"]),
+                           ("wt-marginal", ["MdEvVp"])):
+        plan = plan_request("MdEvVp", ["M1A:V3L", "E2K"], method, alphabet=alphabet, mask_char="#",
+                            split_structure=split_pairs)
+        assert plan.wild_type == "MEV" and plan.structure == "dvp"
+        assert plan.inputs("#") == inputs
+    plain = plan_request("MEV", ["M1A:V3L"], "variant-masked", alphabet=alphabet, mask_char="#",
+                         split_structure=split_pairs)
+    assert plain.inputs("#") == ["##E###"]
