@@ -1,6 +1,6 @@
 """The serving suite: generated repositories against the baselines, side by side in one run.
 
-    .venv/bin/python benchmarks/serving.py [--parts antiberty,mixed,decodes] [--window 5] [--out DIR]
+    .venv/bin/python benchmarks/serving.py [--parts antiberty,mixed,decodes,esmc] [--window 5] [--out DIR]
     .venv/bin/python benchmarks/serving.py --parts mixed --quick     # smoke: tiny sizes, results in a temp folder
     .venv/bin/python benchmarks/serving.py --summary-only            # rewrite serving.md from serving.json
 
@@ -27,6 +27,9 @@ through `bionemo_export.bench`, on the same seeded inputs):
   (serving/batching.plan_sub_batches with its length bucket and token budget), sequences/s over
   the whole set including tokenization, best of --repeats, measured before and after the served
   targets: the best any server can do on this CPU.
+- `esmc`: ESM C at the 300M size (960 wide, 30 layers, 15 heads, SwiGLU 2560; random weights) on
+  the `mixed` proteins: the repository built with default options against PyTorch (transformers'
+  EsmcModel) served BioNeMo's way (benchmarks/dev_server.py), and the in-process limit as in `mixed`.
 - `decodes`: a MegaMolBART-sized model (hidden 512, 6 + 6 layers, 8 heads, random weights, so every
   decode runs to --max-decode tokens): served `N_decodes` against in-process cached decoding
   (ONNX Runtime, the same cross_kv / decoder_step graphs, the same search code) on hidden states of
@@ -65,7 +68,7 @@ from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime.server import free_ports
 from bionemo_export.serving.batching import padding_counts, plan_sub_batches
 from bionemo_export.serving.host import available_cores
-from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
+from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, ESMC_300M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HERE = Path(__file__).resolve().parent
@@ -359,7 +362,36 @@ def part_decodes(work: Path, args) -> dict:
             "max_decode": args.max_decode}
 
 
-PARTS = {"antiberty": part_antiberty, "mixed": part_mixed, "decodes": part_decodes}
+def part_esmc(work: Path, args) -> dict:
+    """ESM C 300M-sized (random weights) on the mixed protein workload: the repository built with
+    default options against PyTorch serving the same requests (benchmarks/dev_server.py: PyTriton,
+    transformers' EsmcModel inside, max_batch_size 10), with the in-process limit (ONNX Runtime on
+    the repository's own encoder graph) measured before and after."""
+    sizes = ({"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128} if args.quick
+             else ESMC_300M_SIZES)
+    checkpoint = save_random_checkpoint("esmc", work / "esmc_300m", seed=0, **sizes)
+    repository = work / "esmc_repo"
+    build_repository(BuildRequest(family="esmc", checkpoint=checkpoint, name="esmc", out=repository,
+                                  backend="python", tasks=("embeddings",)))
+    spec = InputSpec(lengths=MIXED_LENGTHS, count=args.proteins, seed=0)
+    sequences = sequences_of(spec)
+    tokenizer = get_family("esmc").load(checkpoint).tokenizer
+    before = in_process_limit(repository, "esmc", tokenizer, sequences, args.repeats)
+    dev, dev_url = start_dev_server(checkpoint, "esmc", "esmc", work / "dev_server.log")
+    try:
+        targets = [Target(model="esmc_embeddings", repository=repository, label="repository (as built)"),
+                   Target(model="esmc_embeddings", url=dev_url, label=DEV_LABEL)]
+        results = run_benchmarks(targets, args.mixed_concurrency, spec, args.mixed_window, out_dir=args.out / "esmc",
+                                 max_trials=args.max_trials)
+    finally:
+        stop(dev)
+    after = in_process_limit(repository, "esmc", tokenizer, sequences, args.repeats)
+    write_report(results, args.out / "esmc", command=" ".join(sys.argv))
+    return {"served": [r.to_dict() for r in results], "sizes": sizes,
+            "in_process": {"before": before, "after": after, "best": max(before["best"], after["best"])}}
+
+
+PARTS = {"antiberty": part_antiberty, "mixed": part_mixed, "decodes": part_decodes, "esmc": part_esmc}
 
 
 # ------------------------------------------------------------------------------ summary
@@ -434,6 +466,19 @@ def targets(results: dict) -> list[tuple[str, str, str, str]]:
                 ratio = buckets[c]["sequences_per_s"] / limit
                 rows.append((f"mixed lengths c{c}: buckets + budget vs the in-process limit ({limit:.1f} seq/s)",
                              ">= 0.9x", f"{ratio:.2f}x", _check(ratio, 0.9)))
+    if "esmc" in results:
+        part = results["esmc"]
+        served, bionemo = _served(part, "repository"), _served(part, "BioNeMo")
+        limit = part.get("in_process", {}).get("best")
+        for c in (8, 32):
+            if c in served and limit:
+                ratio = served[c]["sequences_per_s"] / limit
+                rows.append((f"ESM C 300M-sized c{c}: repository vs the in-process limit ({limit:.1f} seq/s)",
+                             ">= 0.9x", f"{ratio:.2f}x", _check(ratio, 0.9)))
+            if c in served and c in bionemo:
+                ratio = served[c]["sequences_per_s"] / bionemo[c]["sequences_per_s"]
+                rows.append((f"ESM C 300M-sized c{c}: repository vs PyTorch (transformers) in PyTriton", "> 1x",
+                             f"{ratio:.2f}x", _check(ratio, 1.0)))
     if "decodes" in results:
         part = results["decodes"]
         in_process = part["in_process_decodes_per_s"]
@@ -504,7 +549,7 @@ def summary(results: dict) -> str:
             p = part["proteins"]
             lines += ["", f"Proteins: {p['count']}, lengths `{p['lengths']}` (median {p['median']:.0f}, mean "
                           f"{p['mean']:.0f}, {p['min']}-{p['max']} residues)."]
-        if name == "mixed" and part.get("in_process"):
+        if name in ("mixed", "esmc") and part.get("in_process"):
             ip = part["in_process"]
             runs = {when: ", ".join(f"{v:.1f}" for v in ip[when]["runs"]) for when in ("before", "after")}
             lines += ["", f"In-process limit (ONNX Runtime on the repository's own encoder graph, "

@@ -31,6 +31,9 @@ from bionemo_export.tokenizers.smiles import build_vocab
 ESM2_35M_SIZES = {"hidden_size": 480, "num_layers": 12, "num_heads": 20, "intermediate_size": 1920}
 """The sizes of the released esm2_t12_35M_UR50D (ESM-2nv 35M): a random model that runs as fast
 as the real one, for benchmarks."""
+ESMC_300M_SIZES = {"hidden_size": 960, "num_layers": 30, "num_heads": 15, "intermediate_size": 2560}
+"""The sizes of the released ESM C 300M (esmc_300m: 960 wide, 30 layers, 15 heads, SwiGLU 8/3 x 960):
+a random model that runs as fast as the real one, for benchmarks."""
 
 
 # ---------------------------------------------------------------------------- configs
