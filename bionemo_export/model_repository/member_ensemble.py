@@ -11,8 +11,9 @@ For `--name N` and K members (`m1` ... `mK`, in the order the checkpoints were g
     N_logits        ensemble  sequences -> log_probs, mask, member_log_probs: every member's encoder
                               and head as steps of their own, which Triton runs side by side, then
                               N_member_mean
-    N_scores        python    unchanged (masked_lm.py): it calls N_logits, so it scores the mean,
-                              which equals the mean of the members' scores
+    N_scores        python    masked_lm.py's: it calls N_logits, so it scores the mean, which equals
+                              the mean of the members' scores; and `member_scores` [K, V], each
+                              member's, when a request asks for it (serving/scores.py)
 
 Each member's graphs are exported and checked against its own PyTorch model like any build's
 (graphs `mi_encoder`, `mi_lm_head` in manifest.json). A request costs K encoder passes: the
@@ -125,5 +126,5 @@ def plan_member_ensemble(name: str, *, family: str, tokenizer, members: list[Mem
     models += [mean_model(name, len(members), len(head.alphabet), options), logits_ensemble(name, members, head,
                                                                                             options)]
     if "scores" in tasks:
-        models.append(scores_model(name, head, options))
+        models.append(scores_model(name, head, options, members=len(members)))
     return models
