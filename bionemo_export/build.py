@@ -569,14 +569,25 @@ def _ensemble_tasks(request: BuildRequest, first: LoadedModel) -> tuple[str, ...
 
 
 def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions, progress: Progress) -> BuildResult:
-    """A checkpoint ensemble (models/members.py, model_repository/member_ensemble.py): each member
-    loaded in turn, checked against the first, its graphs exported and checked against its own
-    PyTorch model, then let go (at most two members in memory at once)."""
+    """A checkpoint ensemble (models/members.py, model_repository/member_ensemble.py). First every
+    member is loaded in turn and checked against the first (a member that differs is refused in
+    seconds, before any export); then each is loaded again, its graphs exported and checked
+    against its own PyTorch model, and let go: one member in memory at a time, besides the first."""
     count = len(request.checkpoints)
     if request.check_memory:
         available = available_memory_bytes()
         for path in request.checkpoints:
             check_build_memory(path, available)
+    facts: list[MemberFacts] = []
+    for number, path in enumerate(request.checkpoints, 1):
+        progress(f"reading ensemble member {number} of {count}: {path}")
+        facts.append(MemberFacts.of(_load(path, request)))
+        if number == 1:
+            continue
+        try:
+            check_member(facts[0], facts[-1], number)
+        except MemberMismatch as err:
+            raise BuildError(str(err)) from None
     try:
         with staged_directory(request.out, force=request.force, log=progress) as stage:
             with stage.temporary_files() as temporary:
@@ -584,22 +595,17 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                 export_dir.mkdir()
                 first: LoadedModel | None = None
                 tasks: tuple[str, ...] = ()
-                facts: list[MemberFacts] = []
                 records: list[dict[str, Any]] = []
                 graphs: dict[str, ExportedGraph] = {}
                 members: list[MemberGraphs] = []
                 for number, path in enumerate(request.checkpoints, 1):
                     progress(f"loading ensemble member {number} of {count}: {path}")
                     loaded = _load(path, request)
-                    facts.append(MemberFacts.of(loaded))
+                    if MemberFacts.of(loaded) != facts[number - 1]:  # the files changed since they were read
+                        raise BuildError(f"ensemble member {number} ({path}) changed during the build; build again")
                     if first is None:
                         first = loaded
                         tasks = _ensemble_tasks(request, first)
-                    else:
-                        try:
-                            check_member(facts[0], facts[-1], number)
-                        except MemberMismatch as err:
-                            raise BuildError(str(err)) from None
                     records.append({"member": member_label(number), **_checkpoint_record(path, loaded)})
                     label = member_label(number)
                     try:
