@@ -579,10 +579,13 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
         for path in request.checkpoints:
             check_build_memory(path, available)
     facts: list[MemberFacts] = []
+    tasks: tuple[str, ...] = ()
     for number, path in enumerate(request.checkpoints, 1):
         progress(f"reading ensemble member {number} of {count}: {path}")
-        facts.append(MemberFacts.of(_load(path, request)))
+        loaded = _load(path, request)
+        facts.append(MemberFacts.of(loaded))
         if number == 1:
+            tasks = _ensemble_tasks(request, loaded)
             continue
         try:
             check_member(facts[0], facts[-1], number)
@@ -594,7 +597,6 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                 export_dir = temporary / "onnx"
                 export_dir.mkdir()
                 first: LoadedModel | None = None
-                tasks: tuple[str, ...] = ()
                 records: list[dict[str, Any]] = []
                 graphs: dict[str, ExportedGraph] = {}
                 members: list[MemberGraphs] = []
@@ -603,9 +605,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                     loaded = _load(path, request)
                     if MemberFacts.of(loaded) != facts[number - 1]:  # the files changed since they were read
                         raise BuildError(f"ensemble member {number} ({path}) changed during the build; build again")
-                    if first is None:
-                        first = loaded
-                        tasks = _ensemble_tasks(request, first)
+                    first = first or loaded
                     records.append({"member": member_label(number), **_checkpoint_record(path, loaded)})
                     label = member_label(number)
                     try:

@@ -100,9 +100,10 @@ def logits_ensemble(name: str, members: list[MemberGraphs], head: MaskedLMHead, 
     model_name = task.model(name)
     return ModelPlan(
         name=model_name, inputs=[TensorSpec("sequences", DType.BYTES, (1,))], outputs=outputs,
-        max_batch_size=options.max_batch_size, platform="ensemble", response_cache=options.role("logits").response_cache,
-        steps=steps, parameters={"alphabet": json.dumps(list(head.alphabet)), "mask_char": head.mask_char or "",
-                                 "members": str(len(members))},
+        max_batch_size=options.max_batch_size, platform="ensemble",
+        response_cache=options.role("logits").response_cache, steps=steps,
+        parameters={"alphabet": json.dumps(list(head.alphabet)), "mask_char": head.mask_char or "",
+                    "members": str(len(members))},
         files={"README.md": ENSEMBLE_VERSION_NOTE.format(name=model_name)},
         description=f"public: logits, the mean of {len(members)} members' log-probabilities")
 
