@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import transformers
 
-from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import RepositoryClient
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.runtime import TritonServer
@@ -119,24 +119,3 @@ def test_verify_checks_the_ensemble_against_its_members_and_wants_every_member(s
         verify_repository(result.repository, checkpoints[:2], url=url)
     swapped = verify_repository(result.repository, [checkpoints[1], checkpoints[0], checkpoints[2]], url=url)
     assert not all(check.passed for check in swapped)  # member 1's answers are not member 2's
-
-
-def test_a_member_with_another_alphabet_is_refused_at_build_naming_it(served, tmp_path):
-    _, checkpoints, _, _, _ = served
-    other = save_random_checkpoint("esm2", tmp_path / "other", seed=7)
-    vocab = (other / "vocab.txt").read_text().splitlines()
-    vocab[4], vocab[5] = vocab[5], vocab[4]  # L and A swapped: another alphabet order
-    (other / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    with pytest.raises(BuildError) as refused:
-        build_repository(BuildRequest(family="esm2", checkpoint=checkpoints[0], members=(checkpoints[1], other),
-                                      name=NAME, out=tmp_path / "repo", backend="python", optimize=False))
-    message = str(refused.value)
-    assert f"ensemble member 3 ({other})" in message and "its alphabet (log_probs' columns) differs" in message
-    assert not (tmp_path / "repo").exists()
-    with pytest.raises(BuildError, match="an ensemble of 2 checkpoints serves logits and scores only"):
-        build_repository(BuildRequest(family="esm2", checkpoint=checkpoints[0], members=(checkpoints[1],),
-                                      name=NAME, out=tmp_path / "repo", tasks=("embeddings", "logits"),
-                                      backend="python", optimize=False))
-    with pytest.raises(BuildError, match="is given twice"):
-        build_repository(BuildRequest(family="esm2", checkpoint=checkpoints[0], members=(checkpoints[0],),
-                                      name=NAME, out=tmp_path / "repo", backend="python", optimize=False))

@@ -1,5 +1,5 @@
 """Checkpoint ensembles without a server: which members are refused and how the message names them
-(models/members.py, facts only), the mean of the members' log-probabilities (serving/member_mean.py)
+(models/members.py, facts only; and a build that refuses a member before exporting anything), the mean of the members' log-probabilities (serving/member_mean.py)
 through the fake `triton_python_backend_utils`, and N_scores' per-member scores (serving/scores.py)
 with its BLS calls answered by two tiny random ESM-2 members' PyTorch, against brute-force ESM
 formula references in transformers' own `EsmForMaskedLM`, one member at a time, averaged here."""
@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from bionemo_export.build import BuildError, BuildRequest, build_repository
 from bionemo_export.models import get_family
 from bionemo_export.models.members import MemberFacts, MemberMismatch, check_members
 from bionemo_export.serving.member_mean import MemberMean, mean_log_probs
@@ -174,3 +175,39 @@ def test_member_scores_are_computed_only_when_asked_for(pb_utils, members):
     # one checkpoint's N_scores has no such output
     assert fake_pb_utils.get_output_tensor_by_name(plain, "member_scores") is None
     np.testing.assert_allclose(plain.output("scores"), response.output("scores"))
+
+
+# ------------------------------------------------------------------------- refused at build, before any export
+def _build(tmp_path, first: Path, *members: Path, **settings):
+    return build_repository(BuildRequest(checkpoint=first, members=members, name="ens", out=tmp_path / "repo",
+                                         backend="python", optimize=False, **{"family": "esm2", **settings}))
+
+
+def test_a_member_without_a_masked_lm_head_is_refused_naming_it_before_anything_is_written(tmp_path):
+    first = save_random_checkpoint("esm2", tmp_path / "first", seed=1)
+    second = save_random_checkpoint("esm2", tmp_path / "second", seed=2)
+    plain = tmp_path / "plain"
+    transformers.EsmModel.from_pretrained(second, add_pooling_layer=False).save_pretrained(plain)
+    (plain / "vocab.txt").write_text((second / "vocab.txt").read_text())
+    with pytest.raises(BuildError) as refused:
+        _build(tmp_path, first, second, plain)
+    assert str(refused.value).startswith(f"ensemble member 3 ({plain}) cannot be served with member 1 ({first}): "
+                                         "it has no masked-LM head")
+    assert sorted(tmp_path.iterdir()) == sorted([first, second, plain])  # no repository, no staging folder
+    with pytest.raises(BuildError, match=r"`tasks` embeddings: an ensemble of 2 checkpoints serves logits and "
+                                         r"scores only.*Build those tasks from one checkpoint"):
+        _build(tmp_path, first, second, tasks=("embeddings", "logits"))
+    with pytest.raises(BuildError, match=r"`checkpoint` .*first is given twice \(members 1 and 2\)"):
+        _build(tmp_path, first, first)
+    assert sorted(tmp_path.iterdir()) == sorted([first, second, plain])
+
+
+def test_fair_esm_files_of_two_families_are_refused_naming_the_family(tmp_path):
+    pytest.importorskip("esm")  # fair-esm writes the files as its hub does (tests/unit/test_fair_esm.py)
+    from tests.unit.test_fair_esm import _esm1b_file, _esm2_file
+
+    esm2, _ = _esm2_file(tmp_path, regression=False)
+    esm1v, _ = _esm1b_file(tmp_path)
+    with pytest.raises(BuildError, match=rf"ensemble member 2 \({esm1v}\) cannot be served with member 1 "
+                                         rf"\({esm2}\): it is a esm1 checkpoint, the first is esm2"):
+        _build(tmp_path, esm2, esm1v, family=None)  # each file says its family
