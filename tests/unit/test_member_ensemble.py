@@ -1,11 +1,13 @@
 """Checkpoint ensembles without a server: which members are refused and how the message names them
-(models/members.py, facts only; and a build that refuses a member before exporting anything), the mean of the members' log-probabilities (serving/member_mean.py)
-through the fake `triton_python_backend_utils`, and N_scores' per-member scores (serving/scores.py)
-with its BLS calls answered by two tiny random ESM-2 members' PyTorch, against brute-force ESM
-formula references in transformers' own `EsmForMaskedLM`, one member at a time, averaged here."""
+(models/members.py, facts only; and a build that refuses a member before exporting anything), the
+mean of the members' log-probabilities (serving/member_mean.py) through the fake
+`triton_python_backend_utils`, and N_scores' per-member scores (serving/scores.py) with its BLS
+calls answered by two tiny random ESM-2 members' PyTorch, against brute-force ESM formula
+references in transformers' own `EsmForMaskedLM`, one member at a time, averaged here."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -211,3 +213,29 @@ def test_fair_esm_files_of_two_families_are_refused_naming_the_family(tmp_path):
     with pytest.raises(BuildError, match=rf"ensemble member 2 \({esm1v}\) cannot be served with member 1 "
                                          rf"\({esm2}\): it is a esm1 checkpoint, the first is esm2"):
         _build(tmp_path, esm2, esm1v, family=None)  # each file says its family
+
+
+def test_the_command_line_takes_several_checkpoints_for_inspect_and_build(tmp_path):
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    first = save_random_checkpoint("esm2", tmp_path / "first", seed=1)
+    second = save_random_checkpoint("esm2", tmp_path / "second", seed=2)
+    plain = tmp_path / "plain"
+    transformers.EsmModel.from_pretrained(second, add_pooling_layer=False).save_pretrained(plain)
+    (plain / "vocab.txt").write_text((second / "vocab.txt").read_text())
+    runner = CliRunner()
+    good = runner.invoke(app, ["inspect", str(first), str(second), "--model", "esm2"])
+    assert good.exit_code == 0, good.output
+    assert "== member 2 of 2" in good.output and "2 members: they can be served as one" in good.output
+    assert f"--checkpoint {first} --checkpoint {second}" in good.output
+    bad = runner.invoke(app, ["inspect", str(first), str(plain), "--model", "esm2", "--json"])
+    assert bad.exit_code == 1
+    report = json.loads(bad.output)
+    assert not report["ok"] and len(report["members"]) == 2
+    assert "ensemble member 2" in report["problems"][0] and "it has no masked-LM head" in report["problems"][0]
+    refused = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(first), "--checkpoint",
+                                  str(plain), "--name", "ens", "--out", str(tmp_path / "repo"), "--backend", "python"])
+    assert refused.exit_code == 1 and "ensemble member 2" in " ".join(refused.output.split())
+    assert not (tmp_path / "repo").exists()
