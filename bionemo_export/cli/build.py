@@ -32,7 +32,7 @@ def repo(
                                           "Given several times: one ensemble of masked-LM checkpoints with one "
                                           "tokenizer (ESM-1v's five seeds), serving logits and scores averaged over "
                                           "the members (and each member's on request).",
-                                          exists=True, resolve_path=True),
+                                          exists=True, resolve_path=True, metavar="PATH"),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
     tasks: str | None = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that "

@@ -20,7 +20,7 @@ def verify(
         None, help="The checkpoint the repository was built from (an ensemble's: once per member, in the build's "
         "order; its answers are checked against the mean of the members' PyTorch answers). Without it, every "
         "graph's golden answers (the build's verified inputs and PyTorch outputs, stored in the repository) run "
-        "here, as each served model runs them when it loads.", exists=True, resolve_path=True),
+        "here, as each served model runs them when it loads.", exists=True, resolve_path=True, metavar="PATH"),
     url: str | None = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
                                       "default: start the repository on the embedded tritonserver."),
     tritonserver: str | None = typer.Option(None, help="tritonserver binary to start (default: search)."),
