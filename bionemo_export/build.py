@@ -474,11 +474,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     if request.check_memory:
         check_build_memory(request.checkpoint, available_memory_bytes())
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
-    try:
-        loaded = load_checkpoint(request.checkpoint, request.family, max_length=request.max_length)
-    except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
-        raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
-                         f"{reason(err)}") from err
+    loaded = _load(request.checkpoint, request)
     tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks), asked=request.tasks is not None)
 
     try:
@@ -546,6 +542,7 @@ def _checkpoint_record(path: Path, loaded: LoadedModel) -> dict[str, Any]:
 
 
 def _load(path: Path, request: BuildRequest) -> LoadedModel:
+    """The checkpoint at `path` loaded as the request asks; BuildError naming it when it cannot be."""
     try:
         return load_checkpoint(path, request.family, max_length=request.max_length)
     except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
