@@ -17,8 +17,9 @@ For `--name N` and K members (`m1` ... `mK`, in the order the checkpoints were g
 
 Each member's graphs are exported and checked against its own PyTorch model like any build's
 (graphs `mi_encoder`, `mi_lm_head` in manifest.json). A request costs K encoder passes: the
-members' models run in parallel where the host has the cores (or GPUs) for them, so latency grows
-less than K-fold, throughput K-fold.
+members' models run in parallel where the host has the cores (or GPUs) for them. In the Python
+backend their ONNX Runtime "auto" thread counts are sized for the K members sharing the host's
+cores (config parameter `models_sharing_cores`, serving/onnx_session.py).
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def plan_member_ensemble(name: str, *, family: str, tokenizer, members: list[Mem
                                                                           head.mask_char),
                                 options, tokenizer.max_length)
         lm_head.description = f"member {member.label}: {lm_head.description}"
+        if options.serving_backend.runs_python:  # ONNX Runtime's "auto" threads: the members share the cores
+            for plan in (encoder, lm_head):
+                plan.parameters["models_sharing_cores"] = str(len(members))
         models += [encoder, lm_head]
     models += [mean_model(name, len(members), len(head.alphabet), options), logits_ensemble(name, members, head,
                                                                                             options)]

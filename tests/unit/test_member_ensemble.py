@@ -239,3 +239,22 @@ def test_the_command_line_takes_several_checkpoints_for_inspect_and_build(tmp_pa
                                   str(plain), "--name", "ens", "--out", str(tmp_path / "repo"), "--backend", "python"])
     assert refused.exit_code == 1 and "ensemble member 2" in " ".join(refused.output.split())
     assert not (tmp_path / "repo").exists()
+
+
+def test_the_members_graph_models_share_the_cores_when_threads_are_automatic(members):
+    from bionemo_export.model_repository.masked_lm import MaskedLMHead
+    from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
+    from bionemo_export.model_repository.options import ServingOptions
+    from bionemo_export.serving.host import threads_per_instance
+
+    loaded_members, _ = members
+    graphs = [MemberGraphs(f"m{n}", loaded.hidden_size, {"model.onnx": Path("unused.onnx")}, Path("unused.onnx"),
+                           "ORT_ENABLE_ALL") for n, loaded in enumerate(loaded_members, 1)]
+    models = plan_member_ensemble("ens", family="esm2", tokenizer=loaded_members[0].tokenizer, members=graphs,
+                                  head=MaskedLMHead(Path("unused.onnx"), loaded_members[0].alphabet, "_"),
+                                  tasks=("logits", "scores"), options=ServingOptions(backend="python"))
+    sharing = {model.name: model.parameters.get("models_sharing_cores") for model in models}
+    assert sharing == {"ens_m1_encoder": "2", "ens_m1_lm_head": "2", "ens_m2_encoder": "2", "ens_m2_lm_head": "2",
+                       "ens_member_mean": None, "ens_logits": None, "ens_scores": None}
+    # what serving/onnx_session.py then asks of host.py: 16 cores, 5 members of one instance each
+    assert threads_per_instance("auto", 1 * 5, cores=16) == 6 and threads_per_instance("auto", 1, cores=16) == 16
