@@ -84,6 +84,8 @@ def test_each_members_log_probs_come_back_when_asked_for(served):
                                    atol=1e-4)
     plain = client.client.infer(f"{NAME}_logits", {"sequences": _column("GVSE")}, ["log_probs", "mask"])
     assert set(plain) == {"log_probs", "mask"}
+    through_client, mask = client.member_log_probs(["MKTAYIAKQR", "GVSE"])  # the Python client's call
+    assert np.array_equal(through_client, each) and mask.shape == (2, 12)
 
 
 @pytest.mark.parametrize("method", ["wt-marginal", "masked-marginal"])
@@ -97,6 +99,7 @@ def test_served_scores_are_the_mean_of_each_members_scores(served, method):
     assert asked["member_scores"].shape == (1, 3, len(VARIANTS))
     np.testing.assert_allclose(asked["member_scores"][0], each, atol=1e-4)
     np.testing.assert_allclose(asked["scores"][0], each.mean(axis=0), atol=1e-4)
+    np.testing.assert_allclose(client.member_scores(WILD_TYPE, VARIANTS, method), each, atol=1e-4)
 
 
 def test_served_plls_are_the_mean_of_each_members_plls(served):
