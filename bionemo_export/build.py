@@ -618,6 +618,10 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                         label, loaded.hidden_size, encoder.files, exported[f"{label}_lm_head"].files["model.onnx"],
                         encoder.record.optimization.serving_graph_optimization_level))
                 assert first is not None  # request.checkpoints holds two at least
+                if request.precision != Precision.FP32:  # each member's cost (manifest `accuracy`: member 1's)
+                    for record in records:
+                        record["accuracy"] = AccuracyRecord(
+                            request.precision, graphs[f"{record['member']}_encoder"].verification).to_dict()
                 progress(f"writing the repository ({backend} backend): {count} members")
                 plan = RepositoryPlan(plan_member_ensemble(
                     request.name, family=first.family.name, tokenizer=first.tokenizer, members=members,

@@ -88,7 +88,8 @@ class Manifest:
     """path, digest and the family's facts about the checkpoint (an ensemble's: its first member's)."""
     members: list[dict[str, Any]] | None = None
     """A checkpoint ensemble's members in order, each recorded as `checkpoint` is, with its label
-    (`m1`, ...: its models are N_m1_encoder, N_m1_lm_head); None: one checkpoint."""
+    (`m1`, ...: its models are N_m1_encoder, N_m1_lm_head), and in an int8 or fp16 build its own
+    `accuracy` (the top-level `accuracy` is member 1's); None: one checkpoint."""
     precision: str = "fp32"
     backend: str | None = None
     device: str = "cpu"

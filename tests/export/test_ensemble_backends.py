@@ -1,7 +1,8 @@
 """Checkpoint ensembles for the backends that cannot load here (native: Triton's onnxruntime
 backend; tensorrt): built from two tiny random ESM-2 members, checked by the consistency rules a
 build applies (model_repository/consistency.py) and read back from config.pbtxt: one tokenizer
-shared by the members, each member's graphs on the backend's platform, the mean in Python."""
+shared by the members, each member's graphs on the backend's platform, the mean in Python. And an
+int8 ensemble, whose manifest records each member's accuracy cost."""
 
 from __future__ import annotations
 
@@ -38,3 +39,13 @@ def test_an_ensemble_for_tritons_own_platforms_is_consistent(members, tmp_path, 
     assert steps == ["ens_tokenizer", "ens_m1_encoder", "ens_m1_lm_head", "ens_m2_encoder", "ens_m2_lm_head",
                      "ens_member_mean"]
     assert [list(output.dims) for output in logits.output] == [[-1, 25], [-1], [2, -1, 25]]
+
+
+def test_an_int8_ensemble_records_each_members_accuracy_cost(members, tmp_path):
+    result = build_repository(BuildRequest(family="esm2", checkpoint=members[0], members=(members[1],), name="ens",
+                                           out=tmp_path / "repo", backend="python", precision="int8", optimize=False))
+    records = result.manifest.members or []
+    assert [record["member"] for record in records] == ["m1", "m2"]
+    assert all(record["accuracy"]["precision"] == "int8" for record in records)
+    assert records[0]["accuracy"] == result.manifest.accuracy  # the top level is member 1's
+    assert records[0]["accuracy"] != records[1]["accuracy"]  # each measured on its own graphs
