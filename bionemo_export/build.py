@@ -39,11 +39,13 @@ from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
+from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, seq2seq_graph_specs
+from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMismatch, check_member, member_label
 from bionemo_export.models.readers.base import fp32_weight_bytes
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
@@ -90,6 +92,15 @@ class BuildRequest:
     graph_cache: Path | None = field(default_factory=default_graph_cache)
     """A folder of exported graphs to reuse and fill (exporters/graph_cache.py); by default the one
     $BIONEMO_EXPORT_GRAPH_CACHE names, else none."""
+    members: tuple[Path, ...] = ()
+    """Further checkpoints served with `checkpoint` as one ensemble (models/members.py: ESM-1v's
+    seeds): N_logits answers the mean of the members' log-probabilities, N_scores the mean of their
+    scores. Empty: `checkpoint` alone."""
+
+    @property
+    def checkpoints(self) -> tuple[Path, ...]:
+        """Every checkpoint the build reads: `checkpoint`, then `members`."""
+        return (self.checkpoint, *self.members)
 
 
 @dataclass(frozen=True)
@@ -121,8 +132,15 @@ def _check_request(request: BuildRequest) -> None:
     _check_out(request.out)
     if request.out.exists() and not request.force:
         raise BuildError(f"{request.out} already exists; pass `force` to replace it")
-    if not request.checkpoint.exists():
-        raise BuildError(f"checkpoint not found: {request.checkpoint}")
+    for checkpoint in request.checkpoints:
+        if not checkpoint.exists():
+            raise BuildError(f"checkpoint not found: {checkpoint}")
+    seen: dict[Path, int] = {}
+    for number, checkpoint in enumerate(request.checkpoints, 1):
+        if checkpoint.resolve() in seen:
+            raise BuildError(f"`checkpoint` {checkpoint} is given twice (members {seen[checkpoint.resolve()]} and "
+                             f"{number}): an ensemble of one checkpoint twice weighs it twice; give each once")
+        seen[checkpoint.resolve()] = number
     if request.precision not in tuple(Precision):
         raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}")
     if request.exporter not in tuple(Exporter):
@@ -333,11 +351,12 @@ def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> Masked
 
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
-                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True
+                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = ""
                 ) -> dict[str, ExportedGraph]:
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
     every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
-    they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse)."""
+    they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse).
+    `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`)."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
     def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
@@ -356,8 +375,8 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
         if graph in needed:
             module, inputs, outputs, graph_batches = how.source(loaded, batches)
             settings = {"precision": request.precision, "optimize": request.optimize and cpu_optimized}
-            graphs[graph.value] = export(graph.value, module, inputs, outputs, graph_batches,
-                                         mask_input=how.mask_input, **(settings if how.encoder else {}))
+            graphs[prefix + graph.value] = export(prefix + graph.value, module, inputs, outputs, graph_batches,
+                                                  mask_input=how.mask_input, **(settings if how.encoder else {}))
     return graphs
 
 
@@ -452,14 +471,12 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
         raise BuildError("`precision` int8 is ONNX Runtime's CPU quantization; on `device` gpu use fp16 "
                          "(`backend` tensorrt builds fp16 engines by default)")
 
+    if request.members:
+        return _build_ensemble(request, backend, serving, progress)
     if request.check_memory:
         check_build_memory(request.checkpoint, available_memory_bytes())
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
-    try:
-        loaded = load_checkpoint(request.checkpoint, request.family, max_length=request.max_length)
-    except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
-        raise BuildError(f"cannot load {request.checkpoint}{f' as {request.family}' if request.family else ''}: "
-                         f"{reason(err)}") from err
+    loaded = _load(request.checkpoint, request)
     tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks), asked=request.tasks is not None)
 
     try:
@@ -489,8 +506,10 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
 
 def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], backend: str,
               serving: ServingOptions, graphs: dict[str, ExportedGraph], plan: RepositoryPlan,
-              staging: Path) -> Manifest:
-    """Write manifest.json into `staging`, where the rest of the repository is written already."""
+              staging: Path, members: list[dict[str, Any]] | None = None) -> Manifest:
+    """Write manifest.json into `staging`, where the rest of the repository is written already.
+    `members`: an ensemble's checkpoint records, in order (`checkpoint` is then the first's)."""
+    encoder = graphs["encoder"] if members is None else graphs[f"{member_label(1)}_encoder"]
     return Manifest(
         tool={"name": "bionemo-export", "version": __version__},
         name=request.name,
@@ -498,8 +517,8 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
         tasks=list(tasks),
         public_models=[get_task(task).model(request.name) for task in tasks],
         models={m.name: m.description for m in plan.models},
-        checkpoint={"path": str(request.checkpoint.resolve()), "digest": checkpoint_digest(request.checkpoint),
-                    **loaded.description},
+        checkpoint=members[0] if members else _checkpoint_record(request.checkpoint, loaded),
+        members=members,
         precision=request.precision,
         backend=backend,
         device=serving.serving_backend.device,
@@ -511,12 +530,115 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
                                                         if loaded.seq2seq else None),
         verification={"passed": True,
                       "graphs": {name: graph.verification.to_dict() for name, graph in graphs.items()}},
-        accuracy=AccuracyRecord(request.precision, graphs["encoder"].verification).to_dict(),
+        accuracy=AccuracyRecord(request.precision, encoder.verification).to_dict(),
         versions=package_versions(),
         build_host=host_record(),
         # Last, once every other file is written: serve and verify compare the files with these.
         files=record_files(staging),
     ).write(staging)
+
+
+def _checkpoint_record(path: Path, loaded: LoadedModel) -> dict[str, Any]:
+    """manifest.json's record of a checkpoint: its path, digest and the family's facts."""
+    return {"path": str(path.resolve()), "digest": checkpoint_digest(path), **loaded.description}
+
+
+def _load(path: Path, request: BuildRequest) -> LoadedModel:
+    """The checkpoint at `path` loaded as the request asks; BuildError naming it when it cannot be."""
+    try:
+        return load_checkpoint(path, request.family, max_length=request.max_length)
+    except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
+        raise BuildError(f"cannot load {path}{f' as {request.family}' if request.family else ''}: "
+                         f"{reason(err)}") from err
+
+
+def _ensemble_tasks(request: BuildRequest, first: LoadedModel) -> tuple[str, ...]:
+    """The tasks of an ensemble build: those asked (logits and scores only: ENSEMBLE_TASKS says
+    why), else both where the members can serve them. Member 1 must carry the masked-LM head."""
+    if request.tasks is not None:
+        if others := [task for task in request.tasks if task not in ENSEMBLE_TASKS]:
+            raise BuildError(f"`tasks` {', '.join(others)}: an ensemble of {len(request.checkpoints)} checkpoints "
+                             f"serves {' and '.join(ENSEMBLE_TASKS)} only, computed from the mean of the members' "
+                             "log-probabilities; the other tasks read one model's hidden states, which "
+                             "independently trained members do not share (each has its own coordinates), so "
+                             "their mean means nothing. Build those tasks from one checkpoint")
+    tasks = _check_tasks(first.family, request.tasks or tuple(t for t in ENSEMBLE_TASKS if t in first.family.tasks))
+    servable_tasks(first, ("logits",), asked=True)  # the masked-LM head: what every member must have
+    return servable_tasks(first, tasks, asked=request.tasks is not None)
+
+
+def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions, progress: Progress) -> BuildResult:
+    """A checkpoint ensemble (models/members.py, model_repository/member_ensemble.py). First every
+    member is loaded in turn and checked against the first (a member that differs is refused in
+    seconds, before any export); then each is loaded again, its graphs exported and checked
+    against its own PyTorch model, and let go: one member in memory at a time, besides the first."""
+    count = len(request.checkpoints)
+    if request.check_memory:
+        available = available_memory_bytes()
+        for path in request.checkpoints:
+            check_build_memory(path, available)
+    facts: list[MemberFacts] = []
+    tasks: tuple[str, ...] = ()
+    for number, path in enumerate(request.checkpoints, 1):
+        progress(f"reading ensemble member {number} of {count}: {path}")
+        loaded = _load(path, request)
+        facts.append(MemberFacts.of(loaded))
+        if number == 1:
+            tasks = _ensemble_tasks(request, loaded)
+            continue
+        try:
+            check_member(facts[0], facts[-1], number)
+        except MemberMismatch as err:
+            raise BuildError(str(err)) from None
+    try:
+        with staged_directory(request.out, force=request.force, log=progress) as stage:
+            with stage.temporary_files() as temporary:
+                export_dir = temporary / "onnx"
+                export_dir.mkdir()
+                first: LoadedModel | None = None
+                records: list[dict[str, Any]] = []
+                graphs: dict[str, ExportedGraph] = {}
+                members: list[MemberGraphs] = []
+                for number, path in enumerate(request.checkpoints, 1):
+                    progress(f"loading ensemble member {number} of {count}: {path}")
+                    loaded = _load(path, request)
+                    if MemberFacts.of(loaded) != facts[number - 1]:  # the files changed since they were read
+                        raise BuildError(f"ensemble member {number} ({path}) changed during the build; build again")
+                    first = first or loaded
+                    records.append({"member": member_label(number), **_checkpoint_record(path, loaded)})
+                    label = member_label(number)
+                    try:
+                        exported = _export_all(loaded, tasks, export_dir, request, progress,
+                                               cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
+                                               picks_cpu_graph=serving.serving_backend.runs_python,
+                                               prefix=f"{label}_")
+                    except PrecisionError as err:
+                        raise BuildError(str(err)) from err
+                    graphs.update(exported)
+                    encoder = exported[f"{label}_encoder"]
+                    members.append(MemberGraphs(
+                        label, loaded.hidden_size, encoder.files, exported[f"{label}_lm_head"].files["model.onnx"],
+                        encoder.record.optimization.serving_graph_optimization_level))
+                assert first is not None  # request.checkpoints holds two at least
+                if request.precision != Precision.FP32:  # each member's cost (manifest `accuracy`: member 1's)
+                    for record in records:
+                        record["accuracy"] = AccuracyRecord(
+                            request.precision, graphs[f"{record['member']}_encoder"].verification).to_dict()
+                progress(f"writing the repository ({backend} backend): {count} members")
+                plan = RepositoryPlan(plan_member_ensemble(
+                    request.name, family=first.family.name, tokenizer=first.tokenizer, members=members,
+                    head=_head(first), tasks=tasks, options=serving))
+                plan.validate()
+                plan.write(stage.repository)
+            manifest = _manifest(request, first, tasks, backend, serving, graphs, plan, stage.repository,
+                                 members=records)
+            findings = check_repository(stage.repository)
+            if findings:  # a planner bug: what a server would refuse at load time, or fail on later
+                raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))
+    except StagingError as err:
+        raise BuildError(str(err)) from err
+    progress(f"built {request.out}: an ensemble of {count} members")
+    return BuildResult(request.out, manifest, [m.name for m in plan.models])
 
 
 def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,

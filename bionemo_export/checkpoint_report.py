@@ -109,7 +109,84 @@ def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | 
     """The report of the checkpoint at `path` read as `family` (inferred when the checkpoint says
     what it is, or when one family alone reads it). CheckpointError only when the checkpoint
     cannot be read at all; what stops a build is in `problems`."""
-    path = Path(path)
+    return _inspect(Path(path), family, max_length)[0]
+
+
+@dataclass
+class EnsembleReport:
+    """What `inspect` reports for several checkpoints: each member's report, and whether they can be
+    served as one ensemble (models/members.py)."""
+
+    members: list[CheckpointReport]
+    tasks: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    command: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(member.ok for member in self.members)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"members": [member.to_dict() for member in self.members], "tasks": self.tasks,
+                "problems": self.problems, "command": self.command, "ok": self.ok}
+
+    def render(self) -> str:
+        lines = []
+        for number, member in enumerate(self.members, 1):
+            lines += [f"== member {number} of {len(self.members)}", member.render(), ""]
+        lines.append(f"ensemble    {len(self.members)} members: "
+                     + ("they can be served as one" if self.ok else "they cannot be served as one"))
+        if self.tasks:
+            lines.append(f"tasks       {', '.join(self.tasks)} (the mean of the members' log-probabilities; each "
+                         "member's on request)")
+        for problem in self.problems:
+            lines.append(f"problem     {problem}")
+        if self.command:
+            lines.append(f"build with  {self.command}")
+        return "\n".join(lines)
+
+
+def inspect_ensemble(paths: list[Path], family: str | None = None, max_length: int | None = None) -> EnsembleReport:
+    """The reports of several checkpoints given as one ensemble, and whether a build would serve
+    them as one: every member readable and buildable, and each agreeing with the first in family,
+    masked-LM head, alphabet and tokenizer (models/members.py says why; `problems` names the member
+    and what differs)."""
+    from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMismatch, check_member
+
+    report = EnsembleReport(members=[])
+    first: MemberFacts | None = None
+    for number, path in enumerate(paths, 1):
+        member, loaded = _inspect(Path(path), family, max_length)
+        report.members.append(member)
+        if loaded is None:
+            report.problems.append(f"member {number} ({path}) cannot be built: see its problems above")
+            continue
+        facts = MemberFacts.of(loaded)
+        if number == 1:
+            first = facts
+            report.tasks = [task for task in ENSEMBLE_TASKS if task in member.tasks]
+            if "logits" not in report.tasks:
+                report.problems.append(f"member 1 ({path}) has no masked-LM head: an ensemble serves the mean of "
+                                       "the members' log-probabilities")
+        elif first is not None:
+            try:
+                check_member(first, facts, number)
+            except MemberMismatch as err:
+                report.problems.append(str(err))
+    if len({Path(p).resolve() for p in paths}) != len(paths):
+        report.problems.append("a checkpoint is given twice: an ensemble of one checkpoint twice weighs it twice; "
+                               "give each once")
+    if report.ok and report.members[0].family:
+        name = report.members[0].family
+        command = ["bionemo-export", "build", "repo"]
+        for path in paths:
+            command += ["--checkpoint", str(path)]
+        report.command = shlex.join(command + ["--model", name, "--name", name, "--out", f"{name}_repository"])
+    return report
+
+
+def _inspect(path: Path, family: str | None, max_length: int | None) -> tuple[CheckpointReport, LoadedModel | None]:
+    """inspect_checkpoint's report, and the model loaded (None where the report stops before)."""
     checkpoint = read_checkpoint(path)
     report = CheckpointReport(checkpoint=str(path), form=checkpoint.form,
                               form_description=READERS[checkpoint.form].description,
@@ -118,28 +195,28 @@ def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | 
         name = family or _family_of(checkpoint)
     except CheckpointError as err:
         report.problems.append(str(err))
-        return report
+        return report, None
     if name is None:
         report.problems.append(f"no family reads this {checkpoint.form} checkpoint as it is; name one with --model "
                                f"({', '.join(sorted(REGISTRY))}) to see why")
-        return report
+        return report, None
     report.family = name
     reader = get_family(name)
     try:
         description = reader.describe(checkpoint, max_length)
     except (CheckpointError, ValueError) as err:
         report.problems.append(str(err))
-        return report
+        return report, None
     _describe_keys(report, checkpoint, description)
     try:
         loaded = reader.build(description)
     except KeyMismatchError as err:
         report.keys.update(missing=err.missing, unexpected=err.unexpected, wrong_shapes=err.wrong_shapes)
         report.problems.append(str(err))
-        return report
+        return report, None
     except (CheckpointError, ValueError) as err:
         report.problems.append(str(err))
-        return report
+        return report, None
     _describe_model(report, loaded)
     servable = servable_tasks(loaded, reader.tasks, asked=False)
     report.tasks = [task for task in servable if get_task(task).by_default]
@@ -148,7 +225,7 @@ def inspect_checkpoint(path: Path, family: str | None = None, max_length: int | 
     command = ["bionemo-export", "build", "repo", "--checkpoint", str(path), "--model", name,
                "--name", name, "--out", f"{name}_repository"]
     report.command = shlex.join(command)
-    return report
+    return report, loaded
 
 
 def _family_of(checkpoint: Checkpoint) -> str | None:

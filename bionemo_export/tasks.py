@@ -203,7 +203,10 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "tokens' summed probability)"), MASK),
          role="logits", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
          requires=(Requirement.LM_HEAD,), client_method="seqs_to_log_probs",
-         notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",)),
+         notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",
+                "A checkpoint ensemble (`build repo` with several `--checkpoint`) answers the mean of its K members' "
+                "log_probs, and each member's as `member_log_probs` FP32 [K, -1, A] when a request names that "
+                "output.")),
     Task("scores", "variant-effect scores (ESM's marginals) or the pseudo-log-likelihood of the sequence",
          (TensorSpec("sequences", DType.BYTES, (1,), doc="the wild type (SaProt: structure-aware, or plain residues)"),
           TensorSpec("variants", DType.BYTES, (-1,), doc="`A42G`, multi-mutants `A42G:L43P`, 1-based residue positions",
@@ -216,7 +219,9 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          role="scores", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
          requires=(Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES), calls=("logits",),
          # like samplings: a long request (a deep mutational scan) holds one instance
-         role_defaults=RoleDefaults(Instances.SAMPLING, batched=True), client_method="score_variants"),
+         role_defaults=RoleDefaults(Instances.SAMPLING, batched=True), client_method="score_variants",
+         notes=("A checkpoint ensemble's scores are the mean of its K members' scores; each member's come back as "
+                "`member_scores` FP32 [K, V] when a request names that output.",)),
     Task("predictions", "the fine-tuned head's logits and predicted label (sequence heads: one per sequence; "
          "token heads: one per token)",
          (SEQUENCES,),

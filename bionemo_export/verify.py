@@ -14,7 +14,7 @@ says so, with what the build measured).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -130,23 +130,32 @@ def verify_served(client: EncoderClient, loaded, tasks: list[str], batches: list
     return checks
 
 
-def _log_probs(loaded, batch: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """PyTorch's (log_probs [B, L, A], attention mask, residue mask) of `batch`: encoder, then head."""
+def _log_probs(models, batch: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """PyTorch's (log_probs [B, L, A], attention mask, residue mask) of `batch`: encoder, then head.
+    `models`: one LoadedModel, or a checkpoint ensemble's members (a sequence of them, one
+    tokenizer), whose log-probabilities are averaged as the ensemble's N_logits averages them."""
     import torch
 
-    encoded = loaded.tokenizer.encode(batch)
-    with torch.no_grad():
-        hiddens, _ = loaded.encoder(torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask),
-                                    torch.from_numpy(encoded.residue_mask))
-        log_probs = loaded.lm_head(hiddens).numpy()
+    models = models if isinstance(models, list | tuple) else [models]
+    encoded = models[0].tokenizer.encode(batch)
+    each = []
+    for loaded in models:
+        with torch.no_grad():
+            hiddens, _ = loaded.encoder(torch.from_numpy(encoded.input_ids),
+                                        torch.from_numpy(encoded.attention_mask),
+                                        torch.from_numpy(encoded.residue_mask))
+            each.append(loaded.lm_head(hiddens).numpy().astype(np.float64))
+    log_probs = np.mean(each, axis=0).astype(np.float32)
     return log_probs, encoded.attention_mask.astype(bool), encoded.residue_mask
 
 
-def _reference_scores(loaded, wild_type: str, variants: list[str], method: str) -> np.ndarray:
-    """ESM's formula, one (masked) copy at a time in PyTorch, written here apart from serving/scoring.py."""
+def _reference_scores(models, wild_type: str, variants: list[str], method: str) -> np.ndarray:
+    """ESM's formula, one (masked) copy at a time in PyTorch, written here apart from serving/scoring.py.
+    `models`: as _log_probs takes them."""
+    loaded = models[0] if isinstance(models, list | tuple) else models
     columns = {residue: column for column, residue in enumerate(loaded.alphabet)}
     mask_char = loaded.tokenizer.mask_char
-    unmasked = _log_probs(loaded, [wild_type])[0][0, 1:]  # residue rows (after BOS)
+    unmasked = _log_probs(models, [wild_type])[0][0, 1:]  # residue rows (after BOS)
     scores = []
     for variant in variants:
         total = 0.0
@@ -156,26 +165,32 @@ def _reference_scores(loaded, wild_type: str, variants: list[str], method: str) 
                 row = unmasked[i]
             else:
                 copy = wild_type[:i] + mask_char + wild_type[i + 1:]
-                row = _log_probs(loaded, [copy])[0][0, 1 + i]
+                row = _log_probs(models, [copy])[0][0, 1 + i]
             total += float(row[columns[mutation[-1]]] - row[columns[mutation[0]]])
         scores.append(total)
     return np.asarray(scores)
 
 
-def verify_masked_lm(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float]
-                     ) -> list[TaskCheck]:
+def verify_masked_lm(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float],
+                     members: Sequence[LoadedModel] = ()) -> list[TaskCheck]:
     """logits: served log-probabilities against PyTorch's encoder + head on each batch; scores: one
     protein's single mutants (wt-marginal and masked-marginal) and two PLLs against PyTorch,
-    masking one copy at a time."""
+    masking one copy at a time. A checkpoint ensemble's (`members`, `loaded` the first): against
+    the mean of the members' log-probabilities, and each member's `member_log_probs` against its
+    own PyTorch model."""
     checks = []
+    models = tuple(members) or loaded
     if "logits" in tasks:
         for batch in batches:
             served, mask = client.seqs_to_log_probs(batch)
-            expected, attention, residues = _log_probs(loaded, batch)
+            expected, attention, residues = _log_probs(models, batch)
             mask_exact = bool(mask.shape == residues.shape and np.array_equal(mask, residues))
             found = compare_outputs(served[attention], expected[attention]) if served.shape == expected.shape \
                 else compare_outputs(served, expected)
-            checks.append(_task_check(client.model("logits"), batch, found, mask_exact, limits, ""))
+            checks.append(_task_check(client.model("logits"), batch, found, mask_exact, limits,
+                                      f"the mean of {len(members)} members" if members else ""))
+        if members:
+            checks += _member_checks(client, members, batches[0], limits)
     if "scores" in tasks:
         proteins = [s for s in loaded.family.sample_sequences() if set(s) <= set(loaded.alphabet)]
         wild_type = min((s for s in proteins if len(s) >= 5), key=len)[:30]
@@ -183,7 +198,7 @@ def verify_masked_lm(client, loaded, tasks: list[str], batches: list[list[str]],
         variants.append(":".join(variants[:2]))
         for method in ("wt-marginal", "masked-marginal"):
             served = client.score_variants(wild_type, variants, method)
-            found = compare_outputs(served[None, :], _reference_scores(loaded, wild_type, variants, method)[None, :])
+            found = compare_outputs(served[None, :], _reference_scores(models, wild_type, variants, method)[None, :])
             checks.append(TaskCheck(client.model("scores"), f"{len(variants)} variants of {len(wild_type)} residues",
                                     found.max_abs_error, None, None, found.max_abs_error <= limits[0] * 10,
                                     f"{method} against ESM's formula in PyTorch", found.problem))
@@ -191,12 +206,29 @@ def verify_masked_lm(client, loaded, tasks: list[str], batches: list[list[str]],
         served = client.pseudo_log_likelihood(pair)
         expected = []
         for sequence in pair:
-            rows = [_log_probs(loaded, [sequence[:i] + loaded.tokenizer.mask_char + sequence[i + 1:]])[0][0, 1 + i]
+            rows = [_log_probs(models, [sequence[:i] + loaded.tokenizer.mask_char + sequence[i + 1:]])[0][0, 1 + i]
                     for i in range(len(sequence))]
             expected.append(np.mean([row[loaded.alphabet.index(r)] for row, r in zip(rows, sequence)]))
         error = float(np.max(np.abs(served - np.asarray(expected))))
         checks.append(TaskCheck(client.model("scores"), _describe(pair), error, None, None, error <= limits[0] * 10,
                                 "pll: mean log-probability, each residue masked, against PyTorch"))
+    return checks
+
+
+def _member_checks(client, members: Sequence[LoadedModel], batch: list[str], limits: tuple[float, float]
+                   ) -> list[TaskCheck]:
+    """An ensemble's `member_log_probs`: each member's against its own PyTorch model."""
+    column = np.array([[s.encode("utf-8")] for s in batch], dtype=np.object_)
+    served = client.client.infer(client.model("logits"), {"sequences": column}, ["member_log_probs"])
+    answers = served["member_log_probs"]
+    checks = []
+    for number, loaded in enumerate(members, 1):
+        expected, attention, _ = _log_probs(loaded, batch)
+        mine = answers[:, number - 1]
+        found = compare_outputs(mine[attention], expected[attention]) if mine.shape == expected.shape \
+            else compare_outputs(mine, expected)
+        checks.append(_task_check(client.model("logits"), batch, found, None, limits,
+                                  f"member_log_probs of member {number} ({loaded.checkpoint.name})"))
     return checks
 
 
@@ -325,9 +357,10 @@ def verify_decoding(client, loaded, tasks: list[str], batch: list[str], seed: in
     return checks
 
 
-def verify_repository(repository: Path, checkpoint: Path, url: str | None = None,
+def verify_repository(repository: Path, checkpoint: Path | Sequence[Path], url: str | None = None,
                       tritonserver: str | None = None, check_files: bool = True) -> list[TaskCheck]:
-    """Serve `repository` (unless `url` names a running server) and check it against `checkpoint`.
+    """Serve `repository` (unless `url` names a running server) and check it against `checkpoint`
+    (a checkpoint ensemble's: every member, in the build's order, each loaded as its family).
 
     First (unless not `check_files`: the caller checked them) its files are compared with the
     digests manifest.json records: integrity.IntegrityError naming any that changed."""
@@ -338,10 +371,21 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
         require_intact(repository)
     manifest = Manifest.read(repository)
     family = get_family(manifest.family)
-    try:
-        loaded = family.load(checkpoint, max_length=manifest.max_length)
-    except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
-        raise InvalidInputError(f"cannot load {checkpoint} as {family.name}: {reason(err)}") from err
+    checkpoints = [Path(checkpoint)] if isinstance(checkpoint, str | Path) else [Path(p) for p in checkpoint]
+    built_from = len(manifest.members or ()) or 1
+    if len(checkpoints) != built_from:
+        listed = ", ".join(str(m.get("path")) for m in manifest.members or ())
+        raise InvalidInputError(
+            f"{repository} was built from {built_from} checkpoint{'s' if built_from > 1 else ''}"
+            f"{f' (an ensemble: {listed})' if listed else ''}; got {len(checkpoints)}: give `checkpoint` once per "
+            "member, in the build's order")
+    loaded_members = []
+    for path in checkpoints:
+        try:
+            loaded_members.append(family.load(path, max_length=manifest.max_length))
+        except Exception as err:  # a malformed checkpoint breaks readers and families in many ways: name it
+            raise InvalidInputError(f"cannot load {path} as {family.name}: {reason(err)}") from err
+    loaded = loaded_members[0]
     samples = loaded.family.sample_sequences()  # fits the checkpoint (bert: protein or SMILES)
     batches = [samples] + [[s] for s in sorted(samples, key=len)[:: max(1, len(samples) // 3)]]
     with ExitStack() as stack:
@@ -350,7 +394,8 @@ def verify_repository(repository: Path, checkpoint: Path, url: str | None = None
             url = f"grpc://{server.endpoints.grpc_url}"
         client = stack.enter_context(Seq2SeqClient(manifest.name, url))
         tolerances, notes = precision_checks(manifest, family)
-        served = VerifyContext(client, loaded, manifest, batches, samples, tolerances, notes)
+        served = VerifyContext(client, loaded, manifest, batches, samples, tolerances, notes,
+                               tuple(loaded_members) if manifest.members else ())
         carried = loaded.servable(manifest.tasks)
         unchecked = {TASKS[t].check for t in carried} - set(CHECKS)
         if unchecked:
@@ -378,6 +423,8 @@ class VerifyContext:
     tolerances: dict
     """task -> exporters.Tolerance, for the repository's precision (precision_checks)."""
     notes: dict[str, str]
+    members: tuple[LoadedModel, ...] = ()
+    """A checkpoint ensemble's members (`loaded` is the first); empty: one checkpoint."""
 
     def head_limits(self) -> tuple[float, float]:
         """(atol, min cosine) of a head's outputs: the hiddens' tolerance, whose errors they carry."""
@@ -392,7 +439,7 @@ CHECKS: dict[str, Check] = {
         served.client, served.loaded, tasks, served.batches, served.loaded.family.atol,
         served.loaded.family.min_cosine, tolerances=served.tolerances, notes=served.notes),
     "masked_lm": lambda served, tasks: verify_masked_lm(served.client, served.loaded, tasks, served.batches,
-                                                        served.head_limits()),
+                                                        served.head_limits(), members=served.members),
     "predictions": lambda served, tasks: verify_predictions(served.client, served.loaded, tasks, served.batches,
                                                             served.head_limits()),
     "contacts": lambda served, tasks: verify_contacts(served.client, served.loaded, tasks, served.batches,

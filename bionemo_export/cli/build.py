@@ -25,10 +25,14 @@ def repo(
     family: str | None = typer.Option(None, "--model", "-m", help="Model family: esm2, esm1, prott5, bert, "
                                       "megamolbart (see `bionemo-export build families`); optional for a .nemo "
                                       "archive, a NeMo 2 or an nv_esm directory, which name it."),
-    checkpoint: Path = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo archive "
-                                    "(model-parallel ones merged), a BioNeMo 2 / NeMo 2 directory (context/ + "
-                                    "weights/), NVIDIA's nv_esm directory, or the project's saved form. "
-                                    "`bionemo-export inspect` shows what is read.", exists=True, resolve_path=True),
+    checkpoint: list[Path] = typer.Option(..., help="Checkpoint: a Hugging Face model directory, a BioNeMo .nemo "
+                                          "archive (model-parallel ones merged), a BioNeMo 2 / NeMo 2 directory "
+                                          "(context/ + weights/), NVIDIA's nv_esm directory, a fair-esm .pt file, or "
+                                          "the project's saved form. `bionemo-export inspect` shows what is read. "
+                                          "Given several times: one ensemble of masked-LM checkpoints with one "
+                                          "tokenizer (ESM-1v's five seeds), serving logits and scores averaged over "
+                                          "the members (and each member's on request).",
+                                          exists=True, resolve_path=True, metavar="PATH"),
     name: str = typer.Option(..., help="Name prefix of the served models: N_embeddings, N_hiddens, ..."),
     out: Path = typer.Option(..., help="Repository folder to create.", resolve_path=True),
     tasks: str | None = typer.Option(None, help="Comma-separated public tasks (default: all the family serves that "
@@ -122,7 +126,7 @@ def repo(
                                     max_samples_x_beams=max_samples_x_beams, max_decode_tokens=max_decode_tokens),
         )
         request = BuildRequest(
-            family=family, checkpoint=checkpoint, name=name, out=out,
+            family=family, checkpoint=checkpoint[0], members=tuple(checkpoint[1:]), name=name, out=out,
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize, check_memory=memory_check,
@@ -154,6 +158,9 @@ def repo(
             table.add_row(graph, figures["name"], f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
                           tolerance, "yes" if figures["passed"] else "NO")
     console.print(table)
+    if manifest.members:
+        console.print(f"An ensemble of {len(manifest.members)} members: "
+                      + ", ".join(f"{m['member']} {m['path']}" for m in manifest.members), highlight=False)
     console.print(f"Repository {result.repository} ({manifest.backend} backend): {', '.join(result.models)}")
     console.print(f"Serve it with: bionemo-export serve {result.repository}")
 

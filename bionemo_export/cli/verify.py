@@ -16,10 +16,11 @@ def verify(
     ctx: typer.Context,
     repository: Path = typer.Argument(..., help="Repository built by `bionemo-export build repo`.",
                                       exists=True, file_okay=False, resolve_path=True),
-    checkpoint: Path | None = typer.Option(
-        None, help="The checkpoint the repository was built from. Without it, every graph's golden answers (the "
-        "build's verified inputs and PyTorch outputs, stored in the repository) run here, as each served model "
-        "runs them when it loads.", exists=True, resolve_path=True),
+    checkpoint: list[Path] | None = typer.Option(
+        None, help="The checkpoint the repository was built from (an ensemble's: once per member, in the build's "
+        "order; its answers are checked against the mean of the members' PyTorch answers). Without it, every "
+        "graph's golden answers (the build's verified inputs and PyTorch outputs, stored in the repository) run "
+        "here, as each served model runs them when it loads.", exists=True, resolve_path=True, metavar="PATH"),
     url: str | None = typer.Option(None, help="A running server (grpc://host:8001 or http://host:8000); "
                                       "default: start the repository on the embedded tritonserver."),
     tritonserver: str | None = typer.Option(None, help="tritonserver binary to start (default: search)."),
@@ -28,6 +29,7 @@ def verify(
     from bionemo_export.verify import verify_golden, verify_repository
 
     console = Console()
+    checkpoint = checkpoint or None  # Typer gives an empty list for an option never given
     if checkpoint is None and url is not None:
         console.print("[red]verify: --url needs --checkpoint[/red] (without one, verify runs the repository's golden "
                       "answers on this host; a remote server's models ran them on theirs when they loaded)")

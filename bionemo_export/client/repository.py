@@ -116,6 +116,13 @@ class RepositoryClient:
         out = self._strings_in("logits", sequences, ["log_probs", "mask"])
         return out["log_probs"], out["mask"]
 
+    def member_log_probs(self, sequences: Sequences) -> tuple[np.ndarray, np.ndarray]:
+        """A checkpoint ensemble's (`build repo` with several `--checkpoint`): (each member's
+        log_probs FP32 [batch, K, length, A], mask BOOL [batch, length]); `seqs_to_log_probs`
+        answers their mean. A repository of one checkpoint has no such output (InferenceError)."""
+        out = self._strings_in("logits", sequences, ["member_log_probs", "mask"])
+        return out["member_log_probs"], out["mask"]
+
     def alphabet(self) -> tuple[str, ...]:
         """The residues (tokens) of log_probs' last axis, in order (the N_logits config's `alphabet`
         parameter, a JSON list)."""
@@ -138,9 +145,22 @@ class RepositoryClient:
         the server's default_method). They go in requests of at most the server's `max_variants` (its config
         parameter; all in one where it states none), several in flight; a bad variant raises
         InferenceError naming it."""
+        return self._scores(wild_type, variants, method, progress, "scores")
+
+    def member_scores(self, wild_type: str, variants: Sequences, method: str | None = None,
+                      progress: Callable[[int], None] | None = None) -> np.ndarray:
+        """A checkpoint ensemble's: FP32 [K, len(variants)], each member's scores of the variants
+        (`score_variants` answers their mean), sent as `score_variants` sends them. A repository of
+        one checkpoint has no such output (InferenceError)."""
+        return self._scores(wild_type, variants, method, progress, "member_scores")
+
+    def _scores(self, wild_type: str, variants: Sequences, method: str | None,
+                progress: Callable[[int], None] | None, output: str) -> np.ndarray:
+        """`output` (scores [V] or member_scores [K, V]) of the variants, in requests of at most
+        the server's max_variants, joined along the variants."""
         items = np.array([str(v).encode("utf-8") for v in variants], dtype=np.object_)
         if not len(items):
-            return np.zeros(0, dtype=np.float32)
+            return np.zeros(0, dtype=np.float32) if output == "scores" else np.zeros((0, 0), dtype=np.float32)
         try:
             per_request = int(self._parameter("scores", "max_variants"))
         except KeyError:  # a server that states no limit (the dev server): one request
@@ -163,9 +183,9 @@ class RepositoryClient:
                 if progress is not None:
                     progress(step)
 
-        out = infer_rows(self.client, self.model("scores"), len(chunks), make_inputs, outputs=["scores"],
-                         batch_size=1, in_flight=self.in_flight, progress=advance).outputs["scores"]
-        return np.concatenate([row[:len(chunk)] for row, chunk in zip(out, chunks)]).astype(np.float32)
+        out = infer_rows(self.client, self.model("scores"), len(chunks), make_inputs, outputs=[output],
+                         batch_size=1, in_flight=self.in_flight, progress=advance).outputs[output]
+        return np.concatenate([row[..., :len(chunk)] for row, chunk in zip(out, chunks)], axis=-1).astype(np.float32)
 
     def pseudo_log_likelihood(self, sequences: Sequences) -> np.ndarray:
         """FP32 [batch]: each sequence's pseudo-log-likelihood, the MEAN over its residues of log p(the

@@ -85,7 +85,11 @@ class Manifest:
     models: dict[str, Any] = field(default_factory=dict)
     """Every model folder -> its description."""
     checkpoint: dict[str, Any] = field(default_factory=dict)
-    """path, digest and the family's facts about the checkpoint."""
+    """path, digest and the family's facts about the checkpoint (an ensemble's: its first member's)."""
+    members: list[dict[str, Any]] | None = None
+    """A checkpoint ensemble's members in order, each recorded as `checkpoint` is, with its label
+    (`m1`, ...: its models are N_m1_encoder, N_m1_lm_head), and in an int8 or fp16 build its own
+    `accuracy` (the top-level `accuracy` is member 1's); None: one checkpoint."""
     precision: str = "fp32"
     backend: str | None = None
     device: str = "cpu"
@@ -123,7 +127,7 @@ class Manifest:
         """The JSON object of manifest.json (`created` first; no `engines` key when none were built,
         no `tuning` key when never tuned, no `files` key when no digests were recorded)."""
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        optional = ("created", "build_host", "engines", "tuning")
+        optional = ("created", "members", "build_host", "engines", "tuning")
         return {**{key: value for key, value in known.items()
                    if not (value is None and key in optional) and not (key == "files" and not value)},
                 **self.extra}

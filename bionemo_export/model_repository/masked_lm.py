@@ -91,23 +91,28 @@ def logits_ensemble(name: str, head: MaskedLMHead, options: ServingOptions) -> M
 
 
 def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
-                 limits: ScoringLimits = ScoringLimits()) -> ModelPlan:
-    """N_scores: the Python model that forms the masked copies and calls N_logits through BLS."""
+                 limits: ScoringLimits = ScoringLimits(), members: int = 0) -> ModelPlan:
+    """N_scores: the Python model that forms the masked copies and calls N_logits through BLS.
+    `members`: a checkpoint ensemble's count (member_ensemble.py), which adds the output
+    `member_scores` [K, V]; 0: one checkpoint."""
     task = TASKS["scores"]
     logits = f"{name}_logits"
     reader = {"structure_aware.py": TOKENIZERS_DIR / "structure_aware.py",
               "character.py": TOKENIZERS_DIR / "character.py"} if head.structure_aware else {}
-    return ModelPlan.public_python(
+    plan = ModelPlan.public_python(
         task, name, options.role("scores"), options.max_batch_size,
         parameters={BLS_MODELS: logits, "logits_model": logits, "alphabet": json.dumps(list(head.alphabet)),
                     "mask_char": head.mask_char or "", "max_batch_size": str(options.max_batch_size),
                     "default_method": head.default_method, "structure_aware": str(head.structure_aware).lower(),
-                    **limits.parameters()},
+                    **limits.parameters(), **({"members": str(members)} if members else {})},
         files={"model.py": render("scores_model.py.j2", model_name=task.model(name), tool_version=__version__,
-                                  logits_model=logits),
+                                  logits_model=logits, members=members),
                **serving_files(*RESPONDING, "scores", "scoring"), **reader},
         description="public: scores (Python, BLS to the log-probabilities)",
     )
+    if members:
+        plan.outputs.append(TensorSpec("member_scores", DType.FP32, (members, -1)))
+    return plan
 
 
 def plan_masked_lm_models(name: str, *, hidden_size: int, head: MaskedLMHead, tasks: tuple[str, ...],

@@ -37,7 +37,8 @@ OPTIMIZATION_LEVELS = "ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, O
 def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, str]]:
     """(the ONNX Runtime session for `here`/model.onnx, the model's config parameters), its thread
     pool sized for this host: the config's `intra_op_threads` when it is a number, else ("auto")
-    from the cores this server process may use and this model's instance count (host.py). Idle
+    from the cores this server process may use and this model's instance count (host.py; times
+    `models_sharing_cores`, a checkpoint ensemble's K members running at once). Idle
     threads sleep instead of spinning unless `allow_spinning` is "true": spinning threads take the
     cores from Triton, the other instances and the clients on the same host.
 
@@ -57,6 +58,9 @@ def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, s
     config = model_config(args)
     parameters = model_parameters(args)
     instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
+    # A checkpoint ensemble's members run side by side on the same cores: "auto" counts every
+    # member's instances (config parameter `models_sharing_cores`, K; absent: 1).
+    instances *= number_parameter(args, parameters, "models_sharing_cores", 1)
     options = ort.SessionOptions()
     threads = parameters.get("intra_op_threads", "auto")
     options.intra_op_num_threads = threads_per_instance(

@@ -54,11 +54,11 @@ def _esm2_file(folder: Path, name: str = "esm2_t2_tiny", regression: bool = True
     return path, alphabet
 
 
-def _esm1b_file(folder: Path, name: str = "esm1v_t2_tiny_1") -> tuple[Path, Any]:
+def _esm1b_file(folder: Path, name: str = "esm1v_t2_tiny_1", seed: int = 2) -> tuple[Path, Any]:
     alphabet = esm.data.Alphabet.from_architecture("ESM-1b")
     args = argparse.Namespace(arch="roberta_large", layers=2, embed_dim=32, ffn_embed_dim=64, attention_heads=4,
                               max_positions=64, emb_layer_norm_before=True, token_dropout=True)
-    model = _random(esm.model.esm1.ProteinBertModel(args, alphabet), seed=2)
+    model = _random(esm.model.esm1.ProteinBertModel(args, alphabet), seed=seed)
     stored = argparse.Namespace(arch="roberta_large", encoder_layers=2, encoder_embed_dim=32,
                                 encoder_ffn_embed_dim=64, encoder_attention_heads=4, max_positions=64,
                                 token_dropout=True)  # fairseq's names, as the released files hold them
