@@ -24,6 +24,7 @@ from tests.helpers.masked_lm_reference import brute_force, brute_force_pll, refe
 NAME = "ens"
 WILD_TYPE = "MKTAYIAKQRQISFVKSHF"
 VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "F19E:H18K"]
+SEEDS = [0, 41, 42]
 SIZES = [{}, {}, {"hidden_size": 48, "num_heads": 4}]
 """Members' sizes: hidden sizes may differ (no member's hidden states meet another's)."""
 
@@ -35,8 +36,9 @@ def _column(*texts: str) -> np.ndarray:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("ensemble")
-    checkpoints = [save_random_checkpoint("esm2", work / f"member{n}", seed=40 + n, **sizes)
-                   for n, sizes in enumerate(SIZES, 1)]
+    # member 1 is the run's seed-0 ESM-2 (its graphs are exported once for the run), the others new
+    checkpoints = [save_random_checkpoint("esm2", work / f"member{n}", seed=seed, **sizes)
+                   for n, (seed, sizes) in enumerate(zip(SEEDS, SIZES), 1)]
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoints[0], members=tuple(checkpoints[1:]),
                                            name=NAME, out=work / "repo", backend="python", optimize=False))
     references = [transformers.EsmForMaskedLM.from_pretrained(path).eval() for path in checkpoints]

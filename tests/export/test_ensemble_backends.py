@@ -19,7 +19,8 @@ PLATFORMS = {"native": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
 @pytest.fixture(scope="module")
 def members(tmp_path_factory):
     folder = tmp_path_factory.mktemp("members")
-    return [save_random_checkpoint("esm2", folder / f"m{seed}", seed=seed) for seed in (51, 52)]
+    # the run's seed-0 ESM-2 and test_e2e_ensemble's second member: graphs the run exports anyway
+    return [save_random_checkpoint("esm2", folder / f"m{seed}", seed=seed) for seed in (0, 41)]
 
 
 @pytest.mark.parametrize("backend", ["native", "tensorrt"])
