@@ -90,7 +90,44 @@ class Encoded:
     residue_mask: np.ndarray  # bool, True exactly on residues
 
 
-class CharacterTokenizer:
+class TokenIds:
+    """The ids a tokenizer's special tokens have in its vocabulary: what every tokenizer here
+    answers alike. A subclass sets `vocab`, `_ids` (token -> id) and the tokens (None: it has no
+    such token)."""
+
+    vocab: tuple[str, ...]
+    _ids: dict[str, int]
+    pad_token: str
+    bos_token: str | None
+    eos_token: str | None
+    mask_token: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def pad_id(self) -> int:
+        return self._ids[self.pad_token]
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._id_of(self.bos_token)
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._id_of(self.eos_token)
+
+    @property
+    def mask_id(self) -> int | None:
+        """The mask token's id (what the mask character encodes to), or None without one."""
+        return self._id_of(self.mask_token)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._ids[token]
+
+
+class CharacterTokenizer(TokenIds):
     """Maps each allowed character to one vocabulary id, adding optional BOS/EOS tokens.
 
     `residues` are the allowed input characters (ASCII); each is a vocabulary token or a key of
@@ -152,27 +189,6 @@ class CharacterTokenizer:
         if self.mask_char is not None and self.mask_token is not None:  # both or neither: check_mask_setting
             table[ord(self.mask_char)] = self._ids[self.mask_token]
         return table
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.vocab)
-
-    @property
-    def pad_id(self) -> int:
-        return self._ids[self.pad_token]
-
-    @property
-    def bos_id(self) -> int | None:
-        return None if self.bos_token is None else self._ids[self.bos_token]
-
-    @property
-    def eos_id(self) -> int | None:
-        return None if self.eos_token is None else self._ids[self.eos_token]
-
-    @property
-    def mask_id(self) -> int | None:
-        """The mask token's id (what the mask character encodes to), or None without one."""
-        return None if self.mask_token is None else self._ids[self.mask_token]
 
     @property
     def alphabet(self) -> tuple[str, ...]:

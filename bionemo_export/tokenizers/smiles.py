@@ -29,9 +29,25 @@ from typing import Any
 import numpy as np
 
 try:  # inside the bionemo_export package
-    from .character import Encoded, TokenizationError, _utf8, assemble, check_mask_setting, read_tokenizer_file
+    from .character import (
+        Encoded,
+        TokenIds,
+        TokenizationError,
+        _utf8,
+        assemble,
+        check_mask_setting,
+        read_tokenizer_file,
+    )
 except ImportError:  # copied beside character.py into a Triton model folder
-    from character import Encoded, TokenizationError, _utf8, assemble, check_mask_setting, read_tokenizer_file
+    from character import (
+        Encoded,
+        TokenIds,
+        TokenizationError,
+        _utf8,
+        assemble,
+        check_mask_setting,
+        read_tokenizer_file,
+    )
 
 SPECIAL_TOKENS = ("<PAD>", "?", "^", "&", "<MASK>", "<SEP>")
 """MegaMolBART's special tokens, at ids 0..5: pad, unknown, begin, end, mask, separator."""
@@ -89,7 +105,7 @@ def build_vocab(smiles: Iterable[str]) -> list[str]:
     return [*SPECIAL_TOKENS, *sorted(seen - set(SPECIAL_TOKENS))]
 
 
-class SmilesTokenizer:
+class SmilesTokenizer(TokenIds):
     """SMILES -> token ids with a regex and a vocabulary (defaults: MegaMolBART's).
 
     - `pattern`: the tokenization regex (a catch-all is added so that unknown characters are
@@ -153,24 +169,8 @@ class SmilesTokenizer:
             self._lookup[mask_char] = self._ids[mask_token]
 
     @property
-    def vocab_size(self) -> int:
-        return len(self.vocab)
-
-    @property
-    def pad_id(self) -> int:
-        return self._ids[self.pad_token]
-
-    @property
     def unknown_id(self) -> int | None:
         return self._id_of(self.unk_token)
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._id_of(self.bos_token)
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._id_of(self.eos_token)
 
     @property
     def begin_id(self) -> int | None:
@@ -179,11 +179,6 @@ class SmilesTokenizer:
     @property
     def end_id(self) -> int | None:
         return self._id_of(self.end_token)
-
-    @property
-    def mask_id(self) -> int | None:
-        """The mask token's id (what the mask character encodes to), or None without one."""
-        return self._id_of(self.mask_token)
 
     @property
     def alphabet(self) -> tuple[str, ...]:
@@ -201,9 +196,6 @@ class SmilesTokenizer:
             specials.update(SPECIAL_TOKENS)
         return tuple(i for i, token in enumerate(self.vocab)
                      if token not in specials and not _RESERVED.fullmatch(token))
-
-    def _id_of(self, token: str | None) -> int | None:
-        return None if token is None else self._ids[token]
 
     @property
     def max_tokens(self) -> int:

@@ -37,9 +37,9 @@ from typing import Any, NoReturn
 import numpy as np
 
 try:  # inside the bionemo_export package
-    from .character import Encoded, TokenizationError, _utf8, assemble, read_tokenizer_file
+    from .character import Encoded, TokenIds, TokenizationError, _utf8, assemble, read_tokenizer_file
 except ImportError:  # copied beside character.py into a Triton model folder
-    from character import Encoded, TokenizationError, _utf8, assemble, read_tokenizer_file
+    from character import Encoded, TokenIds, TokenizationError, _utf8, assemble, read_tokenizer_file
 
 RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 """SaProt's amino acids, in vocabulary order (utils/constants.py's foldseek_seq_vocab without `#`)."""
@@ -120,7 +120,7 @@ def _bad_residue(index: int, character: int, residue_index: int, residue: str) -
             f"one of SaProt's residues; {why}")
 
 
-class StructureAwareTokenizer:
+class StructureAwareTokenizer(TokenIds):
     """SaProt's tokenizer over `vocab` (its vocab.txt, checked to be SaProt's pairs): see the
     module docstring. `max_length` counts tokens, BOS/EOS included. The mask character is `#`
     (the residue of a masked pair); the masked-LM alphabet is the 20 residues, whose log-probability
@@ -155,26 +155,6 @@ class StructureAwareTokenizer:
         for residue in RESIDUES + UNKNOWN:
             for letter in STRUCTURE_LETTERS + UNKNOWN:
                 self._pairs[ord(residue), ord(letter)] = self._ids[residue + letter]
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.vocab)
-
-    @property
-    def pad_id(self) -> int:
-        return self._ids[self.pad_token]
-
-    @property
-    def bos_id(self) -> int | None:
-        return None if self.bos_token is None else self._ids[self.bos_token]
-
-    @property
-    def eos_id(self) -> int | None:
-        return None if self.eos_token is None else self._ids[self.eos_token]
-
-    @property
-    def mask_id(self) -> int | None:
-        return None if self.mask_token is None else self._ids[self.mask_token]
 
     @property
     def residues(self) -> str:
