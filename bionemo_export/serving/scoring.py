@@ -458,18 +458,7 @@ def variant_scores(variants: Sequence[Variant], positions: np.ndarray, sites: np
     """Each variant's score, FP32: the sum over its mutations of sites[k, mutant] -
     sites[k, wild type], where k is the mutation's index in `positions` (ESM's predict.py)."""
     site_of = {int(position): k for k, position in enumerate(np.asarray(positions).tolist())}
-    owner, site, mutant, wild = [], [], [], []
-    for number, variant in enumerate(variants):
-        for mutation in variant.mutations:
-            owner.append(number)
-            site.append(site_of[mutation.index])
-            mutant.append(columns[mutation.mutant])
-            wild.append(columns[mutation.wild_type])
-    sites = np.asarray(sites, dtype=np.float64)
-    differences = sites[site, mutant] - sites[site, wild]
-    # Summed per variant in float64, then one rounding to FP32.
-    return np.bincount(np.asarray(owner, dtype=np.int64), weights=differences,
-                       minlength=len(variants)).astype(np.float32)
+    return _summed_differences(variants, lambda _, mutation: site_of[mutation.index], sites, columns)
 
 
 def copy_scores(variants: Sequence[Variant], copies: Sequence[tuple[int, ...]], sites: np.ndarray,
@@ -481,16 +470,27 @@ def copy_scores(variants: Sequence[Variant], copies: Sequence[tuple[int, ...]], 
     for copy in copies:
         offsets[copy] = start
         start += len(copy)
-    owner, site, mutant, wild = [], [], [], []
-    for number, variant in enumerate(variants):
+
+    def site(variant: Variant, mutation: Mutation) -> int:
         copy = tuple(sorted(m.index for m in variant.mutations))
+        return offsets[copy] + copy.index(mutation.index)
+
+    return _summed_differences(variants, site, sites, columns)
+
+
+def _summed_differences(variants: Sequence[Variant], site: Callable[[Variant, Mutation], int], sites: np.ndarray,
+                        columns: Mapping[str, int]) -> np.ndarray:
+    """Each variant's sum over its mutations of sites[k, mutant] - sites[k, wild type], k =
+    site(variant, mutation): summed in float64, then one rounding to FP32."""
+    owner, rows, mutant, wild = [], [], [], []
+    for number, variant in enumerate(variants):
         for mutation in variant.mutations:
             owner.append(number)
-            site.append(offsets[copy] + copy.index(mutation.index))
+            rows.append(site(variant, mutation))
             mutant.append(columns[mutation.mutant])
             wild.append(columns[mutation.wild_type])
-    sites = np.asarray(sites, dtype=np.float64)
-    differences = sites[site, mutant] - sites[site, wild]
+    values = np.asarray(sites, dtype=np.float64)
+    differences = values[rows, mutant] - values[rows, wild]
     return np.bincount(np.asarray(owner, dtype=np.int64), weights=differences,
                        minlength=len(variants)).astype(np.float32)
 
