@@ -590,13 +590,11 @@ def _plan_contacts(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str,
 
 def _plan_layers(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
                  graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    from bionemo_export.serving.layers import starts_with_residue
+    from bionemo_export.serving.layers import has_bos_token
 
     tokenizer = loaded.tokenizer
-    sample = tokenizer.encode([loaded.family.sample_sequences()[0].encode("utf-8")])
-    has_bos = not starts_with_residue(sample.residue_mask[0][sample.attention_mask[0].astype(bool)])
     graph = LayerGraph(graphs["layers"].files, num_layers=loaded.num_layers, hidden_size=loaded.hidden_size,
-                       has_bos=has_bos)
+                       has_bos=has_bos_token(tokenizer, loaded.family.sample_sequences()[0]))
     return plan_layer_models(request.name, family=loaded.family.name, tokenizer=tokenizer, tasks=tasks,
                              options=serving, graph=graph)
 

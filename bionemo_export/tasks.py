@@ -163,6 +163,8 @@ SCORING_METHODS = ("wt-marginal", "masked-marginal", "pll")
 SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
 LAYER_INCLUDE = ("mean", "bos", "max", "per_tok")
 """N_layers' `include` choices (serving/layers.py INCLUDE_CHOICES)."""
+LAYER_OUTPUTS = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
+"""N_layers' output of each pooling (serving/layers.py POOLED_OUTPUTS); per_tok answers hiddens and mask."""
 
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",

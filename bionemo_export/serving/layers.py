@@ -111,6 +111,14 @@ def starts_with_residue(mask: np.ndarray) -> bool:
     return not len(mask) or bool(mask[0])
 
 
+def has_bos_token(tokenizer: Any, sample: str | bytes) -> bool:
+    """Whether `tokenizer`'s rows start with a BOS/CLS token: `sample` tokenized, its first token is
+    not a residue."""
+    encoded = tokenizer.encode([sample])
+    tokens = np.asarray(encoded.attention_mask[0]).astype(bool)
+    return not starts_with_residue(np.asarray(encoded.residue_mask[0]).astype(bool)[tokens])
+
+
 def pool(states: np.ndarray, mask: np.ndarray, pooling: str) -> np.ndarray:
     """One pooling of states [..., T, H] over mask [..., T] (True on the residues) -> [..., H]:
     `mean` over the residues (accumulated in float64), `max` element-wise over them, `bos` the

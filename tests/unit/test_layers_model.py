@@ -203,3 +203,11 @@ def test_layer_numbering_and_pooling():
     np.testing.assert_allclose(pool(states, mask, "max"), [states[0, 2], states[1, 1]])
     np.testing.assert_allclose(pool(states, mask, "bos"), states[:, 0])
     assert [layer_output_name(i) for i in range(3)] == [graph_output_name(i) for i in range(3)]
+
+
+def test_the_task_table_and_the_served_module_name_the_same_choices_and_outputs():
+    from bionemo_export.serving.layers import INCLUDE_CHOICES, POOLED_OUTPUTS
+    from bionemo_export.tasks import LAYER_INCLUDE, LAYER_OUTPUTS, TASKS
+
+    assert LAYER_INCLUDE == INCLUDE_CHOICES and LAYER_OUTPUTS == POOLED_OUTPUTS
+    assert [t.name for t in TASKS["layers"].outputs] == [*POOLED_OUTPUTS.values(), "hiddens", "mask"]
