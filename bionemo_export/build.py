@@ -36,8 +36,8 @@ from bionemo_export.model_repository.classifier import ClassifierGraph, plan_cla
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
 from bionemo_export.model_repository.encoder import plan_encoder_repository
-from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
 from bionemo_export.model_repository.integrity import record_files
+from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.options import ServingOptions

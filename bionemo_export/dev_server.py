@@ -188,10 +188,12 @@ class DevModels:
         tokenizer = self.loaded.tokenizer
         has_bos = has_bos_token(tokenizer, self.loaded.family.sample_sequences()[0])
         model = LayerEmbeddings(tokenizer, run, num_layers=self.loaded.num_layers, has_bos=has_bos,
-                                token_budget=DEFAULT_TOKEN_BUDGET, max_rows=MAX_BATCH_SIZE, responder=Responder("layers"))
+                                token_budget=DEFAULT_TOKEN_BUDGET, max_rows=MAX_BATCH_SIZE,
+                                responder=Responder("layers"))
         # PyTriton's Request is no Mapping (no .get); an optional input left out is absent.
-        answers, failures = model.answer([{name: np.asarray(request[name]) for name in ("sequences", "layers", "include")
-                                           if name in request} for request in requests])
+        names = ("sequences", "layers", "include")
+        answers, failures = model.answer([{name: np.asarray(request[name]) for name in names if name in request}
+                                          for request in requests])
         if failures:  # PyTriton fails the batch with the first error
             raise next(iter(failures.values()))
         return [answers[i] for i in range(len(requests))]

@@ -77,6 +77,12 @@ def encode(
     allow_partial: bool = typer.Option(False, help="Bulk jobs: exit 0 when some records were refused (they are "
                                        "listed in the errors file) instead of 3: for schedulers that retry any "
                                        "other status (a Kubernetes Job)."),
+    layers: str | None = typer.Option(None, help="Layers to answer, comma-separated, e.g. -1,20 (ESM's numbering: 0 "
+                                      "the embedding layer's output, 1..N the blocks, negative from the end): asks "
+                                      "the repository's N_layers model (built with --tasks ...,layers) whatever "
+                                      "--model names, with --include mean (default), bos, max, per_tok; outputs "
+                                      "embeddings, embeddings_bos, embeddings_max [layers, H], hiddens [layers, T, "
+                                      "H] and mask. Not for bulk jobs yet."),
 ) -> None:
     """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask.
 
@@ -84,6 +90,17 @@ def encode(
     streamed, answers are written as they come, duplicates are sent once, records the server
     refuses are listed in an errors file (exit status 3: partial), and the same command again
     resumes a stopped job where it stopped."""
+    if layers is not None or model.endswith("_layers"):
+        if input is not None and output is not None and _is_job_output(output):
+            Console().print("[red]--layers (N_layers) is for -s/--input queries; a bulk job stores the last layer "
+                            "from N_embeddings or N_hiddens (leave --layers out)[/red]", highlight=False)
+            raise typer.Exit(2)
+        layer_model, make_layer_inputs, outputs = _layer_request(model, layers, include, in_name)
+        _query(ctx, model=layer_model, sequences=sequences, input=_existing(input), shard=shard,
+               triton_url=triton_url[0], output=Path(output) if output is not None else None,
+               batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
+               make_inputs=make_layer_inputs, outputs=outputs)
+        return
     if input is not None and output is not None and _is_job_output(output):
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
@@ -345,10 +362,40 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
         raise typer.Exit(3)
 
 
+def _layer_request(model: str, layers: str | None, include: str | None, in_name: str
+                   ) -> tuple[str, Callable, list[str]]:
+    """(the N_layers model of `model`'s repository, make_inputs, the outputs asked) for encode --layers."""
+    import numpy as np
+
+    from bionemo_export.errors import InvalidInputError
+    from bionemo_export.tasks import LAYER_INCLUDE, LAYER_OUTPUTS, public_suffixes
+
+    prefix = next((model.removesuffix(s) for s in public_suffixes() if model.endswith(s)), model)
+    try:
+        values = [int(part) for part in (layers or "-1").split(",") if part.strip()]
+    except ValueError:
+        raise InvalidInputError(f"--layers {layers!r}: comma-separated layer numbers, e.g. -1,20") from None
+    choices = [part.strip() for part in (include or "mean").split(",") if part.strip()]
+    unknown = [c for c in choices if c not in LAYER_INCLUDE]
+    if unknown or not choices or not values:
+        raise InvalidInputError(f"--layers {layers} --include {include}: name at least one layer, and include among "
+                                f"{', '.join(LAYER_INCLUDE)}")
+    layer_column = np.array(values, dtype=np.int32)
+    include_column = np.array([c.encode("utf-8") for c in choices], dtype=np.object_)
+
+    def make_inputs(column):
+        return lambda rows, _: {in_name: column[rows], "layers": np.tile(layer_column, (len(rows), 1)),
+                                "include": np.tile(include_column, (len(rows), 1))}
+
+    outputs = [name for choice, name in LAYER_OUTPUTS.items() if choice in choices]
+    return f"{prefix}_layers", make_inputs, outputs + (["hiddens", "mask"] if "per_tok" in choices else [])
+
+
 def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, shard: str,
            triton_url: str, output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
-           make_inputs: Callable) -> None:
-    """encode and sample: strings from -s or --input through `model`, outputs printed or written.
+           make_inputs: Callable, outputs: list[str] | None = None) -> None:
+    """encode and sample: strings from -s or --input through `model`, outputs printed or written
+    (`outputs`: those asked for; None: every output the model answers).
 
     From --input, a record the server refuses is reported by its id and left out (or ends the
     run with --stop-on-error), and the outputs carry the ids of the records they belong to.
@@ -381,7 +428,7 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
         with TritonClient(triton_url, concurrency=in_flight) as client, \
                 _progress(len(records) if input else 0) as advance:
             advance(len(records) - len(sent))  # records with no sequence: done, nothing to send
-            results = infer_rows(client, model, len(sent), make_inputs(column), batch_size=batch_size,
+            results = infer_rows(client, model, len(sent), make_inputs(column), outputs=outputs, batch_size=batch_size,
                                  in_flight=in_flight, isolate=input is not None, stop_on_failure=stop_on_error,
                                  progress=advance)
     skipped = [record for record in records if not record.sequence] if len(sent) < len(records) else []

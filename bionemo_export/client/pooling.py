@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.layers import INCLUDE_CHOICES as CHOICES
+from bionemo_export.serving.layers import NO_BOS, PER_RESIDUE, POOLINGS, pool, starts_with_residue
 
-POOLINGS = ("mean", "bos", "max")
-PER_RESIDUE = "per_tok"
-CHOICES = (*POOLINGS, PER_RESIDUE)
+__all__ = ["CHOICES", "PER_RESIDUE", "POOLINGS", "Include"]
 
 
 @dataclass(frozen=True)
@@ -66,19 +66,8 @@ class Include:
         if "hiddens" not in outputs:  # an N_embeddings model: mean only (checked in parse)
             return {"mean": outputs["embeddings"][row]}, None
         states, mask = outputs["hiddens"][row], outputs["mask"][row].astype(bool)
-        residues = states[mask]
-        pooled: dict[str, np.ndarray] = {}
-        for pooling in self.poolings:
-            if pooling == "mean":
-                pooled["mean"] = residues.mean(axis=0, dtype=np.float64).astype(states.dtype)
-            elif pooling == "max":
-                pooled["max"] = residues.max(axis=0)
-            else:
-                pooled["bos"] = self._bos(states, mask)
-        return pooled, residues if self.per_residue else None
-
-    def _bos(self, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        if not len(mask) or mask[0]:
-            raise InvalidInputError(f"--include bos: {self.model}'s rows start with a residue (no BOS/CLS token "
-                                    "before it, as in ProtT5); choose mean or max")
-        return states[0]
+        if "bos" in self.poolings and starts_with_residue(mask):
+            raise InvalidInputError(f"--include bos: {self.model}'s {NO_BOS}")
+        # N_layers' pooling (serving/layers.py), so that a job's rows equal what N_layers answers
+        pooled = {pooling: pool(states, mask, pooling) for pooling in self.poolings}
+        return pooled, states[mask] if self.per_residue else None

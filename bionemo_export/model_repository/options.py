@@ -303,7 +303,8 @@ class ServingOptions:
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
                                batching=self.dynamic_batching(), length_bucket=self.length_bucket,
                                token_budget=self.token_budget, max_sub_batch=self.max_sub_batch)
-        if name in ("cross_kv", "decoder_step", "contact_graph", "layer_graph"):  # called by BLS, batched by their callers
+        # called by BLS, batched by their callers
+        if name in ("cross_kv", "decoder_step", "contact_graph", "layer_graph"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
         if name in ("lm_head", "classifier"):  # batched like the encoder, whose outputs they take
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,

@@ -48,7 +48,7 @@ INCLUDE_CHOICES = (*POOLINGS, PER_RESIDUE)
 DEFAULT_INCLUDE = ("mean",)
 POOLED_OUTPUTS = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
 """Each pooling's output of N_layers."""
-NO_BOS = "its rows start with a residue (no BOS/CLS token before it, as in ProtT5); choose mean or max"
+NO_BOS = "rows start with a residue (no BOS/CLS token before it, as in ProtT5); choose mean or max"
 """Why a model without a BOS token answers no `bos` pooling (here and in the bulk-job client)."""
 DEFAULT_TOKEN_BUDGET = 8192
 
@@ -102,7 +102,7 @@ def parse_include(values: Sequence[str], has_bos: bool, name: str = "input 'incl
         if value and value not in INCLUDE_CHOICES:
             raise RequestError(f"{name} value {value!r} is unknown; choose among {', '.join(INCLUDE_CHOICES)}")
     if "bos" in chosen and not has_bos:
-        raise RequestError(f"{name} asks for bos, but {NO_BOS}")
+        raise RequestError(f"{name} asks for bos, but this model's {NO_BOS}")
     return tuple(choice for choice in INCLUDE_CHOICES if choice in chosen)
 
 

@@ -185,7 +185,7 @@ def test_a_model_without_a_bos_token_refuses_bos_and_says_why(pb_utils, model):
     request = fake_pb_utils.request({"sequences": column("GVE"), **options(1, None, ["bos"])})
     (response,), _ = layer_model(loaded, [], has_bos=False).execute([request])
     assert response.error().code() == fake_pb_utils.TritonError.INVALID_ARG
-    assert "asks for bos, but its rows start with a residue (no BOS/CLS token before it, as in ProtT5)" \
+    assert "asks for bos, but this model's rows start with a residue (no BOS/CLS token before it, as in ProtT5)" \
            in response.error().message()
 
 
