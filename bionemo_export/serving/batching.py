@@ -91,16 +91,15 @@ def padding_counts(lengths: np.ndarray, batches: Sequence[SubBatch]) -> tuple[in
 
 
 def stack_padded(arrays: Sequence[np.ndarray], pad_value) -> np.ndarray:
-    """Concatenate [rows_i, length_i, ...] arrays along rows, padding every later axis to its
-    largest size with `pad_value` (axis 1 for [rows, length, H]; N_layers' hiddens [rows, K, T, H]
-    differ in axis 2) (no copy beyond the one concatenation; the input itself when there is one)."""
+    """Concatenate [rows_i, length_i, ...] arrays along rows, padding axis 1 to the longest with
+    `pad_value` (no copy beyond the one concatenation; the input itself when there is one)."""
     if len(arrays) == 1:
         return arrays[0]
-    shape = tuple(max(a.shape[axis] for a in arrays) for axis in range(1, arrays[0].ndim))
+    length = max(a.shape[1] for a in arrays)
     rows = sum(a.shape[0] for a in arrays)
-    out = np.full((rows, *shape), pad_value, dtype=arrays[0].dtype)
+    out = np.full((rows, length) + arrays[0].shape[2:], pad_value, dtype=arrays[0].dtype)
     start = 0
     for array in arrays:
-        out[(slice(start, start + array.shape[0]), *(slice(0, n) for n in array.shape[1:]))] = array
+        out[start:start + array.shape[0], :array.shape[1]] = array
         start += array.shape[0]
     return out
