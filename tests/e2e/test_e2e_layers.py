@@ -165,10 +165,11 @@ def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value_and_the_
         assert "Traceback" not in message and ".py" not in message
 
 
-def test_a_model_without_a_bos_token_is_refused_bos_by_the_client_rule(served):
-    """Every model here has a BOS/CLS token: bos is answered, and the config says so."""
-    _, result, _, _, _, client, _, _ = served
+def test_the_config_says_the_model_has_a_bos_token(served):
+    """ESM's <cls> and BERT's [CLS]: has_bos true (ProtT5's false: tests/export/test_layer_states.py)."""
+    client = served[5]
     assert client._parameter("layers", "has_bos") == "true"
+    assert int(client._parameter("layers", "num_layers")) == served[3].num_layers
 
 
 def test_the_layer_graph_answers_only_the_layers_asked(served):
@@ -230,3 +231,42 @@ def test_the_dev_server_answers_what_the_repository_serves(served):
     assert set(answer) == set(served_answer) == {"embeddings", "embeddings_bos", "hiddens", "mask"}
     for name in answer:
         np.testing.assert_allclose(answer[name], served_answer[name], atol=ATOL)
+
+
+def test_client_encode_with_layers_asks_n_layers(served, tmp_path):
+    """`client encode -m N_embeddings --layers ... --include ...` asks the repository's N_layers and
+    writes what it answers; a layer out of range is the server's message and exit status 1."""
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    which, _, _, loaded, _, client, _, url = served
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    out = tmp_path / "layers.npz"
+    sequences = SEQUENCES[which][:2]
+    args = ["client", "encode", "-m", f"{NAME}_embeddings", "--layers", "-1,0", "--include", "mean,bos,per_tok",
+            "--triton-url", url, "--output", str(out)]
+    result = CliRunner().invoke(app, [*args, *(a for s in sequences for a in ("-s", s))])
+    assert result.exit_code == 0, result.output
+    saved = np.load(out)
+    expected = client.layer_embeddings(sequences, [-1, 0], ["mean", "bos", "per_tok"])
+    assert set(saved.files) == set(expected)
+    for name, array in expected.items():
+        np.testing.assert_allclose(saved[name], array, atol=1e-6)
+    result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_layers", "--layers",
+                                      str(loaded.num_layers + 1), "--triton-url", url, "-s", "MKT"])
+    assert result.exit_code != 0 and f"value {loaded.num_layers + 1} is out of range" in result.output
+
+
+def test_the_health_probe_answers(served):
+    from bionemo_export.client.triton import TritonClient
+    from bionemo_export.runtime.probes import probe_model, public_models
+
+    which, url = served[0], served[7]
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    with TritonClient(url) as client:
+        assert f"{NAME}_layers" in public_models(client)
+        result = probe_model(client, f"{NAME}_layers")
+    assert result.ok, result.line()

@@ -18,7 +18,7 @@ import transformers
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.models import load_checkpoint
 from bionemo_export.serving.layers import LayerEmbeddings
-from bionemo_export.serving.responses import Responder, RequestError
+from bionemo_export.serving.responses import RequestError, Responder
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import fake_pb_utils
 
