@@ -99,7 +99,7 @@ def encode(
         _query(ctx, model=layer_model, sequences=sequences, input=_existing(input), shard=shard,
                triton_url=triton_url[0], output=Path(output) if output is not None else None,
                batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
-               make_inputs=make_layer_inputs, outputs=outputs)
+               make_inputs=make_layer_inputs, asked_outputs=outputs)
         return
     if input is not None and output is not None and _is_job_output(output):
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
@@ -393,9 +393,9 @@ def _layer_request(model: str, layers: str | None, include: str | None, in_name:
 
 def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, shard: str,
            triton_url: str, output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
-           make_inputs: Callable, outputs: list[str] | None = None) -> None:
+           make_inputs: Callable, asked_outputs: list[str] | None = None) -> None:
     """encode and sample: strings from -s or --input through `model`, outputs printed or written
-    (`outputs`: those asked for; None: every output the model answers).
+    (`asked_outputs`: those asked for; None: every output the model answers).
 
     From --input, a record the server refuses is reported by its id and left out (or ends the
     run with --stop-on-error), and the outputs carry the ids of the records they belong to.
@@ -428,7 +428,8 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
         with TritonClient(triton_url, concurrency=in_flight) as client, \
                 _progress(len(records) if input else 0) as advance:
             advance(len(records) - len(sent))  # records with no sequence: done, nothing to send
-            results = infer_rows(client, model, len(sent), make_inputs(column), outputs=outputs, batch_size=batch_size,
+            results = infer_rows(client, model, len(sent), make_inputs(column), outputs=asked_outputs,
+                                 batch_size=batch_size,
                                  in_flight=in_flight, isolate=input is not None, stop_on_failure=stop_on_error,
                                  progress=advance)
     skipped = [record for record in records if not record.sequence] if len(sent) < len(records) else []

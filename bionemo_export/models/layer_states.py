@@ -17,6 +17,8 @@ still runs every block up to the last, as ONNX Runtime does not prune a graph pe
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 
 from bionemo_export.tensors import DType, TensorSpec
@@ -45,7 +47,7 @@ class LayerStates(torch.nn.Module):
         self.num_layers = int(num_layers)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        states = self.encoder.layer_states(input_ids, attention_mask)
+        states = cast(Any, self.encoder).layer_states(input_ids, attention_mask)
         if len(states) != self.num_layers + 1:
             raise RuntimeError(f"the encoder answered {len(states)} layers' states; it has {self.num_layers} "
                                "blocks and the embedding")

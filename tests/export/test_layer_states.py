@@ -9,6 +9,7 @@ BOS token (ProtT5: `bos` refused), and the encoder graph unchanged by the layers
 from __future__ import annotations
 
 import hashlib
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -51,7 +52,8 @@ def test_the_exported_layers_graph_equals_transformers_output_hidden_states(tmp_
     reference = REFERENCES[family](path).eval()
     encoded = loaded.tokenizer.encode(PROTEINS)
     names = [f"hiddens_{i}" for i in range(loaded.num_layers + 1)]
-    served = _session(result).run(names, {"input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask})
+    served = [np.asarray(a) for a in _session(result).run(names, {"input_ids": encoded.input_ids,
+                                                                  "attention_mask": encoded.attention_mask})]
     with torch.no_grad():
         expected = reference(input_ids=torch.from_numpy(encoded.input_ids),
                              attention_mask=torch.from_numpy(encoded.attention_mask),
@@ -71,7 +73,7 @@ def test_the_exported_layers_graph_equals_transformers_output_hidden_states(tmp_
 def test_megamolbarts_encoder_layers_are_its_blocks(tmp_path):
     path, result = _build("megamolbart", tmp_path)
     loaded = load_checkpoint(path, "megamolbart")
-    model = loaded.encoder.model  # the project's own transformer: its blocks run here one by one
+    model = cast(Any, loaded.encoder).model  # the project's own transformer: its blocks run here one by one
     encoded = loaded.tokenizer.encode(SMILES)
     ids, mask = torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask)
     with torch.no_grad():
@@ -82,8 +84,8 @@ def test_megamolbarts_encoder_layers_are_its_blocks(tmp_path):
             expected.append(x)
         expected[-1] = model.encoder.final_layernorm(x)
         hiddens = model.encode(ids, mask)
-    served = _session(result).run([f"hiddens_{i}" for i in range(len(expected))],
-                                  {"input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask})
+    served = [np.asarray(a) for a in _session(result).run([f"hiddens_{i}" for i in range(len(expected))], {
+        "input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask})]
     real = encoded.attention_mask.astype(bool)
     errors = [float(np.abs(got[real] - want.numpy()[real]).max()) for got, want in zip(served, expected)]
     assert max(errors) <= ATOL, errors
@@ -102,7 +104,8 @@ def test_prott5_has_no_bos_and_the_served_logic_refuses_it(tmp_path, monkeypatch
     session = _session(result)
 
     def run(input_ids, attention_mask, layers):
-        return session.run([f"hiddens_{i}" for i in layers], {"input_ids": input_ids, "attention_mask": attention_mask})
+        return [np.asarray(a) for a in session.run([f"hiddens_{i}" for i in layers],
+                                                   {"input_ids": input_ids, "attention_mask": attention_mask})]
 
     model = LayerEmbeddings(loaded.tokenizer, run, num_layers=loaded.num_layers, has_bos=False, token_budget=4096,
                             max_rows=8, responder=Responder("g_layers"))

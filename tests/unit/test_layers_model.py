@@ -15,13 +15,12 @@ from bionemo_export.models import get_family
 from bionemo_export.models.layer_states import layer_output_name as graph_output_name
 from bionemo_export.serving.layers import (
     LayerEmbeddings,
-    RequestError,
     layer_output_name,
     normalize_layers,
     parse_include,
     pool,
 )
-from bionemo_export.serving.responses import Responder
+from bionemo_export.serving.responses import RequestError, Responder
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.tokenizers.character import TokenizationError
 from tests.helpers import fake_pb_utils
