@@ -70,7 +70,8 @@ def encode(
                                        "extract.py's names): mean, bos (the BOS/CLS token), max (pooled rows), "
                                        "per_tok (per-residue states). An N_embeddings model answers mean only; an "
                                        "N_hiddens model any of them from one pass, e.g. --include mean,per_tok. "
-                                       "Default: what the model answers."),
+                                       "Default: what the model answers. Outside a bulk job (-s, or --input without a "
+                                       "bulk --output) it asks the repository's N_layers, as --layers does."),
     sequence_column: str | None = typer.Option(None, help="CSV/TSV input: the sequence column (default: sequence, "
                                                "seq, smiles, protein)."),
     id_column: str | None = typer.Option(None, help="CSV/TSV input: the id column (default: id, name, accession)."),
@@ -90,8 +91,10 @@ def encode(
     streamed, answers are written as they come, duplicates are sent once, records the server
     refuses are listed in an errors file (exit status 3: partial), and the same command again
     resumes a stopped job where it stopped."""
-    if layers is not None or model.endswith("_layers"):
-        if input is not None and output is not None and _is_job_output(output):
+    bulk = input is not None and output is not None and _is_job_output(output)
+    # --layers, or --include outside a bulk job (bos, max of a sequence asked at once): N_layers answers them
+    if layers is not None or model.endswith("_layers") or (include is not None and not bulk):
+        if bulk:
             Console().print("[red]--layers (N_layers) is for -s/--input queries; a bulk job stores the last layer "
                             "from N_embeddings or N_hiddens (leave --layers out)[/red]", highlight=False)
             raise typer.Exit(2)
@@ -101,16 +104,12 @@ def encode(
                batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
                make_inputs=make_layer_inputs, asked_outputs=outputs)
         return
-    if input is not None and output is not None and _is_job_output(output):
+    if bulk:
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
                     precision=precision, include=include, sequence_column=sequence_column, id_column=id_column,
                     allow_partial=allow_partial)
         return
-    if include is not None:
-        Console().print("[red]--include is for bulk jobs: give --input and --output DIR/, .h5, .parquet or "
-                        "s3://...[/red]", highlight=False)
-        raise typer.Exit(2)
     if len(triton_url) > 1 or (input is not None and input.startswith("s3://")):
         Console().print("[red]several --triton-url and s3:// inputs are for bulk jobs: give --input and --output "
                         "DIR/, .h5, .parquet or s3://bucket/path/[/red]", highlight=False)
