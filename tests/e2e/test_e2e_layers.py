@@ -257,6 +257,13 @@ def test_client_encode_with_layers_asks_n_layers(served, tmp_path):
     assert set(saved.files) == set(expected)
     for name, array in expected.items():
         np.testing.assert_allclose(saved[name], array, atol=1e-6)
+    # --include alone outside a bulk job: N_layers' last layer
+    maximum = tmp_path / "max.npz"
+    result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_hiddens", "--include", "max", "--triton-url",
+                                      url, "-s", sequences[0], "--output", str(maximum)])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(np.load(maximum)["embeddings_max"], client.layer_embeddings(
+        sequences[:1], [-1], ["max"])["embeddings_max"], atol=1e-6)
     result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_layers", "--layers",
                                       str(loaded.num_layers + 1), "--triton-url", url, "-s", "MKT"])
     assert result.exit_code != 0 and f"value {loaded.num_layers + 1} is out of range" in result.output
