@@ -557,7 +557,9 @@ def _plan_seq2seq(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, 
         request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
         onnx_files={name: graph.files for name, graph in graphs.items()},
         max_decode_length=request.max_decode_length, family=loaded.family.name, hidden_size=loaded.hidden_size,
-        tokenizer=loaded.tokenizer, tasks=tasks, options=serving,
+        tokenizer=loaded.tokenizer, options=serving,
+        # the tasks this planner plans; the others (layers) are added by their own planners
+        tasks=tuple(t for t in tasks if get_task(t).planner in ("encoder", "seq2seq")),
         graph_optimization_level=graphs["encoder"].record.optimization.serving_graph_optimization_level).models
 
 

@@ -71,7 +71,7 @@ def test_the_exported_layers_graph_equals_transformers_output_hidden_states(tmp_
 
 
 def test_megamolbarts_encoder_layers_are_its_blocks(tmp_path):
-    path, result = _build("megamolbart", tmp_path)
+    path, result = _build("megamolbart", tmp_path, tasks=("embeddings", "decodes", "layers"))
     loaded = load_checkpoint(path, "megamolbart")
     model = cast(Any, loaded.encoder).model  # the project's own transformer: its blocks run here one by one
     encoded = loaded.tokenizer.encode(SMILES)
@@ -90,7 +90,9 @@ def test_megamolbarts_encoder_layers_are_its_blocks(tmp_path):
     errors = [float(np.abs(got[real] - want.numpy()[real]).max()) for got, want in zip(served, expected)]
     assert max(errors) <= ATOL, errors
     assert np.abs(served[-1][real] - hiddens.numpy()[real]).max() <= 1e-5
-    assert (result.repository / "g_layers" / "config.pbtxt").read_text().count('string_value: "false"') >= 1
+    # SMILES rows start with their first token (no begin token before the encoder): no bos
+    assert 'key: "has_bos"\n  value {\n    string_value: "false"' in \
+        (result.repository / "g_layers" / "config.pbtxt").read_text()
 
 
 def test_prott5_has_no_bos_and_the_served_logic_refuses_it(tmp_path, monkeypatch):
