@@ -83,7 +83,8 @@ def encode(
                                       "the repository's N_layers model (built with --tasks ...,layers) whatever "
                                       "--model names, with --include mean (default), bos, max, per_tok; outputs "
                                       "embeddings, embeddings_bos, embeddings_max [layers, H], hiddens [layers, T, "
-                                      "H] and mask. Not for bulk jobs yet."),
+                                      "H] and mask. A bulk job stores each pooling of each layer: the last under "
+                                      "today's names, others with a _layer<i> suffix (embeddings_layer20)."),
 ) -> None:
     """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask.
 
@@ -91,13 +92,19 @@ def encode(
     streamed, answers are written as they come, duplicates are sent once, records the server
     refuses are listed in an errors file (exit status 3: partial), and the same command again
     resumes a stopped job where it stopped."""
+    from bionemo_export.tasks import public_suffixes
+
     bulk = input is not None and output is not None and _is_job_output(output)
     # --layers, or --include outside a bulk job (bos, max of a sequence asked at once): N_layers answers them
     if layers is not None or model.endswith("_layers") or (include is not None and not bulk):
-        if bulk:
-            Console().print("[red]--layers (N_layers) is for -s/--input queries; a bulk job stores the last layer "
-                            "from N_embeddings or N_hiddens (leave --layers out)[/red]", highlight=False)
-            raise typer.Exit(2)
+        if bulk:  # N_layers' poolings of each layer, one dataset/column per layer and pooling
+            assert input is not None and output is not None
+            prefix = next((model.removesuffix(s) for s in public_suffixes() if model.endswith(s)), model)
+            _encode_job(ctx, model=f"{prefix}_layers", input=input, output=output, shard=shard,
+                        triton_urls=triton_url, in_name=in_name, batch_size=batch_size, in_flight=in_flight,
+                        chunk_size=chunk_size, precision=precision, include=include, sequence_column=sequence_column,
+                        id_column=id_column, allow_partial=allow_partial, layers=layers or "-1")
+            return
         layer_model, make_layer_inputs, outputs = _layer_request(model, layers, include, in_name)
         _query(ctx, model=layer_model, sequences=sequences, input=_existing(input), shard=shard,
                triton_url=triton_url[0], output=Path(output) if output is not None else None,
@@ -105,6 +112,7 @@ def encode(
                make_inputs=make_layer_inputs, asked_outputs=outputs)
         return
     if bulk:
+        assert input is not None and output is not None
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
                     precision=precision, include=include, sequence_column=sequence_column, id_column=id_column,
@@ -311,7 +319,8 @@ def _existing(input: str | None) -> Path | None:
 
 def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shard: str, triton_urls: list[str],
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
-                include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
+                include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool,
+                layers: str | None = None) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
     from bionemo_export.client.job_files import FORMATS
     from bionemo_export.client.jobs import EncodeJob
@@ -350,7 +359,7 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
             assert local_input is not None  # given: a bulk job has an input
             job = EncodeJob(model=model, input=local_input, output=local_output, in_name=in_name,
                             shard=parse_shard(shard), chunk_size=chunk_size, batch_size=batch_size,
-                            in_flight=in_flight, precision=precision, include=include,
+                            in_flight=in_flight, precision=precision, include=include, layers=layers,
                             sequence_column=sequence_column,
                             id_column=id_column, progress=advance, source=input if is_s3(input) else None,
                             mirror=mirror)

@@ -13,6 +13,7 @@ INVALID_ARGUMENT naming the value and the range; N_layer_graph answers only the 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -280,3 +281,42 @@ def test_the_health_probe_answers(served):
         assert f"{NAME}_layers" in public_models(client)
         result = probe_model(client, f"{NAME}_layers")
     assert result.ok, result.line()
+
+
+def test_a_bulk_job_stores_each_layer_and_pooling(served, tmp_path):
+    """`client encode --input FASTA --output out.h5 --layers 1,-1 --include mean,bos`: the last layer
+    under today's names, layer 1 with a `_layer1` suffix, equal to what N_layers answers; the same
+    columns in Parquet."""
+    import h5py
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    which, _, _, _, _, client, _, url = served
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    sequences = SEQUENCES[which]
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">s{i}\n{s}\n" for i, s in enumerate(sequences)))
+    expected = client.layer_embeddings(sequences, [1, -1], ["mean", "bos"])
+    for out in (tmp_path / "out.h5", tmp_path / "out.parquet"):
+        result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_embeddings", "-i", str(fasta),
+                                          "--output", str(out), "--layers", "1,-1", "--include", "mean,bos",
+                                          "--triton-url", url])
+        assert result.exit_code == 0, result.output
+        stored: dict[str, np.ndarray]
+        if out.suffix == ".h5":
+            handle: Any
+            with h5py.File(out) as handle:
+                names = ("embeddings", "embeddings_bos", "embeddings_layer1", "embeddings_bos_layer1")
+                stored = {name: np.asarray(handle[name][()]) for name in names}
+                assert "embeddings_max" not in handle and "embedding" not in handle
+        else:
+            table = pq.read_table(out)
+            stored = {name.replace("embedding", "embeddings", 1): np.array(table.column(name).to_pylist())
+                      for name in ("embedding", "embedding_bos", "embedding_layer1", "embedding_bos_layer1")}
+        np.testing.assert_allclose(stored["embeddings"], expected["embeddings"][:, 1], atol=1e-6)
+        np.testing.assert_allclose(stored["embeddings_bos"], expected["embeddings_bos"][:, 1], atol=1e-6)
+        np.testing.assert_allclose(stored["embeddings_layer1"], expected["embeddings"][:, 0], atol=1e-6)
+        np.testing.assert_allclose(stored["embeddings_bos_layer1"], expected["embeddings_bos"][:, 0], atol=1e-6)
