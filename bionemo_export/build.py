@@ -37,6 +37,7 @@ from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
+from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
@@ -44,7 +45,7 @@ from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
-from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, seq2seq_graph_specs
+from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, LAYER_INPUTS, seq2seq_graph_specs
 from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMismatch, check_member, member_label
 from bionemo_export.models.readers.base import fp32_weight_bytes
 from bionemo_export.procfs import available_memory_bytes
@@ -424,6 +425,11 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
     # pairs, compared whole (padding rows hold the head's answer to zeroed features, in both).
     Graph.CONTACTS: GraphExport(lambda loaded, batches: (loaded.contacts, CONTACT_INPUTS, CONTACT_OUTPUTS, batches),
                                 mask_input=""),
+    # The encoder again with every layer's states as separate outputs (hiddens_0 .. hiddens_N), so
+    # that a caller fetches only the layers it names; the encoder's graph is not changed. Compared
+    # on the real tokens (attention_mask), like the encoder's hiddens.
+    Graph.LAYERS: GraphExport(lambda loaded, batches: (loaded.layer_states, LAYER_INPUTS, loaded.layer_outputs,
+                                                       batches)),
 }
 """How each graph a task entry names is exported, in the order a build exports them."""
 
@@ -675,7 +681,9 @@ def _plan_seq2seq(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, 
         request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
         onnx_files={name: graph.files for name, graph in graphs.items()},
         max_decode_length=request.max_decode_length, family=loaded.family.name, hidden_size=loaded.hidden_size,
-        tokenizer=loaded.tokenizer, tasks=tasks, options=serving,
+        tokenizer=loaded.tokenizer, options=serving,
+        # the tasks this planner plans; the others (layers) are added by their own planners
+        tasks=tuple(t for t in tasks if get_task(t).planner in ("encoder", "seq2seq")),
         graph_optimization_level=graphs["encoder"].record.optimization.serving_graph_optimization_level).models
 
 
@@ -706,9 +714,21 @@ def _plan_contacts(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str,
                                                                    heads=loaded.description.get("heads", 0)))
 
 
+def _plan_layers(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                 graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    from bionemo_export.serving.layers import has_bos_token
+
+    tokenizer = loaded.tokenizer
+    graph = LayerGraph(graphs["layers"].files, num_layers=loaded.num_layers, hidden_size=loaded.hidden_size,
+                       has_bos=has_bos_token(tokenizer, loaded.family.sample_sequences()[0]))
+    return plan_layer_models(request.name, family=loaded.family.name, tokenizer=tokenizer, tasks=tasks,
+                             options=serving, graph=graph)
+
+
 Planner = Callable[[BuildRequest, LoadedModel, tuple[str, ...], ServingOptions, dict[str, ExportedGraph]],
                    list[ModelPlan]]
 PLANNERS: dict[str, Planner] = {"encoder": _plan_encoder, "seq2seq": _plan_seq2seq, "masked_lm": _plan_masked_lm,
-                                "classifier": _plan_classifier, "contacts": _plan_contacts}
+                                "classifier": _plan_classifier, "contacts": _plan_contacts,
+                                "layers": _plan_layers}
 """Each task entry's `planner` by name: the function that plans its models from the exported
 graphs (model_repository/). encoder or seq2seq plans the repository; the others add to it."""

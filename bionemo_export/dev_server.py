@@ -7,7 +7,8 @@ models, with the same tensors, as a repository built from that checkpoint with `
 `N_decodes` and `N_samplings`; with a masked-LM head `N_logits` and `N_scores` (planned and
 scored by the repository's own serving/scoring.py); with a fine-tuned head `N_predictions`
 (labels named by serving/labels.py); with ESM's contact head `N_contacts` (serving/contacts.py's checks and
-batching over the PyTorch head). Any client can be pointed at either and gets the same answers (the
+batching over the PyTorch head); `N_layers` (serving/layers.py's choices and pooling over the PyTorch
+encoder's every layer). Any client can be pointed at either and gets the same answers (the
 encoder within the family's tolerance, decodes and seeded samples equal), because both use the
 package's tokenizers and its one decoding and sampling implementation (generation/search.py with
 SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
@@ -44,6 +45,7 @@ from bionemo_export.models.base import LoadedModel
 from bionemo_export.serving.batching import stack_padded
 from bionemo_export.serving.contacts import DEFAULT_PAIR_BUDGET, ContactMaps
 from bionemo_export.serving.labels import label_names
+from bionemo_export.serving.layers import DEFAULT_TOKEN_BUDGET, LayerEmbeddings, has_bos_token
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.responses import Responder
 from bionemo_export.serving.scores import structure_reader
@@ -175,6 +177,30 @@ class DevModels:
         if failures:  # PyTriton fails the batch with the first error
             raise next(iter(failures.values()))
         return [{"contacts": contacts, "mask": mask} for contacts, mask in (answers[i] for i in range(len(requests)))]
+
+    def layers(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """Any layers' states and poolings from the PyTorch encoder (every layer's states, as
+        transformers' output_hidden_states), the choices checked, batched and pooled by the
+        repository's own module (serving/layers.py: the same messages)."""
+        states = self.loaded.layer_states
+
+        def run(input_ids: np.ndarray, attention_mask: np.ndarray, layers) -> list[np.ndarray]:
+            with torch.inference_mode():
+                every = states(torch.from_numpy(input_ids), torch.from_numpy(attention_mask))
+            return [every[layer].numpy() for layer in layers]
+
+        tokenizer = self.loaded.tokenizer
+        has_bos = has_bos_token(tokenizer, self.loaded.family.sample_sequences()[0])
+        model = LayerEmbeddings(tokenizer, run, num_layers=self.loaded.num_layers, has_bos=has_bos,
+                                token_budget=DEFAULT_TOKEN_BUDGET, max_rows=MAX_BATCH_SIZE,
+                                responder=Responder("layers"))
+        # PyTriton's Request is no Mapping (no .get); an optional input left out is absent.
+        names = ("sequences", "layers", "include")
+        answers, failures = model.answer([{name: np.asarray(request[name]) for name in names if name in request}
+                                          for request in requests])
+        if failures:  # PyTriton fails the batch with the first error
+            raise next(iter(failures.values()))
+        return [answers[i] for i in range(len(requests))]
 
     def _lm_head(self) -> torch.nn.Module:
         """The masked-LM head (logits and scores are bound only where the checkpoint has one)."""

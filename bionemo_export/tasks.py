@@ -52,6 +52,9 @@ class Graph(str, Enum):
     CONTACTS = "contacts"
     """The encoder again, with every layer's attention probabilities into the contact head: only
     this graph computes them (the encoder graph keeps its fused attention)."""
+    LAYERS = "layers"
+    """The encoder again, answering every layer's hidden states as separate outputs (hiddens_0 ..
+    hiddens_N): a caller fetches only the layers it names (the encoder graph is not changed)."""
 
 
 class Instances(str, Enum):
@@ -158,6 +161,10 @@ SAMPLING_METHODS = ("greedy-perturbate", "topkp-perturbate", "beam-search-pertur
                     "beam-search-perturbate-sample")
 SCORING_METHODS = ("wt-marginal", "masked-marginal", "variant-masked", "pll")
 SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
+LAYER_INCLUDE = ("mean", "bos", "max", "per_tok")
+"""N_layers' `include` choices (serving/layers.py INCLUDE_CHOICES)."""
+LAYER_OUTPUTS = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
+"""N_layers' output of each pooling (serving/layers.py POOLED_OUTPUTS); per_tok answers hiddens and mask."""
 
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",
@@ -252,6 +259,37 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                 "A sequence longer than the config's `max_residues` parameter (default: the model's limit, 1022 "
                 "for ESM-2) is refused with INVALID_ARGUMENT naming its length and the limit; the work grows with "
                 "L^2 x layers x heads. A graph call holds at most `pair_budget` token pairs (rows x T^2).")),
+    Task("layers", "per-residue states and pooled embeddings of any layer (ESM's numbering), chosen per request",
+         (SEQUENCES,
+          TensorSpec("layers", DType.INT32, (-1,), doc="the layers, the same on every row: 0 the embedding layer's "
+                     "output, 1..N the blocks (N after the final layer norm: N_hiddens' states), negative counted "
+                     "from the end; answered in this order", default=-1, optional=True, ragged=True),
+          TensorSpec("include", DType.BYTES, (-1,), doc=", ".join(LAYER_INCLUDE) + ", the same on every row: "
+                     "which outputs to answer", default="mean", optional=True, ragged=True)),
+         (TensorSpec("embeddings", DType.FP32, (-1, "H"), doc="include mean: [layers, H], each layer's mean over "
+                     "the residues (N_embeddings' pooling)"),
+          TensorSpec("embeddings_bos", DType.FP32, (-1, "H"), doc="include bos: [layers, H], the BOS/CLS token's "
+                     "state"),
+          TensorSpec("embeddings_max", DType.FP32, (-1, "H"), doc="include max: [layers, H], the element-wise "
+                     "maximum over the residues"),
+          TensorSpec("hiddens", DType.FP32, (-1, -1, "H"), doc="include per_tok: [layers, T, H], every token's "
+                     "state, laid out as N_hiddens answers them (0 on padding)"),
+          TensorSpec("mask", DType.BOOL, (-1,), doc="include per_tok: True exactly on the sequence's "
+                     "residues/tokens")),
+         role="layers", planner="layers", check="layers", graphs=(Graph.LAYERS,),
+         role_defaults=RoleDefaults(Instances.ONE, batched=True), client_method="layer_embeddings",
+         by_default=False,
+         notes=("Built only when named (`--tasks ...,layers`): its graph (`N_layer_graph`, every layer's states as "
+                "separate outputs) holds a second copy of every weight of the encoder. N_embeddings and "
+                "N_hiddens and their encoder graph are not changed by it: the last layer's mean costs what it "
+                "cost before.",
+                "Each output is answered only when `include` names it (default: `embeddings`, the mean). A layer "
+                "outside -(N+1)..N, an unknown choice, or `bos` of a model whose rows start with a residue "
+                "(ProtT5, MegaMolBART) fails that request alone with INVALID_ARGUMENT naming the value and the "
+                "allowed range (the config's `num_layers` parameter is N).",
+                "N_layers asks N_layer_graph for the requested layers only, so the others never cross shared "
+                "memory; the graph still runs every block (ONNX Runtime does not prune a graph per request), "
+                "so a middle layer costs what the last does, not less.")),
 )}
 """Every served task by name, in the order the docs list them."""
 

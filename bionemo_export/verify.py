@@ -301,6 +301,65 @@ def verify_contacts(client, loaded, tasks: list[str], batches: list[list[str]], 
     return checks
 
 
+def reference_layer_states(loaded, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """Every layer's states [layers + 1, B, T, H], computed apart from the layers graph's module: a
+    transformers backbone's own `output_hidden_states=True`; the project's transformer (Megatron
+    layouts, MegaMolBART), which has no such flag, through the package's layer states."""
+    import torch
+
+    backbone = getattr(loaded.encoder, "backbone", None)
+    ids, mask = torch.from_numpy(np.asarray(input_ids)), torch.from_numpy(np.asarray(attention_mask))
+    with torch.no_grad():
+        if backbone is not None and hasattr(backbone, "config") and hasattr(backbone, "get_input_embeddings"):
+            states = backbone(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        else:
+            states = loaded.layer_states(ids, mask)
+    return torch.stack([state.float() for state in states]).numpy()
+
+
+def verify_layers(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float]
+                  ) -> list[TaskCheck]:
+    """layers: the first, a middle and the last layer of each batch, every pooling the model
+    answers, against transformers' `output_hidden_states` pooled here by numpy over the residues."""
+    from bionemo_export.serving.layers import has_bos_token
+
+    if "layers" not in tasks:
+        return []
+    count = loaded.num_layers
+    layers = [0, count // 2, -1]
+    checks = []
+    for batch in batches:
+        encoded = loaded.tokenizer.encode(batch)
+        states = reference_layer_states(loaded, encoded.input_ids, encoded.attention_mask)[[0, count // 2, count]]
+        residues = encoded.residue_mask.astype(bool)
+        has_bos = has_bos_token(loaded.tokenizer, batch[0])
+        include = ["mean", "max", *(["bos"] if has_bos else []), "per_tok"]
+        served = client.layer_embeddings(batch, layers, include)
+        weights = residues[None, :, :, None]
+        expected = {"embeddings": (states * weights).sum(2) / np.maximum(weights.sum(2), 1),
+                    "embeddings_max": np.where(weights, states, -np.inf).max(2),
+                    "embeddings_bos": states[:, :, 0]}
+        comparisons = []
+        for name, want in expected.items():
+            if name in served:
+                comparisons.append(compare_outputs(served[name], want.transpose(1, 0, 2)))
+        hiddens, mask = served.get("hiddens"), served.get("mask")
+        mask_exact = bool(mask is not None and mask.shape == residues.shape and np.array_equal(mask, residues))
+        want = states.transpose(1, 0, 2, 3)
+        if hiddens is None or hiddens.shape != want.shape:
+            comparisons.append(Comparison(float("inf"), float("-inf"), f"served hiddens of shape "
+                               f"{None if hiddens is None else list(hiddens.shape)}, expected {list(want.shape)}"))
+        else:
+            attention = encoded.attention_mask.astype(bool)
+            comparisons.append(compare_outputs(hiddens.transpose(0, 2, 1, 3)[attention],
+                                               want.transpose(0, 2, 1, 3)[attention]))
+        found = Comparison(max(c.max_abs_error for c in comparisons), min(c.min_cosine for c in comparisons),
+                           next((c.problem for c in comparisons if c.problem), None))
+        checks.append(_task_check(client.model("layers"), batch, found, mask_exact, limits,
+                                  f"layers {layers}, {', '.join(include)} against output_hidden_states"))
+    return checks
+
+
 def _task_check(model: str, batch: list[str], found: Comparison, mask_exact: bool | None,
                 limits: tuple[float, float], note: str) -> TaskCheck:
     return TaskCheck(model, _describe(batch), found.max_abs_error, found.min_cosine, mask_exact,
@@ -444,6 +503,8 @@ CHECKS: dict[str, Check] = {
                                                             served.head_limits()),
     "contacts": lambda served, tasks: verify_contacts(served.client, served.loaded, tasks, served.batches,
                                                       (served.loaded.family.atol, served.loaded.family.min_cosine)),
+    "layers": lambda served, tasks: verify_layers(served.client, served.loaded, tasks, served.batches,
+                                                  (served.loaded.family.atol, served.loaded.family.min_cosine)),
     "decoding": lambda served, tasks: verify_decoding(
         served.client, served.loaded, tasks, served.samples, max_decode_length=served.manifest.max_decode_length,
         precision=served.manifest.precision),

@@ -43,6 +43,8 @@ MODULE_SECONDS = {
     "export/test_megamolbart.py": 200,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
     "export/test_optimize.py": 190,
     "e2e/test_serve_supervision.py": 180,
+    "e2e/test_e2e_layers.py": 160,  # estimate: three builds and servers (ESM-2 alone took 250 s on a busy host)
+    "export/test_layer_states.py": 120,  # estimate: five builds of tiny models
     "e2e/test_cli_edges.py": 160,
     "e2e/test_dev_server.py": 120,
     "export/test_build.py": 110,
@@ -82,6 +84,7 @@ MODULE_SECONDS = {
     "export/test_deploy.py": 20,
     "unit/test_doctor.py": 15,
     "unit/test_contacts_model.py": 10,
+    "unit/test_layers_model.py": 15,  # estimate (75 s measured on a busy shared host)
 }
 """Seconds each slow module took in a two-worker `make test` on a 2-core host (rounded; measured
 2026-11-27). Under pytest-xdist the modules run longest first (see pytest_collection_modifyitems)."""

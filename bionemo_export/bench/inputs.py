@@ -237,6 +237,11 @@ class InputSpec:
     variants: int = 32
     """For a scores model (an optional `variants` input): single substitutions per request, at
     random positions of its sequence (wt-marginal, the server's default method)."""
+    layers: tuple[int, ...] = ()
+    """For a layers model (N_layers: optional `layers` and `include` inputs): the layers every request
+    asks for (ESM's numbering, -1 the last); () leaves them out (the server's default: the last)."""
+    include: tuple[str, ...] = ()
+    """For a layers model: what every request asks for (mean, bos, max, per_tok); (): the default, mean."""
 
 
 @dataclass
@@ -273,7 +278,12 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
     # A scores model (tasks.py: N_scores) gets generated variants; its other optional inputs keep their defaults.
     sends_variants = spec.variants > 0 and any(t.name == "variants" and t.optional and t.dtype is DType.BYTES
                                                for t in inputs)
-    skipped = [t.name for t in inputs if t.optional and not (sends_variants and t.name == "variants")]
+    # A layers model (tasks.py: N_layers) gets the layers and poolings asked for, the same in every request.
+    optional = {t.name for t in inputs if t.optional}
+    choices = {name: values for name, values in (("layers", spec.layers), ("include", spec.include))
+               if values and name in optional}
+    skipped = [t.name for t in inputs if t.optional and not (sends_variants and t.name == "variants")
+               and t.name not in choices]
     notes = [f"optional input(s) left out: {', '.join(skipped)}"] if skipped else []
     rng = np.random.default_rng(spec.seed)
     if spec.count < 1:
@@ -305,6 +315,11 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
                 variants = substitutions(sequence, spec.variants, rng)
                 entry["variants"] = {"content": variants, "shape": [len(variants)]}
             description += f"; {spec.variants} random single substitutions each (variants)"
+        for name, values in choices.items():
+            content = [int(v) for v in values] if name == "layers" else [str(v) for v in values]
+            for entry in entries:
+                entry[name] = {"content": content, "shape": [len(content)]}
+            description += f"; {name} {','.join(str(v) for v in content)}"
         return InputData(entries, [len(s) for s in sequences], description, "sequences", notes)
 
     floats = [t for t in required if t.dtype is DType.FP32 and len(t.dims) == 2]

@@ -80,6 +80,11 @@ def bench(
     seed: int = typer.Option(0, help="Seed of the generated inputs."),
     variants: int = typer.Option(32, min=0, help="Scores models: random single substitutions per request (0: "
                                  "none: the model then scores the PLL)."),
+    layers: str | None = typer.Option(None, help="Layers models (N_layers): the layers every request asks for, "
+                                      "comma-separated (ESM's numbering, e.g. -1 or 0,12,-1; default: left out, "
+                                      "the last)."),
+    include: str | None = typer.Option(None, help="Layers models (N_layers): what every request asks for, "
+                                       "comma-separated: mean, bos, max, per_tok (default: left out, mean)."),
     max_length: int | None = typer.Option(None, help="Clip generated lengths to this (default: the "
                                              "repository tokenizer's limit when found)."),
     duration: float = typer.Option(5.0, help="perf_analyzer measurement window in seconds; each concurrency "
@@ -117,8 +122,13 @@ def bench(
             raise ValueError(f"bad --concurrency {concurrency!r}: positive integers, comma-separated")
     except ValueError as err:
         fail(str(err))
+    try:
+        layer_values = tuple(int(v) for v in (layers or "").split(",") if v.strip())
+    except ValueError:
+        fail(f"bad --layers {layers!r}: layer numbers, comma-separated")
     spec = InputSpec(lengths=lengths, file=file, count=count, seed=seed, max_length=max_length,
-                     variants=variants)
+                     variants=variants, layers=layer_values,
+                     include=tuple(v.strip() for v in (include or "").split(",") if v.strip()))
     command = _command_line(target, url, model, concurrency, lengths, file, count, seed, max_length, duration,
                             out, compare, compare_model, protocol)
 

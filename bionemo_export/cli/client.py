@@ -70,13 +70,21 @@ def encode(
                                        "extract.py's names): mean, bos (the BOS/CLS token), max (pooled rows), "
                                        "per_tok (per-residue states). An N_embeddings model answers mean only; an "
                                        "N_hiddens model any of them from one pass, e.g. --include mean,per_tok. "
-                                       "Default: what the model answers."),
+                                       "Default: what the model answers. Outside a bulk job (-s, or --input without a "
+                                       "bulk --output) it asks the repository's N_layers, as --layers does."),
     sequence_column: str | None = typer.Option(None, help="CSV/TSV input: the sequence column (default: sequence, "
                                                "seq, smiles, protein)."),
     id_column: str | None = typer.Option(None, help="CSV/TSV input: the id column (default: id, name, accession)."),
     allow_partial: bool = typer.Option(False, help="Bulk jobs: exit 0 when some records were refused (they are "
                                        "listed in the errors file) instead of 3: for schedulers that retry any "
                                        "other status (a Kubernetes Job)."),
+    layers: str | None = typer.Option(None, help="Layers to answer, comma-separated, e.g. -1,20 (ESM's numbering: 0 "
+                                      "the embedding layer's output, 1..N the blocks, negative from the end): asks "
+                                      "the repository's N_layers model (built with --tasks ...,layers) whatever "
+                                      "--model names, with --include mean (default), bos, max, per_tok; outputs "
+                                      "embeddings, embeddings_bos, embeddings_max [layers, H], hiddens [layers, T, "
+                                      "H] and mask. A bulk job stores each pooling of each layer: the last under "
+                                      "today's names, others with a _layer<i> suffix (embeddings_layer20)."),
 ) -> None:
     """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask.
 
@@ -84,16 +92,32 @@ def encode(
     streamed, answers are written as they come, duplicates are sent once, records the server
     refuses are listed in an errors file (exit status 3: partial), and the same command again
     resumes a stopped job where it stopped."""
-    if input is not None and output is not None and _is_job_output(output):
+    from bionemo_export.tasks import public_suffixes
+
+    bulk = input is not None and output is not None and _is_job_output(output)
+    # --layers, or --include outside a bulk job (bos, max of a sequence asked at once): N_layers answers them
+    if layers is not None or model.endswith("_layers") or (include is not None and not bulk):
+        if bulk:  # N_layers' poolings of each layer, one dataset/column per layer and pooling
+            assert input is not None and output is not None
+            prefix = next((model.removesuffix(s) for s in public_suffixes() if model.endswith(s)), model)
+            _encode_job(ctx, model=f"{prefix}_layers", input=input, output=output, shard=shard,
+                        triton_urls=triton_url, in_name=in_name, batch_size=batch_size, in_flight=in_flight,
+                        chunk_size=chunk_size, precision=precision, include=include, sequence_column=sequence_column,
+                        id_column=id_column, allow_partial=allow_partial, layers=layers or "-1")
+            return
+        layer_model, make_layer_inputs, outputs = _layer_request(model, layers, include, in_name)
+        _query(ctx, model=layer_model, sequences=sequences, input=_existing(input), shard=shard,
+               triton_url=triton_url[0], output=Path(output) if output is not None else None,
+               batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
+               make_inputs=make_layer_inputs, asked_outputs=outputs)
+        return
+    if bulk:
+        assert input is not None and output is not None
         _encode_job(ctx, model=model, input=input, output=output, shard=shard, triton_urls=triton_url,
                     in_name=in_name, batch_size=batch_size, in_flight=in_flight, chunk_size=chunk_size,
                     precision=precision, include=include, sequence_column=sequence_column, id_column=id_column,
                     allow_partial=allow_partial)
         return
-    if include is not None:
-        Console().print("[red]--include is for bulk jobs: give --input and --output DIR/, .h5, .parquet or "
-                        "s3://...[/red]", highlight=False)
-        raise typer.Exit(2)
     if len(triton_url) > 1 or (input is not None and input.startswith("s3://")):
         Console().print("[red]several --triton-url and s3:// inputs are for bulk jobs: give --input and --output "
                         "DIR/, .h5, .parquet or s3://bucket/path/[/red]", highlight=False)
@@ -298,7 +322,8 @@ def _existing(input: str | None) -> Path | None:
 
 def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shard: str, triton_urls: list[str],
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
-                include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool) -> None:
+                include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool,
+                layers: str | None = None) -> None:
     """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
     from bionemo_export.client.job_files import FORMATS
     from bionemo_export.client.jobs import EncodeJob
@@ -337,7 +362,7 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
             assert local_input is not None  # given: a bulk job has an input
             job = EncodeJob(model=model, input=local_input, output=local_output, in_name=in_name,
                             shard=parse_shard(shard), chunk_size=chunk_size, batch_size=batch_size,
-                            in_flight=in_flight, precision=precision, include=include,
+                            in_flight=in_flight, precision=precision, include=include, layers=layers,
                             sequence_column=sequence_column,
                             id_column=id_column, progress=advance, source=input if is_s3(input) else None,
                             mirror=mirror)
@@ -348,10 +373,40 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
         raise typer.Exit(3)
 
 
+def _layer_request(model: str, layers: str | None, include: str | None, in_name: str
+                   ) -> tuple[str, Callable, list[str]]:
+    """(the N_layers model of `model`'s repository, make_inputs, the outputs asked) for encode --layers."""
+    import numpy as np
+
+    from bionemo_export.errors import InvalidInputError
+    from bionemo_export.tasks import LAYER_INCLUDE, LAYER_OUTPUTS, public_suffixes
+
+    prefix = next((model.removesuffix(s) for s in public_suffixes() if model.endswith(s)), model)
+    try:
+        values = [int(part) for part in (layers or "-1").split(",") if part.strip()]
+    except ValueError:
+        raise InvalidInputError(f"--layers {layers!r}: comma-separated layer numbers, e.g. -1,20") from None
+    choices = [part.strip() for part in (include or "mean").split(",") if part.strip()]
+    unknown = [c for c in choices if c not in LAYER_INCLUDE]
+    if unknown or not choices or not values:
+        raise InvalidInputError(f"--layers {layers} --include {include}: name at least one layer, and include among "
+                                f"{', '.join(LAYER_INCLUDE)}")
+    layer_column = np.array(values, dtype=np.int32)
+    include_column = np.array([c.encode("utf-8") for c in choices], dtype=np.object_)
+
+    def make_inputs(column):
+        return lambda rows, _: {in_name: column[rows], "layers": np.tile(layer_column, (len(rows), 1)),
+                                "include": np.tile(include_column, (len(rows), 1))}
+
+    outputs = [name for choice, name in LAYER_OUTPUTS.items() if choice in choices]
+    return f"{prefix}_layers", make_inputs, outputs + (["hiddens", "mask"] if "per_tok" in choices else [])
+
+
 def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, shard: str,
            triton_url: str, output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
-           make_inputs: Callable) -> None:
-    """encode and sample: strings from -s or --input through `model`, outputs printed or written.
+           make_inputs: Callable, asked_outputs: list[str] | None = None) -> None:
+    """encode and sample: strings from -s or --input through `model`, outputs printed or written
+    (`asked_outputs`: those asked for; None: every output the model answers).
 
     From --input, a record the server refuses is reported by its id and left out (or ends the
     run with --stop-on-error), and the outputs carry the ids of the records they belong to.
@@ -384,7 +439,8 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
         with TritonClient(triton_url, concurrency=in_flight) as client, \
                 _progress(len(records) if input else 0) as advance:
             advance(len(records) - len(sent))  # records with no sequence: done, nothing to send
-            results = infer_rows(client, model, len(sent), make_inputs(column), batch_size=batch_size,
+            results = infer_rows(client, model, len(sent), make_inputs(column), outputs=asked_outputs,
+                                 batch_size=batch_size,
                                  in_flight=in_flight, isolate=input is not None, stop_on_failure=stop_on_error,
                                  progress=advance)
     skipped = [record for record in records if not record.sequence] if len(sent) < len(records) else []

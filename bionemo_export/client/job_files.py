@@ -8,6 +8,8 @@ A part, `part-NNNNN.h5`, holds one chunk of records, in input order:
     /embeddings              float [n, H]           mean-pooled rows (an N_embeddings model, --include mean)
     /embeddings_bos          float [n, H]           the BOS/CLS token's state (--include bos)
     /embeddings_max          float [n, H]           the maximum over residues (--include max)
+    /embeddings_layer20 ...  float [n, H]           a layer other than the last (--layers 20 with an
+                                                    N_layers model): each pooling's name + `_layer<i>`
     /embedding               float [R, H]           per-residue states (--include per_tok), rows concatenated
     /embedding_ptr           int64 [n]              record i's rows end at embedding_ptr[i] (start: the
                                                     previous record's end, 0 for the first)
@@ -35,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,12 +57,30 @@ MANIFEST = "manifest.json"
 FORMATS = {".h5": "hdf5", ".hdf5": "hdf5", ".parquet": "parquet"}
 POOLED = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
 """A pooling -> the HDF5 dataset of its rows; Parquet's column is the same name in the singular."""
+_POOLED_NAME = re.compile(r"^embeddings(?P<pooling>_bos|_max)?(?:_layer(?P<layer>\d+))?$")
+
+
+def pooled_dataset(key: str) -> str:
+    """The HDF5 dataset of a pooled key (Chunk.pooled): `mean` -> embeddings, `bos` ->
+    embeddings_bos; a layer other than the model's last, `mean@20` -> embeddings_layer20."""
+    pooling, _, layer = key.partition("@")
+    return POOLED[pooling] + (f"_layer{layer}" if layer else "")
+
+
+def pooled_key(dataset: str) -> str | None:
+    """The pooled key of an HDF5 dataset name (pooled_dataset's inverse); None for other datasets."""
+    found = _POOLED_NAME.match(dataset)
+    if found is None:
+        return None
+    pooling = {None: "mean", "_bos": "bos", "_max": "max"}[found["pooling"]]
+    return pooling + (f"@{found['layer']}" if found["layer"] else "")
 SKBIO_FORMAT = {"format": "embedding", "format-version": "1.0"}
 """The root attributes scikit-bio's `embed` format reads (with `dtype` and `dim`)."""
 
 
 def parquet_column(pooling: str) -> str:
-    return POOLED[pooling].replace("embeddings", "embedding", 1)
+    """A pooled key's Parquet column: its HDF5 dataset's name in the singular (embedding_bos_layer20)."""
+    return pooled_dataset(pooling).replace("embeddings", "embedding", 1)
 
 
 def h5py_module() -> Any:
@@ -208,7 +229,7 @@ def _read_hdf5_rows(handle: Any, start: int, end: int) -> Chunk:
     chunk = Chunk(ids=[s.decode() if isinstance(s, bytes) else s for s in handle["ids"][start:end]],
                   index=handle["index"][start:end].tolist(),
                   digests=[d.decode() for d in handle["sequence_sha256"][start:end]],
-                  pooled={pooling: handle[name][start:end] for pooling, name in POOLED.items() if name in handle})
+                  pooled={key: handle[name][start:end] for name in handle if (key := pooled_key(name))})
     if "embedding_ptr" in handle:
         chunk.residues = _ragged(handle["embedding"], handle["embedding_ptr"], start, end)
         chunk.sequences = [row.tobytes().decode() for row in _ragged(handle["id"], handle["idptr"], start, end)]
@@ -296,11 +317,11 @@ def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
 
         for batch in pq.ParquetFile(path).iter_batches(batch_size=rows):
             pooled = {}
-            for pooling in POOLED:
-                if parquet_column(pooling) in batch.schema.names:
-                    column = batch.column(parquet_column(pooling))
-                    pooled[pooling] = column.flatten().to_numpy(zero_copy_only=False).reshape(
-                        -1, column.type.list_size)
+            for name in batch.schema.names:
+                key = pooled_key(name.replace("embedding", "embeddings", 1)) if name.startswith("embedding") else None
+                if key is not None:
+                    column = batch.column(name)
+                    pooled[key] = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, column.type.list_size)
             yield Chunk(ids=batch.column("id").to_pylist(), index=batch.column("index").to_pylist(),
                         digests=batch.column("sequence_sha256").to_pylist(), pooled=pooled)
 
@@ -385,7 +406,7 @@ def write_hdf5(chunks: Iterable[Chunk], out: Path, attributes: dict[str, Any], d
                 "ids": np.asarray(chunk.ids, dtype=object), "index": np.asarray(chunk.index, dtype=np.int64),
                 "sequence_sha256": np.asarray(chunk.digests, dtype="S64")}
             for pooling, rows in chunk.pooled.items():
-                columns[POOLED[pooling]] = rows.astype(dtype, copy=False)
+                columns[pooled_dataset(pooling)] = rows.astype(dtype, copy=False)
             if chunk.residues is not None:
                 if chunk.sequences is None:
                     raise ValueError("per-residue states are stored with their sequences (scikit-bio's `id`)")

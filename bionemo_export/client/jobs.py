@@ -155,6 +155,10 @@ class EncodeJob:
     include: str | None = None
     """Comma-separated choices of pooling.CHOICES (mean, bos, max, per_tok); None: what the model
     answers (an N_embeddings model's mean, an N_hiddens model's per-residue states)."""
+    layers: str | None = None
+    """Comma-separated layers (ESM's numbering) for an N_layers model (`model`): each pooling of each
+    layer stored (pooled rows; a layer other than the last under a `_layer<i>` name); None: the
+    model's own answer."""
     source: str | None = None
     """What the fingerprint names as the input where `input` is a local copy (an s3:// location)."""
     mirror: PartMirror | None = None
@@ -190,8 +194,16 @@ class EncodeJob:
     # -- the run ------------------------------------------------------------------------------------------
     def stored(self, client: Inferrer) -> Include:
         """What the job stores of each record, checked against the model and the output's format."""
-        outputs = {output["name"] for output in client.model_config(self.model).get("output", [])}
-        include = Include.parse(self.include, outputs, self.model)
+        config = client.model_config(self.model)
+        if self.layers is not None:
+            count = (config.get("parameters") or {}).get("num_layers", {}).get("string_value")
+            if count is None:
+                raise InvalidInputError(f"--layers: {self.model} is not an N_layers model (no num_layers parameter); "
+                                        "build the repository with --tasks ...,layers")
+            include = Include.for_layers(self.include, self.layers, int(count), self.model)
+        else:
+            outputs = {output["name"] for output in config.get("output", [])}
+            include = Include.parse(self.include, outputs, self.model)
         if not self.is_directory and FORMATS[self.output.suffix] == "parquet" and (
                 include.per_residue or not include.poolings):
             raise InvalidInputError(f"--output {self.output}: Parquet holds pooled rows ("
@@ -277,7 +289,8 @@ class EncodeJob:
                 fresh[digest] = len(sent)
                 sent.append(record.sequence)
         column = strings_column(sent)
-        results = infer_rows(client, self.model, len(sent), lambda rows, _: {self.in_name: column[rows]},
+        results = infer_rows(client, self.model, len(sent),
+                             lambda rows, _: {self.in_name: column[rows], **include.inputs(len(rows))},
                              batch_size=self.batch_size, in_flight=self.in_flight, isolate=True)
         summary.sent += len(sent)
         answered = {int(row): position for position, row in enumerate(results.rows)}

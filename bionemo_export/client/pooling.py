@@ -12,6 +12,9 @@
 
 An `N_embeddings` model answers the mean only; the rest needs the model's `N_hiddens` sibling,
 from whose one answer a job stores any of them at once (pooled and per-residue from one pass).
+With `layers` (`--layers`), the job asks the repository's `N_layers` for those layers' poolings
+(pooled rows only): a pooling of the last layer keeps its name, another layer's is stored under
+`<pooling>@<layer>` (job_files.pooled_dataset: `embeddings_layer20`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.layers import INCLUDE_CHOICES as CHOICES
+from bionemo_export.serving.layers import (
+    NO_BOS,
+    PER_RESIDUE,
+    POOLED_OUTPUTS,
+    POOLINGS,
+    normalize_layers,
+    pool,
+    starts_with_residue,
+)
+from bionemo_export.serving.responses import RequestError
 
-POOLINGS = ("mean", "bos", "max")
-PER_RESIDUE = "per_tok"
-CHOICES = (*POOLINGS, PER_RESIDUE)
+__all__ = ["CHOICES", "PER_RESIDUE", "POOLINGS", "Include"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,9 @@ class Include:
     poolings: tuple[str, ...]
     per_residue: bool
     model: str = ""
+    layers: tuple[int, ...] = ()
+    """An N_layers model's layers, 0..num_layers (num_layers: the last); (): not an N_layers job."""
+    num_layers: int = 0
 
     @classmethod
     def parse(cls, text: str | None, outputs: Collection[str], model: str) -> Include:
@@ -57,28 +72,55 @@ class Include:
                                     f"{', '.join(c for c in chosen if c != 'mean')}")
         return cls(poolings=tuple(p for p in POOLINGS if p in chosen), per_residue=PER_RESIDUE in chosen, model=model)
 
+    @classmethod
+    def for_layers(cls, text: str | None, layers: str, num_layers: int, model: str) -> Include:
+        """`--include` (pooled choices; default mean) of `--layers` (comma-separated, ESM's numbering,
+        negative from the end) for an N_layers model of `num_layers` blocks."""
+        try:
+            values = [int(part) for part in layers.split(",") if part.strip()]
+            chosen = normalize_layers(values, num_layers, name="--layers")
+        except ValueError:
+            raise InvalidInputError(f"--layers {layers!r}: comma-separated layer numbers, e.g. -1,20") from None
+        except RequestError as err:
+            raise InvalidInputError(f"{model}: {err}") from None
+        choices = [part.strip() for part in (text or "mean").split(",") if part.strip()]
+        unknown = [part for part in choices if part not in CHOICES]
+        if unknown or not choices:
+            raise InvalidInputError(f"--include {text!r}: choose among {', '.join(CHOICES)} (comma-separated)")
+        if PER_RESIDUE in choices:
+            raise InvalidInputError(f"--include {text} --layers {layers}: a bulk job stores pooled rows of other "
+                                    "layers (mean, bos, max); ask N_hiddens for the last layer's per-residue states, "
+                                    f"or query {model} without a bulk --output")
+        return cls(poolings=tuple(p for p in POOLINGS if p in choices), per_residue=False, model=model,
+                   layers=tuple(dict.fromkeys(chosen)), num_layers=num_layers)
+
     def text(self) -> str:
-        """The choices as --include takes them, in a fixed order (the run's fingerprint)."""
-        return ",".join([*self.poolings, *([PER_RESIDUE] if self.per_residue else [])])
+        """The choices as --include takes them, in a fixed order (the run's fingerprint; with the
+        layers of an N_layers job)."""
+        text = ",".join([*self.poolings, *([PER_RESIDUE] if self.per_residue else [])])
+        return f"{text};layers={','.join(map(str, self.layers))}" if self.layers else text
+
+    def inputs(self, rows: int) -> dict[str, np.ndarray]:
+        """The request inputs besides the sequences: an N_layers job's layers and include."""
+        if not self.layers:
+            return {}
+        return {"layers": np.tile(np.array(self.layers, dtype=np.int32), (rows, 1)),
+                "include": np.tile(np.array([p.encode() for p in self.poolings], dtype=np.object_), (rows, 1))}
+
+    def key(self, pooling: str, layer: int) -> str:
+        """Where a pooling of `layer` is stored: its own name for the last layer, else `<pooling>@<layer>`."""
+        return pooling if layer == self.num_layers else f"{pooling}@{layer}"
 
     def record(self, outputs: Mapping[str, np.ndarray], row: int) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
         """(pooling -> [H], per-residue [L, H] or None) of batch row `row` of an answer."""
+        if self.layers:  # an N_layers answer: each pooling [layers, H]
+            return {self.key(pooling, layer): outputs[POOLED_OUTPUTS[pooling]][row][k]
+                    for k, layer in enumerate(self.layers) for pooling in self.poolings}, None
         if "hiddens" not in outputs:  # an N_embeddings model: mean only (checked in parse)
             return {"mean": outputs["embeddings"][row]}, None
         states, mask = outputs["hiddens"][row], outputs["mask"][row].astype(bool)
-        residues = states[mask]
-        pooled: dict[str, np.ndarray] = {}
-        for pooling in self.poolings:
-            if pooling == "mean":
-                pooled["mean"] = residues.mean(axis=0, dtype=np.float64).astype(states.dtype)
-            elif pooling == "max":
-                pooled["max"] = residues.max(axis=0)
-            else:
-                pooled["bos"] = self._bos(states, mask)
-        return pooled, residues if self.per_residue else None
-
-    def _bos(self, states: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        if not len(mask) or mask[0]:
-            raise InvalidInputError(f"--include bos: {self.model}'s rows start with a residue (no BOS/CLS token "
-                                    "before it, as in ProtT5); choose mean or max")
-        return states[0]
+        if "bos" in self.poolings and starts_with_residue(mask):
+            raise InvalidInputError(f"--include bos: {self.model}'s {NO_BOS}")
+        # N_layers' pooling (serving/layers.py), so that a job's rows equal what N_layers answers
+        pooled = {pooling: pool(states, mask, pooling) for pooling in self.poolings}
+        return pooled, states[mask] if self.per_residue else None

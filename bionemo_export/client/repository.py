@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
-from bionemo_export.tasks import TASKS, get_task
+from bionemo_export.tasks import LAYER_INCLUDE, LAYER_OUTPUTS, TASKS, get_task
 from bionemo_export.tensors import DType
 
 from .batches import DEFAULT_IN_FLIGHT, infer_rows
@@ -224,6 +224,31 @@ class RepositoryClient:
             residues = int(mask[row].sum())
             maps.append(np.ascontiguousarray(contacts[row, :residues, :residues], dtype=np.float32))
         return maps
+
+    # ------------------------------------------------------------------------------ layers (N_layers)
+    def layer_embeddings(self, sequences: Sequences, layers: Sequence[int] = (-1,),
+                         include: Sequence[str] = ("mean",)) -> dict[str, np.ndarray]:
+        """States of any layers (ESM's numbering: 0 the embedding layer's output, 1..N the blocks, -1
+        the last), pooled as `include` asks (mean, bos, max; per_tok: every token's state): {"embeddings"
+        (mean), "embeddings_bos", "embeddings_max": FP32 [batch, len(layers), H]; per_tok: "hiddens"
+        FP32 [batch, len(layers), length, H] and "mask" BOOL [batch, length]}, the included ones only.
+        A layer out of range, an unknown choice or bos of a model without a BOS token raises
+        InferenceError naming the value and what is allowed."""
+        layer_values = np.array([int(layer) for layer in layers], dtype=np.int32)
+        choices = [str(choice) for choice in include]
+        unknown = [c for c in choices if c not in LAYER_INCLUDE]
+        if unknown or not choices or not len(layer_values):
+            raise InvalidInputError(f"include {', '.join(choices) or '(none)'} with layers "
+                                    f"{layer_values.tolist()}: name at least one layer, and include among "
+                                    f"{', '.join(LAYER_INCLUDE)}")
+        outputs = [name for choice, name in LAYER_OUTPUTS.items() if choice in choices]
+        outputs += ["hiddens", "mask"] if "per_tok" in choices else []
+        encoded = np.array([c.encode("utf-8") for c in choices], dtype=np.object_)
+
+        def extra(rows: np.ndarray, _: int) -> dict[str, np.ndarray]:
+            return {"layers": np.tile(layer_values, (len(rows), 1)), "include": np.tile(encoded, (len(rows), 1))}
+
+        return self._strings_in("layers", sequences, outputs, extra)
 
     # ------------------------------------------------------------------------------ any task
     def ask(self, task: str, sequences: Sequences) -> dict[str, np.ndarray]:

@@ -193,7 +193,10 @@ class TritonClient:
         if outputs is None:
             response = result.get_response(as_json=True) if self.url.protocol == "grpc" else result.get_response()
             outputs = [output["name"] for output in response["outputs"]]
-        return {name: result.as_numpy(name) for name in outputs}
+        # A model may leave out outputs asked for (N_layers answers only what `include` names):
+        # those are absent here rather than None.
+        answered = {name: result.as_numpy(name) for name in outputs}
+        return {name: value for name, value in answered.items() if value is not None}
 
     def _translate(self, model: str) -> Callable[[Exception], Exception]:
         """The function that turns a tritonclient or socket error of a request to `model` into ours."""

@@ -23,6 +23,9 @@ Each role (the model it is, for `--name N`): what tunes it.
 - `contact_graph` (`N_contact_graph`: the contacts graph, called by BLS, not batched by Triton): instances,
   threads.
 - `contacts` (`N_contacts`: Python, tokenizes and calls N_contact_graph): instances, dynamic batching.
+- `layer_graph` (`N_layer_graph`: every layer's states, called by BLS, not batched by Triton): instances,
+  threads.
+- `layers` (`N_layers`: Python, tokenizes, calls N_layer_graph and pools): instances, dynamic batching.
 
 Defaults and why (measured on 2-core CPU hosts; see docs/benchmarks.md):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
@@ -84,7 +87,7 @@ from .backends import BACKENDS, ServingBackend, get_backend
 from .plan import DynamicBatching
 
 INTERNAL_ROLES = ("tokenizer", "encoder", "cross_kv", "decoder_step", "lm_head", "classifier", "labels",
-                  "contact_graph")
+                  "contact_graph", "layer_graph")
 """The roles of models no task is served by directly; each task's model plays the task's `role`."""
 AUTO_THREADS = "auto"
 
@@ -300,7 +303,8 @@ class ServingOptions:
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,
                                batching=self.dynamic_batching(), length_bucket=self.length_bucket,
                                token_budget=self.token_budget, max_sub_batch=self.max_sub_batch)
-        if name in ("cross_kv", "decoder_step", "contact_graph"):  # called by BLS, batched by their callers
+        # called by BLS, batched by their callers
+        if name in ("cross_kv", "decoder_step", "contact_graph", "layer_graph"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
         if name in ("lm_head", "classifier"):  # batched like the encoder, whose outputs they take
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,

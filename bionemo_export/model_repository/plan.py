@@ -114,7 +114,8 @@ class ModelPlan:
         `<prefix>_<task>`): its tensors from the task table, its instances and batcher from `role`
         (options.RoleOptions), its settings in `parameters` and its code in `files`."""
         return cls(name=task.model(prefix),
-                   inputs=[TensorSpec(t.name, t.dtype, t.shape(), optional=t.optional) for t in task.inputs],
+                   inputs=[TensorSpec(t.name, t.dtype, t.shape(), optional=t.optional, ragged=t.ragged)
+                           for t in task.inputs],
                    outputs=[TensorSpec(t.name, t.dtype, t.shape()) for t in task.outputs],
                    max_batch_size=max_batch_size, backend="python", instance_count=role.instances,
                    dynamic_batching=role.batching, parameters=parameters, files=files, description=description)

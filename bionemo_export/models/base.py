@@ -74,6 +74,10 @@ CONTACT_OUTPUTS: tuple[TensorSpec, ...] = (TensorSpec("contacts", DType.FP32, ("
 (models/contact_head.py)."""
 
 
+LAYER_INPUTS: tuple[TensorSpec, ...] = ENCODER_INPUTS[:2]
+"""The layers graph's inputs: the encoder's token inputs (models/layer_states.py)."""
+
+
 def lm_head_outputs(alphabet_size: int) -> tuple[TensorSpec, ...]:
     """The masked-LM head graph's output (its input is the encoder's `hiddens`)."""
     return (TensorSpec("log_probs", DType.FP32, ("batch", "length", alphabet_size)),)
@@ -172,6 +176,26 @@ class LoadedModel:
         return self.seq2seq, self.tokenizer
 
     @property
+    def num_layers(self) -> int:
+        """The encoder's blocks (N: the layers graph answers N + 1 states, 0 the embedding's)."""
+        return int(self.description["layers"])
+
+    @property
+    def layer_states(self) -> torch.nn.Module:
+        """Every layer's hidden states over the encoder's weights (models/layer_states.py):
+        forward(input_ids, attention_mask INT64 [B, T]) -> hiddens_0 .. hiddens_N FP32 [B, T, H]."""
+        from bionemo_export.models.layer_states import LayerStates
+
+        return LayerStates(self.encoder, self.num_layers).eval()
+
+    @property
+    def layer_outputs(self) -> tuple[TensorSpec, ...]:
+        """The layers graph's outputs: hiddens_0 .. hiddens_N [batch, length, hidden]."""
+        from bionemo_export.models.layer_states import layer_outputs
+
+        return layer_outputs(self.num_layers, self.hidden_size)
+
+    @property
     def classifier_outputs(self) -> tuple[TensorSpec, ...]:
         """The fine-tuned head graph's output: logits [B, C] or, per token, [B, L, C]."""
         if self.classifier is None:
@@ -238,7 +262,7 @@ class ModelFamily(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
-    tasks: ClassVar[tuple[str, ...]] = ("embeddings", "hiddens")
+    tasks: ClassVar[tuple[str, ...]] = ("embeddings", "hiddens", "layers")
     atol: ClassVar[float] = 1e-4
     """Max abs error allowed between the exported graph and PyTorch (fp32)."""
     min_cosine: ClassVar[float] = 0.9999

@@ -63,6 +63,16 @@ class PooledEncoder(torch.nn.Module):
         hiddens = getattr(output, "last_hidden_state", output).float()
         return hiddens, masked_mean(hiddens, residue_mask)
 
+    def layer_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every layer's hidden states, layers + 1 tensors [batch, length, hidden] in ESM's numbering:
+        a transformers backbone's own `output_hidden_states=True` (0 the embedding's output, i block
+        i's, the last after the final layer norm: its `last_hidden_state`), or the project's
+        transformer's `layer_states` (the same convention)."""
+        if isinstance(self.backbone, TransformerEncoder):
+            return self.backbone.layer_states(input_ids, attention_mask)
+        output = self.backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return tuple(state.float() for state in output.hidden_states)
+
 
 def masked_mean(hiddens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The embeddings [batch, hidden]: mean of hiddens [batch, length, hidden] where mask

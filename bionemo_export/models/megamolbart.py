@@ -42,6 +42,7 @@ from bionemo_export.models.transformer import (
     Stack,
     TransformerConfig,
     encode,
+    encode_layers,
     initialize,
 )
 from bionemo_export.tokenizers.smiles import SmilesTokenizer
@@ -172,6 +173,11 @@ class MegaMolBartEncoder(_ModelView):
         hiddens = self.model.encode(input_ids, attention_mask)
         return hiddens, masked_mean(hiddens, residue_mask)
 
+    def layer_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every encoder layer's hidden states (transformer.encode_layers): 0 the embedding's output,
+        the last after the encoder's final LayerNorm (what `forward` answers as hiddens)."""
+        return encode_layers(self.model.embedding, self.model.encoder, input_ids, attention_mask)
+
 
 class CrossKV(_ModelView):
     """forward(hiddens) -> (cross_k, cross_v): see `Seq2SeqModules.cross_kv`."""
@@ -268,7 +274,7 @@ def _output_head(weights: dict[str, torch.Tensor], embedding: torch.Tensor | Non
 class MegaMolBartFamily(ModelFamily):
     name = "megamolbart"
     description = "MegaMolBART SMILES encoder-decoder (pre-LN, learned positions): .nemo or the project's saved form"
-    tasks = ("embeddings", "hiddens", "decodes", "samplings")
+    tasks = ("embeddings", "hiddens", "decodes", "samplings", "layers")
     atol = 1e-4
     nemo_targets = ("MegaMolBARTModel",)
 

@@ -189,6 +189,21 @@ def encode(embedding: Embedding, encoder: Stack, input_ids: torch.Tensor, attent
     return encoder.final_layernorm(x)
 
 
+def encode_layers(embedding: Embedding, encoder: Stack, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every layer's hidden states, in ESM's numbering (transformers' `output_hidden_states`): 0 the
+    embedding's output, i the output of block i, the last after the stack's final LayerNorm (so it
+    equals `encode`'s answer)."""
+    allowed = attention_mask.bool()[:, None, None, :]
+    x = embedding(input_ids)
+    states = [x]
+    for layer in encoder.layers:
+        x = layer(x, allowed)
+        states.append(x)
+    states[-1] = encoder.final_layernorm(x)
+    return tuple(states)
+
+
 class Encoder(nn.Module):
     """An encoder-only model: forward(input_ids, attention_mask) -> hiddens [batch, length, hidden]."""
 
@@ -201,6 +216,10 @@ class Encoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return encode(self.embedding, self.encoder, input_ids, attention_mask)
+
+    def layer_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every layer's hidden states (`encode_layers`): num_layers + 1 tensors [batch, length, hidden]."""
+        return encode_layers(self.embedding, self.encoder, input_ids, attention_mask)
 
 
 def initialize(module: nn.Module) -> None:

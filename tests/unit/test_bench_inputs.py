@@ -248,3 +248,19 @@ def test_a_scores_model_gets_random_single_substitutions_of_each_sequence():
     assert data.notes == ["optional input(s) left out: method"] and "5 random single substitutions" in data.description
     plain = generate_inputs(scores, InputSpec(lengths="uniform:20-40", count=2, variants=0))
     assert "variants" not in plain.entries[0] and plain.notes == ["optional input(s) left out: variants, method"]
+
+
+def test_layers_models_get_the_layers_and_poolings_asked_in_every_request():
+    """N_layers (tasks.py): `layers` and `include` are optional; bench sends --layers and --include
+    in every request, and leaves them out (the server's defaults) when not given."""
+    from bionemo_export.tasks import TASKS
+
+    inputs = list(TASKS["layers"].inputs)
+    data = generate_inputs(inputs, InputSpec(lengths="uniform:20-40", count=4, seed=1, layers=(0, -1),
+                                             include=("mean", "max")))
+    for entry in data.entries:
+        assert entry["layers"] == {"content": [0, -1], "shape": [2]}
+        assert entry["include"] == {"content": ["mean", "max"], "shape": [2]}
+    assert "layers 0,-1; include mean,max" in data.description and not data.notes
+    plain = generate_inputs(inputs, InputSpec(lengths="uniform:20-40", count=4, seed=1))
+    assert "layers" not in plain.entries[0] and plain.notes == ["optional input(s) left out: layers, include"]

@@ -136,3 +136,33 @@ def test_two_sequences_sharing_a_64_bit_key_are_never_taken_for_each_other(tmp_p
     assert seen.find([twin]) == {twin: (0, 0)}  # a candidate ...
     found = job._earlier_answers(seen, [first, twin])
     assert list(found) == [first]  # ... that the stored digest turns down
+
+
+def test_other_layers_poolings_get_a_layer_suffix_and_round_trip(tmp_path):
+    """An N_layers job (--layers 20,-1): the last layer keeps today's names, layer 20 is stored as
+    embeddings_layer20 / embeddings_bos_layer20 (Parquet: embedding_layer20, ...), read back under
+    the same keys (merging)."""
+    from bionemo_export.client.job_files import output_chunks, parquet_column, pooled_dataset, pooled_key
+
+    assert [pooled_dataset(k) for k in ("mean", "bos@20", "max@0")] == ["embeddings", "embeddings_bos_layer20",
+                                                                       "embeddings_max_layer0"]
+    assert [pooled_key(n) for n in ("embeddings", "embeddings_bos_layer20", "embedding", "embedding_ptr")] == \
+        ["mean", "bos@20", None, None]
+    assert parquet_column("mean@20") == "embedding_layer20"
+    chunk = _chunk(0, [3, 1])
+    chunk.residues = chunk.sequences = None
+    chunk.pooled["mean@20"] = chunk.pooled["mean"] + 1
+    chunk.pooled["bos@20"] = chunk.pooled["mean"] - 1
+    write_part(tmp_path / "part.h5", chunk, np.dtype(np.float32))
+    with h5py_module().File(tmp_path / "part.h5") as handle:
+        assert {"embeddings", "embeddings_max", "embeddings_layer20", "embeddings_bos_layer20"} <= set(handle)
+    back = read_part(tmp_path / "part.h5")
+    assert back.pooled.keys() == chunk.pooled.keys()
+    for key, rows in chunk.pooled.items():
+        np.testing.assert_array_equal(back.pooled[key], rows)
+    write_parquet([back], tmp_path / "all.parquet", {"model": "m"}, np.dtype(np.float32))
+    assert {"embedding", "embedding_max", "embedding_layer20", "embedding_bos_layer20"} <= \
+        set(pq.read_table(tmp_path / "all.parquet").schema.names)
+    (again,) = output_chunks(tmp_path / "all.parquet")
+    for key, rows in chunk.pooled.items():
+        np.testing.assert_array_equal(again.pooled[key], rows)

@@ -69,3 +69,24 @@ def test_bos_of_a_model_whose_rows_start_with_a_residue_is_refused():
     include = Include.parse("bos", HIDDENS, "prott5_hiddens")
     with pytest.raises(InvalidInputError, match="prott5_hiddens's rows start with a residue"):
         include.record(_answer([4], bos=False), 0)
+
+
+def test_an_n_layers_job_stores_each_layers_poolings_under_its_own_key():
+    include = Include.for_layers("bos,mean", "20,-1,20", 33, "esm2nv_layers")
+    assert include.layers == (20, 33) and include.poolings == ("mean", "bos")
+    assert include.text() == "mean,bos;layers=20,33"
+    inputs = include.inputs(2)
+    assert inputs["layers"].tolist() == [[20, 33]] * 2 and inputs["include"].tolist() == [[b"mean", b"bos"]] * 2
+    answer = {"embeddings": np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3),
+              "embeddings_bos": -np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)}
+    pooled, residues = include.record(answer, 1)
+    assert residues is None and set(pooled) == {"mean@20", "bos@20", "mean", "bos"}
+    np.testing.assert_array_equal(pooled["mean@20"], answer["embeddings"][1, 0])
+    np.testing.assert_array_equal(pooled["bos"], answer["embeddings_bos"][1, 1])
+    with pytest.raises(InvalidInputError, match=r"esm2nv_layers: --layers value 34 is out of range: this model's "
+                                                r"layers are 0..33"):
+        Include.for_layers(None, "34", 33, "esm2nv_layers")
+    with pytest.raises(InvalidInputError, match="a bulk job stores pooled rows of other layers"):
+        Include.for_layers("mean,per_tok", "20", 33, "esm2nv_layers")
+    with pytest.raises(InvalidInputError, match="--layers 'x': comma-separated layer numbers"):
+        Include.for_layers(None, "x", 33, "esm2nv_layers")

@@ -1,0 +1,322 @@
+"""The layers task (issue 29, items 1, 2, 5, 6) served by a real tritonserver: N_layers of a tiny
+random ESM-2, of the real AntiBERTy (antiberty wheel) and of rxnfp's real reaction-SMILES BERT (rxnfp
+wheel), each built once with the Python backend (without graph optimization), one server per
+checkpoint.
+
+The reference is transformers' own `output_hidden_states=True` (EsmModel, BertModel loaded from the
+same files), each sequence alone; pooled answers are compared with brute-force numpy pooling of
+those states over the residues. Bad requests sent together with good ones fail alone with
+INVALID_ARGUMENT naming the value and the range; N_layer_graph answers only the layers asked;
+`verify` compares the served layers with PyTorch, and the dev server's answers are the served ones.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.client import InferenceError, RepositoryClient
+from bionemo_export.dev_server import DevModels
+from bionemo_export.models import load_checkpoint
+from bionemo_export.models.bert import antiberty_checkpoint, rxnfp_checkpoint
+from bionemo_export.runtime import TritonServer
+from bionemo_export.testing.checkpoints import save_random_checkpoint
+from bionemo_export.verify import verify_repository
+
+NAME = "ly"
+ATOL = 1e-4
+SEQUENCES = {
+    "esm2": ["MKTAYIAKQRQISFVKSHFSRQ", "GVE", "MSLKRKNIALIPAAGIGVRFGXBUZO", "M" * 60],
+    "antiberty": ["EVQLVESGGGLVQPGGSLRLSCAASGFTFSSYAMS", "QVQLQESGPG", "DIQMTQSPSSLSASVGDRVTITC"],
+    "rxnfp": ["CC(=O)O.OCC>>CC(=O)OCC", "CCO", "C[C@@H](N)C(=O)O.[Na+].[OH-]>>C[C@@H](N)C(=O)[O-].[Na+]"],
+}
+
+
+@pytest.fixture(scope="module", params=list(SEQUENCES))
+def served(request, tmp_path_factory, triton_install):
+    which = request.param
+    work = tmp_path_factory.mktemp(which)
+    if which == "esm2":
+        family, checkpoint = "esm2", save_random_checkpoint("esm2", work / "checkpoint", seed=61)
+        reference = transformers.EsmModel.from_pretrained(checkpoint, add_pooling_layer=False).eval()
+    else:
+        family = "bert"
+        checkpoint = antiberty_checkpoint() if which == "antiberty" else rxnfp_checkpoint()
+        reference = transformers.BertModel.from_pretrained(checkpoint, add_pooling_layer=False).eval()
+    result = build_repository(BuildRequest(family=family, checkpoint=checkpoint, name=NAME, out=work / "repo",
+                                           tasks=("embeddings", "hiddens", "layers"), backend="python",
+                                           optimize=False))
+    loaded = load_checkpoint(checkpoint, family)
+    with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
+        url = f"grpc://{server.endpoints.grpc_url}"
+        with RepositoryClient(NAME, url) as client:
+            yield which, result, checkpoint, loaded, reference, client, server, url
+
+
+def reference_states(loaded, reference, sequence: str) -> tuple[np.ndarray, np.ndarray]:
+    """(transformers' hidden_states of the sequence alone [layers + 1, T, H], its residue mask [T])."""
+    encoded = loaded.tokenizer.encode([sequence])
+    with torch.no_grad():
+        output = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                           attention_mask=torch.from_numpy(encoded.attention_mask), output_hidden_states=True)
+    return torch.stack(output.hidden_states)[:, 0].numpy(), encoded.residue_mask[0].astype(bool)
+
+
+def test_served_layers_and_poolings_equal_transformers_output_hidden_states(served):
+    which, result, _, loaded, reference, client, _, _ = served
+    assert {f"{NAME}_layer_graph", f"{NAME}_layers"} <= set(result.models)
+    count = loaded.num_layers
+    layers = [0, 1, count // 2, -1, -count]
+    indices = [layer % (count + 1) for layer in layers]
+    sequences = SEQUENCES[which]
+    answer = client.layer_embeddings(sequences, layers, ["mean", "bos", "max", "per_tok"])
+    assert answer["embeddings"].shape == (len(sequences), len(layers), loaded.hidden_size)
+    errors = {"hiddens": 0.0, "mean": 0.0, "max": 0.0, "bos": 0.0}
+    for row, sequence in enumerate(sequences):
+        states, residues = reference_states(loaded, reference, sequence)
+        states = states[indices]
+        tokens = states.shape[1]
+        assert answer["mask"][row, :tokens].tolist() == residues.tolist() and not answer["mask"][row, tokens:].any()
+        served_states = answer["hiddens"][row, :, :tokens]
+        assert not answer["hiddens"][row, :, tokens:].any()
+        kept = states[:, residues]
+        found = {"hiddens": np.abs(served_states - states).max(),
+                 "mean": np.abs(answer["embeddings"][row] - kept.mean(1)).max(),
+                 "max": np.abs(answer["embeddings_max"][row] - kept.max(1)).max(),
+                 "bos": np.abs(answer["embeddings_bos"][row] - states[:, 0]).max()}
+        errors = {name: max(errors[name], float(value)) for name, value in found.items()}
+        assert states.std() > 0.01
+    print(f"{which}: max abs errors {errors}")
+    assert max(errors.values()) <= ATOL, errors
+
+
+def test_the_default_request_answers_the_last_layers_mean_as_n_embeddings(served):
+    which, _, _, _, _, client, _, _ = served
+    sequences = SEQUENCES[which]
+    answer = client.ask("layers", sequences)  # no layers, no include: every output asked, the mean answered
+    assert set(answer) >= {"embeddings"}
+    embeddings = client.seqs_to_embedding(sequences)
+    assert answer["embeddings"].shape == (len(sequences), 1, embeddings.shape[1])
+    assert np.abs(answer["embeddings"][:, 0] - embeddings).max() <= 1e-5
+    hiddens, mask = client.seqs_to_hidden(sequences)
+    last = client.layer_embeddings(sequences, [-1], ["per_tok"])
+    assert np.abs(last["hiddens"][:, 0] - hiddens).max() <= 1e-5 and np.array_equal(last["mask"], mask)
+
+
+def _infer(url: str, sequences: list[str], layers: list[int] | None = None, include: list[str] | None = None):
+    """One plain gRPC request to N_layers: ({output: array}, None) or (None, the error)."""
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        inputs = [grpcclient.InferInput("sequences", [len(sequences), 1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([[s.encode()] for s in sequences], dtype=np.object_))
+        if layers is not None:
+            inputs.append(grpcclient.InferInput("layers", [len(sequences), len(layers)], "INT32"))
+            inputs[-1].set_data_from_numpy(np.array([layers] * len(sequences), dtype=np.int32))
+        if include is not None:
+            inputs.append(grpcclient.InferInput("include", [len(sequences), len(include)], "BYTES"))
+            inputs[-1].set_data_from_numpy(np.array([[c.encode() for c in include]] * len(sequences),
+                                                    dtype=np.object_))
+        outputs = [grpcclient.InferRequestedOutput(name) for name in ("embeddings", "embeddings_max")]
+        result = client.infer(f"{NAME}_layers", inputs, outputs=outputs)
+        assert result is not None
+        answered = {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
+        return {name: value for name, value in answered.items() if value is not None}, None
+    except InferenceServerException as err:
+        return None, err
+    finally:
+        client.close()
+
+
+def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value_and_the_range(served):
+    which, _, _, loaded, reference, _, _, url = served
+    if which != "esm2":
+        pytest.skip("the bad requests are the same for every checkpoint")
+    count = loaded.num_layers
+    good = [(["MKTAYIAKQR"], [1], ["mean", "max"]), (["GVE", "MSLKRK"], [-1, 0], None)] * 3
+    bad = {"over": (["GVE"], [count + 1], None), "under": (["GVE"], [-count - 2], None),
+           "unknown": (["GVE"], None, ["mean", "median"]), "character": (["MKZ!"], [1], None)}
+    batch = [*good[:3], *bad.values(), *good[3:]]
+    with ThreadPoolExecutor(len(batch)) as pool:  # together, so the batcher hands several over at once
+        answers = list(pool.map(lambda args: _infer(url, *args), batch))
+    for (sequences, layers, include), (outputs, error) in zip(batch, answers):
+        if (sequences, layers, include) in good:
+            assert error is None, error
+            assert outputs is not None
+            states, residues = reference_states(loaded, reference, sequences[0])
+            expected = states[[layer % (count + 1) for layer in layers or [-1]]][:, residues]
+            np.testing.assert_allclose(outputs["embeddings"][0], expected.mean(1), atol=ATOL)
+            assert ("embeddings_max" in outputs) == (include is not None)
+        else:
+            assert outputs is None and error is not None and error.status() == "StatusCode.INVALID_ARGUMENT"
+    errors = {what: answers[batch.index(args)][1] for what, args in bad.items()}
+    messages = {what: error.message() for what, error in errors.items() if error is not None}
+    allowed = f"this model's layers are 0..{count} (0 the embedding layer's output, {count} the last block's"
+    assert f"input 'layers' value {count + 1} is out of range: {allowed}" in messages["over"]
+    assert f"or -{count + 1}..-1 counted from the end" in messages["over"]
+    assert f"input 'layers' value {-count - 2} is out of range" in messages["under"]
+    assert "input 'include' value 'median' is unknown; choose among mean, bos, max, per_tok" in messages["unknown"]
+    assert "invalid character '!' at position 3" in messages["character"]
+    for message in messages.values():
+        assert "Traceback" not in message and ".py" not in message
+
+
+def test_the_config_says_the_model_has_a_bos_token(served):
+    """ESM's <cls> and BERT's [CLS]: has_bos true (ProtT5's false: tests/export/test_layer_states.py)."""
+    client = served[5]
+    assert client._parameter("layers", "has_bos") == "true"
+    assert int(client._parameter("layers", "num_layers")) == served[3].num_layers
+
+
+def test_the_layer_graph_answers_only_the_layers_asked(served):
+    which, _, _, loaded, _, _, _, url = served
+    if which != "esm2":
+        pytest.skip("the graph model is the same for every checkpoint")
+    encoded = loaded.tokenizer.encode(["MKTAYIAKQR", "GVE"])
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        inputs = []
+        for name in ("input_ids", "attention_mask"):
+            array = np.asarray(getattr(encoded, name), dtype=np.int64)
+            inputs.append(grpcclient.InferInput(name, list(array.shape), "INT64"))
+            inputs[-1].set_data_from_numpy(array)
+        result = client.infer(f"{NAME}_layer_graph", inputs, outputs=[grpcclient.InferRequestedOutput("hiddens_1")])
+        assert result is not None
+        assert [output.name for output in result.get_response().outputs] == ["hiddens_1"]
+        metadata = client.get_model_metadata(f"{NAME}_layer_graph")
+        assert metadata is not None
+        assert [o.name for o in metadata.outputs] == [f"hiddens_{i}" for i in range(loaded.num_layers + 1)]
+    finally:
+        client.close()
+
+
+def test_the_client_raises_the_servers_message(served):
+    which, _, _, loaded, _, client, _, _ = served
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    with pytest.raises(InferenceError, match=rf"input 'layers' value {loaded.num_layers + 1} is out of range"):
+        client.layer_embeddings(["MKT"], [loaded.num_layers + 1])
+
+
+def test_verify_compares_the_served_layers_with_pytorch(served, tmp_path):
+    which, _, checkpoint, _, _, _, server, url = served
+    if which == "rxnfp":
+        pytest.skip("verify's own sample sequences are proteins; rxnfp is compared above")
+    checks = verify_repository(server.model_repository, checkpoint, url=url)
+    layers = [check for check in checks if check.model == f"{NAME}_layers"]
+    assert layers and all(check.passed for check in checks), checks
+    assert max(check.max_abs_error or 0.0 for check in layers) <= ATOL
+    if which == "esm2":  # another checkpoint: the same served answers fail
+        other = save_random_checkpoint("esm2", tmp_path / "other", seed=62)
+        wrong = [check for check in verify_repository(server.model_repository, other, url=url)
+                 if check.model == f"{NAME}_layers"]
+        assert wrong and not any(check.passed for check in wrong)
+
+
+def test_the_dev_server_answers_what_the_repository_serves(served):
+    which, _, checkpoint, loaded, _, client, _, _ = served
+    if which != "esm2":
+        pytest.skip("the same code for every checkpoint")
+    models = DevModels(loaded)
+    assert "layers" in models.tasks
+    sequences = SEQUENCES[which][:2]
+    request = {"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_),
+               "layers": np.array([[0, -1]] * 2, dtype=np.int32),
+               "include": np.array([[b"mean", b"bos", b"per_tok"]] * 2, dtype=np.object_)}
+    (answer,) = models.layers([request])
+    served_answer = client.layer_embeddings(sequences, [0, -1], ["mean", "bos", "per_tok"])
+    assert set(answer) == set(served_answer) == {"embeddings", "embeddings_bos", "hiddens", "mask"}
+    for name in answer:
+        np.testing.assert_allclose(answer[name], served_answer[name], atol=ATOL)
+
+
+def test_client_encode_with_layers_asks_n_layers(served, tmp_path):
+    """`client encode -m N_embeddings --layers ... --include ...` asks the repository's N_layers and
+    writes what it answers; a layer out of range is the server's message and exit status 1."""
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    which, _, _, loaded, _, client, _, url = served
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    out = tmp_path / "layers.npz"
+    sequences = SEQUENCES[which][:2]
+    args = ["client", "encode", "-m", f"{NAME}_embeddings", "--layers", "-1,0", "--include", "mean,bos,per_tok",
+            "--triton-url", url, "--output", str(out)]
+    result = CliRunner().invoke(app, [*args, *(a for s in sequences for a in ("-s", s))])
+    assert result.exit_code == 0, result.output
+    saved = np.load(out)
+    expected = client.layer_embeddings(sequences, [-1, 0], ["mean", "bos", "per_tok"])
+    assert set(saved.files) == set(expected)
+    for name, array in expected.items():
+        np.testing.assert_allclose(saved[name], array, atol=1e-6)
+    # --include alone outside a bulk job: N_layers' last layer
+    maximum = tmp_path / "max.npz"
+    result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_hiddens", "--include", "max", "--triton-url",
+                                      url, "-s", sequences[0], "--output", str(maximum)])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(np.load(maximum)["embeddings_max"], client.layer_embeddings(
+        sequences[:1], [-1], ["max"])["embeddings_max"], atol=1e-6)
+    result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_layers", "--layers",
+                                      str(loaded.num_layers + 1), "--triton-url", url, "-s", "MKT"])
+    assert result.exit_code != 0 and f"value {loaded.num_layers + 1} is out of range" in result.output
+
+
+def test_the_health_probe_answers(served):
+    from bionemo_export.client.triton import TritonClient
+    from bionemo_export.runtime.probes import probe_model, public_models
+
+    which, url = served[0], served[7]
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    with TritonClient(url) as client:
+        assert f"{NAME}_layers" in public_models(client)
+        result = probe_model(client, f"{NAME}_layers")
+    assert result.ok, result.line()
+
+
+def test_a_bulk_job_stores_each_layer_and_pooling(served, tmp_path):
+    """`client encode --input FASTA --output out.h5 --layers 1,-1 --include mean,bos`: the last layer
+    under today's names, layer 1 with a `_layer1` suffix, equal to what N_layers answers; the same
+    columns in Parquet."""
+    import h5py
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    which, _, _, _, _, client, _, url = served
+    if which != "esm2":
+        pytest.skip("the same for every checkpoint")
+    sequences = SEQUENCES[which]
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">s{i}\n{s}\n" for i, s in enumerate(sequences)))
+    expected = client.layer_embeddings(sequences, [1, -1], ["mean", "bos"])
+    for out in (tmp_path / "out.h5", tmp_path / "out.parquet"):
+        result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_embeddings", "-i", str(fasta),
+                                          "--output", str(out), "--layers", "1,-1", "--include", "mean,bos",
+                                          "--triton-url", url])
+        assert result.exit_code == 0, result.output
+        stored: dict[str, np.ndarray]
+        if out.suffix == ".h5":
+            handle: Any
+            with h5py.File(out) as handle:
+                names = ("embeddings", "embeddings_bos", "embeddings_layer1", "embeddings_bos_layer1")
+                stored = {name: np.asarray(handle[name][()]) for name in names}
+                assert "embeddings_max" not in handle and "embedding" not in handle
+        else:
+            table = pq.read_table(out)
+            stored = {name.replace("embedding", "embeddings", 1): np.array(table.column(name).to_pylist())
+                      for name in ("embedding", "embedding_bos", "embedding_layer1", "embedding_bos_layer1")}
+        np.testing.assert_allclose(stored["embeddings"], expected["embeddings"][:, 1], atol=1e-6)
+        np.testing.assert_allclose(stored["embeddings_bos"], expected["embeddings_bos"][:, 1], atol=1e-6)
+        np.testing.assert_allclose(stored["embeddings_layer1"], expected["embeddings"][:, 0], atol=1e-6)
+        np.testing.assert_allclose(stored["embeddings_bos_layer1"], expected["embeddings_bos"][:, 0], atol=1e-6)

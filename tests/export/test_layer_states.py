@@ -1,0 +1,148 @@
+"""Every layer's states (issue 29, item 1) for every encoder family: the layers graph a build exports
+(N_layer_graph's model.onnx, run by ONNX Runtime) against transformers' own
+`output_hidden_states=True` on the same files (ESM-1, ESM C, ProtT5; ESM-2 and the real BERTs are
+served and compared in tests/e2e/test_e2e_layers.py), MegaMolBART's encoder (the project's own
+transformer) against its blocks run by hand, the served logic over the graph for a model without a
+BOS token (ProtT5: `bos` refused), and the encoder graph unchanged by the layers task.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.models import load_checkpoint
+from bionemo_export.serving.layers import LayerEmbeddings
+from bionemo_export.serving.responses import RequestError, Responder
+from bionemo_export.testing.checkpoints import save_random_checkpoint
+from tests.helpers import fake_pb_utils
+
+ATOL = 1e-4
+PROTEINS = ["MKTAYIAKQRQISFVKSHFSRQ", "GVE", "MSLKRKNIALIPAAGIGVRFG"]
+SMILES = ["CC(=O)Oc1ccccc1C(=O)O", "CCO", "c1ccccc1"]
+REFERENCES = {"esm1": lambda path: transformers.EsmModel.from_pretrained(path, add_pooling_layer=False),
+              "esmc": lambda path: transformers.EsmcModel.from_pretrained(path),
+              "prott5": lambda path: transformers.T5EncoderModel.from_pretrained(path, attn_implementation="eager")}
+
+
+def _build(family: str, folder, tasks=("embeddings", "layers")):
+    path = save_random_checkpoint(family, folder / "ck", seed=71)
+    result = build_repository(BuildRequest(family=family, checkpoint=path, name="g", out=folder / "repo",
+                                           backend="python", tasks=tasks, optimize=False, graph_cache=None))
+    return path, result
+
+
+def _session(result):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(result.repository / "g_layer_graph" / "1" / "model.onnx"),
+                                providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("family", list(REFERENCES))
+def test_the_exported_layers_graph_equals_transformers_output_hidden_states(tmp_path, family):
+    path, result = _build(family, tmp_path)
+    loaded = load_checkpoint(path, family)
+    reference = REFERENCES[family](path).eval()
+    encoded = loaded.tokenizer.encode(PROTEINS)
+    names = [f"hiddens_{i}" for i in range(loaded.num_layers + 1)]
+    served = [np.asarray(a) for a in _session(result).run(names, {"input_ids": encoded.input_ids,
+                                                                  "attention_mask": encoded.attention_mask})]
+    with torch.no_grad():
+        expected = reference(input_ids=torch.from_numpy(encoded.input_ids),
+                             attention_mask=torch.from_numpy(encoded.attention_mask),
+                             output_hidden_states=True).hidden_states
+    assert len(expected) == len(served) == loaded.num_layers + 1
+    real = encoded.attention_mask.astype(bool)
+    errors = [float(np.abs(got[real] - want.numpy()[real]).max()) for got, want in zip(served, expected)]
+    print(f"{family}: max abs error per layer {errors}")
+    assert max(errors) <= ATOL, errors
+    # ESM's numbering: the last layer is the encoder's hiddens (after the final layer norm).
+    with torch.no_grad():
+        hiddens, _ = loaded.encoder(*(torch.from_numpy(a) for a in (encoded.input_ids, encoded.attention_mask,
+                                                                     encoded.residue_mask)))
+    assert np.abs(served[-1][real] - hiddens.numpy()[real]).max() <= 1e-5
+
+
+def test_megamolbarts_encoder_layers_are_its_blocks(tmp_path):
+    path, result = _build("megamolbart", tmp_path, tasks=("embeddings", "decodes", "layers"))
+    loaded = load_checkpoint(path, "megamolbart")
+    model = cast(Any, loaded.encoder).model  # the project's own transformer: its blocks run here one by one
+    encoded = loaded.tokenizer.encode(SMILES)
+    ids, mask = torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask)
+    with torch.no_grad():
+        x = model.embedding(ids)
+        expected = [x]
+        for layer in model.encoder.layers:
+            x = layer(x, mask.bool()[:, None, None, :])
+            expected.append(x)
+        expected[-1] = model.encoder.final_layernorm(x)
+        hiddens = model.encode(ids, mask)
+    served = [np.asarray(a) for a in _session(result).run([f"hiddens_{i}" for i in range(len(expected))], {
+        "input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask})]
+    real = encoded.attention_mask.astype(bool)
+    errors = [float(np.abs(got[real] - want.numpy()[real]).max()) for got, want in zip(served, expected)]
+    assert max(errors) <= ATOL, errors
+    assert np.abs(served[-1][real] - hiddens.numpy()[real]).max() <= 1e-5
+    # SMILES rows start with their first token (no begin token before the encoder): no bos
+    assert 'key: "has_bos"\n  value {\n    string_value: "false"' in \
+        (result.repository / "g_layers" / "config.pbtxt").read_text()
+
+
+def test_prott5_has_no_bos_and_the_served_logic_refuses_it(tmp_path, monkeypatch):
+    """ProtT5's rows start with a residue: the build writes has_bos false, and N_layers' logic over
+    the exported graph answers mean and max but refuses bos, naming why."""
+    fake_pb_utils.install(monkeypatch)
+    path, result = _build("prott5", tmp_path)
+    loaded = load_checkpoint(path, "prott5")
+    assert 'key: "has_bos"\n  value {\n    string_value: "false"' in \
+        (result.repository / "g_layers" / "config.pbtxt").read_text()
+    session = _session(result)
+
+    def run(input_ids, attention_mask, layers):
+        return [np.asarray(a) for a in session.run([f"hiddens_{i}" for i in layers],
+                                                   {"input_ids": input_ids, "attention_mask": attention_mask})]
+
+    model = LayerEmbeddings(loaded.tokenizer, run, num_layers=loaded.num_layers, has_bos=False, token_budget=4096,
+                            max_rows=8, responder=Responder("g_layers"))
+    column = np.array([[s.encode()] for s in PROTEINS], dtype=np.object_)
+    answers, failures = model.answer([
+        {"sequences": column, "layers": np.array([[1, -1]] * 3, dtype=np.int32),
+         "include": np.array([[b"mean", b"max"]] * 3, dtype=np.object_)},
+        {"sequences": column[:1], "include": np.array([[b"bos"]], dtype=np.object_)}])
+    assert isinstance(failures[1], RequestError) and "as in ProtT5" in str(failures[1])
+    reference = REFERENCES["prott5"](path).eval()
+    for row, sequence in enumerate(PROTEINS):
+        encoded = loaded.tokenizer.encode([sequence])
+        with torch.no_grad():
+            states = torch.stack(reference(input_ids=torch.from_numpy(encoded.input_ids),
+                                           attention_mask=torch.from_numpy(encoded.attention_mask),
+                                           output_hidden_states=True).hidden_states)[[1, -1], 0].numpy()
+        residues = states[:, encoded.residue_mask[0].astype(bool)]
+        assert np.abs(answers[0]["embeddings"][row] - residues.mean(1)).max() <= ATOL
+        assert np.abs(answers[0]["embeddings_max"][row] - residues.max(1)).max() <= ATOL
+
+
+def test_layers_are_built_only_when_named_and_leave_the_encoder_graph_as_it_was(tmp_path):
+    path = save_random_checkpoint("esm2", tmp_path / "ck", seed=72)
+    default = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "default",
+                                            backend="python", graph_cache=None, optimize=False))
+    named = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "named",
+                                          backend="python", tasks=("embeddings", "hiddens", "layers"),
+                                          graph_cache=None, optimize=False))
+    assert "layers" not in default.manifest.tasks and "d_layers" not in default.models
+    assert {"d_layer_graph", "d_layers"} <= set(named.models)
+
+    def digest(repository):
+        return hashlib.sha256((repository / "d_encoder" / "1" / "model.onnx").read_bytes()).hexdigest()
+
+    assert digest(default.repository) == digest(named.repository)
+    records = named.manifest.verification["graphs"]["layers"]["outputs"]
+    assert [r["name"] for r in records] == ["hiddens_0", "hiddens_1", "hiddens_2"]
+    assert all(r["passed"] and r["max_abs_error"] <= 1e-4 for r in records)
