@@ -1,6 +1,6 @@
 """Every layer's states (issue 29, item 1) for every encoder family: the layers graph a build exports
 (N_layer_graph's model.onnx, run by ONNX Runtime) against transformers' own
-`output_hidden_states=True` on the same files (ESM-1, ESM C, ProtT5; ESM-2 and the real BERTs are
+`output_hidden_states=True` on the same files (ESM-1, ESM C, SaProt, ProtT5; ESM-2 and the real BERTs are
 served and compared in tests/e2e/test_e2e_layers.py), MegaMolBART's encoder (the project's own
 transformer) against its blocks run by hand, the served logic over the graph for a model without a
 BOS token (ProtT5: `bos` refused), and the encoder graph unchanged by the layers task.
@@ -28,6 +28,7 @@ PROTEINS = ["MKTAYIAKQRQISFVKSHFSRQ", "GVE", "MSLKRKNIALIPAAGIGVRFG"]
 SMILES = ["CC(=O)Oc1ccccc1C(=O)O", "CCO", "c1ccccc1"]
 REFERENCES = {"esm1": lambda path: transformers.EsmModel.from_pretrained(path, add_pooling_layer=False),
               "esmc": lambda path: transformers.EsmcModel.from_pretrained(path),
+              "saprot": lambda path: transformers.EsmModel.from_pretrained(path, add_pooling_layer=False),
               "prott5": lambda path: transformers.T5EncoderModel.from_pretrained(path, attn_implementation="eager")}
 
 
