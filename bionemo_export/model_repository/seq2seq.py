@@ -185,7 +185,7 @@ def plan_seq2seq_repository(
                      "max_source_length": str(tokenizer.max_length)}
     files = _generation_files(tokenizer)
     graph_callees: tuple[str, ...] = (context["cross_kv_model"], context["step_model"])
-    if options.fused:
+    if options.fused and decoding:
         # The decode loops run the decoder graphs themselves (serving/decoding.py, LocalDecoder):
         # one ONNX Runtime call per step instead of a BLS round trip that copies the key/value cache
         # through shared memory; each graph in its own folder, so its external data keeps its name.

@@ -318,3 +318,20 @@ def test_trained_model_reconstructs_smiles(trained, record_property):
     record_property("training_seconds", round(seconds, 1))
     print(f"trained in {seconds:.1f} s; reconstructed: {rates}")
     assert DRUGS[0] in train and rates["train"] >= 0.9 and rates["held_out"] >= 0.8, rates
+
+
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_an_encoder_only_build_plans_no_decoder_graphs(tmp_path, backend):
+    """--tasks embeddings,hiddens exports the encoder alone; the repository (fused Python layout, or
+    Triton's ONNX Runtime) neither needs nor names the decoder graphs (a fused build once failed with
+    KeyError 'cross_kv' looking for them)."""
+    from bionemo_export.build import BuildRequest, build_repository
+    from bionemo_export.model_repository.consistency import check_repository
+
+    checkpoint = save_random_checkpoint("megamolbart", tmp_path / "checkpoint", seed=5)  # the e2e modules' seed
+    result = build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name="m", out=tmp_path / "repo",
+                                           backend=backend, tasks=("embeddings", "hiddens"), optimize=False))
+    assert set(result.manifest.export) == {"encoder"}
+    assert {"m_embeddings", "m_hiddens"} <= set(result.models)
+    assert not any("cross_kv" in path.name or "decoder_step" in path.name for path in result.repository.rglob("*"))
+    assert check_repository(result.repository) == []
