@@ -45,7 +45,7 @@ def served(request, tmp_path_factory, triton_install):
     which = request.param
     work = tmp_path_factory.mktemp(which)
     if which == "esm2":
-        family, checkpoint = "esm2", save_random_checkpoint("esm2", work / "checkpoint", seed=61)
+        family, checkpoint = "esm2", save_random_checkpoint("esm2", work / "checkpoint", seed=0)
         reference = transformers.EsmModel.from_pretrained(checkpoint, add_pooling_layer=False).eval()
     else:
         family = "bert"
@@ -135,10 +135,9 @@ def _infer(url: str, sequences: list[str], layers: list[int] | None = None, incl
         client.close()
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value_and_the_range(served):
     which, _, _, loaded, reference, _, _, url = served
-    if which != "esm2":
-        pytest.skip("the bad requests are the same for every checkpoint")
     count = loaded.num_layers
     good = [(["MKTAYIAKQR"], [1], ["mean", "max"]), (["GVE", "MSLKRK"], [-1, 0], None)] * 3
     bad = {"over": (["GVE"], [count + 1], None), "under": (["GVE"], [-count - 2], None),
@@ -175,10 +174,9 @@ def test_the_config_says_the_model_has_a_bos_token(served):
     assert int(client._parameter("layers", "num_layers")) == served[3].num_layers
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_the_layer_graph_answers_only_the_layers_asked(served):
     which, _, _, loaded, _, _, _, url = served
-    if which != "esm2":
-        pytest.skip("the graph model is the same for every checkpoint")
     encoded = loaded.tokenizer.encode(["MKTAYIAKQR", "GVE"])
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
     try:
@@ -197,18 +195,16 @@ def test_the_layer_graph_answers_only_the_layers_asked(served):
         client.close()
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_the_client_raises_the_servers_message(served):
     which, _, _, loaded, _, client, _, _ = served
-    if which != "esm2":
-        pytest.skip("the same for every checkpoint")
     with pytest.raises(InferenceError, match=rf"input 'layers' value {loaded.num_layers + 1} is out of range"):
         client.layer_embeddings(["MKT"], [loaded.num_layers + 1])
 
 
+@pytest.mark.parametrize("served", ["esm2", "antiberty"], indirect=True)  # verify samples proteins
 def test_verify_compares_the_served_layers_with_pytorch(served, tmp_path):
     which, _, checkpoint, _, _, _, server, url = served
-    if which == "rxnfp":
-        pytest.skip("verify's own sample sequences are proteins; rxnfp is compared above")
     checks = verify_repository(server.model_repository, checkpoint, url=url)
     layers = [check for check in checks if check.model == f"{NAME}_layers"]
     assert layers and all(check.passed for check in checks), checks
@@ -220,10 +216,9 @@ def test_verify_compares_the_served_layers_with_pytorch(served, tmp_path):
         assert wrong and not any(check.passed for check in wrong)
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_the_dev_server_answers_what_the_repository_serves(served):
     which, _, checkpoint, loaded, _, client, _, _ = served
-    if which != "esm2":
-        pytest.skip("the same code for every checkpoint")
     models = DevModels(loaded)
     assert "layers" in models.tasks
     sequences = SEQUENCES[which][:2]
@@ -237,6 +232,7 @@ def test_the_dev_server_answers_what_the_repository_serves(served):
         np.testing.assert_allclose(answer[name], served_answer[name], atol=ATOL)
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_client_encode_with_layers_asks_n_layers(served, tmp_path):
     """`client encode -m N_embeddings --layers ... --include ...` asks the repository's N_layers and
     writes what it answers; a layer out of range is the server's message and exit status 1."""
@@ -245,8 +241,6 @@ def test_client_encode_with_layers_asks_n_layers(served, tmp_path):
     from bionemo_export.cli.main import app
 
     which, _, _, loaded, _, client, _, url = served
-    if which != "esm2":
-        pytest.skip("the same for every checkpoint")
     out = tmp_path / "layers.npz"
     sequences = SEQUENCES[which][:2]
     args = ["client", "encode", "-m", f"{NAME}_embeddings", "--layers", "-1,0", "--include", "mean,bos,per_tok",
@@ -270,19 +264,19 @@ def test_client_encode_with_layers_asks_n_layers(served, tmp_path):
     assert result.exit_code != 0 and f"value {loaded.num_layers + 1} is out of range" in result.output
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_the_health_probe_answers(served):
     from bionemo_export.client.triton import TritonClient
     from bionemo_export.runtime.probes import probe_model, public_models
 
-    which, url = served[0], served[7]
-    if which != "esm2":
-        pytest.skip("the same for every checkpoint")
+    url = served[7]
     with TritonClient(url) as client:
         assert f"{NAME}_layers" in public_models(client)
         result = probe_model(client, f"{NAME}_layers")
     assert result.ok, result.line()
 
 
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_a_bulk_job_stores_each_layer_and_pooling(served, tmp_path):
     """`client encode --input FASTA --output out.h5 --layers 1,-1 --include mean,bos`: the last layer
     under today's names, layer 1 with a `_layer1` suffix, equal to what N_layers answers; the same
@@ -294,8 +288,6 @@ def test_a_bulk_job_stores_each_layer_and_pooling(served, tmp_path):
     from bionemo_export.cli.main import app
 
     which, _, _, _, _, client, _, url = served
-    if which != "esm2":
-        pytest.skip("the same for every checkpoint")
     sequences = SEQUENCES[which]
     fasta = tmp_path / "in.fasta"
     fasta.write_text("".join(f">s{i}\n{s}\n" for i, s in enumerate(sequences)))
