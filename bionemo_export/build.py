@@ -31,6 +31,7 @@ from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.generation.reference import decoder_check_batches
+from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
 from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
 from bionemo_export.model_repository.consistency import check_repository
@@ -310,6 +311,11 @@ MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
                               f"with their -contact-regression.pt beside them): it cannot serve {', '.join(names)}; "
                               "build "
                               f"{_other_tasks(loaded)} from it, or give a checkpoint with the head"),
+    Requirement.ATTENTION_PROBABILITIES: (
+        lambda loaded, names: f"{loaded.checkpoint} is read into the project's own transformer "
+                              f"({loaded.description.get('architecture', 'its Megatron layout')}), whose fused "
+                              f"attention answers no probabilities: it cannot serve {', '.join(names)}; build "
+                              f"{_other_tasks(loaded)} from it, or give the model as a Hugging Face directory"),
     Requirement.ONE_CHARACTER_RESIDUES: (
         lambda loaded, names: f"{loaded.checkpoint}: {', '.join(names)} need one character per residue and a mask "
                               f"token; this model's alphabet is {', '.join(loaded.alphabet[:8])}...: build logits "
@@ -430,6 +436,11 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
     # on the real tokens (attention_mask), like the encoder's hiddens.
     Graph.LAYERS: GraphExport(lambda loaded, batches: (loaded.layer_states, LAYER_INPUTS, loaded.layer_outputs,
                                                        batches)),
+    # The encoder again with eager attention, every block's probabilities as separate outputs
+    # (attentions_1 .. attentions_N). [B, heads, T, T] compared whole: padded query rows hold the
+    # softmax over the real keys, in both.
+    Graph.ATTENTIONS: GraphExport(lambda loaded, batches: (loaded.attention_maps, LAYER_INPUTS,
+                                                           loaded.attention_outputs, batches), mask_input=""),
 }
 """How each graph a task entry names is exported, in the order a build exports them."""
 
@@ -725,10 +736,17 @@ def _plan_layers(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, .
                              options=serving, graph=graph)
 
 
+def _plan_attentions(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
+                     graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
+    graph = AttentionGraph(graphs["attentions"].files, num_layers=loaded.num_layers, num_heads=loaded.num_heads)
+    return plan_attention_models(request.name, family=loaded.family.name, tokenizer=loaded.tokenizer, tasks=tasks,
+                                 options=serving, graph=graph)
+
+
 Planner = Callable[[BuildRequest, LoadedModel, tuple[str, ...], ServingOptions, dict[str, ExportedGraph]],
                    list[ModelPlan]]
 PLANNERS: dict[str, Planner] = {"encoder": _plan_encoder, "seq2seq": _plan_seq2seq, "masked_lm": _plan_masked_lm,
                                 "classifier": _plan_classifier, "contacts": _plan_contacts,
-                                "layers": _plan_layers}
+                                "layers": _plan_layers, "attentions": _plan_attentions}
 """Each task entry's `planner` by name: the function that plans its models from the exported
 graphs (model_repository/). encoder or seq2seq plans the repository; the others add to it."""

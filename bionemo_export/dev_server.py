@@ -8,7 +8,8 @@ models, with the same tensors, as a repository built from that checkpoint with `
 scored by the repository's own serving/scoring.py); with a fine-tuned head `N_predictions`
 (labels named by serving/labels.py); with ESM's contact head `N_contacts` (serving/contacts.py's checks and
 batching over the PyTorch head); `N_layers` (serving/layers.py's choices and pooling over the PyTorch
-encoder's every layer). Any client can be pointed at either and gets the same answers (the
+encoder's every layer); `N_attentions` for transformers encoders (serving/attentions.py's choices and
+limit over the eager twin's probabilities). Any client can be pointed at either and gets the same answers (the
 encoder within the family's tolerance, decodes and seeded samples equal), because both use the
 package's tokenizers and its one decoding and sampling implementation (generation/search.py with
 SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
@@ -42,15 +43,17 @@ from bionemo_export.generation.reference import TorchDecoder, encode_hiddens
 from bionemo_export.generation.search import LIMITS, generate, greedy
 from bionemo_export.model_repository.options import GenerationLimits
 from bionemo_export.models.base import LoadedModel
+from bionemo_export.serving.attentions import AttentionWeights
 from bionemo_export.serving.batching import stack_padded
-from bionemo_export.serving.contacts import DEFAULT_PAIR_BUDGET, ContactMaps
+from bionemo_export.serving.contacts import ContactMaps
 from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.layers import DEFAULT_TOKEN_BUDGET, LayerEmbeddings, has_bos_token
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.responses import Responder
+from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET, RowModel
 from bionemo_export.serving.scores import structure_reader
 from bionemo_export.serving.scoring import plan_request
-from bionemo_export.tasks import TASKS
+from bionemo_export.tasks import DEFAULT_MAX_ATTENTION_VALUES, TASKS
 from bionemo_export.tensors import DType
 
 MAX_BATCH_SIZE = 10
@@ -70,6 +73,17 @@ class Binding:
     inputs: list[tuple[str, Any, tuple[int, ...], bool]]
     """(name, dtype, shape without the batch axis, optional)."""
     outputs: list[tuple[str, Any, tuple[int, ...]]]
+
+
+def _answer_rows(model: RowModel, requests: Requests) -> list[dict[str, np.ndarray]]:
+    """A repository row model's (serving/row_calls.py) answers to a PyTriton batch: its inputs as
+    the requests hold them (PyTriton's Request is no Mapping: an optional input left out is absent).
+    PyTriton fails the whole batch with one error, so the first failure is raised."""
+    answers, failures = model.answer([{name: np.asarray(request[name]) for name in model.inputs if name in request}
+                                      for request in requests])
+    if failures:
+        raise next(iter(failures.values()))
+    return [answers[i] for i in range(len(requests))]
 
 
 @dataclass
@@ -171,12 +185,8 @@ class DevModels:
 
         tokenizer = self.loaded.tokenizer
         limit = getattr(tokenizer, "max_residues", tokenizer.max_length - 2)
-        maps = ContactMaps(tokenizer, run, max_residues=limit, pair_budget=DEFAULT_PAIR_BUDGET,
-                           max_rows=MAX_BATCH_SIZE, responder=Responder("contacts"))
-        answers, failures = maps.answer([np.asarray(request["sequences"]) for request in requests])
-        if failures:  # PyTriton fails the batch with the first error
-            raise next(iter(failures.values()))
-        return [{"contacts": contacts, "mask": mask} for contacts, mask in (answers[i] for i in range(len(requests)))]
+        return _answer_rows(ContactMaps(tokenizer, run, max_residues=limit, pair_budget=DEFAULT_PAIR_BUDGET,
+                                        max_rows=MAX_BATCH_SIZE, responder=Responder("contacts")), requests)
 
     def layers(self, requests: Requests) -> list[dict[str, np.ndarray]]:
         """Any layers' states and poolings from the PyTorch encoder (every layer's states, as
@@ -191,16 +201,25 @@ class DevModels:
 
         tokenizer = self.loaded.tokenizer
         has_bos = has_bos_token(tokenizer, self.loaded.family.sample_sequences()[0])
-        model = LayerEmbeddings(tokenizer, run, num_layers=self.loaded.num_layers, has_bos=has_bos,
-                                token_budget=DEFAULT_TOKEN_BUDGET, max_rows=MAX_BATCH_SIZE,
-                                responder=Responder("layers"))
-        # PyTriton's Request is no Mapping (no .get); an optional input left out is absent.
-        names = ("sequences", "layers", "include")
-        answers, failures = model.answer([{name: np.asarray(request[name]) for name in names if name in request}
-                                          for request in requests])
-        if failures:  # PyTriton fails the batch with the first error
-            raise next(iter(failures.values()))
-        return [answers[i] for i in range(len(requests))]
+        return _answer_rows(LayerEmbeddings(tokenizer, run, num_layers=self.loaded.num_layers, has_bos=has_bos,
+                                            token_budget=DEFAULT_TOKEN_BUDGET, max_rows=MAX_BATCH_SIZE,
+                                            responder=Responder("layers")), requests)
+
+    def attentions(self, requests: Requests) -> list[dict[str, np.ndarray]]:
+        """Chosen blocks' and heads' attention probabilities from the PyTorch encoder's eager twin
+        (transformers' output_attentions), the choices and the size limit checked, batched and
+        assembled by the repository's own module (serving/attentions.py: the same messages)."""
+        maps = self.loaded.attention_maps
+
+        def run(input_ids: np.ndarray, attention_mask: np.ndarray, layers) -> list[np.ndarray]:
+            with torch.inference_mode():
+                every = maps(torch.from_numpy(input_ids), torch.from_numpy(attention_mask))
+            return [every[layer - 1].numpy() for layer in layers]
+
+        return _answer_rows(AttentionWeights(self.loaded.tokenizer, run, num_layers=self.loaded.num_layers,
+                                             num_heads=self.loaded.num_heads, max_values=DEFAULT_MAX_ATTENTION_VALUES,
+                                             pair_budget=DEFAULT_PAIR_BUDGET, max_rows=MAX_BATCH_SIZE,
+                                             responder=Responder("attentions")), requests)
 
     def _lm_head(self) -> torch.nn.Module:
         """The masked-LM head (logits and scores are bound only where the checkpoint has one)."""

@@ -39,6 +39,9 @@ class Requirement(str, Enum):
     """A fine-tuned head (LoadedModel.classifier)."""
     CONTACT_HEAD = "contact_head"
     """ESM's contact head over every layer's attention (LoadedModel.contacts)."""
+    ATTENTION_PROBABILITIES = "attention_probabilities"
+    """A transformers backbone, whose eager attention answers its probabilities
+    (LoadedModel.returns_attentions); the project's own transformer does not."""
 
 
 class Graph(str, Enum):
@@ -55,6 +58,9 @@ class Graph(str, Enum):
     LAYERS = "layers"
     """The encoder again, answering every layer's hidden states as separate outputs (hiddens_0 ..
     hiddens_N): a caller fetches only the layers it names (the encoder graph is not changed)."""
+    ATTENTIONS = "attentions"
+    """The encoder again, answering every block's attention probabilities as separate outputs
+    (attentions_1 .. attentions_N): a caller fetches only the blocks it names."""
 
 
 class Instances(str, Enum):
@@ -163,6 +169,9 @@ SCORING_METHODS = ("wt-marginal", "masked-marginal", "variant-masked", "pll")
 SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
 LAYER_INCLUDE = ("mean", "bos", "max", "per_tok")
 """N_layers' `include` choices (serving/layers.py INCLUDE_CHOICES)."""
+DEFAULT_MAX_ATTENTION_VALUES = 1 << 24
+"""N_attentions' answer limit by default (its `max_attention_values` parameter): 16,777,216
+values, 64 MiB of FP32 per request (serving/attentions.py)."""
 LAYER_OUTPUTS = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
 """N_layers' output of each pooling (serving/layers.py POOLED_OUTPUTS); per_tok answers hiddens and mask."""
 
@@ -290,6 +299,31 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                 "N_layers asks N_layer_graph for the requested layers only, so the others never cross shared "
                 "memory; the graph still runs every block (ONNX Runtime does not prune a graph per request), "
                 "so a middle layer costs what the last does, not less.")),
+    Task("attentions", "attention probabilities of chosen blocks and heads (transformers' output_attentions)",
+         (SEQUENCES,
+          TensorSpec("layers", DType.INT32, (-1,), doc="the blocks, the same on every row: 1..N (block i's attention; "
+                     "0, the embedding layer, has none), negative counted from the end; answered in this order",
+                     default=-1, optional=True, ragged=True),
+          TensorSpec("heads", DType.INT32, (-1,), doc="the heads, the same on every row: 0..heads-1, negative counted "
+                     "from the end; answered in this order (default: every head)", optional=True, ragged=True)),
+         (TensorSpec("attentions", DType.FP32, (-1, -1, -1, -1), doc="[layers, heads, T, T] softmax probabilities, "
+                     "query rows and key columns laid out as N_hiddens' tokens (BOS and EOS included), 0 past the "
+                     "sequence's own tokens"),
+          MASK),
+         role="attentions", planner="attentions", check="attentions", graphs=(Graph.ATTENTIONS,),
+         requires=(Requirement.ATTENTION_PROBABILITIES,), role_defaults=RoleDefaults(Instances.ONE, batched=True),
+         client_method="attention_maps", by_default=False,
+         notes=("Built only when named (`--tasks ...,attentions`): its graph (`N_attention_graph`, every block's "
+                "probabilities as separate outputs) holds a second copy of every weight of the encoder; the "
+                "encoder's graph keeps its fused attention.",
+                "A request's answer is rows x layers x heads x T^2 values; beyond the config's "
+                f"`max_attention_values` parameter (default {DEFAULT_MAX_ATTENTION_VALUES:,}, 64 MiB) it fails "
+                "alone with INVALID_ARGUMENT naming the size and the limit: ask for fewer blocks or heads. A "
+                "block outside -N..-1, 1..N or a head outside -heads..heads-1 fails the same way, naming the "
+                "range (the config's `num_layers` and `num_heads` parameters).",
+                "N_attentions asks N_attention_graph for the requested blocks only; the graph still computes "
+                "every block's probabilities (eager attention), so one block costs what all do to compute, "
+                "not to ship.")),
 )}
 """Every served task by name, in the order the docs list them."""
 
@@ -319,7 +353,8 @@ REQUIREMENTS = {Requirement.ENCODER: "every family", Requirement.DECODER: "encod
                 Requirement.LM_HEAD: "checkpoints with a masked-LM head",
                 Requirement.ONE_CHARACTER_RESIDUES: "checkpoints with one character per residue and a mask token",
                 Requirement.CLASSIFIER: "checkpoints with a fine-tuned head",
-                Requirement.CONTACT_HEAD: "ESM checkpoints with a contact head"}
+                Requirement.CONTACT_HEAD: "ESM checkpoints with a contact head",
+                Requirement.ATTENTION_PROBABILITIES: "transformers encoders (not the Megatron-layout ones)"}
 """What `Task.requires` means, as the served-API table says it."""
 
 

@@ -360,6 +360,46 @@ def verify_layers(client, loaded, tasks: list[str], batches: list[list[str]], li
     return checks
 
 
+def verify_attentions(client, loaded, tasks: list[str], batches: list[list[str]], limits: tuple[float, float]
+                      ) -> list[TaskCheck]:
+    """attentions: the first, a middle and the last block, every head, of each batch against the
+    PyTorch encoder's eager attention (output_attentions), each sequence's own [T, T] block of
+    every head compared as rows (its padding answers 0 when served)."""
+    import torch
+
+    if "attentions" not in tasks or not loaded.returns_attentions:
+        return []
+    count = loaded.num_layers
+    layers = list(dict.fromkeys([1, max(count // 2, 1), count]))
+    maps = loaded.attention_maps
+    checks = []
+    for batch in batches:
+        encoded = loaded.tokenizer.encode(batch)
+        with torch.no_grad():
+            every = maps(torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask))
+        want = np.stack([every[layer - 1].numpy() for layer in layers], axis=1)  # [B, K, heads, T, T]
+        served = client.attention_maps(batch, layers)
+        got, mask = served["attentions"], served["mask"]
+        residues = encoded.residue_mask.astype(bool)
+        mask_exact = bool(mask.shape == residues.shape and np.array_equal(mask, residues))
+        if got.shape != want.shape:
+            found = Comparison(float("inf"), float("-inf"), f"served attentions of shape {list(got.shape)}, "
+                               f"expected {list(want.shape)}")
+        else:
+            each = []
+            for row, tokens in enumerate(encoded.attention_mask.sum(axis=1)):
+                n = int(tokens)
+                each.append(compare_outputs(got[row, :, :, :n, :n].reshape(-1, n),
+                                            want[row, :, :, :n, :n].reshape(-1, n)))
+                if np.any(got[row, :, :, n:]) or np.any(got[row, :, :, :, n:]):
+                    each.append(Comparison(float("inf"), float("-inf"), f"row {row}: nonzero past its {n} tokens"))
+            found = Comparison(max(c.max_abs_error for c in each), min(c.min_cosine for c in each),
+                               next((c.problem for c in each if c.problem), None))
+        checks.append(_task_check(client.model("attentions"), batch, found, mask_exact, limits,
+                                  f"blocks {layers}, every head, against output_attentions"))
+    return checks
+
+
 def _task_check(model: str, batch: list[str], found: Comparison, mask_exact: bool | None,
                 limits: tuple[float, float], note: str) -> TaskCheck:
     return TaskCheck(model, _describe(batch), found.max_abs_error, found.min_cosine, mask_exact,
@@ -505,6 +545,8 @@ CHECKS: dict[str, Check] = {
                                                       (served.loaded.family.atol, served.loaded.family.min_cosine)),
     "layers": lambda served, tasks: verify_layers(served.client, served.loaded, tasks, served.batches,
                                                   (served.loaded.family.atol, served.loaded.family.min_cosine)),
+    "attentions": lambda served, tasks: verify_attentions(served.client, served.loaded, tasks, served.batches,
+                                                          (served.loaded.family.atol, served.loaded.family.min_cosine)),
     "decoding": lambda served, tasks: verify_decoding(
         served.client, served.loaded, tasks, served.samples, max_decode_length=served.manifest.max_decode_length,
         precision=served.manifest.precision),

@@ -250,6 +250,31 @@ class RepositoryClient:
 
         return self._strings_in("layers", sequences, outputs, extra)
 
+    # ------------------------------------------------------------------------------ attentions (N_attentions)
+    def attention_maps(self, sequences: Sequences, layers: Sequence[int] = (-1,),
+                       heads: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """Attention probabilities of the blocks `layers` (1..N, -1 the last; transformers'
+        `output_attentions`, block i's at index i-1) and `heads` (0..heads-1; None: every head):
+        {"attentions": FP32 [batch, len(layers), heads, T, T], query rows and key columns laid out as
+        the tokens of seqs_to_hidden (BOS and EOS included, 0 past each sequence's own tokens),
+        "mask": BOOL [batch, T] True on the residues}. A block or head out of range, or an answer
+        over the server's `max_attention_values` parameter, raises InferenceError naming the value
+        and the limit."""
+        layer_values = np.array([int(layer) for layer in layers], dtype=np.int32)
+        head_values = None if heads is None else np.array([int(head) for head in heads], dtype=np.int32)
+        if not len(layer_values) or (head_values is not None and not len(head_values)):
+            raise InvalidInputError(f"layers {layer_values.tolist()}, heads "
+                                    f"{None if head_values is None else head_values.tolist()}: name at least one "
+                                    "block, and at least one head (or heads=None for every head)")
+
+        def extra(rows: np.ndarray, _: int) -> dict[str, np.ndarray]:
+            options = {"layers": np.tile(layer_values, (len(rows), 1))}
+            if head_values is not None:
+                options["heads"] = np.tile(head_values, (len(rows), 1))
+            return options
+
+        return self._strings_in("attentions", sequences, ["attentions", "mask"], extra)
+
     # ------------------------------------------------------------------------------ any task
     def ask(self, task: str, sequences: Sequences) -> dict[str, np.ndarray]:
         """Any task whose one required input is `sequences` (its optional inputs left out): every

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bionemo_export import __version__
-from bionemo_export.serving.contacts import DEFAULT_PAIR_BUDGET
+from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET
 from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
@@ -74,7 +74,7 @@ def contacts_model(name: str, family: str, tokenizer, options: ServingOptions, m
         task, name, role, options.max_batch_size,
         parameters={BLS_MODELS: graph, "graph_model": graph, "max_residues": str(min(max_residues or limit, limit)),
                     "pair_budget": str(pair_budget), "max_rows": str(options.max_batch_size), **tokenizer_parameters},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, "contacts")},
+        files={"model.py": code, **files, **serving_files(*RESPONDING, "row_calls", "contacts")},
         description="public: contacts (Python: tokenizer, BLS to the contact graph)",
     )
 

@@ -78,7 +78,7 @@ def layers_model(name: str, family: str, tokenizer, graph: LayerGraph, options: 
                     "hidden_size": str(graph.hidden_size), "has_bos": "true" if graph.has_bos else "false",
                     "token_budget": str(options.token_budget or DEFAULT_TOKEN_BUDGET),
                     "max_rows": str(options.max_batch_size), **tokenizer_parameters},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, "layers")},
+        files={"model.py": code, **files, **serving_files(*RESPONDING, "row_calls", "layers")},
         description="public: layers (Python: tokenizer, BLS to the layers graph, pooling)",
     )
     return plan

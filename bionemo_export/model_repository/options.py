@@ -26,6 +26,10 @@ Each role (the model it is, for `--name N`): what tunes it.
 - `layer_graph` (`N_layer_graph`: every layer's states, called by BLS, not batched by Triton): instances,
   threads.
 - `layers` (`N_layers`: Python, tokenizes, calls N_layer_graph and pools): instances, dynamic batching.
+- `attention_graph` (`N_attention_graph`: every block's attention probabilities, called by BLS, not
+  batched by Triton): instances, threads.
+- `attentions` (`N_attentions`: Python, tokenizes, calls N_attention_graph and picks the heads):
+  instances, dynamic batching.
 
 Defaults and why (measured on 2-core CPU hosts; see docs/benchmarks.md):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself
@@ -87,7 +91,7 @@ from .backends import BACKENDS, ServingBackend, get_backend
 from .plan import DynamicBatching
 
 INTERNAL_ROLES = ("tokenizer", "encoder", "cross_kv", "decoder_step", "lm_head", "classifier", "labels",
-                  "contact_graph", "layer_graph")
+                  "contact_graph", "layer_graph", "attention_graph")
 """The roles of models no task is served by directly; each task's model plays the task's `role`."""
 AUTO_THREADS = "auto"
 
@@ -304,7 +308,7 @@ class ServingOptions:
                                batching=self.dynamic_batching(), length_bucket=self.length_bucket,
                                token_budget=self.token_budget, max_sub_batch=self.max_sub_batch)
         # called by BLS, batched by their callers
-        if name in ("cross_kv", "decoder_step", "contact_graph", "layer_graph"):
+        if name in ("cross_kv", "decoder_step", "contact_graph", "layer_graph", "attention_graph"):
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads)
         if name in ("lm_head", "classifier"):  # batched like the encoder, whose outputs they take
             return RoleOptions(instances=self.encoder_instances, threads=self.intra_op_threads,

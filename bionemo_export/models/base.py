@@ -31,7 +31,7 @@ from collections.abc import Collection
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.tasks import TASKS, Requirement
@@ -157,7 +157,8 @@ class LoadedModel:
                 Requirement.LM_HEAD: self.lm_head is not None,
                 Requirement.ONE_CHARACTER_RESIDUES: self.serves_scores,
                 Requirement.CLASSIFIER: getattr(self, "classifier", None) is not None,
-                Requirement.CONTACT_HEAD: getattr(self, "contacts", None) is not None}[requirement]
+                Requirement.CONTACT_HEAD: getattr(self, "contacts", None) is not None,
+                Requirement.ATTENTION_PROBABILITIES: self.returns_attentions}[requirement]
 
     def servable(self, tasks: Collection[str] | None = None) -> tuple[str, ...]:
         """Those of `tasks` (default: every task of the table) whose requirements it carries, in the
@@ -194,6 +195,36 @@ class LoadedModel:
         from bionemo_export.models.layer_states import layer_outputs
 
         return layer_outputs(self.num_layers, self.hidden_size)
+
+    @property
+    def returns_attentions(self) -> bool:
+        """Whether the encoder is a transformers backbone, whose eager attention answers its
+        probabilities (models/attention_maps.py); the project's own transformer does not."""
+        from bionemo_export.models.attention_maps import returns_attentions
+
+        backbone = getattr(self.encoder, "backbone", None)
+        return backbone is not None and returns_attentions(backbone)
+
+    @property
+    def attention_maps(self) -> torch.nn.Module:
+        """Every block's attention probabilities over the encoder's weights (models/attention_maps.py):
+        forward(input_ids, attention_mask INT64 [B, T]) -> attentions_1 .. attentions_N FP32
+        [B, heads, T, T]."""
+        from bionemo_export.models.attention_maps import AttentionMaps
+
+        return AttentionMaps(cast(Any, self.encoder).backbone, self.num_layers).eval()
+
+    @property
+    def attention_outputs(self) -> tuple[TensorSpec, ...]:
+        """The attentions graph's outputs: attentions_1 .. attentions_N [batch, heads, length, length]."""
+        from bionemo_export.models.attention_maps import attention_outputs
+
+        return attention_outputs(self.num_layers, self.num_heads)
+
+    @property
+    def num_heads(self) -> int:
+        """The encoder's attention heads per block."""
+        return int(self.description["heads"])
 
     @property
     def classifier_outputs(self) -> tuple[TensorSpec, ...]:

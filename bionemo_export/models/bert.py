@@ -70,7 +70,7 @@ def is_smiles_vocab(vocab: Sequence[str]) -> bool:
 @register
 class BertFamily(HuggingFaceEncoderFamily):
     name = "bert"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers")
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
     """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
     fine-tuned head (build leaves them out otherwise)."""
     description = "BERT language models: protein (AntiBERTy, ProtBert), reaction SMILES (rxnfp); Hugging Face BertModel"

@@ -25,6 +25,7 @@ the contacts graph computes the probabilities, one layer at a time (see ContactP
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -126,12 +127,16 @@ def eager_copy(backbone: torch.nn.Module) -> PreTrainedModel:
     copied, and `backbone` itself is left as it was."""
     config = copy.deepcopy(cast("PreTrainedModel", backbone).config)
     config._attn_implementation = "eager"
+    settings = {}
+    if "add_pooling_layer" in inspect.signature(type(backbone).__init__).parameters:  # ESM, BERT; not T5, ESM C
+        settings["add_pooling_layer"] = getattr(backbone, "pooler", None) is not None
     with torch.device("meta"):  # everything is taken from `backbone` below
-        twin = cast("PreTrainedModel", cast(Any, type(backbone))(config, add_pooling_layer=False))
-    for name, parameter in backbone.named_parameters():
+        twin = cast("PreTrainedModel", cast(Any, type(backbone))(config, **settings))
+    # every name of a tied weight (T5's shared embedding is also encoder.embed_tokens)
+    for name, parameter in backbone.named_parameters(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")
         twin.get_submodule(owner)._parameters[leaf] = parameter
-    for name, buffer in backbone.named_buffers():
+    for name, buffer in backbone.named_buffers(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")
         twin.get_submodule(owner)._buffers[leaf] = buffer
     left = [name for name, tensor in (*twin.named_parameters(), *twin.named_buffers()) if tensor.is_meta]

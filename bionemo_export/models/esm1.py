@@ -47,7 +47,7 @@ ESM1B_MAX_POSITIONS = 1026
 @register
 class Esm1Family(Esm2Family):
     name = "esm1"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "contacts", "layers")
+    tasks = ("embeddings", "hiddens", "logits", "scores", "contacts", "layers", "attentions")
     """contacts: Hugging Face ESM-1b-style directories with the contact head (ESM-1nv archives have none)."""
     classifier_renames = {}
     """No fine-tuned heads read for ESM-1 (docs/models.md's family table); classifier keys are dropped."""

@@ -56,7 +56,7 @@ def esm_classifier_kind(keys: Any) -> str | None:
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "contacts", "layers")
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "contacts", "layers", "attentions")
     """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
     fine-tuned head, contacts where it has the contact head (Hugging Face directories:
     `contact_head.regression`); build leaves them out otherwise."""

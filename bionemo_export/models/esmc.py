@@ -66,7 +66,7 @@ hard limit, --max-length lowers it."""
 @register
 class EsmcFamily(HuggingFaceEncoderFamily):
     name = "esmc"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers")
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
     """logits and scores where the checkpoint has its masked-LM head, predictions where it has a
     fine-tuned head."""
     description = ("ESM C / ESM Cambrian protein language model (pre-norm, QK LayerNorm, rotary, SwiGLU): "

@@ -67,6 +67,7 @@ class ProtT5Family(HuggingFaceEncoderFamily):
                    "T5ForConditionalGeneration; BioNeMo ProtT5nv .nemo)")
     model_type = "t5"
     config_class = transformers.T5Config
+    tasks = ("embeddings", "hiddens", "layers", "attentions")
     backbone_class = transformers.T5EncoderModel
     key_prefix = ""
     unused_prefixes = ("decoder.", "lm_head.")

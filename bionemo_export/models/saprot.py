@@ -93,7 +93,7 @@ class StructureMarginalHead(torch.nn.Module):
 @register
 class SaprotFamily(HuggingFaceEncoderFamily):
     name = "saprot"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers")
+    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
     """logits and scores where the checkpoint has its masked-LM head, predictions where it has a
     fine-tuned head (EsmForSequenceClassification / EsmForTokenClassification)."""
     description = ("SaProt structure-aware protein language model (ESM-2 over residue + Foldseek 3Di tokens): "

@@ -36,9 +36,29 @@ from typing import Any
 import numpy as np
 
 if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, call_model, input_array, triton
+    from bionemo_export.serving.responses import RequestError, Responder, call_model
+    from bionemo_export.serving.row_calls import (
+        Outputs,
+        Row,
+        RowModel,
+        batch_of,
+        integer_option,
+        one_value_per_request,
+        padded_tokens,
+        read_sequences,
+    )
 else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, call_model, input_array, triton
+    from responses import RequestError, Responder, call_model
+    from row_calls import (
+        Outputs,
+        Row,
+        RowModel,
+        batch_of,
+        integer_option,
+        one_value_per_request,
+        padded_tokens,
+        read_sequences,
+    )
 
 POOLINGS = ("mean", "bos", "max")
 """The poolings, in the order they are answered."""
@@ -138,18 +158,6 @@ def pool(states: np.ndarray, mask: np.ndarray, pooling: str) -> np.ndarray:
     raise ValueError(f"unknown pooling {pooling!r}; poolings are {', '.join(POOLINGS)}")
 
 
-def _one_value_per_request(name: str, column: np.ndarray, batch: int) -> np.ndarray:
-    """Row 0 of a [batch, K] option, checked to be the same on every row."""
-    if column.ndim != 2 or column.shape[0] != batch or not column.shape[1]:
-        raise RequestError(f"input '{name}' must have shape [batch, K] = [{batch}, K >= 1] (the same on every row "
-                           f"of 'sequences'), got {list(column.shape)}")
-    for row in range(1, batch):
-        if not np.array_equal(column[row], column[0]):
-            raise RequestError(f"input '{name}' row {row} differs from row 0 ({column[row].tolist()} vs "
-                               f"{column[0].tolist()}): one choice for the whole request")
-    return column[0]
-
-
 def _text(name: str, value: Any) -> str:
     if isinstance(value, bytes):
         try:
@@ -161,141 +169,51 @@ def _text(name: str, value: Any) -> str:
 
 # ---------------------------------------------------------------------------- the model
 @dataclass
-class _Row:
-    request: int
-    row: int
-    ids: np.ndarray
-    """The sequence's tokens, unpadded."""
-    residues: np.ndarray
-    """True on its residues, [len(ids)]."""
-    layers: tuple[int, ...]
-    """The distinct layers its request asks for, sorted."""
-
-
-@dataclass
 class _Asked:
     layers: tuple[int, ...]
     """In the order asked (normalized)."""
     include: tuple[str, ...]
-    rows: int
 
 
-class LayerEmbeddings:
+class LayerEmbeddings(RowModel):
     """The N_layers model: `tokenizer` the repository's (tokenizer.json), `run_graph` N_layer_graph
     (each call answering the layers asked), `num_layers` the encoder's blocks N, `has_bos` whether
     its rows start with a BOS/CLS token, `token_budget` and `max_rows` what one graph call holds."""
+
+    inputs = ("sequences", "layers", "include")
 
     def __init__(self, tokenizer: Any, run_graph: RunGraph, *, num_layers: int, has_bos: bool, token_budget: int,
                  max_rows: int, responder: Responder) -> None:
         self.tokenizer, self.run_graph, self.responder = tokenizer, run_graph, responder
         self.num_layers, self.has_bos = int(num_layers), bool(has_bos)
-        self.token_budget, self.max_rows = max(int(token_budget), 1), max(int(max_rows), 1)
+        self.budget, self.max_rows = max(int(token_budget), 1), max(int(max_rows), 1)
         if self.num_layers < 1:
             raise ValueError(f"parameter num_layers is {self.num_layers}; a model has at least one block")
 
-    def execute(self, requests: Sequence[Any]) -> tuple[list, int]:
-        """(one response per request, bytes of work) for Responder.answer_all."""
-        pb_utils = triton()
-        answers, failures = self.answer([{name: input_array(request, name)
-                                          for name in ("sequences", "layers", "include")} for request in requests])
-        responses, work = [], 0
-        for index in range(len(requests)):
-            if index in failures:
-                responses.append(self.responder.error_response(failures[index]))
-                continue
-            outputs = answers[index]
-            work += sum(value.nbytes for value in outputs.values())
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(name, value)
-                                                         for name, value in outputs.items()]))
-        return responses, work
-
-    def answer(self, requests: Sequence[dict[str, np.ndarray | None]]
-               ) -> tuple[dict[int, dict[str, np.ndarray]], dict[int, BaseException]]:
-        """({request: its outputs by name}, {request: its error}) for the requests' input arrays
-        (`sequences`, and `layers`, `include` or None): a request's bad input, or a failed graph call
-        (the requests of its rows), fails alone."""
-        failures: dict[int, BaseException] = {}
-        asked: dict[int, _Asked] = {}
-        rows: list[_Row] = []
-        for index, inputs in enumerate(requests):
-            try:
-                found, asked[index] = self.read(index, inputs)
-            except Exception as err:  # noqa: BLE001 - this request fails alone
-                failures[index] = err
-                continue
-            rows += found
-        states: dict[tuple[int, int], dict[int, np.ndarray]] = {}
-        for call in self.calls(rows):
-            try:
-                answered = self.run(call)
-            except Exception as err:  # noqa: BLE001 - the requests of this call fail, the others go on
-                failures.update({row.request: err for row in call})
-                continue
-            states.update({(row.request, row.row): row_states for row, row_states in zip(call, answered)})
-        answers = {}
-        for index, request in asked.items():
-            if index not in failures:
-                found = [row for row in rows if row.request == index]
-                answers[index] = self.assemble(request, found, [states[(index, row.row)] for row in found])
-        return answers, failures
-
-    def read(self, index: int, inputs: dict[str, np.ndarray | None]) -> tuple[list[_Row], _Asked]:
-        """The request's rows tokenized and its choices; RequestError (or the tokenizer's error)
-        naming the input and the value."""
-        column = inputs.get("sequences")
-        if column is None or column.ndim != 2 or column.shape[1] != 1 or not column.shape[0]:
-            shape = None if column is None else list(column.shape)
-            raise RequestError(f"input 'sequences' must have shape [batch, 1] with batch >= 1, got {shape}")
-        batch = column.shape[0]
-        layers_column = inputs.get("layers")
-        if layers_column is None:
-            layers = (self.num_layers,)
-        else:
-            values = _one_value_per_request("layers", np.asarray(layers_column), batch)
-            if values.dtype.kind not in "iu":
-                raise RequestError(f"input 'layers' must hold integers (INT32), got {values.dtype}")
-            layers = normalize_layers(values.tolist(), self.num_layers)
+    def read(self, index: int, inputs: dict[str, np.ndarray | None]) -> tuple[list[Row], _Asked]:
+        """The request's rows tokenized (their group: the distinct layers asked) and its choices;
+        RequestError (or the tokenizer's error) naming the input and the value."""
+        batch = batch_of(inputs)
+        values = integer_option("layers", inputs.get("layers"), batch) if batch else None
+        layers = (self.num_layers,) if values is None else normalize_layers(values, self.num_layers)
         include_column = inputs.get("include")
-        if include_column is None:
+        if include_column is None or not batch:
             include = DEFAULT_INCLUDE
         else:
-            values = _one_value_per_request("include", np.asarray(include_column), batch)
-            include = parse_include([_text("include", value) for value in values.tolist()], self.has_bos)
-        sequences = [value if isinstance(value, bytes) else str(value).encode("utf-8") for value in column[:, 0]]
-        encoded = self.tokenizer.encode(sequences)
-        distinct = tuple(sorted(set(layers)))
-        found = []
-        for row in range(batch):
-            tokens = np.asarray(encoded.attention_mask[row]).astype(bool)
-            found.append(_Row(index, row, np.asarray(encoded.input_ids[row])[tokens],
-                              np.asarray(encoded.residue_mask[row]).astype(bool)[tokens], distinct))
-        return found, _Asked(layers, include, batch)
+            chosen = one_value_per_request("include", np.asarray(include_column), batch)
+            include = parse_include([_text("include", value) for value in chosen.tolist()], self.has_bos)
+        rows = read_sequences(self.tokenizer, index, inputs.get("sequences"), tuple(sorted(set(layers))))
+        return rows, _Asked(layers, include)
 
-    def calls(self, rows: list[_Row]) -> list[list[_Row]]:
-        """The rows grouped by the layers they need, sorted by length, cut into graph calls of at
-        most max_rows rows and token_budget tokens (a row alone may exceed the budget)."""
-        calls: list[list[_Row]] = []
-        for row in sorted(rows, key=lambda r: (r.layers, len(r.ids))):
-            if calls:
-                current = calls[-1]
-                longest = max(len(row.ids), len(current[-1].ids))
-                if current[-1].layers == row.layers and len(current) < self.max_rows \
-                        and (len(current) + 1) * longest <= self.token_budget:
-                    current.append(row)
-                    continue
-            calls.append([row])
-        return calls
+    def cost(self, rows: int, longest: int) -> int:
+        """Tokens: rows x padded length."""
+        return rows * longest
 
-    def run(self, call: list[_Row]) -> list[dict[int, np.ndarray]]:
+    def run(self, call: list[Row]) -> list[dict[int, np.ndarray]]:
         """Each row's {layer: states [len(ids), H]} from one graph call over the rows, padded to the
         longest, asking for their layers only."""
-        length = max(len(row.ids) for row in call)
-        layers = call[0].layers
-        input_ids = np.full((len(call), length), self.tokenizer.pad_id, dtype=np.int64)
-        attention_mask = np.zeros((len(call), length), dtype=np.int64)
-        for i, row in enumerate(call):
-            input_ids[i, :len(row.ids)] = row.ids
-            attention_mask[i, :len(row.ids)] = 1
+        input_ids, attention_mask = padded_tokens(call, self.tokenizer.pad_id)
+        length, layers = input_ids.shape[1], call[0].group
         answered = [np.asarray(states, dtype=np.float32) for states in self.run_graph(input_ids, attention_mask,
                                                                                        layers)]
         if len(answered) != len(layers) or any(a.ndim != 3 or a.shape[:2] != (len(call), length) for a in answered):
@@ -304,7 +222,7 @@ class LayerEmbeddings:
         return [{layer: states[i, :len(row.ids)] for layer, states in zip(layers, answered)}
                 for i, row in enumerate(call)]
 
-    def assemble(self, asked: _Asked, rows: list[_Row], states: list[dict[int, np.ndarray]]) -> dict[str, np.ndarray]:
+    def assemble(self, asked: _Asked, rows: list[Row], states: list[dict[int, np.ndarray]]) -> Outputs:
         """One request's outputs: its rows' states of the layers asked, in the order asked."""
         length = max(len(row.ids) for row in rows)
         hidden = next(iter(states[0].values())).shape[-1]
@@ -314,7 +232,7 @@ class LayerEmbeddings:
             for k, layer in enumerate(asked.layers):
                 padded[i, k, :len(row.ids)] = row_states[layer]
             mask[i, :len(row.ids)] = row.residues
-        outputs: dict[str, np.ndarray] = {}
+        outputs: Outputs = {}
         for pooling in POOLINGS:
             if pooling in asked.include:
                 outputs[POOLED_OUTPUTS[pooling]] = pool(padded, mask[:, None, :], pooling)

@@ -327,7 +327,7 @@ def test_fine_tuned_heads_compute_what_transformers_computes(tmp_path, cls):
     folder = save_huggingface(model, tmp_path / "finetuned", saprot_vocabulary())
     loaded = load_checkpoint(folder)
     assert loaded.family.name == "saprot" and loaded.classifier is not None and loaded.lm_head is None
-    assert loaded.servable() == ("embeddings", "hiddens", "predictions", "layers")
+    assert loaded.servable() == ("embeddings", "hiddens", "predictions", "layers", "attentions")
     ids = token_ids(vocab_ids(folder), pairs(WILD_TYPE))
     encoded = loaded.tokenizer.encode([WILD_TYPE])
     assert encoded.input_ids.tolist() == ids.tolist()

@@ -92,7 +92,7 @@ def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones(
         _check_tasks(get_family("esm2"), ("embeddings", "fold"))
     with pytest.raises(BuildError,
                        match=r"family 'esm2' serves embeddings, hiddens, logits, scores, predictions, contacts, "
-                             "layers; not samplings"):
+                             "layers, attentions; not samplings"):
         _check_tasks(get_family("esm2"), ("samplings",))
 
 
