@@ -242,6 +242,9 @@ class InputSpec:
     asks for (ESM's numbering, -1 the last); () leaves them out (the server's default: the last)."""
     include: tuple[str, ...] = ()
     """For a layers model: what every request asks for (mean, bos, max, per_tok); (): the default, mean."""
+    heads: tuple[int, ...] = ()
+    """For an attentions model (N_attentions: optional `layers` and `heads` inputs): the heads every
+    request asks for; (): left out, every head. Its `layers` are the blocks (1..N, -1 the last)."""
 
 
 @dataclass
@@ -278,10 +281,11 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
     # A scores model (tasks.py: N_scores) gets generated variants; its other optional inputs keep their defaults.
     sends_variants = spec.variants > 0 and any(t.name == "variants" and t.optional and t.dtype is DType.BYTES
                                                for t in inputs)
-    # A layers model (tasks.py: N_layers) gets the layers and poolings asked for, the same in every request.
+    # A layers model (tasks.py: N_layers) gets the layers and poolings asked for, an attentions model
+    # (N_attentions) the blocks and heads, the same in every request.
     optional = {t.name for t in inputs if t.optional}
-    choices = {name: values for name, values in (("layers", spec.layers), ("include", spec.include))
-               if values and name in optional}
+    choices = {name: values for name, values in (("layers", spec.layers), ("include", spec.include),
+                                                 ("heads", spec.heads)) if values and name in optional}
     skipped = [t.name for t in inputs if t.optional and not (sends_variants and t.name == "variants")
                and t.name not in choices]
     notes = [f"optional input(s) left out: {', '.join(skipped)}"] if skipped else []
@@ -316,7 +320,7 @@ def generate_inputs(inputs: list[TensorSpec], spec: InputSpec) -> InputData:
                 entry["variants"] = {"content": variants, "shape": [len(variants)]}
             description += f"; {spec.variants} random single substitutions each (variants)"
         for name, values in choices.items():
-            content = [int(v) for v in values] if name == "layers" else [str(v) for v in values]
+            content = [str(v) for v in values] if name == "include" else [int(v) for v in values]
             for entry in entries:
                 entry[name] = {"content": content, "shape": [len(content)]}
             description += f"; {name} {','.join(str(v) for v in content)}"

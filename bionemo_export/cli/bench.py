@@ -82,7 +82,9 @@ def bench(
                                  "none: the model then scores the PLL)."),
     layers: str | None = typer.Option(None, help="Layers models (N_layers): the layers every request asks for, "
                                       "comma-separated (ESM's numbering, e.g. -1 or 0,12,-1; default: left out, "
-                                      "the last)."),
+                                      "the last); attentions models (N_attentions): the blocks (1..N, -1 the last)."),
+    heads: str | None = typer.Option(None, help="Attentions models (N_attentions): the heads every request asks "
+                                     "for, comma-separated (default: left out, every head)."),
     include: str | None = typer.Option(None, help="Layers models (N_layers): what every request asks for, "
                                        "comma-separated: mean, bos, max, per_tok (default: left out, mean)."),
     max_length: int | None = typer.Option(None, help="Clip generated lengths to this (default: the "
@@ -122,12 +124,14 @@ def bench(
             raise ValueError(f"bad --concurrency {concurrency!r}: positive integers, comma-separated")
     except ValueError as err:
         fail(str(err))
-    try:
-        layer_values = tuple(int(v) for v in (layers or "").split(",") if v.strip())
-    except ValueError:
-        fail(f"bad --layers {layers!r}: layer numbers, comma-separated")
+    numbers = {}
+    for option, text in (("--layers", layers), ("--heads", heads)):
+        try:
+            numbers[option] = tuple(int(v) for v in (text or "").split(",") if v.strip())
+        except ValueError:
+            fail(f"bad {option} {text!r}: integers, comma-separated")
     spec = InputSpec(lengths=lengths, file=file, count=count, seed=seed, max_length=max_length,
-                     variants=variants, layers=layer_values,
+                     variants=variants, layers=numbers["--layers"], heads=numbers["--heads"],
                      include=tuple(v.strip() for v in (include or "").split(",") if v.strip()))
     command = _command_line(target, url, model, concurrency, lengths, file, count, seed, max_length, duration,
                             out, compare, compare_model, protocol)

@@ -101,6 +101,9 @@ def repo(
                                             "decoded per sequence, num_samples x beam_size."),
     max_decode_tokens: int = typer.Option(GenerationLimits.max_decode_tokens, help="Decodes/samplings: most tokens "
                                           "of hidden states one decode attends to, rows x hypotheses x length."),
+    max_attention_values: int = typer.Option(ServingOptions.max_attention_values, min=1, help="Attentions: most "
+                                             "values one request's answer holds, rows x blocks x heads x tokens^2 "
+                                             "(N_attentions' config parameter of the same name)."),
     force: bool = typer.Option(False, help="Replace OUT if it exists."),
     graph_cache: Path | None = typer.Option(None, help="A folder of exported graphs to reuse and fill: a rebuild of "
                                             "the same checkpoint with other serving options copies its graphs "
@@ -121,7 +124,7 @@ def repo(
             layout=layout, length_bucket=length_bucket, token_budget=token_budget, max_sub_batch=max_sub_batch,
             decode_instances=decode_instances,
             max_residues=max_residues, window_overlap=window_overlap,
-            sampling_instances=sampling_instances,
+            sampling_instances=sampling_instances, max_attention_values=max_attention_values,
             limits=GenerationLimits(max_num_samples=max_num_samples, max_beam_size=max_beam_size,
                                     max_samples_x_beams=max_samples_x_beams, max_decode_tokens=max_decode_tokens),
         )

@@ -13,7 +13,8 @@ For `--name N`, on top of the encoder models (encoder.py):
                                for the requested blocks only, picks the heads: serving/attentions.py)
 
 The encoder graph (and so N_embeddings, N_hiddens) is not changed. N_attentions' settings are its
-config `parameters`: num_layers, num_heads, max_attention_values, pair_budget, max_rows.
+config `parameters`: num_layers, num_heads, max_attention_values (`--max-attention-values`),
+pair_budget, max_rows.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from bionemo_export import __version__
 from bionemo_export.serving.attentions import attention_output_name
 from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET
-from bionemo_export.tasks import DEFAULT_MAX_ATTENTION_VALUES, TASKS, planned_by
+from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
@@ -63,8 +64,7 @@ def attention_graph_model(name: str, family: str, tokenizer, graph: AttentionGra
                        shapes=shapes, token_inputs={"input_ids": tokenizer.vocab_size})
 
 
-def attentions_model(name: str, family: str, tokenizer, graph: AttentionGraph, options: ServingOptions,
-                     max_values: int = DEFAULT_MAX_ATTENTION_VALUES) -> ModelPlan:
+def attentions_model(name: str, family: str, tokenizer, graph: AttentionGraph, options: ServingOptions) -> ModelPlan:
     """N_attentions: the Python model that tokenizes, calls N_attention_graph through BLS and picks
     the heads."""
     task = TASKS["attentions"]
@@ -76,7 +76,7 @@ def attentions_model(name: str, family: str, tokenizer, graph: AttentionGraph, o
     return ModelPlan.public_python(
         task, name, options.role("attentions"), options.max_batch_size,
         parameters={BLS_MODELS: graph_name, "graph_model": graph_name, "num_layers": str(graph.num_layers),
-                    "num_heads": str(graph.num_heads), "max_attention_values": str(max_values),
+                    "num_heads": str(graph.num_heads), "max_attention_values": str(options.max_attention_values),
                     "pair_budget": str(DEFAULT_PAIR_BUDGET), "max_rows": str(options.max_batch_size),
                     **tokenizer_parameters},
         files={"model.py": code, **files, **serving_files(*RESPONDING, "row_calls", "attentions")},

@@ -85,7 +85,7 @@ from dataclasses import dataclass, field, replace
 
 from bionemo_export.choices import Device, Layout
 from bionemo_export.errors import UserError
-from bionemo_export.tasks import TASKS, Instances
+from bionemo_export.tasks import DEFAULT_MAX_ATTENTION_VALUES, TASKS, Instances
 
 from .backends import BACKENDS, ServingBackend, get_backend
 from .plan import DynamicBatching
@@ -217,6 +217,9 @@ class ServingOptions:
     answers the rest."""
     limits: GenerationLimits = GenerationLimits()
     """Bounds on one decoding request's work (samplings)."""
+    max_attention_values: int = DEFAULT_MAX_ATTENTION_VALUES
+    """N_attentions: the largest answer (rows x blocks x heads x T^2 values) one request gets; its
+    config parameter of the same name."""
     max_queue_delay_microseconds: int = 0
     max_queue_size: int = 64
     """Admission control: most requests waiting for each batched model (encoder, tokenizer, decode

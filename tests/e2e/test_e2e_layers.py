@@ -1,13 +1,15 @@
-"""The layers task (issue 29, items 1, 2, 5, 6) served by a real tritonserver: N_layers of a tiny
+"""The layers and attentions tasks (issue 29) served by a real tritonserver: N_layers of a tiny
 random ESM-2, of the real AntiBERTy (antiberty wheel) and of rxnfp's real reaction-SMILES BERT (rxnfp
 wheel), each built once with the Python backend (without graph optimization), one server per
-checkpoint.
+checkpoint; N_attentions of the ESM-2 and of AntiBERTy.
 
 The reference is transformers' own `output_hidden_states=True` (EsmModel, BertModel loaded from the
 same files), each sequence alone; pooled answers are compared with brute-force numpy pooling of
 those states over the residues. Bad requests sent together with good ones fail alone with
 INVALID_ARGUMENT naming the value and the range; N_layer_graph answers only the layers asked;
 `verify` compares the served layers with PyTorch, and the dev server's answers are the served ones.
+Attentions are compared with transformers' `output_attentions=True` of the same files loaded with
+eager attention, each sequence alone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ SEQUENCES = {
     "rxnfp": ["CC(=O)O.OCC>>CC(=O)OCC", "CCO", "C[C@@H](N)C(=O)O.[Na+].[OH-]>>C[C@@H](N)C(=O)[O-].[Na+]"],
 }
 
+ATTENTIONS = {"esm2": ("attentions",), "antiberty": ("attentions",)}
+"""The builds that also serve N_attentions (a random and a real checkpoint; rxnfp's BERT is AntiBERTy's
+architecture, and each attentions graph is one more export)."""
+
 
 @pytest.fixture(scope="module", params=list(SEQUENCES))
 def served(request, tmp_path_factory, triton_install):
@@ -52,8 +58,8 @@ def served(request, tmp_path_factory, triton_install):
         checkpoint = antiberty_checkpoint() if which == "antiberty" else rxnfp_checkpoint()
         reference = transformers.BertModel.from_pretrained(checkpoint, add_pooling_layer=False).eval()
     result = build_repository(BuildRequest(family=family, checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                           tasks=("embeddings", "hiddens", "layers"), backend="python",
-                                           optimize=False))
+                                           tasks=("embeddings", "hiddens", "layers", *ATTENTIONS.get(which, ())),
+                                           backend="python", optimize=False))
     loaded = load_checkpoint(checkpoint, family)
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
         url = f"grpc://{server.endpoints.grpc_url}"
@@ -208,6 +214,8 @@ def test_verify_compares_the_served_layers_with_pytorch(served, tmp_path):
     checks = verify_repository(server.model_repository, checkpoint, url=url)
     layers = [check for check in checks if check.model == f"{NAME}_layers"]
     assert layers and all(check.passed for check in checks), checks
+    attentions = [check for check in checks if check.model == f"{NAME}_attentions"]
+    assert attentions and max(check.max_abs_error or 0.0 for check in attentions) <= ATOL
     assert max(check.max_abs_error or 0.0 for check in layers) <= ATOL
     if which == "esm2":  # another checkpoint: the same served answers fail
         other = save_random_checkpoint("esm2", tmp_path / "other", seed=62)
@@ -312,3 +320,110 @@ def test_a_bulk_job_stores_each_layer_and_pooling(served, tmp_path):
         np.testing.assert_allclose(stored["embeddings_bos"], expected["embeddings_bos"][:, 1], atol=1e-6)
         np.testing.assert_allclose(stored["embeddings_layer1"], expected["embeddings"][:, 0], atol=1e-6)
         np.testing.assert_allclose(stored["embeddings_bos_layer1"], expected["embeddings_bos"][:, 0], atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- attentions (N_attentions)
+@pytest.mark.parametrize("served", ["esm2", "antiberty"], indirect=True)
+def test_served_attentions_equal_transformers_output_attentions(served):
+    which, result, checkpoint, loaded, reference, client, _, _ = served
+    assert {f"{NAME}_attention_graph", f"{NAME}_attentions"} <= set(result.models)
+    eager = type(reference).from_pretrained(checkpoint, add_pooling_layer=False, attn_implementation="eager").eval()
+    count, heads = loaded.num_layers, loaded.num_heads
+    layers, chosen = [-1, 1, count // 2 + 1], [heads - 1, 0]
+    sequences = SEQUENCES[which]
+    answer = client.attention_maps(sequences, layers, chosen)
+    default = client.attention_maps(sequences)  # the last block, every head
+    error = 0.0
+    for row, sequence in enumerate(sequences):
+        encoded = loaded.tokenizer.encode([sequence])
+        with torch.no_grad():
+            output = eager(input_ids=torch.from_numpy(encoded.input_ids),
+                           attention_mask=torch.from_numpy(encoded.attention_mask), output_attentions=True)
+        expected = torch.stack(output.attentions)[:, 0].numpy()  # [layers, heads, T, T]
+        tokens = expected.shape[-1]
+        got = answer["attentions"][row]
+        assert not got[:, :, tokens:].any() and not got[:, :, :, tokens:].any()
+        want = expected[[layer - 1 if layer > 0 else count + layer for layer in layers]][:, chosen]
+        error = max(error, float(np.abs(got[:, :, :tokens, :tokens] - want).max()),
+                    float(np.abs(default["attentions"][row, 0, :, :tokens, :tokens] - expected[-1]).max()))
+        assert answer["mask"][row, :tokens].tolist() == encoded.residue_mask[0].astype(bool).tolist()
+    print(f"{which}: attentions max abs error {error:.2e}")
+    assert error <= ATOL
+
+
+def _infer_attentions(url: str, sequences: list[str], layers: list[int] | None = None,
+                      heads: list[int] | None = None):
+    """One plain gRPC request to N_attentions: (attentions, None) or (None, the error)."""
+    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        inputs = [grpcclient.InferInput("sequences", [len(sequences), 1], "BYTES")]
+        inputs[0].set_data_from_numpy(np.array([[s.encode()] for s in sequences], dtype=np.object_))
+        for name, values in (("layers", layers), ("heads", heads)):
+            if values is not None:
+                inputs.append(grpcclient.InferInput(name, [len(sequences), len(values)], "INT32"))
+                inputs[-1].set_data_from_numpy(np.array([values] * len(sequences), dtype=np.int32))
+        result = client.infer(f"{NAME}_attentions", inputs)
+        assert result is not None
+        return result.as_numpy("attentions"), None
+    except InferenceServerException as err:
+        return None, err
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
+def test_bad_attention_requests_fail_alone_naming_the_value_the_range_and_the_limit(served):
+    which, _, _, loaded, _, client, _, url = served
+    count, heads = loaded.num_layers, loaded.num_heads
+    good = [(["MKTAYIAKQR"], [1], None), (["GVE", "MSLKRK"], [-1], [0])] * 2
+    # 32 rows x 2 blocks x 4 heads x 302^2 token pairs > the default limit of 2^24 values
+    bad = {"embedding": (["GVE"], [0], None), "over": (["GVE"], [count + 1], None), "head": (["GVE"], None, [heads]),
+           "size": (["M" * 300] * 32, [1, 2], None)}
+    batch = [*good[:2], *bad.values(), *good[2:]]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        answers = list(pool.map(lambda args: _infer_attentions(url, *args), batch))
+    for args, (attentions, error) in zip(batch, answers):
+        if args in good:
+            assert error is None, error
+            assert attentions is not None
+            expected = client.attention_maps(args[0], args[1], args[2])["attentions"]
+            np.testing.assert_allclose(attentions, expected, atol=1e-6)
+        else:
+            assert attentions is None and error is not None and error.status() == "StatusCode.INVALID_ARGUMENT"
+    errors = {what: answers[batch.index(args)][1] for what, args in bad.items()}
+    messages = {what: error.message() for what, error in errors.items() if error is not None}
+    assert "input 'layers' value 0 is the embedding layer, which has no attention" in messages["embedding"]
+    assert f"input 'layers' value {count + 1} is out of range: this model's blocks are 1..{count}" in messages["over"]
+    assert f"input 'heads' value {heads} is out of range: this model's heads are 0..{heads - 1}" in messages["head"]
+    assert (f"the answer would hold {32 * 2 * heads * 302 * 302:,} attention values (32 sequences x 2 blocks x "
+            f"{heads} heads x 302^2 token pairs); this model answers at most 16,777,216 per request (config "
+            "parameter max_attention_values)") in messages["size"]
+    assert client._parameter("attentions", "max_attention_values") == str(1 << 24)
+
+
+@pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
+def test_the_attention_graph_answers_only_the_blocks_asked_and_the_dev_server_agrees(served):
+    which, _, _, loaded, _, client, _, url = served
+    encoded = loaded.tokenizer.encode(["MKTAYIAKQR", "GVE"])
+    grpc = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
+    try:
+        inputs = []
+        for name in ("input_ids", "attention_mask"):
+            array = np.asarray(getattr(encoded, name), dtype=np.int64)
+            inputs.append(grpcclient.InferInput(name, list(array.shape), "INT64"))
+            inputs[-1].set_data_from_numpy(array)
+        result = grpc.infer(f"{NAME}_attention_graph", inputs,
+                            outputs=[grpcclient.InferRequestedOutput("attentions_2")])
+        assert result is not None
+        assert [output.name for output in result.get_response().outputs] == ["attentions_2"]
+    finally:
+        grpc.close()
+    models = DevModels(loaded)
+    assert "attentions" in models.tasks
+    sequences = SEQUENCES[which][:2]
+    request = {"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_),
+               "layers": np.array([[2, 1]] * 2, dtype=np.int32), "heads": np.array([[1]] * 2, dtype=np.int32)}
+    (answer,) = models.attentions([request])
+    served_answer = client.attention_maps(sequences, [2, 1], [1])
+    for name in ("attentions", "mask"):
+        np.testing.assert_allclose(answer[name], served_answer[name], atol=ATOL)

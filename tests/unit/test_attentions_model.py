@@ -99,7 +99,7 @@ def attention_model(loaded, calls, *, max_values=1 << 20, pair_budget=2 * 24 * 2
 
 
 def request(*sequences: str, layers=None, heads=None):
-    inputs = {"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_)}
+    inputs: dict[str, np.ndarray] = {"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_)}
     if layers is not None:
         inputs["layers"] = np.tile(np.array(layers, dtype=np.int32), (len(sequences), 1))
     if heads is not None:

@@ -264,3 +264,20 @@ def test_layers_models_get_the_layers_and_poolings_asked_in_every_request():
     assert "layers 0,-1; include mean,max" in data.description and not data.notes
     plain = generate_inputs(inputs, InputSpec(lengths="uniform:20-40", count=4, seed=1))
     assert "layers" not in plain.entries[0] and plain.notes == ["optional input(s) left out: layers, include"]
+
+
+def test_attentions_models_get_the_blocks_and_heads_asked_in_every_request():
+    """N_attentions (tasks.py): `layers` (blocks) and `heads` are optional; bench sends --layers and
+    --heads in every request, and leaves them out when not given."""
+    from bionemo_export.tasks import TASKS
+
+    inputs = list(TASKS["attentions"].inputs)
+    data = generate_inputs(inputs, InputSpec(lengths="uniform:20-40", count=3, seed=1, layers=(-1,), heads=(0, 2),
+                                             include=("mean",)))
+    for entry in data.entries:
+        assert entry["layers"] == {"content": [-1], "shape": [1]}
+        assert entry["heads"] == {"content": [0, 2], "shape": [2]}
+        assert "include" not in entry  # not an input of N_attentions
+    assert "layers -1; heads 0,2" in data.description and not data.notes
+    plain = generate_inputs(inputs, InputSpec(lengths="uniform:20-40", count=3, seed=1))
+    assert plain.notes == ["optional input(s) left out: layers, heads"]
