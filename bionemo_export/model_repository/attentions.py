@@ -29,8 +29,14 @@ from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
-from .backends import ShapeRange
-from .encoder import RESPONDING, describe_layout, graph_model, serving_files, tokenizer_files, tokenizer_sources
+from .encoder import (
+    RESPONDING,
+    describe_layout,
+    serving_files,
+    token_graph_model,
+    tokenizer_files,
+    tokenizer_sources,
+)
 from .options import ServingOptions
 from .parameters import BLS_MODELS
 from .plan import ModelPlan
@@ -52,17 +58,11 @@ class AttentionGraph:
 def attention_graph_model(name: str, family: str, tokenizer, graph: AttentionGraph,
                           options: ServingOptions) -> ModelPlan:
     """N_attention_graph: the attentions graph, its batch its first axis but batched by its caller."""
-    inputs = [TensorSpec("input_ids", DType.INT64, (-1, -1)), TensorSpec("attention_mask", DType.INT64, (-1, -1))]
     outputs = [TensorSpec(attention_output_name(i), DType.FP32, (-1, graph.num_heads, -1, -1))
                for i in range(1, graph.num_layers + 1)]
-    shapes = ShapeRange(axes={"input_ids": ("batch", "length"), "attention_mask": ("batch", "length")},
-                        sizes={"batch": (1, options.max_batch_size), "length": (1, tokenizer.max_length)},
-                        split_axis="length", bucket=options.length_bucket or 16, opt={"batch": 1})
-    return graph_model(f"{name}_attention_graph", family, inputs, outputs, dict(graph.files),
-                       role=options.role("attention_graph"), options=options,
-                       what=f"attention probabilities ({graph.num_layers} blocks x {graph.num_heads} heads)",
-                       shapes=shapes, token_inputs={"input_ids": tokenizer.vocab_size})
-
+    return token_graph_model(f"{name}_attention_graph", family, tokenizer, outputs, graph.files,
+                             role=options.role("attention_graph"), options=options,
+                             what=f"attention probabilities ({graph.num_layers} blocks x {graph.num_heads} heads)")
 
 def attentions_model(name: str, family: str, tokenizer, graph: AttentionGraph, options: ServingOptions) -> ModelPlan:
     """N_attentions: the Python model that tokenizes, calls N_attention_graph through BLS and picks

@@ -27,8 +27,14 @@ from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
-from .backends import ShapeRange
-from .encoder import RESPONDING, describe_layout, graph_model, serving_files, tokenizer_files, tokenizer_sources
+from .encoder import (
+    RESPONDING,
+    describe_layout,
+    serving_files,
+    token_graph_model,
+    tokenizer_files,
+    tokenizer_sources,
+)
 from .options import ServingOptions
 from .parameters import BLS_MODELS
 from .plan import ModelPlan
@@ -48,16 +54,10 @@ class ContactGraph:
 
 def contact_graph_model(name: str, family: str, tokenizer, graph: ContactGraph, options: ServingOptions) -> ModelPlan:
     """N_contact_graph: the contacts graph, its batch its first axis but batched by its caller."""
-    inputs = [TensorSpec("input_ids", DType.INT64, (-1, -1)), TensorSpec("attention_mask", DType.INT64, (-1, -1))]
-    outputs = [TensorSpec("contacts", DType.FP32, (-1, -1, -1))]
-    shapes = ShapeRange(axes={"input_ids": ("batch", "length"), "attention_mask": ("batch", "length")},
-                        sizes={"batch": (1, options.max_batch_size), "length": (3, tokenizer.max_length)},
-                        split_axis="length", bucket=options.length_bucket or 16, opt={"batch": 1})
     what = f"contact map ({graph.layers} layers x {graph.heads} heads of attention)" if graph.layers else "contact map"
-    return graph_model(f"{name}_contact_graph", family, inputs, outputs, dict(graph.files),
-                       role=options.role("contact_graph"), options=options, what=what, shapes=shapes,
-                       token_inputs={"input_ids": tokenizer.vocab_size})
-
+    outputs = [TensorSpec("contacts", DType.FP32, (-1, -1, -1))]
+    return token_graph_model(f"{name}_contact_graph", family, tokenizer, outputs, graph.files,
+                             role=options.role("contact_graph"), options=options, what=what, min_length=3)
 
 def contacts_model(name: str, family: str, tokenizer, options: ServingOptions, max_residues: int | None = None,
                    pair_budget: int = DEFAULT_PAIR_BUDGET) -> ModelPlan:

@@ -156,6 +156,19 @@ def graph_model(model_name: str, family: str, inputs: list[TensorSpec], outputs:
         python_parameters=graph_input_parameters(shapes.axes, limits, token_inputs or {})))
 
 
+def token_graph_model(model_name: str, family: str, tokenizer, outputs: list[TensorSpec], onnx_files: dict[str, Path],
+                      *, role: RoleOptions, options: ServingOptions, what: str, min_length: int = 1) -> ModelPlan:
+    """A graph that a Python model calls through BLS with the tokens of its rows, input_ids and
+    attention_mask INT64 [rows, T] (the contacts, layers and attentions graphs): batched by its
+    caller, at most max_batch_size rows of min_length..the tokenizer's limit tokens."""
+    inputs = [TensorSpec("input_ids", DType.INT64, (-1, -1)), TensorSpec("attention_mask", DType.INT64, (-1, -1))]
+    shapes = ShapeRange(axes={"input_ids": ("batch", "length"), "attention_mask": ("batch", "length")},
+                        sizes={"batch": (1, options.max_batch_size), "length": (min_length, tokenizer.max_length)},
+                        split_axis="length", bucket=options.length_bucket or 16, opt={"batch": 1})
+    return graph_model(model_name, family, inputs, outputs, dict(onnx_files), role=role, options=options, what=what,
+                       shapes=shapes, token_inputs={"input_ids": tokenizer.vocab_size})
+
+
 def graph_input_parameters(axes: dict[str, tuple], axis_limits: dict[str, int],
                            token_inputs: dict[str, int]) -> dict[str, str]:
     """The config parameters from which a Python-backend graph model checks its callers' inputs

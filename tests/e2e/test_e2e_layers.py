@@ -183,6 +183,13 @@ def test_the_config_says_the_model_has_a_bos_token(served):
 @pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_the_layer_graph_answers_only_the_layers_asked(served):
     which, _, _, loaded, _, _, _, url = served
+    answered, declared = _graph_outputs(url, loaded, f"{NAME}_layer_graph", "hiddens_1")
+    assert answered == ["hiddens_1"]
+    assert declared == [f"hiddens_{i}" for i in range(loaded.num_layers + 1)]
+
+
+def _graph_outputs(url: str, loaded, model: str, output: str) -> tuple[list[str], list[str]]:
+    """(the outputs a graph model answered when asked for `output` alone, every output it declares)."""
     encoded = loaded.tokenizer.encode(["MKTAYIAKQR", "GVE"])
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
     try:
@@ -191,12 +198,10 @@ def test_the_layer_graph_answers_only_the_layers_asked(served):
             array = np.asarray(getattr(encoded, name), dtype=np.int64)
             inputs.append(grpcclient.InferInput(name, list(array.shape), "INT64"))
             inputs[-1].set_data_from_numpy(array)
-        result = client.infer(f"{NAME}_layer_graph", inputs, outputs=[grpcclient.InferRequestedOutput("hiddens_1")])
-        assert result is not None
-        assert [output.name for output in result.get_response().outputs] == ["hiddens_1"]
-        metadata = client.get_model_metadata(f"{NAME}_layer_graph")
-        assert metadata is not None
-        assert [o.name for o in metadata.outputs] == [f"hiddens_{i}" for i in range(loaded.num_layers + 1)]
+        result = client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(output)])
+        metadata = client.get_model_metadata(model)
+        assert result is not None and metadata is not None
+        return [o.name for o in result.get_response().outputs], [o.name for o in metadata.outputs]
     finally:
         client.close()
 
@@ -404,20 +409,9 @@ def test_bad_attention_requests_fail_alone_naming_the_value_the_range_and_the_li
 @pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
 def test_the_attention_graph_answers_only_the_blocks_asked_and_the_dev_server_agrees(served):
     which, _, _, loaded, _, client, _, url = served
-    encoded = loaded.tokenizer.encode(["MKTAYIAKQR", "GVE"])
-    grpc = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
-    try:
-        inputs = []
-        for name in ("input_ids", "attention_mask"):
-            array = np.asarray(getattr(encoded, name), dtype=np.int64)
-            inputs.append(grpcclient.InferInput(name, list(array.shape), "INT64"))
-            inputs[-1].set_data_from_numpy(array)
-        result = grpc.infer(f"{NAME}_attention_graph", inputs,
-                            outputs=[grpcclient.InferRequestedOutput("attentions_2")])
-        assert result is not None
-        assert [output.name for output in result.get_response().outputs] == ["attentions_2"]
-    finally:
-        grpc.close()
+    answered, declared = _graph_outputs(url, loaded, f"{NAME}_attention_graph", "attentions_2")
+    assert answered == ["attentions_2"]
+    assert declared == [f"attentions_{i}" for i in range(1, loaded.num_layers + 1)]
     models = DevModels(loaded)
     assert "attentions" in models.tasks
     sequences = SEQUENCES[which][:2]
