@@ -341,6 +341,14 @@ def public_suffixes() -> tuple[str, ...]:
     return tuple(f"_{name}" for name in TASKS)
 
 
+def sibling_model(model: str, task: str) -> str:
+    """The public model of `task` in the repository that serves the public model `model`
+    (`esm2nv_embeddings`, contacts -> `esm2nv_contacts`); a name that is no public model's is taken
+    as the repository's `--name`."""
+    prefix = next((model.removesuffix(suffix) for suffix in public_suffixes() if model.endswith(suffix)), model)
+    return get_task(task).model(prefix)
+
+
 def task_of(model: str) -> Task | None:
     """The task a public model's name serves (None for internal models)."""
     for name, task in TASKS.items():

@@ -12,7 +12,9 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import typer
@@ -28,6 +30,9 @@ from rich.progress import (
 )
 
 from . import debugging, reason
+
+if TYPE_CHECKING:
+    from bionemo_export.client.triton import Inferrer
 
 app = typer.Typer(help=__doc__, no_args_is_help=True)
 
@@ -68,10 +73,14 @@ def encode(
     precision: str = typer.Option("fp32", help="Bulk jobs: the stored values' precision, fp32 or fp16."),
     include: str | None = typer.Option(None, help="Bulk jobs: what to store of each record, comma-separated (ESM "
                                        "extract.py's names): mean, bos (the BOS/CLS token), max (pooled rows), "
-                                       "per_tok (per-residue states). An N_embeddings model answers mean only; an "
-                                       "N_hiddens model any of them from one pass, e.g. --include mean,per_tok. "
-                                       "Default: what the model answers. Outside a bulk job (-s, or --input without a "
-                                       "bulk --output) it asks the repository's N_layers, as --layers does."),
+                                       "per_tok (per-residue states), contacts (the [L, L] contact map). An "
+                                       "N_embeddings model answers mean only; an N_hiddens model any of them from one "
+                                       "pass, e.g. --include mean,per_tok; contacts asks the repository's N_contacts "
+                                       "(built with --tasks ...,contacts) beside the model, e.g. --include "
+                                       "mean,contacts, or alone. Default: what the model answers. Outside a bulk job "
+                                       "(-s, or --input without a bulk --output) it asks the repository's N_layers, "
+                                       "as --layers does, and N_contacts for contacts (outputs contacts [batch, L, "
+                                       "L], 0-padded, and contacts_mask [batch, L])."),
     sequence_column: str | None = typer.Option(None, help="CSV/TSV input: the sequence column (default: sequence, "
                                                "seq, smiles, protein)."),
     id_column: str | None = typer.Option(None, help="CSV/TSV input: the id column (default: id, name, accession)."),
@@ -81,35 +90,35 @@ def encode(
     layers: str | None = typer.Option(None, help="Layers to answer, comma-separated, e.g. -1,20 (ESM's numbering: 0 "
                                       "the embedding layer's output, 1..N the blocks, negative from the end): asks "
                                       "the repository's N_layers model (built with --tasks ...,layers) whatever "
-                                      "--model names, with --include mean (default), bos, max, per_tok; outputs "
-                                      "embeddings, embeddings_bos, embeddings_max [layers, H], hiddens [layers, T, "
-                                      "H] and mask. A bulk job stores each pooling of each layer: the last under "
-                                      "today's names, others with a _layer<i> suffix (embeddings_layer20)."),
+                                      "--model names, with --include mean (default), bos, max, per_tok (and "
+                                      "contacts: N_contacts' maps beside them); outputs embeddings, embeddings_bos, "
+                                      "embeddings_max [layers, H], hiddens [layers, T, H] and mask. A bulk job stores "
+                                      "each pooling of each layer: the last under today's names, others with a "
+                                      "_layer<i> suffix (embeddings_layer20)."),
 ) -> None:
-    """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask.
+    """Send sequences to a model and print (or save) every output: embeddings, or hiddens and mask
+    (--include contacts: contact maps too, from the repository's N_contacts).
 
     With --input and --output DIR/, FILE.h5 or FILE.parquet it runs a bulk job: the input is
     streamed, answers are written as they come, duplicates are sent once, records the server
     refuses are listed in an errors file (exit status 3: partial), and the same command again
     resumes a stopped job where it stopped."""
-    from bionemo_export.tasks import public_suffixes
+    from bionemo_export.tasks import sibling_model
 
     bulk = input is not None and output is not None and _is_job_output(output)
-    # --layers, or --include outside a bulk job (bos, max of a sequence asked at once): N_layers answers them
+    # --layers, or --include outside a bulk job (bos, max, contacts of a sequence asked at once): N_layers
+    # and N_contacts answer them
     if layers is not None or model.endswith("_layers") or (include is not None and not bulk):
         if bulk:  # N_layers' poolings of each layer, one dataset/column per layer and pooling
             assert input is not None and output is not None
-            prefix = next((model.removesuffix(s) for s in public_suffixes() if model.endswith(s)), model)
-            _encode_job(ctx, model=f"{prefix}_layers", input=input, output=output, shard=shard,
+            _encode_job(ctx, model=sibling_model(model, "layers"), input=input, output=output, shard=shard,
                         triton_urls=triton_url, in_name=in_name, batch_size=batch_size, in_flight=in_flight,
                         chunk_size=chunk_size, precision=precision, include=include, sequence_column=sequence_column,
                         id_column=id_column, allow_partial=allow_partial, layers=layers or "-1")
             return
-        layer_model, make_layer_inputs, outputs = _layer_request(model, layers, include, in_name)
-        _query(ctx, model=layer_model, sequences=sequences, input=_existing(input), shard=shard,
-               triton_url=triton_url[0], output=Path(output) if output is not None else None,
-               batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
-               make_inputs=make_layer_inputs, asked_outputs=outputs)
+        _query(ctx, asks=_encode_asks(model, layers, include, in_name), sequences=sequences, input=_existing(input),
+               shard=shard, triton_url=triton_url[0], output=Path(output) if output is not None else None,
+               batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error)
         return
     if bulk:
         assert input is not None and output is not None
@@ -122,10 +131,10 @@ def encode(
         Console().print("[red]several --triton-url and s3:// inputs are for bulk jobs: give --input and --output "
                         "DIR/, .h5, .parquet or s3://bucket/path/[/red]", highlight=False)
         raise typer.Exit(2)
-    _query(ctx, model=model, sequences=sequences, input=_existing(input), shard=shard, triton_url=triton_url[0],
+    _query(ctx, asks=[_Ask(model, lambda column: lambda rows, _: {in_name: column[rows]})], sequences=sequences,
+           input=_existing(input), shard=shard, triton_url=triton_url[0],
            output=Path(output) if output is not None else None,
-           batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
-           make_inputs=lambda column: lambda rows, _: {in_name: column[rows]})
+           batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error)
 
 
 @app.command("sample")
@@ -157,9 +166,10 @@ def sample(
 
     extra = sampling_inputs(sampling_method=sampling_method, num_samples=num_samples, scaled_radius=scaled_radius,
                             seed=seed, top_k=top_k, top_p=top_p, temperature=temperature, beam_size=beam_size)
-    _query(ctx, model=model, sequences=sequences, input=input, shard=shard, triton_url=triton_url, output=output,
-           batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error,
-           make_inputs=lambda column: lambda rows, index: {"sequences": column[rows], **extra(rows, index)})
+    _query(ctx, asks=[_Ask(model, lambda column: lambda rows, index: {"sequences": column[rows],
+                                                                      **extra(rows, index)})],
+           sequences=sequences, input=input, shard=shard, triton_url=triton_url, output=output,
+           batch_size=batch_size, in_flight=in_flight, stop_on_error=stop_on_error)
 
 
 @app.command("decode")
@@ -373,15 +383,47 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
         raise typer.Exit(3)
 
 
-def _layer_request(model: str, layers: str | None, include: str | None, in_name: str
-                   ) -> tuple[str, Callable, list[str]]:
-    """(the N_layers model of `model`'s repository, make_inputs, the outputs asked) for encode --layers."""
+@dataclass(frozen=True)
+class _Ask:
+    """One model a query asks for every row, and the names its outputs are written under."""
+
+    model: str
+    make_inputs: Callable[[np.ndarray], Callable]
+    """The query's strings column -> infer_rows' make_inputs."""
+    outputs: list[str] | None = None
+    """The outputs asked for; None: every output the model answers."""
+    names: dict[str, str] = field(default_factory=dict)
+    """Output -> the name it is written under, where that is not its own (two models' `mask`)."""
+    check: Callable[[Inferrer], object] | None = None
+    """Called with the client before anything is sent: refuses a model the server does not serve."""
+
+
+def _encode_asks(model: str, layers: str | None, include: str | None, in_name: str) -> list[_Ask]:
+    """encode --layers / --include outside a bulk job: the repository's N_layers for the layers'
+    choices (mean, bos, max, per_tok), its N_contacts for contacts (written as contacts and
+    contacts_mask)."""
+    from bionemo_export.client.pooling import CONTACTS, include_choices, served_contacts_model
+    from bionemo_export.tasks import sibling_model
+
+    choices = include_choices(include) if include is not None else []
+    others = [choice for choice in choices if choice != CONTACTS]
+    asks = []
+    if layers is not None or others or not choices:
+        asks.append(_layer_request(model, layers, ",".join(others) or None, in_name))
+    if CONTACTS in choices:
+        asks.append(_Ask(sibling_model(model, CONTACTS), lambda column: lambda rows, _: {"sequences": column[rows]},
+                         ["contacts", "mask"], names={"mask": "contacts_mask"},
+                         check=lambda client: served_contacts_model(client, model)))
+    return asks
+
+
+def _layer_request(model: str, layers: str | None, include: str | None, in_name: str) -> _Ask:
+    """The N_layers model of `model`'s repository asked for --layers and --include (its choices)."""
     import numpy as np
 
     from bionemo_export.errors import InvalidInputError
-    from bionemo_export.tasks import LAYER_INCLUDE, LAYER_OUTPUTS, public_suffixes
+    from bionemo_export.tasks import LAYER_INCLUDE, LAYER_OUTPUTS, sibling_model
 
-    prefix = next((model.removesuffix(s) for s in public_suffixes() if model.endswith(s)), model)
     try:
         values = [int(part) for part in (layers or "-1").split(",") if part.strip()]
     except ValueError:
@@ -399,19 +441,22 @@ def _layer_request(model: str, layers: str | None, include: str | None, in_name:
                                 "include": np.tile(include_column, (len(rows), 1))}
 
     outputs = [name for choice, name in LAYER_OUTPUTS.items() if choice in choices]
-    return f"{prefix}_layers", make_inputs, outputs + (["hiddens", "mask"] if "per_tok" in choices else [])
+    return _Ask(sibling_model(model, "layers"), make_inputs,
+                outputs + (["hiddens", "mask"] if "per_tok" in choices else []))
 
 
-def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input: Path | None, shard: str,
-           triton_url: str, output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool,
-           make_inputs: Callable, asked_outputs: list[str] | None = None) -> None:
-    """encode and sample: strings from -s or --input through `model`, outputs printed or written
-    (`asked_outputs`: those asked for; None: every output the model answers).
+def _query(ctx: typer.Context, *, asks: list[_Ask], sequences: list[str] | None, input: Path | None, shard: str,
+           triton_url: str, output: Path | None, batch_size: int | None, in_flight: int, stop_on_error: bool) -> None:
+    """encode and sample: strings from -s or --input through the `asks` models (most often one;
+    `client encode --include mean,contacts`: N_layers and N_contacts for the same rows), outputs
+    printed or written.
 
     From --input, a record the server refuses is reported by its id and left out (or ends the
-    run with --stop-on-error), and the outputs carry the ids of the records they belong to.
-    -s sequences are one batch, as in BioNeMo's client: a refused sequence fails the command."""
+    run with --stop-on-error), and the outputs carry the ids of the records they belong to; a
+    record any of the models refuses is left out of all. -s sequences are one batch, as in
+    BioNeMo's client: a refused sequence fails the command."""
     from bionemo_export.client import TritonClient, infer_rows
+    from bionemo_export.client.batches import answered_together
     from bionemo_export.client.files import write_outputs
     from bionemo_export.client.records import Record, iter_records, parse_shard
     from bionemo_export.client.repository import strings_column
@@ -421,6 +466,7 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
         console.print("[red]give the sequences with -s/--sequences or a file with --input (one of them)[/red]")
         raise typer.Exit(2)
     _check_output(console, output)
+    model = asks[0].model
     with _reported(ctx, console):
         if input is not None:
             records = list(iter_records(input, shard=parse_shard(shard)))
@@ -437,28 +483,32 @@ def _query(ctx: typer.Context, *, model: str, sequences: list[str] | None, input
         sent = [record for record in records if record.sequence] if input and not stop_on_error else records
         column = strings_column([record.sequence for record in sent])
         with TritonClient(triton_url, concurrency=in_flight) as client, \
-                _progress(len(records) if input else 0) as advance:
-            advance(len(records) - len(sent))  # records with no sequence: done, nothing to send
-            results = infer_rows(client, model, len(sent), make_inputs(column), outputs=asked_outputs,
-                                 batch_size=batch_size,
-                                 in_flight=in_flight, isolate=input is not None, stop_on_failure=stop_on_error,
-                                 progress=advance)
+                _progress(len(records) * len(asks) if input else 0) as advance:
+            for ask in asks:
+                if ask.check is not None:
+                    ask.check(client)
+            advance((len(records) - len(sent)) * len(asks))  # records with no sequence: done, nothing to send
+            answers = answered_together([
+                infer_rows(client, ask.model, len(sent), ask.make_inputs(column), outputs=ask.outputs,
+                           batch_size=batch_size, in_flight=in_flight, isolate=input is not None,
+                           stop_on_failure=stop_on_error, progress=advance) for ask in asks])
     skipped = [record for record in records if not record.sequence] if len(sent) < len(records) else []
     failures = [(record, "no sequence after its header") for record in skipped]
-    failures += [(sent[row], message) for row, message in results.failures]
+    failures += [(sent[row], message) for row, message in answers[0].failures]
     for record, message in sorted(failures, key=lambda failure: failure[0].line):
         console.print(f"[red]bad record {record.id} (line {record.line}): {message}[/red]", highlight=False)
     if failures and stop_on_error:
         raise typer.Exit(1)
-    ids = [sent[row].id for row in results.rows] if input else None
-    outputs = dict(results.outputs)
+    ids = [sent[row].id for row in answers[0].rows] if input else None
+    outputs = {ask.names.get(name, name): value for ask, answer in zip(asks, answers)
+               for name, value in answer.outputs.items()}
     if model.endswith("_logits"):  # log_probs' last axis, named: the config's alphabet (tasks.py: N_logits)
         with TritonClient(triton_url) as client:
             alphabet = (client.model_config(model).get("parameters") or {}).get("alphabet", {}).get("string_value")
         if alphabet:
             outputs["alphabet"] = np.array([token.encode("utf-8") for token in json.loads(alphabet)], dtype=np.object_)
     if input:
-        console.print(f"{len(results.rows)} of {len(records)} records answered"
+        console.print(f"{len(answers[0].rows)} of {len(records)} records answered"
                       + (f"; {len(failures)} bad records left out" if failures else ""), highlight=False)
     if output:
         write_outputs(output, outputs, ids)

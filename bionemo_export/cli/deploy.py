@@ -40,7 +40,7 @@ def k8s(
     embed_model: str | None = typer.Option(None, help="Embedding Job: the public model its pods call "
                                            "(default: the repository's N_embeddings model)."),
     embed_include: str | None = typer.Option(None, help="Embedding Job: what its pods store of each record "
-                                             "(client encode --include: mean, bos, max, per_tok)."),
+                                             "(client encode --include: mean, bos, max, per_tok, contacts)."),
     embed_shards: int = typer.Option(8, help="Embedding Job: its pods (completions), one shard of the input each."),
     embed_parallelism: int | None = typer.Option(None, help="Embedding Job: pods at once (default: 2 per "
                                                  "server replica, at most --embed-shards)."),

@@ -10,8 +10,9 @@ others are kept.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +117,23 @@ def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs
         if progress is not None:
             progress(len(rows))
     return _join(pieces, failures, outputs)
+
+
+def answered_together(results: Sequence[RowResults]) -> list[RowResults]:
+    """Answers of several models for the same rows (a bulk job's encoder and N_contacts), each
+    kept to the rows every model answered, in the same order; a row any model refused is a
+    failure of each, with the first model's message that refused it (rows ascending)."""
+    kept = functools.reduce(np.intersect1d, [result.rows for result in results])
+    failures: dict[int, str] = {}
+    for result in results:
+        for row, message in result.failures:
+            failures.setdefault(row, message)
+    listed = sorted(failures.items())
+    together = []
+    for result in results:
+        positions = np.searchsorted(result.rows, kept)
+        together.append(RowResults(kept, {name: value[positions] for name, value in result.outputs.items()}, listed))
+    return together
 
 
 def _one_by_one(client: Inferrer, model: str, rows: np.ndarray, make_inputs: MakeInputs, index: int,

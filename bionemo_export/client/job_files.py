@@ -14,6 +14,10 @@ A part, `part-NNNNN.h5`, holds one chunk of records, in input order:
     /embedding_ptr           int64 [n]              record i's rows end at embedding_ptr[i] (start: the
                                                     previous record's end, 0 for the first)
     /id, /idptr              uint8 [S], int64 [n]   the sequences' bytes concatenated, and where each ends
+    /contacts                float [C]              contact maps (--include contacts): record i's [L_i, L_i]
+                                                    map row-major, the records' maps concatenated
+    /contacts_ptr            int64 [n]              record i's map ends at contacts_ptr[i] (start: the
+                                                    previous record's end); L_i = sqrt(end - start)
 
 The per-residue datasets are scikit-bio's `embed` format (skbio.io.format.embed, format-version
 1.0: `embedding`, `embedding_ptr`, `id` holding the sequences, `idptr`, and the attributes
@@ -21,10 +25,12 @@ The per-residue datasets are scikit-bio's `embed` format (skbio.io.format.embed,
 ProteinEmbedding per record where a record's rows are its residues (protein models). A
 single-file `.h5` output has the same layout over the whole job, and the job's metadata as
 attributes of `/` (fingerprint, summary). Per-residue states are stored ragged, without padding,
-so 3,000 proteins cost their residues, not 3,000 x the longest. A `.parquet` output has one row
-per record: `id`, `index`, `sequence_sha256`, `embedding` (mean: a fixed-size list of H floats) and
-`embedding_bos` / `embedding_max` when asked for, readable by pandas, polars or duckdb. A
-directory output keeps the parts and writes `manifest.json` listing them.
+so 3,000 proteins cost their residues, not 3,000 x the longest; contact maps the same way, each
+record's L_i^2 values. A `.parquet` output has one row per record: `id`, `index`,
+`sequence_sha256`, `embedding` (mean: a fixed-size list of H floats) and `embedding_bos` /
+`embedding_max` when asked for, readable by pandas, polars or duckdb: pooled rows only (a job
+refuses per-residue states and contact maps there). A directory output keeps the parts and writes
+`manifest.json` listing them.
 
 The journal, `journal.jsonl`, says what is done: a first line with the run's fingerprint, then one
 line per part written (records, errors). A part exists only when its line does: parts are written
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import sqlite3
@@ -180,6 +187,8 @@ class Chunk:
     """One [L_i, H] array per record, its residues' states, when the job stores them (per_tok)."""
     sequences: list[str] | None = None
     """The records' sequences, stored with per-residue states (scikit-bio's `id`)."""
+    contacts: list[np.ndarray] | None = None
+    """One [L_i, L_i] array per record, its contact map, when the job stores them (--include contacts)."""
     errors: list[tuple[str, int, str]] = field(default_factory=list)
     """(id, line, the server's reason) of the records left out."""
 
@@ -193,7 +202,8 @@ class Chunk:
                      digests=[self.digests[i] for i in picked],
                      pooled={pooling: rows[picked] for pooling, rows in self.pooled.items()},
                      residues=None if self.residues is None else [self.residues[i] for i in picked],
-                     sequences=None if self.sequences is None else [self.sequences[i] for i in picked])
+                     sequences=None if self.sequences is None else [self.sequences[i] for i in picked],
+                     contacts=None if self.contacts is None else [self.contacts[i] for i in picked])
 
     @staticmethod
     def joined(chunks: Sequence[Chunk]) -> Chunk:
@@ -205,7 +215,8 @@ class Chunk:
                      digests=[d for c in chunks for d in c.digests],
                      pooled={pooling: np.concatenate([c.pooled[pooling] for c in chunks]) for pooling in first.pooled},
                      residues=None if first.residues is None else [r for c in chunks for r in c.residues or []],
-                     sequences=None if first.sequences is None else [s for c in chunks for s in c.sequences or []])
+                     sequences=None if first.sequences is None else [s for c in chunks for s in c.sequences or []],
+                     contacts=None if first.contacts is None else [m for c in chunks for m in c.contacts or []])
 
 
 def part_name(number: int) -> str:
@@ -233,6 +244,9 @@ def _read_hdf5_rows(handle: Any, start: int, end: int) -> Chunk:
     if "embedding_ptr" in handle:
         chunk.residues = _ragged(handle["embedding"], handle["embedding_ptr"], start, end)
         chunk.sequences = [row.tobytes().decode() for row in _ragged(handle["id"], handle["idptr"], start, end)]
+    if "contacts_ptr" in handle:
+        chunk.contacts = [_square(values, handle.filename)
+                          for values in _ragged(handle["contacts"], handle["contacts_ptr"], start, end)]
     return chunk
 
 
@@ -244,6 +258,15 @@ def _ragged(values: Any, ends: Any, start: int, end: int) -> list[np.ndarray]:
     block = values[bounds[0]:bounds[-1]]
     bounds -= bounds[0]
     return [block[bounds[i]:bounds[i + 1]] for i in range(end - start)]
+
+
+def _square(values: np.ndarray, file: str) -> np.ndarray:
+    """A contact map's L^2 stored values (row-major) in `file` as its [L, L] array."""
+    side = math.isqrt(len(values))
+    if side * side != len(values):
+        raise InvalidInputError(f"{file}: a stored contact map holds {len(values)} values, not L x L (contacts_ptr "
+                                "does not match contacts): the file is damaged; run the job again into a new output")
+    return values.reshape(side, side)
 
 
 def read_digests(path: Path) -> list[str]:
@@ -397,7 +420,7 @@ def write_hdf5(chunks: Iterable[Chunk], out: Path, attributes: dict[str, Any], d
         for name, value in attributes.items():
             handle.attrs[name] = value if isinstance(value, str | int | float) else json.dumps(value)
         datasets: dict[str, Any] = {}
-        residue_rows = sequence_bytes = 0  # where the per-residue pointers stand
+        residue_rows = sequence_bytes = contact_values = 0  # where the ragged datasets' pointers stand
         for chunk in chunks:
             give_back_memory()  # the previous chunk's arrays
             if not len(chunk):
@@ -419,6 +442,10 @@ def write_hdf5(chunks: Iterable[Chunk], out: Path, attributes: dict[str, Any], d
                 if "format" not in handle.attrs:
                     handle.attrs.update({**SKBIO_FORMAT, "dtype": np.dtype(dtype).name,
                                          "dim": int(columns["embedding"].shape[1])})
+            if chunk.contacts is not None:
+                columns["contacts"] = np.concatenate([m.reshape(-1) for m in chunk.contacts]).astype(dtype, copy=False)
+                columns["contacts_ptr"] = contact_values + np.cumsum([m.size for m in chunk.contacts], dtype=np.int64)
+                contact_values = int(columns["contacts_ptr"][-1])
             for name, column in columns.items():
                 if name not in datasets:
                     kind = h5py.string_dtype() if name == "ids" else column.dtype
@@ -464,8 +491,8 @@ def write_parquet(chunks: Iterable[Chunk], out: Path, metadata: dict[str, Any], 
             if not len(chunk):
                 continue
             if not chunk.pooled:
-                raise InvalidInputError(f"{out}: Parquet holds pooled rows; per-residue states go to an .h5 output "
-                                        "or a directory")
+                raise InvalidInputError(f"{out}: Parquet holds pooled rows; per-residue states and contact maps go to "
+                                        "an .h5 output or a directory")
             columns = {"id": pa.array(chunk.ids, pa.string()), "index": pa.array(chunk.index, pa.int64()),
                        "sequence_sha256": pa.array(chunk.digests, pa.string())}
             for pooling, rows in chunk.pooled.items():

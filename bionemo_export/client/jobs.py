@@ -18,7 +18,9 @@ journal. Client memory is bounded by a chunk and what is in flight, never by the
   and the job ends "partial" (JobSummary.partial).
 - `shard=(i, n)`: the records at positions i mod n of the input (a Slurm array, an Indexed Job).
 - `include`: what is stored of each record (pooling.py): the mean, BOS or max pooling and/or the
-  per-residue states, several from one answer of an `N_hiddens` model.
+  per-residue states, several from one answer of an `N_hiddens` model; and/or the contact map,
+  asked of the repository's `N_contacts` for the same sequences (a record either model refuses is
+  left out).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.tasks import sibling_model
 
-from .batches import DEFAULT_IN_FLIGHT, infer_rows
+from .batches import DEFAULT_IN_FLIGHT, MakeInputs, answered_together, infer_rows
 from .job_files import (
     FORMATS,
     JOURNAL,
@@ -62,9 +65,9 @@ from .job_files import (
     write_part,
 )
 from .memory import give_back_memory, map_large_blocks
-from .pooling import Include
+from .pooling import CONTACTS, Include, served_contacts_model
 from .records import ReadPosition, Record, iter_records
-from .repository import strings_column
+from .repository import contact_map, strings_column
 from .server_pool import ServerPool
 from .triton import Inferrer
 
@@ -138,7 +141,8 @@ class JobSummary:
 @dataclass
 class EncodeJob:
     """One dataset through one encoder model (N_embeddings: mean-pooled rows; N_hiddens: per-residue
-    states and any pooling of them, as `include` says)."""
+    states and any pooling of them, as `include` says), and/or through the repository's N_contacts
+    (`include` naming contacts: each record's contact map)."""
 
     model: str
     input: Path
@@ -153,8 +157,9 @@ class EncodeJob:
     sequence_column: str | None = None
     id_column: str | None = None
     include: str | None = None
-    """Comma-separated choices of pooling.CHOICES (mean, bos, max, per_tok); None: what the model
-    answers (an N_embeddings model's mean, an N_hiddens model's per-residue states)."""
+    """Comma-separated choices of pooling.CHOICES (mean, bos, max, per_tok, contacts); None: what the
+    model answers (an N_embeddings model's mean, an N_hiddens model's per-residue states, an
+    N_contacts model's maps)."""
     layers: str | None = None
     """Comma-separated layers (ESM's numbering) for an N_layers model (`model`): each pooling of each
     layer stored (pooled rows; a layer other than the last under a `_layer<i>` name); None: the
@@ -191,6 +196,11 @@ class EncodeJob:
     def errors_path(self) -> Path:
         return errors_file(self.output)
 
+    @property
+    def contacts_model(self) -> str:
+        """The repository's N_contacts, which `include` naming contacts asks beside `model`."""
+        return sibling_model(self.model, CONTACTS)
+
     # -- the run ------------------------------------------------------------------------------------------
     def stored(self, client: Inferrer) -> Include:
         """What the job stores of each record, checked against the model and the output's format."""
@@ -204,23 +214,29 @@ class EncodeJob:
         else:
             outputs = {output["name"] for output in config.get("output", [])}
             include = Include.parse(self.include, outputs, self.model)
+        if include.contacts:  # refused before anything is sent where the repository has no N_contacts
+            served_contacts_model(client, self.model)
         if not self.is_directory and FORMATS[self.output.suffix] == "parquet" and (
-                include.per_residue or not include.poolings):
+                include.per_residue or include.contacts or not include.poolings):
             raise InvalidInputError(f"--output {self.output}: Parquet holds pooled rows ("
                                     f"{', '.join(map(parquet_column, ('mean', 'bos', 'max')))}); store per-residue "
-                                    "states in an .h5 file or a directory, or give --include mean (bos, max)")
+                                    "states and contact maps in an .h5 file or a directory, or give --include mean "
+                                    "(bos, max)")
         return include
 
     def fingerprint(self, client: Inferrer) -> dict[str, Any]:
         """What makes two runs the same run: a resume must match it."""
-        config = json.dumps(client.model_config(self.model), sort_keys=True)
         identity = file_identity(self.input)
-        return {"model": self.model, "model_config_sha256": hashlib.sha256(config.encode()).hexdigest(),
-                "input": self.source or str(self.input.resolve()), "input_bytes": identity["bytes"],
-                "input_head_sha256": identity["head_sha256"],
-                "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
-                "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
-                "id_column": self.id_column, "include": self.stored(client).text()}
+        include = self.stored(client)
+        fingerprint = {"model": self.model, "model_config_sha256": _config_sha256(client, self.model),
+                       "input": self.source or str(self.input.resolve()), "input_bytes": identity["bytes"],
+                       "input_head_sha256": identity["head_sha256"],
+                       "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
+                       "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
+                       "id_column": self.id_column, "include": include.text()}
+        if include.contacts:  # only then: the fingerprints of jobs without maps stay what they were
+            fingerprint["contacts_model_config_sha256"] = _config_sha256(client, self.contacts_model)
+        return fingerprint
 
     def run(self, client: Inferrer) -> JobSummary:
         started = time.perf_counter()
@@ -289,12 +305,19 @@ class EncodeJob:
                 fresh[digest] = len(sent)
                 sent.append(record.sequence)
         column = strings_column(sent)
-        results = infer_rows(client, self.model, len(sent),
-                             lambda rows, _: {self.in_name: column[rows], **include.inputs(len(rows))},
-                             batch_size=self.batch_size, in_flight=self.in_flight, isolate=True)
+        asked: list[tuple[str, MakeInputs, list[str] | None]] = []  # the encoder and/or N_contacts, and what is kept
+        if include.encodes:
+            asked.append((self.model, lambda rows, _: {self.in_name: column[rows], **include.inputs(len(rows))}, None))
+        if include.contacts:
+            asked.append((self.contacts_model, lambda rows, _: {"sequences": column[rows]}, ["contacts", "mask"]))
+        answers = answered_together([infer_rows(client, model, len(sent), make_inputs, outputs=outputs,
+                                                 batch_size=self.batch_size, in_flight=self.in_flight, isolate=True)
+                                     for model, make_inputs, outputs in asked])
+        encoded = answers[0].outputs if include.encodes else None
+        maps = answers[-1].outputs if include.contacts else None
         summary.sent += len(sent)
-        answered = {int(row): position for position, row in enumerate(results.rows)}
-        refused = dict(results.failures)
+        answered = {int(row): position for position, row in enumerate(answers[0].rows)}
+        refused = dict(answers[0].failures)
         rows: list[Chunk] = []
         errors: list[tuple[str, int, str]] = []
         for record, digest in zip(records, digests):
@@ -305,14 +328,17 @@ class EncodeJob:
                 errors.append((record.id, record.line, refused[fresh[digest]]))
                 continue
             if digest in fresh:
-                pooled, residues = include.record(results.outputs, answered[fresh[digest]])
+                position = answered[fresh[digest]]
+                pooled, residues = include.record(encoded, position) if encoded is not None else ({}, None)
                 row = Chunk(ids=[], index=[], digests=[], pooled={k: v[None] for k, v in pooled.items()},
-                            residues=None if residues is None else [residues])
+                            residues=None if residues is None else [residues],
+                            contacts=None if maps is None else [contact_map(maps, position)])
             else:
                 row = earlier[digest]
             rows.append(Chunk(ids=[record.id], index=[record.index], digests=[digest], pooled=row.pooled,
                               residues=row.residues,
-                              sequences=[record.sequence] if row.residues is not None else None))
+                              sequences=[record.sequence] if row.residues is not None else None,
+                              contacts=row.contacts))
         chunk = Chunk.joined(rows)
         chunk.errors = errors
         return chunk
@@ -379,6 +405,11 @@ class EncodeJob:
         if self.mirror is not None:
             self.mirror.finished()
         shutil.rmtree(self.work)
+
+
+def _config_sha256(client: Inferrer, model: str) -> str:
+    """The SHA-256 of the configuration the server serves `model` with (a run's fingerprint)."""
+    return hashlib.sha256(json.dumps(client.model_config(model), sort_keys=True).encode()).hexdigest()
 
 
 def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:

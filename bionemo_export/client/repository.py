@@ -16,7 +16,7 @@ Works against a generated repository and against `bionemo-export dev-server` ali
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -218,12 +218,7 @@ class RepositoryClient:
         over the server's limit (N_contacts' `max_residues` parameter) raises InferenceError
         naming its length and the limit."""
         out = self._strings_in("contacts", sequences, ["contacts", "mask"])
-        contacts, mask = out["contacts"], out["mask"]
-        maps = []
-        for row in range(len(mask)):
-            residues = int(mask[row].sum())
-            maps.append(np.ascontiguousarray(contacts[row, :residues, :residues], dtype=np.float32))
-        return maps
+        return [contact_map(out, row) for row in range(len(out["mask"]))]
 
     # ------------------------------------------------------------------------------ layers (N_layers)
     def layer_embeddings(self, sequences: Sequences, layers: Sequence[int] = (-1,),
@@ -352,6 +347,13 @@ def sampling_inputs(*, sampling_method: str | None = None, **options: Any):
         return inputs
 
     return extra
+
+
+def contact_map(answer: Mapping[str, np.ndarray], row: int) -> np.ndarray:
+    """Row `row`'s own FP32 [L, L] map of an N_contacts answer (`contacts` [rows, L_max, L_max]
+    padded with 0, `mask` [rows, L_max] True on its L residues)."""
+    residues = int(np.asarray(answer["mask"][row]).sum())
+    return np.ascontiguousarray(answer["contacts"][row, :residues, :residues], dtype=np.float32)
 
 
 def masked_mean(hiddens: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bionemo_export.choices import DeployTarget
-from bionemo_export.client.pooling import Include
+from bionemo_export.client.pooling import CONTACTS, Include
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.tasks import sibling_model
 
 from .kubernetes import JOB_FILE, TRITON_PORTS, DeployError, DeploySettings, RepositoryFacts, labels, render
 
@@ -77,9 +78,14 @@ def check_embedding_job(job: EmbeddingJobSettings, repository: RepositoryFacts) 
     if job.include is not None:
         outputs = {"hiddens", "mask"} if job.model.endswith("_hiddens") else {"embeddings"}
         try:
-            Include.parse(job.include, outputs, job.model)
+            include = Include.parse(job.include, outputs, job.model)
         except InvalidInputError as err:
             raise DeployError(str(err).replace("--include", "`embed_include`", 1)) from None
+        contacts = sibling_model(job.model, CONTACTS)
+        if include.contacts and contacts not in repository.public_models:
+            raise DeployError(f"`embed_include` {job.include}: contacts asks {contacts}, which {repository.path.name} "
+                              "does not have: build it with --tasks ...,contacts (from an ESM checkpoint with its "
+                              "contact head)")
     if not job.client_image.strip() or any(c.isspace() for c in job.client_image):
         raise DeployError(f"`client_image` {job.client_image!r}: give an image with bionemo-export[jobs] installed")
     if job.shards < 1 or (job.parallelism is not None and job.parallelism < 1):

@@ -4,22 +4,28 @@ ESM-2 with a contact head, built once with the Python backend (without graph opt
 The reference is transformers' own `EsmForMaskedLM.predict_contacts` (eager attention) on the same
 files, each sequence alone. Bad requests sent together with good ones fail alone, with
 INVALID_ARGUMENT naming the value; `verify` compares the served maps with PyTorch, and the dev
-server's PyTorch answers are the served ones.
+server's PyTorch answers are the served ones. `client encode --include contacts` (item 5) stores
+each record's map in bulk jobs beside its embedding, and writes them for sequences asked at once.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import h5py
 import numpy as np
 import pytest
 import torch
 import transformers
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
+from typer.testing import CliRunner
 
 from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.cli.main import app
 from bionemo_export.client import InferenceError, RepositoryClient
+from bionemo_export.client.job_files import output_chunks
 from bionemo_export.dev_server import DevModels
 from bionemo_export.models import load_checkpoint
 from bionemo_export.runtime import TritonServer
@@ -146,3 +152,67 @@ def test_the_dev_server_answers_what_the_repository_serves(served):
     served_answer = client.ask("contacts", SEQUENCES[:2])
     np.testing.assert_allclose(answers[0]["contacts"], served_answer["contacts"], atol=1e-4)
     assert answers[0]["mask"].tolist() == served_answer["mask"].tolist()
+
+
+def test_client_encode_include_contacts_stores_each_records_map_beside_its_embedding(served, tmp_path):
+    """A bulk job with --include mean,contacts asks ct_embeddings and ct_contacts for the same records:
+    each stored map (ragged, `contacts` / `contacts_ptr`) is what predict_contacts answers for the
+    sequence alone and what transformers computes, under the record's id, in input order; records the
+    server refuses (over the limit, a bad character) are listed, and a repeated sequence gets its first
+    answer (from an earlier part).
+    --include contacts alone into a folder stores the same maps."""
+    _, _, reference, client, _, url = served
+    records = [(f"p{i}", s) for i, s in enumerate(SEQUENCES)] + [("again", SEQUENCES[0]), ("long", "A" * 1023),
+                                                                 ("bad", "MKZ!"), ("last", "MKTAYIAKQR")]
+    good = [(i, s) for i, s in records if i not in ("long", "bad")]
+    fasta = tmp_path / "in.fasta"
+    fasta.write_text("".join(f">{i} some protein\n{s}\n" for i, s in records))
+    command = ["client", "encode", "-m", f"{NAME}_embeddings", "-i", str(fasta), "--chunk-size", "3",
+               "--triton-url", url]
+    result = CliRunner().invoke(app, [*command, "--include", "mean,contacts", "--output", str(tmp_path / "out.h5")])
+    assert result.exit_code == 3, result.output  # partial: two records refused
+    assert f"{len(good)} of {len(records)} records answered" in result.output
+    errors = (tmp_path / "out.h5.errors.tsv").read_text()
+    assert "long\t" in errors and "1023 residues" in errors and "bad\t" in errors
+    saved: Any  # h5py's items are typed as a union of groups, datasets and types
+    with h5py.File(tmp_path / "out.h5") as saved:
+        ids = [i.decode() for i in saved["ids"][()]]
+        ends, values = saved["contacts_ptr"][()], saved["contacts"][()]
+        embeddings = saved["embeddings"][()]
+        assert "embedding" not in saved  # no per-residue states asked for
+    assert ids == [i for i, _ in good]
+    served_maps = client.predict_contacts([s for _, s in good])
+    starts = [0, *ends[:-1]]
+    to_served, to_transformers = [], []
+    for row, (_, sequence) in enumerate(good):
+        stored = values[starts[row]:ends[row]].reshape(len(sequence), len(sequence))
+        alone = client.predict_contacts([sequence])[0]
+        np.testing.assert_allclose(served_maps[row], alone, atol=1e-4)
+        to_served.append(float(np.abs(stored - alone).max()))
+        to_transformers.append(float(np.abs(stored - reference_contacts(reference, sequence)).max()))
+    assert max(to_served) <= 1e-4 and max(to_transformers) <= 1e-4, (to_served, to_transformers)
+    np.testing.assert_allclose(embeddings, client.seqs_to_embedding([s for _, s in good]), atol=1e-5)
+
+    alone = CliRunner().invoke(app, [*command, "--include", "contacts", "--output", str(tmp_path / "maps")])
+    assert alone.exit_code == 3, alone.output
+    chunks = list(output_chunks(tmp_path / "maps"))
+    assert [i for chunk in chunks for i in chunk.ids] == ids and not any(chunk.pooled for chunk in chunks)
+    for got, want in zip([m for chunk in chunks for m in chunk.contacts or []], served_maps, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_client_encode_include_contacts_of_sequences_asked_at_once(served, tmp_path):
+    """Outside a bulk job, --include contacts asks N_contacts and writes contacts [batch, L, L] (0-padded)
+    and contacts_mask [batch, L]; a repository without N_contacts: tests/e2e/test_encode_jobs.py."""
+    _, _, reference, client, _, url = served
+    out = tmp_path / "maps.npz"
+    result = CliRunner().invoke(app, ["client", "encode", "-m", f"{NAME}_embeddings", "--include", "contacts", "-s",
+                                      SEQUENCES[0], "-s", SEQUENCES[1], "--triton-url", url, "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = np.load(out)
+    assert set(saved.files) == {"contacts", "contacts_mask"}
+    assert saved["contacts"].shape == (2, 22, 22) and saved["contacts_mask"].sum(1).tolist() == [22, 3]
+    for row, sequence in enumerate(SEQUENCES[:2]):
+        n = len(sequence)
+        np.testing.assert_allclose(saved["contacts"][row, :n, :n], reference_contacts(reference, sequence), atol=1e-4)
+        np.testing.assert_allclose(saved["contacts"][row, :n, :n], client.predict_contacts([sequence])[0], atol=1e-4)

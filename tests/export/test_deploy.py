@@ -374,6 +374,9 @@ def test_the_embedding_job_is_an_indexed_job_against_the_servers_written_beside_
      "--embed-shards 0"),
     (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-include",
       "bos"], "--embed-include bos: esm2nv_embeddings answers mean-pooled embeddings only"),
+    (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-include",
+      "mean,contacts"], "--embed-include mean,contacts: contacts asks esm2nv_contacts, which repo does not have: "
+                        "build it with --tasks ...,contacts"),
 ])
 def test_bad_embedding_job_options_are_named(repository, options, message):
     _refused([str(repository), "--storage-uri", "s3://b/p", *options], message)
