@@ -4,12 +4,16 @@ measured against: a PyTriton process whose inference callables run the PyTorch m
 `bionemo-export dev-server --model FAMILY --checkpoint PATH --name N` binds the same public
 models, with the same tensors, as a repository built from that checkpoint with `--name N`
 (the task table, tasks.py): `N_embeddings` and `N_hiddens`; for encoder-decoder families
-`N_decodes` and `N_samplings`; with a masked-LM head `N_logits` and `N_scores` (planned and
-scored by the repository's own serving/scoring.py); with a fine-tuned head `N_predictions`
+`N_decodes` and `N_samplings`; with a masked-LM head `N_logits` and `N_scores` (checked, planned
+and scored by the repository's own serving/scores.py and scoring.py); with a fine-tuned head `N_predictions`
 (labels named by serving/labels.py); with ESM's contact head `N_contacts` (serving/contacts.py's checks and
 batching over the PyTorch head); `N_layers` (serving/layers.py's choices and pooling over the PyTorch
 encoder's every layer); `N_attentions` for transformers encoders (serving/attentions.py's choices and
-limit over the eager twin's probabilities). Any client can be pointed at either and gets the same answers (the
+limit over the eager twin's probabilities). With `--checkpoint` once per member, a checkpoint ensemble
+as `build repo` makes one (models/members.py checks the members alike): `N_logits` and `N_scores`
+only, the mean of the members' log-probabilities (serving/member_mean.py's, as the repository's
+N_member_mean) and the scores of that mean, with each member's as `member_log_probs` and
+`member_scores`. Any client can be pointed at either and gets the same answers (the
 encoder within the family's tolerance, decodes and seeded samples equal), because both use the
 package's tokenizers and its one decoding and sampling implementation (generation/search.py with
 SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
@@ -33,6 +37,7 @@ import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,18 +46,21 @@ import torch
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.generation.reference import TorchDecoder, encode_hiddens
 from bionemo_export.generation.search import LIMITS, generate, greedy
-from bionemo_export.model_repository.options import GenerationLimits
-from bionemo_export.models.base import LoadedModel
+from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
+from bionemo_export.models.base import LoadedModel, load_checkpoint
+from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, check_members
 from bionemo_export.serving.attentions import AttentionWeights
 from bionemo_export.serving.batching import stack_padded
 from bionemo_export.serving.contacts import ContactMaps
 from bionemo_export.serving.labels import label_names
 from bionemo_export.serving.layers import DEFAULT_TOKEN_BUDGET, LayerEmbeddings, has_bos_token
+from bionemo_export.serving.member_mean import mean_log_probs
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.responses import Responder
 from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET, RowModel
-from bionemo_export.serving.scores import structure_reader
-from bionemo_export.serving.scoring import plan_request
+from bionemo_export.serving.scores import INPUTS as SCORES_INPUTS
+from bionemo_export.serving.scores import VariantScorer
+from bionemo_export.serving.scoring import ScoringLimits
 from bionemo_export.tasks import DEFAULT_MAX_ATTENTION_VALUES, TASKS
 from bionemo_export.tensors import DType
 
@@ -97,9 +105,18 @@ class DevModels:
     max_decode_length: int | None = None
     """Most tokens per decode (default: the model's own limit), as a repository's --max-decode-length."""
     limits: GenerationLimits = field(default_factory=GenerationLimits)
+    members: tuple[LoadedModel, ...] = ()
+    """A checkpoint ensemble's members in the build's order, `loaded` the first (verify.py's
+    convention): N_logits and N_scores answer their mean, and each member's on request, as a
+    repository built with `checkpoint` once per member does. Empty: `loaded` alone."""
 
     def __post_init__(self) -> None:
-        self.loaded.encoder.eval()
+        if self.members:
+            if self.members[0] is not self.loaded:
+                raise ValueError("`members` starts with `loaded`, the ensemble's first member")
+            check_members([MemberFacts.of(member) for member in self.members])  # MemberMismatch naming one
+        for model in self.members or (self.loaded,):
+            model.encoder.eval()
         seq2seq = self.loaded.seq2seq
         if seq2seq is not None:
             limit = seq2seq.max_decode_length
@@ -114,9 +131,11 @@ class DevModels:
     @property
     def tasks(self) -> tuple[str, ...]:
         """The public models this checkpoint serves, as a repository built from it would: each task
-        whose entry's requirements the checkpoint carries (tasks.py `Task.requires`); each is bound to
-        the method named after it."""
-        return self.loaded.servable()
+        whose entry's requirements the checkpoint carries (tasks.py `Task.requires`); an ensemble's,
+        those of them it serves (models/members.py `ENSEMBLE_TASKS`). Each is bound to the method
+        named after it."""
+        servable = self.loaded.servable()
+        return tuple(task for task in servable if task in ENSEMBLE_TASKS) if self.members else servable
 
     # ---------------------------------------------------------------------------- encoder
     def embeddings(self, requests: Requests) -> list[dict[str, np.ndarray]]:
@@ -126,37 +145,63 @@ class DevModels:
         return [{"hiddens": hiddens, "mask": mask} for hiddens, _, mask in self._encode(requests)]
 
     def logits(self, requests: Requests) -> list[dict[str, np.ndarray]]:
-        """The masked-LM head's log-probabilities over the alphabet, rows laid out like hiddens."""
-        return [{"log_probs": self._head(self._lm_head(), hiddens), "mask": mask}
-                for hiddens, _, mask in self._encode(requests)]
+        """The masked-LM head's log-probabilities over the alphabet, rows laid out like hiddens; an
+        ensemble's: the mean of its members' (serving/member_mean.py, as N_member_mean computes it)
+        and each member's as `member_log_probs` [K, length, A]."""
+        answers = []
+        for each, mask in self._log_probs(requests):
+            if self.members:
+                mean, stacked = mean_log_probs(each)
+                answers.append({"log_probs": mean, "mask": mask, "member_log_probs": stacked})
+            else:
+                answers.append({"log_probs": each[0], "mask": mask})
+        return answers
 
     def scores(self, requests: Requests) -> list[dict[str, np.ndarray]]:
-        """Variant scores or PLLs, planned by the repository's own module (serving/scoring.py: the
-        same checks and messages), each copy's log-probabilities from the PyTorch encoder and head."""
-        answers = []
+        """Variant scores or PLLs by the repository's own N_scores (serving/scores.py's VariantScorer:
+        the same checks, plans, messages and calls of a repository's max_batch_size copies), each
+        call's log-probabilities from the PyTorch encoder and head; an ensemble's: the scores of
+        the members' mean and each member's as `member_scores` [K, V]."""
         mask_char = self.loaded.tokenizer.mask_char
         if mask_char is None:  # serves_scores: no scores model is bound then
             raise InvalidInputError(f"{self.loaded.checkpoint}: its tokenizer has no mask character, so it scores "
                                     "no variants")
+        scorer = VariantScorer(self._run_logits, alphabet=self.loaded.alphabet, mask_char=mask_char,
+                               limits=ScoringLimits(), chunk=ServingOptions().max_batch_size,
+                               responder=Responder("scores"), default_method=self.loaded.family.scoring_default,
+                               structure_aware=getattr(self.loaded.tokenizer, "structure_aware", False),
+                               run_members=self._run_members if self.members else None, members=len(self.members))
+        answers = []
         for request in requests:
-            rows = []
-            variants = np.asarray(request["variants"]) if "variants" in request else None
-            methods = _column(request, "method") if "method" in request else None
-            for row, wild_type in enumerate(_column(request, "sequences")):
-                plan = plan_request(wild_type, None if variants is None else variants.reshape(len(variants), -1)[row]
-                                    .tolist(), None if methods is None else methods[row],
-                                    alphabet=self.loaded.alphabet, mask_char=mask_char,
-                                    default_method=self.loaded.family.scoring_default,
-                                    split_structure=(structure_reader() if getattr(self.loaded.tokenizer,
-                                                     "structure_aware", False) else None))
-                sequences = plan.inputs(mask_char)
-                answer = self._encode([{"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_)}])
-                hiddens, _, mask = answer[0]
-                log_probs = self._head(self._lm_head(), hiddens)
-                residues = log_probs[mask].reshape(len(sequences), len(plan.wild_type), -1)
-                rows.append(plan.scores(plan.site_log_probs(residues)))
-            answers.append({"scores": np.stack(rows).astype(np.float32)})
+            # PyTriton's Request is no Mapping (no .get); an optional input left out is absent.
+            inputs = {name: np.asarray(request[name]) for name in SCORES_INPUTS if name in request}
+            scores, each = scorer.answer_inputs(inputs, with_members=bool(self.members))
+            answers.append({"scores": scores} if each is None else {"scores": scores, "member_scores": each})
         return answers
+
+    def _log_probs(self, requests: Requests) -> list[tuple[list[np.ndarray], np.ndarray]]:
+        """Per request: the log-probabilities [rows, length, A] of each model (the checkpoint, or
+        every member in order, all on the same tokens) and the mask."""
+        models = self.members or (self.loaded,)
+        encoded = [self._encode(requests, model) for model in models]
+        return [([self._head(self._lm_head(model), answers[index][0]) for model, answers in zip(models, encoded)],
+                 encoded[0][index][2]) for index in range(len(requests))]
+
+    def _run_logits(self, sequences: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """N_logits for the scorer: (log_probs, mask) of `sequences` (an ensemble's: the mean)."""
+        each, mask = self._sequence_log_probs(sequences)
+        return (mean_log_probs(each)[0] if self.members else each[0]), mask
+
+    def _run_members(self, sequences: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """An ensemble's N_logits for the scorer: (the mean log_probs, mask, member_log_probs)."""
+        each, mask = self._sequence_log_probs(sequences)
+        mean, stacked = mean_log_probs(each)
+        return mean, mask, stacked
+
+    def _sequence_log_probs(self, sequences: list[str]) -> tuple[list[np.ndarray], np.ndarray]:
+        """`_log_probs` of `sequences` as one request."""
+        column = np.array([[s.encode("utf-8")] for s in sequences], dtype=np.object_)
+        return self._log_probs([{"sequences": column}])[0]
 
     def predictions(self, requests: Requests) -> list[dict[str, np.ndarray]]:
         """The fine-tuned head's logits and labels (serving/labels.py names them, as N_labels does)."""
@@ -221,28 +266,31 @@ class DevModels:
                                              pair_budget=DEFAULT_PAIR_BUDGET, max_rows=MAX_BATCH_SIZE,
                                              responder=Responder("attentions")), requests)
 
-    def _lm_head(self) -> torch.nn.Module:
+    @staticmethod
+    def _lm_head(loaded: LoadedModel) -> torch.nn.Module:
         """The masked-LM head (logits and scores are bound only where the checkpoint has one)."""
-        if self.loaded.lm_head is None:
-            raise InvalidInputError(f"{self.loaded.checkpoint} has no masked-LM head, so it serves no logits or "
-                                    "scores")
-        return self.loaded.lm_head
+        if loaded.lm_head is None:
+            raise InvalidInputError(f"{loaded.checkpoint} has no masked-LM head, so it serves no logits or scores")
+        return loaded.lm_head
 
     @staticmethod
     def _head(head: torch.nn.Module, hiddens: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             return head(torch.from_numpy(np.ascontiguousarray(hiddens))).numpy()
 
-    def _encode(self, requests: Requests) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """(hiddens, embeddings, mask) per request from one encoder call over all their rows;
-        each request's hiddens cropped to its own longest sequence, zero on padding."""
-        tokenizer = self.loaded.tokenizer
+    def _encode(self, requests: Requests, loaded: LoadedModel | None = None
+                ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(hiddens, embeddings, mask) per request from one call of `loaded`'s encoder (default:
+        the checkpoint's; an ensemble's member's) over all their rows; each request's hiddens
+        cropped to its own longest sequence, zero on padding."""
+        loaded = loaded or self.loaded
+        tokenizer = loaded.tokenizer
         # Tokenized per request, so that an error names the row of its own request.
         encoded = [tokenizer.encode(_column(request, "sequences")) for request in requests]
         arrays = [stack_padded([getattr(e, name) for e in encoded], pad)
                   for name, pad in (("input_ids", tokenizer.pad_id), ("attention_mask", 0), ("residue_mask", False))]
         with torch.inference_mode():
-            hiddens, embeddings = self.loaded.encoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+            hiddens, embeddings = loaded.encoder(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
         hiddens = (hiddens * torch.from_numpy(arrays[1])[..., None]).numpy()
         answers, start = [], 0
         for e in encoded:
@@ -295,13 +343,14 @@ class DevModels:
         """The public models of this checkpoint under the name prefix `name`, with the tensors the
         task table (tasks.py) declares: a repository's public models, one for one."""
         loaded = self.loaded
-        sizes = {"H": loaded.hidden_size, "A": len(loaded.alphabet)}
+        sizes = {"H": loaded.hidden_size, "A": len(loaded.alphabet), "K": len(self.members)}
         classifier = getattr(loaded, "classifier", None)
         if classifier is not None:
             sizes["C"] = classifier.num_labels
         bindings = []
         for task in (TASKS[t] for t in self.tasks):
-            outputs = [(t.name, _dtype(t.dtype), t.shape(sizes)) for t in task.outputs]
+            outputs = [(t.name, _dtype(t.dtype), t.shape(sizes))
+                       for t in (*task.outputs, *(task.member_tensors(sizes) if self.members else ()))]
             # A per-token head's rows are laid out like hiddens.
             if task.name == "predictions" and classifier is not None and classifier.per_token:
                 outputs = [("logits", np.float32, (-1, sizes["C"])), ("mask", np.bool_, (-1,)),
@@ -310,6 +359,24 @@ class DevModels:
                                     [(t.name, _dtype(t.dtype), t.shape(sizes), t.optional) for t in task.inputs],
                                     outputs))
         return bindings
+
+
+def load_models(checkpoints: Sequence[Path], family: str | None = None, *,
+                progress: Callable[[str], None] = lambda message: None, **options: Any) -> DevModels:
+    """DevModels over `checkpoints`: one checkpoint, or a checkpoint ensemble's members in the
+    build's order (several, as `build repo` takes them), each loaded in turn and checked against
+    those before it (models/members.py: a member that differs, or one given twice, is refused
+    naming it before the next is loaded). `options`: DevModels' (max_decode_length, limits)."""
+    if not checkpoints:
+        raise InvalidInputError("give `checkpoint` once (or once per member of an ensemble)")
+    loaded: list[LoadedModel] = []
+    for number, path in enumerate(checkpoints, 1):
+        member = f" (ensemble member {number} of {len(checkpoints)})" if len(checkpoints) > 1 else ""
+        progress(f"loading {path}{member} ...")
+        loaded.append(load_checkpoint(path, family))
+        if len(loaded) > 1:
+            check_members([MemberFacts.of(model) for model in loaded])
+    return DevModels(loaded[0], members=tuple(loaded) if len(loaded) > 1 else (), **options)
 
 
 def _dtype(dtype: DType) -> Any:

@@ -9,13 +9,15 @@ API page (docs/reference_pages.py writes it from this table when the site is bui
 
 Dims exclude the batch axis (every public model is batched) and may name a size the repository
 fixes when it is built: `H` (hidden size), `A` (the residue alphabet of a masked-LM head), `C`
-(the classes or values of a fine-tuned head); -1 is a dynamic axis.
+(the classes or values of a fine-tuned head), `K` (a checkpoint ensemble's members: its
+`member_outputs` only); -1 is a dynamic axis.
 
 Importable without torch or Triton: numpy only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -125,11 +127,16 @@ class Task:
     graph costs the repository a second copy of the weights: contacts)."""
     notes: tuple[str, ...] = field(default=())
     """Further lines of documentation (under the task on the docs site's Served API page)."""
+    member_outputs: tuple[TensorSpec, ...] = ()
+    """The outputs a checkpoint ensemble's model of this task has besides `outputs` (models/members.py:
+    each member's answers, `K` the members), answered when a request names them: the ensemble
+    planner, the dev server and the client read them here."""
 
     def __post_init__(self) -> None:
         if not self.requires or not self.graphs:
             raise ValueError(f"task {self.name!r}: `requires` and `graphs` name at least one each")
-        for tensor in (*self.inputs, *self.outputs):  # public tensors: sizes by letter, not axis names
+        # public tensors: sizes by letter, not axis names
+        for tensor in (*self.inputs, *self.outputs, *self.member_outputs):
             for dim in tensor.dims:
                 if isinstance(dim, str) and dim not in SIZES_DOC:
                     raise ValueError(f"task {self.name!r}, tensor {tensor.name}: unknown size {dim!r}; sizes are "
@@ -138,6 +145,10 @@ class Task:
     def model(self, prefix: str) -> str:
         """The public model's name in a repository built with `--name prefix`."""
         return f"{prefix}_{self.name}"
+
+    def member_tensors(self, sizes: Mapping[str, int]) -> list[TensorSpec]:
+        """`member_outputs` as an ensemble serves them: the named sizes (K, A) filled in from `sizes`."""
+        return [TensorSpec(t.name, t.dtype, t.shape(sizes), doc=t.doc) for t in self.member_outputs]
 
     @property
     def required_inputs(self) -> tuple[TensorSpec, ...]:
@@ -219,6 +230,8 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "tokens' summed probability)"), MASK),
          role="logits", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
          requires=(Requirement.LM_HEAD,), client_method="seqs_to_log_probs",
+         member_outputs=(TensorSpec("member_log_probs", DType.FP32, ("K", -1, "A"), doc="a checkpoint ensemble's "
+                                    "only: each member's log_probs, in the build's order"),),
          notes=("The alphabet's order is the config's `alphabet` parameter (RepositoryClient.alphabet()).",
                 "A checkpoint ensemble (`build repo` with several `--checkpoint`) answers the mean of its K members' "
                 "log_probs, and each member's as `member_log_probs` FP32 [K, -1, A] when a request names that "
@@ -236,6 +249,8 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          requires=(Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES), calls=("logits",),
          # like samplings: a long request (a deep mutational scan) holds one instance
          role_defaults=RoleDefaults(Instances.SAMPLING, batched=True), client_method="score_variants",
+         member_outputs=(TensorSpec("member_scores", DType.FP32, ("K", -1), doc="a checkpoint ensemble's only: "
+                                    "each member's scores, in the build's order"),),
          notes=("A checkpoint ensemble's scores are the mean of its K members' scores; each member's come back as "
                 "`member_scores` FP32 [K, V] when a request names that output.",)),
     Task("predictions", "the fine-tuned head's logits and predicted label (sequence heads: one per sequence; "

@@ -83,13 +83,14 @@ _ONNX = {DType.FP32: 1, DType.UINT8: 2, DType.INT8: 3, DType.INT32: 6, DType.INT
 Dim = int | str
 """A size: a number, -1 (dynamic), or a name: the letter of a size fixed at build time (H, A, C) or
 a graph's dynamic axis."""
-SIZES_DOC = {"H": "the hidden size", "A": "the residue alphabet's size", "C": "the head's classes or values"}
+SIZES_DOC = {"H": "the hidden size", "A": "the residue alphabet's size", "C": "the head's classes or values",
+             "K": "a checkpoint ensemble's members (its member outputs only)"}
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     """A named tensor. `dims`: -1 for a dynamic axis, a positive size, or a name: a size the build
-    fixes (`SIZES_DOC`: H, A, C, which task tensors use) or a graph's dynamic axis ("batch",
+    fixes (`SIZES_DOC`: H, A, C, K, which task tensors use) or a graph's dynamic axis ("batch",
     "length": ONNX's dynamic_axes). Graph tensors (models/) include the batch axis; the tensors of
     a served model's config (tasks.py, model_repository/, bench) exclude it, every model being
     batched. `dtype` may be given by name (FP32, TYPE_FP32) and is a DType after."""

@@ -264,7 +264,7 @@ def served_api() -> str:
         out.append("**Outputs**\n")
         out.append(table(("name", "type", "shape", "meaning"), [
             (f"`{t.name}`", t.dtype.value, f"`[{', '.join(str(d) for d in t.dims)}]`", inline(t.doc, in_table=True))
-            for t in task.outputs
+            for t in (*task.outputs, *task.member_outputs)
         ]))
         out.extend(inline(note) + "\n" for note in task.notes)
     return "\n".join(out)

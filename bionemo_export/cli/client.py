@@ -235,20 +235,27 @@ def score(
     in_flight: int = typer.Option(4, min=1, help=IN_FLIGHT_HELP),
     chunk_size: int = typer.Option(50_000, min=1, help="Rows read, scored and written at a time; a stopped run "
                                    "resumes after its last chunk written."),
+    member_scores: bool = typer.Option(False, "--member-scores", help="A checkpoint ensemble's repository (`build "
+                                       "repo` with --checkpoint once per member): also write each member's score, "
+                                       "in columns <score column>_member1 ... _memberK beside the mean, from the "
+                                       "same requests."),
 ) -> None:
     """Score every variant of a CSV against its wild type (N_scores), writing the CSV with a score
-    column. The CSV (.gz read directly) is read and written in chunks of 50,000 rows: a saturation
-    scan of a proteome costs the client a chunk's memory, not the file's. A stopped run (Ctrl-C,
-    kill, a server gone) resumes when the same command is run again, after its last chunk written."""
+    column (with --member-scores, an ensemble's: one more per member). The CSV (.gz read directly)
+    is read and written in chunks of 50,000 rows: a saturation scan of a proteome costs the client
+    a chunk's memory, not the file's. A stopped run (Ctrl-C, kill, a server gone) resumes when the
+    same command is run again, after its last chunk written."""
     from bionemo_export.client.records import read_records
     from bionemo_export.client.repository import RepositoryClient
     from bionemo_export.client.variants import (
         ScoredTableWriter,
         group_by_wild_type,
         iter_variant_tables,
+        member_columns,
         score_fingerprint,
         wild_type_of_rows,
     )
+    from bionemo_export.errors import InvalidInputError
 
     console = Console()
     if not model.endswith("_scores"):
@@ -261,11 +268,21 @@ def score(
         first = next(tables)
         with RepositoryClient(model.removesuffix("_scores"), triton_url, in_flight=in_flight) as client, \
                 _progress(0) as advance:
+            members = client.members() if member_scores else 1
+            if member_scores and members < 2:
+                raise InvalidInputError(f"--member-scores: {model} serves one checkpoint (it has no member_scores "
+                                        "output), so there are no members' scores to write; leave --member-scores "
+                                        "out, or score with a checkpoint ensemble's repository (`build repo` with "
+                                        "--checkpoint once per member)")
             method = method or client.default_scoring_method()
             run = score_fingerprint(model, client.client.model_config(model), fasta, variants, method=method,
                                     column=column, id_column=id_column, score_column=score_column,
-                                    chunk_size=chunk_size)
-            with ScoredTableWriter(output, first.header, score_column or f"{method}_score", run) as writer:
+                                    chunk_size=chunk_size,
+                                    # only when asked: a plain run's journal reads as before
+                                    **({"member_scores": True} if member_scores else {}))
+            mean_column = score_column or f"{method}_score"
+            columns = [mean_column, *(member_columns(mean_column, members) if member_scores else [])]
+            with ScoredTableWriter(output, first.header, columns, run) as writer:
                 if writer.resumed_rows:
                     console.print(f"resuming after {writer.resumed_rows} rows scored by an earlier run",
                                   highlight=False)
@@ -273,13 +290,18 @@ def score(
                     if writer.skips(table):
                         continue
                     wild_types = wild_type_of_rows(table, records, id_column)
-                    scores = np.zeros(len(table.rows), dtype=np.float32)
+                    scores = np.zeros((len(table.rows), len(columns)), dtype=np.float32)
                     listed = table.variants()
                     for wild_type, rows in group_by_wild_type(wild_types).items():
-                        scores[rows] = client.score_variants(wild_type, [listed[i] for i in rows], method,
-                                                             progress=advance)
-                    writer.write(table, scores.tolist())
-    console.print(f"wrote {writer.rows} scores ({method}) to {output}", highlight=False)
+                        asked = [listed[i] for i in rows]
+                        if member_scores:
+                            mean, each = client.scores_with_members(wild_type, asked, method, progress=advance)
+                            scores[rows] = np.column_stack([mean, each.T])
+                        else:
+                            scores[rows, 0] = client.score_variants(wild_type, asked, method, progress=advance)
+                    writer.write(table, scores)
+    console.print(f"wrote {writer.rows} scores ({method})" + (f" and each of its {members} members'" if member_scores
+                                                              else "") + f" to {output}", highlight=False)
 
 
 @app.command("merge")

@@ -55,7 +55,8 @@ def tune(
     repository: Path = typer.Argument(..., help="The model repository folder (built by `build repo`).",
                                       file_okay=False, exists=True),
     model: str | None = typer.Option(None, "--model", "-m", help="Public model whose requests are measured "
-                                        "(default: the repository's N_embeddings)."),
+                                        "(default: the repository's N_embeddings, else its first public model: a "
+                                        "checkpoint ensemble's N_logits, whose members' models are tuned alike)."),
     objective: TuneObjective = typer.Option(TuneObjective.THROUGHPUT, help="throughput (sequences/s) or "
                                             "latency (p99)."),
     max_p99_ms: float | None = typer.Option(None, help="Latency bound: candidates whose p99 exceeds it at any "

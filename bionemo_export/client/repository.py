@@ -145,22 +145,40 @@ class RepositoryClient:
         the server's default_method). They go in requests of at most the server's `max_variants` (its config
         parameter; all in one where it states none), several in flight; a bad variant raises
         InferenceError naming it."""
-        return self._scores(wild_type, variants, method, progress, "scores")
+        return self._scores(wild_type, variants, method, progress, ["scores"])["scores"]
 
     def member_scores(self, wild_type: str, variants: Sequences, method: str | None = None,
                       progress: Callable[[int], None] | None = None) -> np.ndarray:
         """A checkpoint ensemble's: FP32 [K, len(variants)], each member's scores of the variants
         (`score_variants` answers their mean), sent as `score_variants` sends them. A repository of
         one checkpoint has no such output (InferenceError)."""
-        return self._scores(wild_type, variants, method, progress, "member_scores")
+        return self._scores(wild_type, variants, method, progress, ["member_scores"])["member_scores"]
+
+    def scores_with_members(self, wild_type: str, variants: Sequences, method: str | None = None,
+                            progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A checkpoint ensemble's (scores FP32 [len(variants)], member_scores FP32 [K, len(variants)])
+        from the same requests: what `score_variants` and `member_scores` answer, for the cost of one."""
+        out = self._scores(wild_type, variants, method, progress, ["scores", "member_scores"])
+        return out["scores"], out["member_scores"]
+
+    def members(self, task: str = "scores") -> int:
+        """How many checkpoints the repository serves as one through N_<task> (logits or scores): K
+        for a checkpoint ensemble, read from the model's member output ([K, ...]: the task table's
+        `member_outputs`); 1 for a repository of one checkpoint, whose model has none."""
+        names = {t.name for t in get_task(task).member_outputs}
+        for tensor in self.client.model_config(self.model(task)).get("output", []):
+            if tensor.get("name") in names:
+                return int(tensor["dims"][0])
+        return 1
 
     def _scores(self, wild_type: str, variants: Sequences, method: str | None,
-                progress: Callable[[int], None] | None, output: str) -> np.ndarray:
-        """`output` (scores [V] or member_scores [K, V]) of the variants, in requests of at most
+                progress: Callable[[int], None] | None, outputs: list[str]) -> dict[str, np.ndarray]:
+        """`outputs` (scores [V], member_scores [K, V]) of the variants, in requests of at most
         the server's max_variants, joined along the variants."""
         items = np.array([str(v).encode("utf-8") for v in variants], dtype=np.object_)
         if not len(items):
-            return np.zeros(0, dtype=np.float32) if output == "scores" else np.zeros((0, 0), dtype=np.float32)
+            return {name: np.zeros(0 if name == "scores" else (self.members(), 0), dtype=np.float32)
+                    for name in outputs}
         try:
             per_request = int(self._parameter("scores", "max_variants"))
         except KeyError:  # a server that states no limit (the dev server): one request
@@ -183,9 +201,10 @@ class RepositoryClient:
                 if progress is not None:
                     progress(step)
 
-        out = infer_rows(self.client, self.model("scores"), len(chunks), make_inputs, outputs=[output],
-                         batch_size=1, in_flight=self.in_flight, progress=advance).outputs[output]
-        return np.concatenate([row[..., :len(chunk)] for row, chunk in zip(out, chunks)], axis=-1).astype(np.float32)
+        out = infer_rows(self.client, self.model("scores"), len(chunks), make_inputs, outputs=outputs,
+                         batch_size=1, in_flight=self.in_flight, progress=advance).outputs
+        return {name: np.concatenate([row[..., :len(chunk)] for row, chunk in zip(out[name], chunks)],
+                                     axis=-1).astype(np.float32) for name in outputs}
 
     def pseudo_log_likelihood(self, sequences: Sequences) -> np.ndarray:
         """FP32 [batch]: each sequence's pseudo-log-likelihood, the MEAN over its residues of log p(the

@@ -2,7 +2,8 @@
 
 A variants table is ProteinGym's DMS layout: a CSV with a `mutant` column (`A42G`, multi-mutants
 `A42G:L43P`, 1-based positions) and any other columns (`DMS_score`, ...), which are kept as they
-are; the scored table is the same CSV with one more column. Each row is scored against a wild
+are; the scored table is the same CSV with one more column (and one per member with a checkpoint
+ensemble's members' scores: `member_columns`). Each row is scored against a wild
 type from the FASTA file: its only record, or, when the file holds several, the record named in
 the row's id column (`--id-column`).
 
@@ -21,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bionemo_export.errors import InvalidInputError
 
@@ -124,10 +127,16 @@ def group_by_wild_type(wild_types: list[str]) -> dict[str, list[int]]:
     return groups
 
 
+def member_columns(score_column: str, members: int) -> list[str]:
+    """The columns of a checkpoint ensemble's members' scores beside the mean's `score_column`:
+    `<score_column>_member1` ... `_member<K>`, in the build's order of the members."""
+    return [f"{score_column}_member{number}" for number in range(1, members + 1)]
+
+
 class ScoredTableWriter:
     """The scored CSV, written as its chunks are scored: the input's columns with `score_column`
-    added (or replaced), through a temporary file renamed into place at the end (never a
-    half-written table under the output's name).
+    added (or replaced; several: each), through a temporary file renamed into place at the end
+    (never a half-written table under the output's name).
 
         with ScoredTableWriter(out, header, "wt-marginal_score", fingerprint=run) as writer:
             for table in iter_variant_tables(path):
@@ -143,15 +152,18 @@ class ScoredTableWriter:
     refused, naming what differs. Without one, a failed run removes its temporary file.
     """
 
-    def __init__(self, out: Path, header: list[str], score_column: str,
+    def __init__(self, out: Path, header: list[str], score_column: str | Sequence[str],
                  fingerprint: dict[str, Any] | None = None) -> None:
         self.out = Path(out)
         self.partial = self.out.with_name(f".{self.out.name}.partial")
         self.journal_path = self.out.with_name(f".{self.out.name}.journal.jsonl")
         self.fingerprint = fingerprint
-        self.replace = score_column in header
-        self.index = header.index(score_column) if self.replace else len(header)
-        self.header = list(header) if self.replace else [*header, score_column]
+        columns = [score_column] if isinstance(score_column, str) else list(score_column)
+        if len(set(columns)) != len(columns) or not columns:
+            raise ValueError(f"score columns {columns}: give at least one, each once")
+        self.header = list(header) + [column for column in columns if column not in header]
+        self.indices = [self.header.index(column) for column in columns]
+        """Where each score column's cells go in a written row (an input column of that name is replaced)."""
         self.rows = 0
         self.resumed_rows = 0
         """Rows an earlier run of the same command had written."""
@@ -183,16 +195,19 @@ class ScoredTableWriter:
         self._seen += len(table.rows)
         return self._seen <= self.resumed_rows
 
-    def write(self, table: VariantTable, scores: Sequence[float]) -> None:
-        if len(scores) != len(table.rows):
-            raise ValueError(f"{len(scores)} scores for {len(table.rows)} rows")
-        for row, score in zip(table.rows, scores, strict=True):
-            row = list(row)
-            text = repr(float(score))
-            if self.replace:
-                row[self.index] = text
-            else:
-                row.append(text)
+    def write(self, table: VariantTable, scores: Sequence[float] | Sequence[Sequence[float]] | np.ndarray) -> None:
+        """`table`'s rows with their scores: one per row (one score column), or a row of one per
+        score column, in the columns' order."""
+        values = np.asarray(scores, dtype=np.float64)
+        values = values[:, None] if values.ndim == 1 else values
+        if values.shape != (len(table.rows), len(self.indices)):
+            raise ValueError(f"scores of shape {list(values.shape)} for {len(table.rows)} rows and "
+                             f"{len(self.indices)} score columns")
+        width = len(self.header)
+        for row, cells in zip(table.rows, values.tolist(), strict=True):
+            row = [*row, *[""] * (width - len(row))]
+            for index, score in zip(self.indices, cells, strict=True):
+                row[index] = repr(float(score))
             self._writer.writerow(row)
         self.rows += len(table.rows)
         if self._journal is not None:

@@ -111,7 +111,7 @@ def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
         description="public: scores (Python, BLS to the log-probabilities)",
     )
     if members:
-        plan.outputs.append(TensorSpec("member_scores", DType.FP32, (members, -1)))
+        plan.outputs += task.member_tensors({"K": members})
     return plan
 
 

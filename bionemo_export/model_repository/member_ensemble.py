@@ -54,15 +54,12 @@ class MemberGraphs:
     graph_optimization_level: str
 
 
-def member_log_probs_output(members: int, alphabet: int) -> TensorSpec:
-    return TensorSpec("member_log_probs", DType.FP32, (members, -1, alphabet))
-
-
 def mean_model(name: str, members: int, alphabet: int, options: ServingOptions) -> ModelPlan:
     """N_member_mean: Python, one instance per tokenizer instance, no batcher of its own (it runs
     inside N_logits, on one request's members at a time; the work is a mean over K arrays)."""
     inputs = [TensorSpec(f"log_probs_{number}", DType.FP32, (-1, alphabet)) for number in range(1, members + 1)]
-    outputs = [TensorSpec("log_probs", DType.FP32, (-1, alphabet)), member_log_probs_output(members, alphabet)]
+    outputs = [TensorSpec("log_probs", DType.FP32, (-1, alphabet)),
+               *TASKS["logits"].member_tensors({"K": members, "A": alphabet})]
     model_name = f"{name}_{MEAN_MODEL}"
     return ModelPlan(
         name=model_name, inputs=inputs, outputs=outputs, max_batch_size=options.max_batch_size, backend="python",
@@ -97,7 +94,7 @@ def logits_ensemble(name: str, members: list[MemberGraphs], head: MaskedLMHead, 
                               {"log_probs": "log_probs", "member_log_probs": "member_log_probs"}))
     task = TASKS["logits"]
     outputs = [TensorSpec(t.name, t.dtype, t.shape({"A": alphabet})) for t in task.outputs]
-    outputs.append(member_log_probs_output(len(members), alphabet))
+    outputs += task.member_tensors({"K": len(members), "A": alphabet})
     model_name = task.model(name)
     return ModelPlan(
         name=model_name, inputs=[TensorSpec("sequences", DType.BYTES, (1,))], outputs=outputs,

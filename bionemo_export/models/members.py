@@ -88,10 +88,15 @@ def describe_difference(first: MemberFacts, other: MemberFacts) -> str | None:
 
 def check_members(members: Sequence[MemberFacts]) -> None:
     """MemberMismatch unless every member agrees with the first (see the module docstring); also
-    refused: fewer than two members, or one checkpoint given twice."""
+    refused: fewer than two members, a first member without a masked-LM head, or one checkpoint
+    given twice."""
     if len(members) < 2:
         raise MemberMismatch(f"an ensemble needs at least two checkpoints, got {len(members)}; give "
                              "`checkpoint` once per member")
+    if not members[0].lm_head:
+        raise MemberMismatch(f"ensemble member 1 ({members[0].path}) has no masked-LM head: an ensemble serves its "
+                             "members' log-probabilities; give checkpoints with the head (a masked-LM checkpoint), "
+                             "or serve this one on its own")
     seen: dict[Path, int] = {}
     for number, member in enumerate(members, 1):
         if member.path in seen:

@@ -25,7 +25,7 @@ only the standard library, numpy and its sibling modules.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,8 @@ else:  # copied beside a generated model.py, where its siblings are top-level mo
     from responses import RequestError, Responder, call_model, input_array, triton, wanted_outputs
     from scoring import METHODS, ScoringError, ScoringLimits, ScoringPlan, SplitStructure, pack_passes, plan_request
 
+INPUTS = ("sequences", "variants", "method")
+"""N_scores' inputs (the task table's; this module cannot import it)."""
 RunLogits = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
 """sequences -> (log_probs [n, length, A], mask [n, length]), as N_logits answers them."""
 RunMembers = Callable[[list[str]], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -87,9 +89,8 @@ def members_caller(model_name: str) -> RunMembers:
     return run
 
 
-def _column(request: Any, name: str, batch: int | None) -> np.ndarray | None:
-    """Input `name` as a 2-D array with `batch` rows (None: whatever it has), or None if absent."""
-    value = input_array(request, name)
+def _column(value: np.ndarray | None, name: str, batch: int | None) -> np.ndarray | None:
+    """Input `name`'s `value` as a 2-D array with `batch` rows (None: whatever it has), or None if absent."""
     if value is None:
         return None
     if value.ndim != 2 or (batch is not None and value.shape[0] != batch):
@@ -140,15 +141,21 @@ class VariantScorer:
         return responses, 0
 
     def answer(self, request: Any, with_members: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-        """The scores of one request, [batch, V] or [batch, 1], and with `with_members` (an
+        """The scores of one Triton request, [batch, V] or [batch, 1], and with `with_members` (an
         ensemble's) each member's, [batch, K, V] or [batch, K, 1] (else None)."""
-        sequences = _column(request, "sequences", None)
+        return self.answer_inputs({name: input_array(request, name) for name in INPUTS}, with_members)
+
+    def answer_inputs(self, inputs: Mapping[str, np.ndarray | None], with_members: bool = False
+                      ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`answer` for a request's inputs by name (`sequences`, and `variants`, `method` unless
+        left out): what the dev server (dev_server.py) hands over instead of a Triton request."""
+        sequences = _column(inputs.get("sequences"), "sequences", None)
         if sequences is None or sequences.shape[1] != 1:
             raise RequestError(f"input 'sequences' must have shape [batch, 1], got "
                                f"{None if sequences is None else list(sequences.shape)}")
         batch = sequences.shape[0]
-        variants = _column(request, "variants", batch)
-        methods = _column(request, "method", batch)
+        variants = _column(inputs.get("variants"), "variants", batch)
+        methods = _column(inputs.get("method"), "method", batch)
         if methods is not None and methods.shape[1] != 1:
             raise RequestError(f"input 'method' must have shape [{batch}, 1], got {list(methods.shape)}")
         plans = [plan_request(sequences[row, 0], None if variants is None else list(variants[row]),

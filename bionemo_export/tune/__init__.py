@@ -25,12 +25,12 @@ from bionemo_export.serving.host import available_cores
 from .apply import RestoreError, previous_configs, publish, restore
 from .record import TUNING_KEY, host_mismatch, stamp, this_host
 from .search import Objective, Point, Progress, QuickSearch, SearchResult, SearchSettings, Trial
-from .session import TuneSession, tunable_models
+from .session import TuneSession, tunable_models, tuned_units
 from .space import Settings
 
 __all__ = ["TUNING_KEY", "Objective", "Point", "Progress", "RestoreError", "SearchResult", "Settings", "Trial",
            "TuneOutcome", "TuneRequest", "default_model", "host_mismatch", "restore", "tunable_models",
-           "tune_repository"]
+           "tune_repository", "tuned_units"]
 
 
 @dataclass(frozen=True)
@@ -98,13 +98,15 @@ def tune_repository(request: TuneRequest, progress: Progress | None = None) -> T
     with TuneSession(repository, model, out_dir=out, inputs=request.inputs, window_s=request.window_s,
                      tritonserver=request.tritonserver) as session:
         result = QuickSearch(session.baseline, session.measure, settings, cores=available_cores(),
-                             progress=progress).run()
-        configs = {name: to_pbtxt(session.config_for(name, s)) for name, s in result.winner.candidate.items()
-                   if s != result.baseline.candidate[name]}
+                             shares=session.shares, progress=progress).run()
+        configs = {name: to_pbtxt(config) for name, config in
+                   session.changed_configs(result.winner.candidate, result.baseline.candidate).items()}
         inputs = session.live.data.description if session.live and session.live.data else ""
+        together = {unit: list(models) for unit, models in session.units.items() if len(models) > 1}
     base, won = result.confirmation or (result.baseline, result.winner)
     record = {
         "tuned": stamp(), "host": this_host(), "model": model, "models": list(result.baseline.candidate),
+        "tuned_together": together,
         "objective": str(request.objective), "concurrencies": list(request.concurrencies),
         "max_p99_ms": request.max_p99_ms, "inputs": inputs, "budget_s": settings.budget_s,
         "seconds": time.monotonic() - started, "candidates": len(result.trials), "stopped_by": result.stopped_by,
@@ -118,6 +120,8 @@ def tune_repository(request: TuneRequest, progress: Progress | None = None) -> T
     if configs and request.write:
         tuning = {key: record[key] for key in ("tuned", "host", "model", "objective", "concurrencies", "max_p99_ms",
                                                "inputs", "settings", "untuned_settings", "figures", "report")}
+        if together:  # a unit's settings are every one of its models'
+            tuning["tuned_together"] = together
         tuning["previous"] = previous_configs(repository, sorted(configs))
         if manifest.tuning:
             tuning["earlier"] = manifest.tuning

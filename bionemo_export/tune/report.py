@@ -56,8 +56,10 @@ def markdown(result: SearchResult, record: dict[str, Any]) -> str:
              + f"; concurrencies {', '.join(map(str, concurrencies))}; inputs: {record['inputs']}  ",
              f"Search: {len(result.trials)} candidates in {record['seconds']:.0f} s "
              f"(budget {record['budget_s']:.0f} s, stopped: {result.stopped_by}); "
-             f"tuned models: {', '.join(record['models'])}", "",
-             "## Result", ""]
+             f"tuned models: {', '.join(record['models'])}",
+             *(f"`{unit}` sets {', '.join(models)} alike (a checkpoint ensemble's members, run side by side)  "
+               for unit, models in (record.get("tuned_together") or {}).items()),
+             "", "## Result", ""]
     if result.changed:
         lines.append(f"Written: {describe_candidate(result.winner, result.baseline)}." if record.get("written")
                      else f"Best: {describe_candidate(result.winner, result.baseline)} (not written: --dry-run).")

@@ -13,6 +13,11 @@ costs one perf_analyzer run, not one per concurrency. The winner is measured aga
 baseline (interleaved, `confirm`), and kept only if it still wins: a tuned repository never serves
 worse than the one it came from, on the figures measured on this host.
 
+The candidate's keys are the session's units (session.py `tuned_units`): a model, or a checkpoint
+ensemble's K members' models of one role, set alike. The K models of such a unit run side by side
+on the host's cores, so its settings range over the values of a host with a K-th of the cores
+(`shares`): on 16 cores, five members' encoders step through 1 to 3 instances and threads each.
+
 `measure` is any callable (settings, concurrency) -> Point: the session (session.py) serves and runs
 perf_analyzer; the unit tests give it a synthetic response surface.
 """
@@ -136,8 +141,11 @@ class QuickSearch:
     """Hill climbing over every tuned model's settings (see the module docstring)."""
 
     def __init__(self, start: Candidate, measure: Measure, settings: SearchSettings, *, cores: int,
-                 progress: Progress | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 shares: Mapping[str, int] | None = None, progress: Progress | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.start, self.measure, self.settings, self.cores = dict(start), measure, settings, cores
+        self.shares = dict(shares or {})
+        """Models of a unit that run side by side (absent: 1); see the module docstring."""
         self.progress = progress or Progress()
         self.clock = clock
         self.began = clock()
@@ -149,6 +157,10 @@ class QuickSearch:
         """Concurrencies, the most telling first: the highest for throughput, the lowest for latency."""
         ordered = sorted(set(self.settings.concurrencies))
         return ordered[::-1] if self.settings.objective == Objective.THROUGHPUT else ordered
+
+    def cores_of(self, unit: str) -> int:
+        """The cores each model of `unit` may count on: the host's, shared by the unit's models."""
+        return max(1, self.cores // max(1, self.shares.get(unit, 1)))
 
     def time_left(self) -> float:
         return self.settings.budget_s - (self.clock() - self.began)
@@ -219,7 +231,7 @@ class QuickSearch:
         climbed = False
         while True:
             nearby = [{**best.candidate, model: settings}
-                      for settings in around(best.candidate[model], self.cores, axis)]
+                      for settings in around(best.candidate[model], self.cores_of(model), axis)]
             nearby = [candidate for candidate in nearby if _key(candidate) not in self.seen]
             leader = best
             for candidate in nearby:

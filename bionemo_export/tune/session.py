@@ -19,6 +19,7 @@ from typing import Any
 from bionemo_export.bench.inputs import InputSpec, generate_inputs
 from bionemo_export.bench.run import BenchError, LiveTarget, Target, measure, open_target
 from bionemo_export.model_repository.backends import runs_python
+from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.parameters import BLS_MODELS
 from bionemo_export.model_repository.pbtxt import ModelConfig, read_config, write_config
 from bionemo_export.model_repository.reader import RepositoryModels
@@ -63,8 +64,43 @@ def tunable_models(repository: Path, model: str) -> list[str]:
     return tuned
 
 
+MEMBERS_UNIT = "{name}_m*_{role}"
+"""The unit of a checkpoint ensemble's members' models of one role (`esm1v_m*_encoder`: every
+member's N_m<i>_encoder), which the search sets alike."""
+
+
+def tuned_units(repository: Path, model: str) -> dict[str, tuple[str, ...]]:
+    """The models the search tunes behind `model` (`tunable_models`), as the units it sets: unit
+    name -> its models. A checkpoint ensemble's members' models of one role (N_m1_encoder ...
+    N_mK_encoder, from manifest.json's `members`) are one unit, `N_m*_encoder`, whose settings
+    every member gets: Triton runs the members side by side on every request, which waits for
+    the slowest, so a step that changed one member alone would hardly show, and K times the
+    settings would cost the search K times its budget. Members whose settings differ now (edited
+    by hand) stay units of their own, so that the baseline is the repository as it is. Every
+    other model is a unit of its own."""
+    models = tunable_models(repository, model)
+    manifest = Manifest.read(repository)
+    labels = [str(member.get("member")) for member in manifest.members or ()]
+    units: dict[str, tuple[str, ...]] = {}
+    for name in models:
+        if any(name in unit for unit in units.values()):
+            continue
+        label = next((label for label in labels if name.startswith(f"{manifest.name}_{label}_")), None)
+        if label is not None:
+            role = name.removeprefix(f"{manifest.name}_{label}_")
+            group = tuple(f"{manifest.name}_{other}_{role}" for other in labels)
+            if all(member in models for member in group) and len(
+                    {read_settings(read_config(repository / member)) for member in group}) == 1:
+                units[MEMBERS_UNIT.format(name=manifest.name, role=role)] = group
+                continue
+        units[name] = (name,)
+    return units
+
+
 class TuneSession:
-    """The working copy served, with `model` measured for each candidate (a context manager)."""
+    """The working copy served, with `model` measured for each candidate (a context manager).
+    A candidate sets units (`tuned_units`; `models`: those models, each a unit of its own): each
+    of a unit's models gets the unit's settings."""
 
     def __init__(self, repository: Path, model: str, *, out_dir: Path, inputs: InputSpec, window_s: float,
                  models: list[str] | None = None, tritonserver: str | None = None,
@@ -74,9 +110,13 @@ class TuneSession:
         self.requested_models, self.tritonserver = models, tritonserver
         self.perf_analyzer = perf_analyzer
         self.work = out_dir / "work"
+        self.units: dict[str, tuple[str, ...]] = {}
+        """Unit name -> the models it sets."""
         self.models: list[str] = []
+        """Every tuned model, unit by unit."""
         self.configs: dict[str, ModelConfig] = {}
         self.current: dict[str, Settings] = {}
+        """Each unit's settings as the working copy holds them."""
         self._stack = contextlib.ExitStack()
         self.live: LiveTarget | None = None
 
@@ -99,11 +139,13 @@ class TuneSession:
         live.data = generate_inputs(live.inputs, spec)
         live.data_path = live.data.write(self.out_dir / "input_data.json")
         self.live = live
-        self.models = self.requested_models or tunable_models(self.work, self.model)
+        self.units = ({name: (name,) for name in self.requested_models} if self.requested_models
+                      else tuned_units(self.work, self.model))
+        self.models = [name for models in self.units.values() for name in models]
         if not self.models:
             raise BenchError(f"{self.model} runs no dynamically batched model with settings to tune")
         self.configs = {name: read_config(self.work / name) for name in self.models}
-        self.current = {name: read_settings(config) for name, config in self.configs.items()}
+        self.current = dict(self.baseline)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -111,25 +153,37 @@ class TuneSession:
 
     @property
     def baseline(self) -> Candidate:
-        return {name: read_settings(config) for name, config in self.configs.items()}
+        """Each unit's settings as the repository has them (a unit's models have the same)."""
+        return {unit: read_settings(self.configs[models[0]]) for unit, models in self.units.items()}
+
+    @property
+    def shares(self) -> dict[str, int]:
+        """How many models of each unit run side by side (QuickSearch's `shares`)."""
+        return {unit: len(models) for unit, models in self.units.items()}
 
     def config_for(self, name: str, settings: Settings) -> ModelConfig:
         """The model's config.pbtxt with `settings` (everything else as the repository has it)."""
         return write_settings(self.configs[name], settings)
 
+    def changed_configs(self, candidate: Candidate, baseline: Candidate) -> dict[str, ModelConfig]:
+        """The config of every model whose unit `candidate` sets otherwise than `baseline`, by model."""
+        return {name: self.config_for(name, settings) for unit, settings in candidate.items()
+                if settings != baseline[unit] for name in self.units[unit]}
+
     def apply(self, candidate: Candidate) -> None:
-        """Serve `candidate`: rewrite the changed models' configs and reload them."""
+        """Serve `candidate`: rewrite the changed units' models' configs and reload them."""
         assert self.live is not None
-        for name, settings in candidate.items():
-            if self.current.get(name) == settings:
+        for unit, settings in candidate.items():
+            if self.current.get(unit) == settings:
                 continue
-            write_config(self.work / name, self.config_for(name, settings))
-            try:
-                self.live.client.load_model(name)
-            except Exception as err:  # tritonclient's own exception types
-                raise BenchError(f"{name} did not load with {settings.describe()}: {err}; see the server log in "
-                                 f"{self.out_dir}") from err
-            self.current[name] = settings
+            for name in self.units[unit]:
+                write_config(self.work / name, self.config_for(name, settings))
+                try:
+                    self.live.client.load_model(name)
+                except Exception as err:  # tritonclient's own exception types
+                    raise BenchError(f"{name} did not load with {settings.describe()}: {err}; see the server log "
+                                     f"in {self.out_dir}") from err
+            self.current[unit] = settings
         if not self.live.client.model_ready(self.model):
             self.live.client.load_model(self.model)
 

@@ -231,6 +231,27 @@ def test_client_score_streams_a_table_of_several_wild_types(served, tmp_path):
     np.testing.assert_allclose([float(r["wt-marginal_score"]) for r in written], expected, atol=1e-4)
 
 
+def test_client_score_member_scores_of_one_checkpoint_is_refused_naming_the_model_and_the_fix(served, tmp_path):
+    """`client score --member-scores` asks for a checkpoint ensemble's members' scores: against a
+    repository of one checkpoint it stops before writing anything, naming the model and what to do."""
+    from typer.testing import CliRunner
+
+    from bionemo_export.cli.main import app
+
+    _, _, client = served
+    (tmp_path / "wt.fasta").write_text(f">wt\n{WILD_TYPE}\n")
+    (tmp_path / "dms.csv").write_text("mutant\nM1A\n")
+    result = CliRunner().invoke(app, ["client", "score", "-m", f"{NAME}_scores", "--fasta", str(tmp_path / "wt.fasta"),
+                                      "--variants", str(tmp_path / "dms.csv"), "--member-scores", "--output",
+                                      str(tmp_path / "scored.csv"), "--triton-url", str(client.client.url)])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert f"--member-scores: {NAME}_scores serves one checkpoint (it has no member_scores output)" in message
+    assert "leave --member-scores out, or score with a checkpoint ensemble's repository" in message
+    assert client.members() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dms.csv", "wt.fasta"]  # nothing written
+
+
 def test_client_score_killed_mid_table_resumes_to_the_uninterrupted_result(served, tmp_path):
     """A saturation scan scored by a client process killed with SIGKILL after a few chunks: the same
     command again resumes after the last chunk written, and the table equals an uninterrupted run's."""

@@ -258,3 +258,92 @@ def test_the_members_graph_models_share_the_cores_when_threads_are_automatic(mem
                        "ens_member_mean": None, "ens_logits": None, "ens_scores": None}
     # what serving/onnx_session.py then asks of host.py: 16 cores, 5 members of one instance each
     assert threads_per_instance("auto", 1 * 5, cores=16) == 6 and threads_per_instance("auto", 1, cores=16) == 16
+
+
+# ------------------------------------------------------------------------- the dev server's ensemble (PyTorch)
+def _strings(*texts: str) -> np.ndarray:
+    return np.array([[t.encode()] for t in texts], dtype=np.object_)
+
+
+def test_the_dev_server_serves_an_ensembles_mean_and_each_members_answers(members):
+    """DevModels over two members answers N_logits and N_scores only: the mean of the members'
+    log-probabilities and scores, and each member's, against transformers' EsmForMaskedLM of each
+    member alone (the members' own single-checkpoint answers)."""
+    from bionemo_export.dev_server import DevModels
+    from tests.helpers.masked_lm_reference import reference_log_probs
+
+    loaded_members, references = members
+    models = DevModels(loaded_members[0], members=tuple(loaded_members))
+    assert models.tasks == ("logits", "scores")
+    alphabet = loaded_members[0].alphabet
+    (answer,) = models.logits([{"sequences": _strings("MKTAYIAKQR", "GV_E")}])
+    assert set(answer) == {"log_probs", "mask", "member_log_probs"}
+    assert answer["member_log_probs"].shape == (2, 2, 12, len(alphabet))
+    for k, reference in enumerate(references):
+        expected = reference_log_probs(reference, "MKTAYIAKQR", alphabet)
+        np.testing.assert_allclose(answer["member_log_probs"][0, k], expected, atol=1e-4)
+    each = [reference_log_probs(reference, "GV_E", alphabet) for reference in references]
+    np.testing.assert_allclose(answer["log_probs"][1, :6], np.mean(each, axis=0), atol=1e-4)
+
+    request = {"sequences": _strings(WILD_TYPE), "variants": np.array([[v.encode() for v in VARIANTS]], np.object_),
+               "method": _strings("masked-marginal")}
+    (scored,) = models.scores([request])
+    expected = np.array([brute_force(reference, WILD_TYPE, VARIANTS, "masked-marginal") for reference in references])
+    assert scored["member_scores"].shape == (1, 2, len(VARIANTS))
+    np.testing.assert_allclose(scored["member_scores"][0], expected, atol=1e-4)
+    np.testing.assert_allclose(scored["scores"][0], expected.mean(axis=0), atol=1e-4)
+    (pll,) = models.scores([{"sequences": _strings(WILD_TYPE)}])
+    expected = [brute_force_pll(reference, WILD_TYPE, alphabet) for reference in references]
+    np.testing.assert_allclose(pll["member_scores"][0, :, 0], expected, atol=1e-4)
+
+    one = DevModels(loaded_members[1])  # a member alone: its own answers, no member outputs
+    (alone,) = one.scores([request])
+    assert set(alone) == {"scores"}
+    np.testing.assert_allclose(alone["scores"][0], scored["member_scores"][0, 1], atol=1e-5)
+
+
+def test_the_dev_servers_ensemble_binds_the_repositorys_tensors(members):
+    """The dev server's N_logits and N_scores of an ensemble have the tensors the ensemble planner
+    writes into config.pbtxt (the task table's member_outputs sized alike)."""
+    from bionemo_export.dev_server import DevModels
+    from bionemo_export.model_repository.masked_lm import MaskedLMHead
+    from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
+    from bionemo_export.model_repository.options import ServingOptions
+
+    loaded_members, _ = members
+    graphs = [MemberGraphs(f"m{n}", loaded.hidden_size, {"model.onnx": Path("unused.onnx")}, Path("unused.onnx"),
+                           "ORT_ENABLE_ALL") for n, loaded in enumerate(loaded_members, 1)]
+    planned = {model.name: model for model in plan_member_ensemble(
+        "ens", family="esm2", tokenizer=loaded_members[0].tokenizer, members=graphs,
+        head=MaskedLMHead(Path("unused.onnx"), loaded_members[0].alphabet, "_"), tasks=("logits", "scores"),
+        options=ServingOptions(backend="python"))}
+    bindings = DevModels(loaded_members[0], members=tuple(loaded_members)).bindings("ens")
+    assert [binding.name for binding in bindings] == ["ens_logits", "ens_scores"]
+    for binding in bindings:
+        plan = planned[binding.name]
+        assert sorted((n, s) for n, _, s in binding.outputs) == sorted((t.name, t.dims) for t in plan.outputs)
+        assert sorted((n, s, o) for n, _, s, o in binding.inputs) == sorted((t.name, t.dims, t.optional)
+                                                                             for t in plan.inputs)
+    assert ("member_scores", np.float32, (2, -1)) in bindings[1].outputs
+
+
+def test_the_dev_server_refuses_members_that_differ_naming_them(members, tmp_path):
+    from bionemo_export.dev_server import DevModels, load_models
+
+    loaded_members, _ = members
+    first = save_random_checkpoint("esm2", tmp_path / "first", seed=1)
+    plain = tmp_path / "plain"
+    transformers.EsmModel.from_pretrained(first, add_pooling_layer=False).save_pretrained(plain)
+    (plain / "vocab.txt").write_text((first / "vocab.txt").read_text())
+    said: list[str] = []
+    with pytest.raises(MemberMismatch, match=rf"ensemble member 2 \({plain}\) cannot be served with member 1 .*it "
+                                             "has no masked-LM head"):
+        load_models([first, plain], "esm2", progress=said.append)
+    assert said == [f"loading {first} (ensemble member 1 of 2) ...", f"loading {plain} (ensemble member 2 of 2) ..."]
+    with pytest.raises(MemberMismatch, match=rf"ensemble member 1 \({plain}\) has no masked-LM head"):
+        load_models([plain, first], "esm2")
+    with pytest.raises(MemberMismatch, match=rf"member 2 \({first}\) is member 1 again"):
+        load_models([first, first], "esm2")
+    with pytest.raises(ValueError, match="`members` starts with `loaded`"):
+        DevModels(loaded_members[0], members=(loaded_members[1], loaded_members[0]))
+    assert load_models([first], "esm2").members == ()  # one checkpoint: no ensemble

@@ -160,3 +160,12 @@ def test_methods_that_do_not_fit_the_inputs_and_bad_shapes_are_named(pb_utils, m
                                                   "variants": np.array([b"M1A"], dtype=np.object_)})
     assert shape.has_error() and "input 'variants' must have shape [1, ...], got [1]" in shape.error().message()
     assert calls == []
+
+
+def test_the_scorers_inputs_are_the_task_tables():
+    """serving/scores.py cannot import the task table (it is copied into repositories): its list of
+    N_scores' inputs, which the dev server hands over by name, is kept in step here."""
+    from bionemo_export.serving.scores import INPUTS
+    from bionemo_export.tasks import TASKS
+
+    assert INPUTS == tuple(t.name for t in TASKS["scores"].inputs)

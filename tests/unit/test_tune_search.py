@@ -116,3 +116,27 @@ def test_the_latency_bound_and_objective():
     first_within = next(i for i, t in enumerate(result.trials) if t.feasible(320.0))
     over = [t for t in result.trials[first_within:] if not t.feasible(320.0)]
     assert over and all(t.pruned and [p.concurrency for p in t.points] == [8] for t in over)  # dropped at once
+
+
+def test_a_unit_of_members_side_by_side_steps_through_its_share_of_the_cores():
+    """A checkpoint ensemble's K members' models are one unit (session.py `tuned_units`) that runs K
+    models at once: its instances and threads range over a K-th of the host's cores."""
+    seen: list[Settings] = []
+    clock = [0.0]
+
+    def measure(candidate, concurrency: int) -> Point:
+        clock[0] += 1.0
+        settings = candidate["ens_m*_encoder"]
+        seen.append(settings)
+        rate = 10.0 + settings.instances + (settings.threads or 0)  # more always looks better: the bound decides
+        return Point(concurrency, rate, 100.0, 150.0)
+
+    start = Settings(instances=1, queue_delay_us=0, threads=0)
+    search = QuickSearch({"ens_m*_encoder": start, "ens_m*_lm_head": start}, measure,
+                         SearchSettings(concurrencies=(8,), budget_s=10_000), cores=16,
+                         shares={"ens_m*_encoder": 5, "ens_m*_lm_head": 5}, clock=lambda: clock[0])
+    assert search.cores_of("ens_m*_encoder") == 3 and search.cores_of("other") == 16
+    result = search.run()
+    assert max(s.instances for s in seen) == 3 and max(s.threads or 0 for s in seen) == 3
+    assert result.winner.candidate["ens_m*_encoder"].instances == 3
+    assert QuickSearch({"x": start}, measure, SearchSettings(), cores=2, shares={"x": 4}).cores_of("x") == 1

@@ -132,3 +132,23 @@ def test_a_stopped_scored_table_resumes_to_what_one_run_writes(tmp_path):
                 again.write(chunk, scores(chunk))
     assert again.rows == 25
     assert (tmp_path / "out.csv").read_bytes() == (tmp_path / "whole.csv").read_bytes()
+
+
+def test_an_ensembles_members_scores_get_a_column_each_beside_the_mean(tmp_path):
+    """`client score --member-scores`: the mean's column, then `<column>_member1..K`, each added or
+    (when the input has it) replaced, one row of scores per table row."""
+    from bionemo_export.client.variants import ScoredTableWriter, member_columns
+
+    assert member_columns("score", 3) == ["score_member1", "score_member2", "score_member3"]
+    table = read_variant_table(_csv(tmp_path / "dms.csv", [["mutant", "score_member2", "DMS_score"],
+                                                           ["M1A", "old", "0.5"], ["K2R", "old", "-1"]]))
+    columns = ["score", *member_columns("score", 2)]
+    with ScoredTableWriter(tmp_path / "out.csv", table.header, columns) as writer:
+        writer.write(table, [[-1.0, -0.5, -1.5], [2.0, 1.0, 3.0]])
+        with pytest.raises(ValueError, match=r"scores of shape \[2, 1\] for 2 rows and 3 score columns"):
+            writer.write(table, [1.0, 2.0])
+    rows = list(csv.reader((tmp_path / "out.csv").open(newline="", encoding="utf-8")))
+    assert rows == [["mutant", "score_member2", "DMS_score", "score", "score_member1"],
+                    ["M1A", "-1.5", "0.5", "-1.0", "-0.5"], ["K2R", "3.0", "-1", "2.0", "1.0"]]
+    with pytest.raises(ValueError, match="give at least one, each once"):
+        ScoredTableWriter(tmp_path / "bad.csv", table.header, ["score", "score"])
