@@ -92,7 +92,7 @@ def test_a_checkpoint_without_the_head_serves_no_contacts_and_says_why(tmp_path)
                                       backend="python", tasks=("embeddings", "contacts"), optimize=False))
     # With the head, inspect lists contacts among the tasks built when named.
     with_head = inspect_checkpoint(save_random_checkpoint("esm2", tmp_path / "head", seed=3), "esm2")
-    assert with_head.heads["contact"] == "yes" and with_head.on_request == ["contacts", "layers"]
+    assert with_head.heads["contact"] == "yes" and with_head.on_request == ["contacts", "layers", "attentions"]
     assert "contacts" not in with_head.tasks
 
 
