@@ -14,6 +14,8 @@ VENV ?= .venv
 # that never finished loading (not understood; a start that times out now says what each stub is
 # doing), one a worker hung in fork() (fixed: servers start without a preexec_fn) and one a request
 # count read too early (fixed), and with today's suite three took 15.6 min of pytest: two it is.
+# Again on 2026-11-27, a fresh clone on a quiet 2-core host: two 18.2 min in all (pytest 1080 s, 24.1 min
+# of CPU), three 16.6 min (pytest 979 s, 28.0 min of CPU): 9% faster for 16% more CPU, not worth the risk.
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
 PYTEST_WORKERS ?= 2
