@@ -32,6 +32,7 @@ cannot pass (docs/reference/platform.md): the endpoints are left unprotected, as
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -254,7 +255,7 @@ class DevModels:
         """Chosen blocks' and heads' attention probabilities from the PyTorch encoder's eager twin
         (transformers' output_attentions), the choices and the size limit checked, batched and
         assembled by the repository's own module (serving/attentions.py: the same messages)."""
-        maps = self.loaded.attention_maps
+        maps = self._attention_maps
 
         def run(input_ids: np.ndarray, attention_mask: np.ndarray, layers) -> list[np.ndarray]:
             with torch.inference_mode():
@@ -265,6 +266,12 @@ class DevModels:
                                              num_heads=self.loaded.num_heads, max_values=DEFAULT_MAX_ATTENTION_VALUES,
                                              pair_budget=DEFAULT_PAIR_BUDGET, max_rows=MAX_BATCH_SIZE,
                                              responder=Responder("attentions")), requests)
+
+    @functools.cached_property
+    def _attention_maps(self) -> torch.nn.Module:
+        """The encoder's eager twin answering every block's probabilities, made once (it rebinds
+        every weight of the encoder into a second module tree)."""
+        return self.loaded.attention_maps
 
     @staticmethod
     def _lm_head(loaded: LoadedModel) -> torch.nn.Module:

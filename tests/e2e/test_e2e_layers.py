@@ -117,21 +117,21 @@ def test_the_default_request_answers_the_last_layers_mean_as_n_embeddings(served
     assert np.abs(last["hiddens"][:, 0] - hiddens).max() <= 1e-5 and np.array_equal(last["mask"], mask)
 
 
-def _infer(url: str, sequences: list[str], layers: list[int] | None = None, include: list[str] | None = None):
-    """One plain gRPC request to N_layers: ({output: array}, None) or (None, the error)."""
+def _infer(url: str, model: str, sequences: list[str], options: dict[str, list | None], outputs: list[str]):
+    """One plain gRPC request to `model`: ({output: array}, None) or (None, the error). `options`: each
+    optional input's values for every row (INT32 numbers or BYTES strings; None: left out)."""
     client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
     try:
         inputs = [grpcclient.InferInput("sequences", [len(sequences), 1], "BYTES")]
         inputs[0].set_data_from_numpy(np.array([[s.encode()] for s in sequences], dtype=np.object_))
-        if layers is not None:
-            inputs.append(grpcclient.InferInput("layers", [len(sequences), len(layers)], "INT32"))
-            inputs[-1].set_data_from_numpy(np.array([layers] * len(sequences), dtype=np.int32))
-        if include is not None:
-            inputs.append(grpcclient.InferInput("include", [len(sequences), len(include)], "BYTES"))
-            inputs[-1].set_data_from_numpy(np.array([[c.encode() for c in include]] * len(sequences),
-                                                    dtype=np.object_))
-        outputs = [grpcclient.InferRequestedOutput(name) for name in ("embeddings", "embeddings_max")]
-        result = client.infer(f"{NAME}_layers", inputs, outputs=outputs)
+        for name, values in options.items():
+            if values is None:
+                continue
+            texts = isinstance(values[0], str)
+            inputs.append(grpcclient.InferInput(name, [len(sequences), len(values)], "BYTES" if texts else "INT32"))
+            row = [v.encode() for v in values] if texts else values
+            inputs[-1].set_data_from_numpy(np.array([row] * len(sequences), dtype=np.object_ if texts else np.int32))
+        result = client.infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(name) for name in outputs])
         assert result is not None
         answered = {output.name: result.as_numpy(output.name) for output in result.get_response().outputs}
         return {name: value for name, value in answered.items() if value is not None}, None
@@ -139,6 +139,12 @@ def _infer(url: str, sequences: list[str], layers: list[int] | None = None, incl
         return None, err
     finally:
         client.close()
+
+
+def _infer_layers(url: str, sequences: list[str], layers: list[int] | None = None, include: list[str] | None = None):
+    """One request to N_layers asking for the mean and max poolings."""
+    return _infer(url, f"{NAME}_layers", sequences, {"layers": layers, "include": include},
+                  ["embeddings", "embeddings_max"])
 
 
 @pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
@@ -150,7 +156,7 @@ def test_bad_requests_fail_alone_with_invalid_argument_naming_the_value_and_the_
            "unknown": (["GVE"], None, ["mean", "median"]), "character": (["MKZ!"], [1], None)}
     batch = [*good[:3], *bad.values(), *good[3:]]
     with ThreadPoolExecutor(len(batch)) as pool:  # together, so the batcher hands several over at once
-        answers = list(pool.map(lambda args: _infer(url, *args), batch))
+        answers = list(pool.map(lambda args: _infer_layers(url, *args), batch))
     for (sequences, layers, include), (outputs, error) in zip(batch, answers):
         if (sequences, layers, include) in good:
             assert error is None, error
@@ -358,22 +364,9 @@ def test_served_attentions_equal_transformers_output_attentions(served):
 
 def _infer_attentions(url: str, sequences: list[str], layers: list[int] | None = None,
                       heads: list[int] | None = None):
-    """One plain gRPC request to N_attentions: (attentions, None) or (None, the error)."""
-    client = grpcclient.InferenceServerClient(url.removeprefix("grpc://"))
-    try:
-        inputs = [grpcclient.InferInput("sequences", [len(sequences), 1], "BYTES")]
-        inputs[0].set_data_from_numpy(np.array([[s.encode()] for s in sequences], dtype=np.object_))
-        for name, values in (("layers", layers), ("heads", heads)):
-            if values is not None:
-                inputs.append(grpcclient.InferInput(name, [len(sequences), len(values)], "INT32"))
-                inputs[-1].set_data_from_numpy(np.array([values] * len(sequences), dtype=np.int32))
-        result = client.infer(f"{NAME}_attentions", inputs)
-        assert result is not None
-        return result.as_numpy("attentions"), None
-    except InferenceServerException as err:
-        return None, err
-    finally:
-        client.close()
+    """One request to N_attentions: (attentions, None) or (None, the error)."""
+    outputs, error = _infer(url, f"{NAME}_attentions", sequences, {"layers": layers, "heads": heads}, ["attentions"])
+    return (None, error) if outputs is None else (outputs["attentions"], None)
 
 
 @pytest.mark.parametrize("served", ["esm2"], indirect=True)  # the same for every checkpoint
