@@ -38,7 +38,7 @@ from tests.helpers.tiny_repository import tiny_repository
 NAME = "sup"
 SEQUENCES = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG"]
 HEAL_SECONDS = 60
-OVERLOAD_SECONDS = 15
+OVERLOAD_SECONDS = 8  # the queue passes the 1 s probe timeout within the first seconds
 
 
 def _health(*args: str) -> subprocess.CompletedProcess:
@@ -321,13 +321,13 @@ def test_health_exits_1_when_a_model_cannot_answer(esm2_repo, tmp_path, triton_i
         assert not sp.wait_gone(stubs, 10)
         assert _ready(server.endpoints.http_port, f"{NAME}_embeddings")  # the finding: Triton says ready
 
-        result = _health(url)
+        result = _health(url, "--timeout", "3")  # a dead stub's request waits out the timeout
         assert result.returncode == 1, result.stdout
         lines = result.stdout.splitlines()
         assert [line.split()[:2] for line in lines] == [["FAIL", f"{NAME}_embeddings"], ["FAIL", f"{NAME}_hiddens"]]
         assert "is not healthy" in lines[0]
 
-        one = _health(f"grpc://{server.endpoints.grpc_url}", "--model", f"{NAME}_hiddens", "--timeout", "5")
+        one = _health(f"grpc://{server.endpoints.grpc_url}", "--model", f"{NAME}_hiddens", "--timeout", "3")
         assert one.returncode == 1 and len(one.stdout.splitlines()) == 1 and f"{NAME}_hiddens" in one.stdout
 
 

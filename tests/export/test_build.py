@@ -103,6 +103,7 @@ def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpo
     out = tmp_path / "repo"
     result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                  "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4",
+                                 "--tasks", "embeddings",  # one graph: each Navigator export is ~40 s of CPU
                                  "--exporter", "navigator", "--no-optimize", "--graph-cache", str(tmp_path / "graphs")],
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output

@@ -10,7 +10,6 @@ on a random model, which would make every comparison pass.
 
 from __future__ import annotations
 
-import hashlib
 from typing import cast
 
 import numpy as np
@@ -105,26 +104,6 @@ def test_a_mis_shaped_contact_head_is_an_error_naming_the_key(tmp_path):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"esm.contact_head.regression.weight is \(1, 5\), expected \(1, 8\)"):
         load_checkpoint(path, "esm2")
-
-
-def test_contacts_are_built_only_when_named_and_leave_the_encoder_graph_as_it_was(tmp_path):
-    """A default build has no contacts; one that names them adds N_contact_graph and N_contacts,
-    and its encoder graph is the default build's, byte for byte (both optimized, as by default)."""
-    path = set_contact_head(save_random_checkpoint("esm2", tmp_path / "ck", seed=5), seed=6)
-    default = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "default",
-                                            backend="python", tasks=("embeddings", "hiddens"), graph_cache=None))
-    named = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "named",
-                                          backend="python", tasks=("embeddings", "hiddens", "contacts"),
-                                          graph_cache=None))
-    assert "contacts" not in default.manifest.tasks and "d_contacts" not in default.models
-    assert {"d_contact_graph", "d_contacts"} <= set(named.models)
-
-    def digest(repository):
-        return hashlib.sha256((repository / "d_encoder" / "1" / "model.onnx").read_bytes()).hexdigest()
-
-    assert digest(default.repository) == digest(named.repository)
-    record = named.manifest.verification["graphs"]["contacts"]["outputs"][0]
-    assert record["name"] == "contacts" and record["passed"] and record["max_abs_error"] <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["esm1"])

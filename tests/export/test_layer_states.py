@@ -3,7 +3,8 @@
 `output_hidden_states=True` on the same files (ESM-1, ESM C, SaProt, ProtT5; ESM-2 and the real BERTs are
 served and compared in tests/e2e/test_e2e_layers.py), MegaMolBART's encoder (the project's own
 transformer) against its blocks run by hand, the served logic over the graph for a model without a
-BOS token (ProtT5: `bos` refused), and the encoder graph unchanged by the layers task.
+BOS token (ProtT5: `bos` refused), and the encoder graph unchanged by the tasks built on request
+(contacts, layers, attentions).
 """
 
 from __future__ import annotations
@@ -138,20 +139,33 @@ def test_prott5_has_no_bos_and_the_served_logic_refuses_it(tmp_path, monkeypatch
         assert np.abs(answers[0]["embeddings_max"][row] - residues.max(1)).max() <= ATOL
 
 
-def test_layers_are_built_only_when_named_and_leave_the_encoder_graph_as_it_was(tmp_path):
-    path = save_random_checkpoint("esm2", tmp_path / "ck", seed=72)
-    default = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "default",
-                                            backend="python", graph_cache=None, optimize=False))
-    named = build_repository(BuildRequest(family="esm2", checkpoint=path, name="d", out=tmp_path / "named",
-                                          backend="python", tasks=("embeddings", "hiddens", "layers"),
-                                          graph_cache=None, optimize=False))
-    assert "layers" not in default.manifest.tasks and "d_layers" not in default.models
-    assert {"d_layer_graph", "d_layers"} <= set(named.models)
+def test_graphs_on_request_are_built_only_when_named_and_leave_the_encoder_graph_as_it_was(esm2_checkpoint, tmp_path):
+    """A default build has no contacts, layers or attentions; one that names them adds their graph
+    models, and its encoder graph is the default build's, byte for byte.
+
+    The default build exports its encoder afresh (no graph cache). The named build takes its graphs
+    from the run's cache, where the encoder may have come from any build of this checkpoint, one
+    naming these tasks included: were the tasks to change what the encoder export is given (module,
+    specs, sample arguments: the cache key), that entry could not be this key's, and the digests
+    would differ."""
+    default = build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="d",
+                                            out=tmp_path / "default", backend="python", tasks=("embeddings", "hiddens"),
+                                            graph_cache=None, optimize=False))
+    on_request = ("contacts", "layers", "attentions")
+    named = build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="d", out=tmp_path / "named",
+                                          backend="python", tasks=("embeddings", "hiddens", *on_request),
+                                          optimize=False))
+    assert not set(on_request) & set(default.manifest.tasks)
+    assert not {"d_contacts", "d_layers", "d_attentions"} & set(default.models)
+    assert {"d_contact_graph", "d_contacts", "d_layer_graph", "d_layers", "d_attention_graph", "d_attentions"} \
+        <= set(named.models)
 
     def digest(repository):
         return hashlib.sha256((repository / "d_encoder" / "1" / "model.onnx").read_bytes()).hexdigest()
 
     assert digest(default.repository) == digest(named.repository)
-    records = named.manifest.verification["graphs"]["layers"]["outputs"]
-    assert [r["name"] for r in records] == ["hiddens_0", "hiddens_1", "hiddens_2"]
-    assert all(r["passed"] and r["max_abs_error"] <= 1e-4 for r in records)
+    graphs = named.manifest.verification["graphs"]
+    assert [r["name"] for r in graphs["layers"]["outputs"]] == ["hiddens_0", "hiddens_1", "hiddens_2"]
+    assert [r["name"] for r in graphs["contacts"]["outputs"]] == ["contacts"]
+    for graph in on_request:
+        assert all(r["passed"] and r["max_abs_error"] <= 1e-4 for r in graphs[graph]["outputs"]), graph

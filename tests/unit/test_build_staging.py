@@ -87,14 +87,17 @@ def test_a_folder_that_cannot_be_made_is_named(tmp_path):
             pytest.fail("the block must not run")
 
 
-def test_a_signal_interrupts_the_block_and_its_folder_is_removed(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_interrupts_the_block_and_its_folder_is_removed(tmp_path, signum):
+    """Each signal a build stops on (the CLI's exit code and message for SIGTERM and SIGINT, which
+    Click handles apart: tests/e2e/test_cli_edges.py)."""
     out = tmp_path / "repo"
-    previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(BuildInterrupted, match="interrupted by SIGTERM") as raised:
+    previous = signal.getsignal(signum)
+    with pytest.raises(BuildInterrupted, match=f"interrupted by {signum.name}") as raised:
         with signals_interrupt_the_build(), staged_directory(out, force=False) as stage:
             (stage.repository / "model.txt").write_text("new")
-            os.kill(os.getpid(), signal.SIGTERM)
-            pytest.fail("SIGTERM must interrupt the block")
-    assert raised.value.signum == signal.SIGTERM
+            os.kill(os.getpid(), signum)
+            pytest.fail(f"{signum.name} must interrupt the block")
+    assert raised.value.signum == signum
     assert _beside(out) == []
-    assert signal.getsignal(signal.SIGTERM) == previous  # the process's own handler is back
+    assert signal.getsignal(signum) == previous  # the process's own handler is back
