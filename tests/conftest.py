@@ -43,17 +43,17 @@ MODULE_SECONDS = {
     "export/test_megamolbart.py": 200,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
     "export/test_optimize.py": 190,
     "e2e/test_serve_supervision.py": 180,
-    "e2e/test_e2e_layers.py": 160,  # estimate: three builds and servers (ESM-2 alone took 250 s on a busy host)
+    "e2e/test_e2e_layers.py": 110,  # two builds and servers (ESM-2 and AntiBERTy)
     "export/test_layer_states.py": 120,  # estimate: five builds of tiny models
-    "e2e/test_cli_edges.py": 160,
+    "e2e/test_cli_edges.py": 130,
     "e2e/test_dev_server.py": 120,
-    "export/test_build.py": 110,
-    "e2e/test_load_fault.py": 110,
+    "export/test_build.py": 70,
+    "e2e/test_load_fault.py": 80,
     "e2e/test_encode_jobs.py": 90,
     "e2e/test_scripts.py": 90,
     "export/test_exporters.py": 90,
     "e2e/test_tune.py": 85,
-    "export/test_graph_cache.py": 80,
+    "export/test_graph_cache.py": 60,
     "e2e/test_saprot.py": 85,  # measured alone on the shared 2-core host, 2026-11-27
     "e2e/test_e2e_masked_lm.py": 80,
     # three members exported (240-310 s measured with 4 builds sharing 2 cores), then a tune session, the dev
@@ -63,7 +63,7 @@ MODULE_SECONDS = {
     "export/test_ensemble_backends.py": 60,  # three ensemble builds of two members (130 s measured on shared cores)
     "e2e/test_served_errors.py": 70,
     "e2e/test_integrity.py": 70,
-    "export/test_contact_head.py": 70,  # measured alone on the shared 2-core host, 2026-11-27
+    "export/test_contact_head.py": 40,
     "e2e/test_e2e_predictions.py": 65,
     "e2e/test_runtime_server.py": 55,
     "e2e/test_e2e_contacts.py": 50,  # measured alone on the shared 2-core host, 2026-11-27
