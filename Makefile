@@ -9,16 +9,16 @@
 
 VENV ?= .venv
 # pytest-xdist workers for `make test`; each test module stays on one worker (--dist loadfile), so
-# its one tritonserver and its module fixtures are made once. On a 2-core host, two took 17 min for a
-# fresh clone's make test and three 14 min at first; of five runs on three, one had a samplings model
-# that never finished loading (not understood; a start that times out now says what each stub is
-# doing), one a worker hung in fork() (fixed: servers start without a preexec_fn) and one a request
-# count read too early (fixed), and with today's suite three took 15.6 min of pytest: two it is.
-# Again on 2026-11-27, a fresh clone on a quiet 2-core host: two 18.2 min in all (pytest 1080 s, 24.1 min
-# of CPU), three 16.6 min (pytest 979 s, 28.0 min of CPU): 9% faster for 16% more CPU, not worth the risk.
+# its one tritonserver and its module fixtures are made once. Three on a 2-core host: a worker waiting
+# on a server, a subprocess or a load test leaves its core to the other two. Measured 2026-11-27 on a
+# fresh clone, 2-core AVX2-only host: two workers 22.9 min of pytest at 157% CPU; three (with that
+# day's test cuts) 18.5 min at 184%, all passing. Earlier runs on three had three failures: a worker
+# hung in fork() (fixed: servers start without a preexec_fn), a request count read too early (fixed)
+# and a samplings model that never finished loading (not understood; a start that times out now says
+# what each stub is doing). `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup demo test pytest unit lint doctor lock

@@ -40,56 +40,57 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 MODULE_SECONDS = {
-    "export/test_megamolbart.py": 200,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
-    "export/test_optimize.py": 190,
-    "e2e/test_serve_supervision.py": 180,
-    "e2e/test_e2e_layers.py": 110,  # two builds and servers (ESM-2 and AntiBERTy)
-    "export/test_layer_states.py": 120,  # estimate: five builds of tiny models
-    "e2e/test_cli_edges.py": 130,
-    "e2e/test_dev_server.py": 120,
-    "export/test_build.py": 70,
-    "e2e/test_load_fault.py": 80,
-    "e2e/test_encode_jobs.py": 90,
-    "e2e/test_scripts.py": 90,
+    "export/test_optimize.py": 270,
+    "export/test_megamolbart.py": 250,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
+    "e2e/test_serve_supervision.py": 175,
+    "e2e/test_cli_edges.py": 155,
+    "export/test_layer_states.py": 145,
+    "e2e/test_e2e_ensemble.py": 135,
+    "e2e/test_e2e_layers.py": 125,
+    "e2e/test_encode_jobs.py": 110,
+    "e2e/test_load_fault.py": 95,
+    "e2e/test_scripts.py": 95,
     "export/test_exporters.py": 90,
-    "e2e/test_tune.py": 85,
+    "e2e/test_e2e_masked_lm.py": 85,
+    "e2e/test_dev_server.py": 85,
+    "e2e/test_e2e_predictions.py": 80,
+    "export/test_build.py": 70,
+    "e2e/test_tune.py": 65,
     "export/test_graph_cache.py": 60,
-    "e2e/test_saprot.py": 85,  # measured alone on the shared 2-core host, 2026-11-27
-    "e2e/test_e2e_masked_lm.py": 80,
-    # three members exported (240-310 s measured with 4 builds sharing 2 cores), then a tune session, the dev
-    # server of the three checkpoints and client score runs (an estimate: about 40 s more)
-    "e2e/test_e2e_ensemble.py": 190,
-    "e2e/test_e2e_esm1v_ensemble.py": 110,  # three fair-esm ESM-1v files exported and served
-    "export/test_ensemble_backends.py": 60,  # three ensemble builds of two members (130 s measured on shared cores)
-    "e2e/test_served_errors.py": 70,
-    "e2e/test_integrity.py": 70,
-    "export/test_contact_head.py": 40,
-    "e2e/test_e2e_predictions.py": 65,
+    "e2e/test_e2e_nemo.py": 55,
     "e2e/test_runtime_server.py": 55,
-    "e2e/test_e2e_contacts.py": 50,  # measured alone on the shared 2-core host, 2026-11-27
-    "e2e/test_job_memory.py": 45,
-    "e2e/test_e2e_nemo.py": 45,
-    "e2e/test_batching.py": 40,
-    "e2e/test_e2e_nvidia_esm2.py": 40,
+    "e2e/test_golden.py": 55,
+    "e2e/test_e2e_esm1v_ensemble.py": 50,
+    "e2e/test_integrity.py": 45,
+    "e2e/test_e2e_nvidia_esm2.py": 45,
     "e2e/test_clients.py": 40,
-    "e2e/test_e2e_encoders.py": 40,
-    "e2e/test_golden.py": 40,
-    "e2e/test_esm1.py": 35,
-    "e2e/test_object_storage.py": 35,
-    "e2e/test_bench.py": 30,
-    "e2e/test_prott5.py": 30,
+    "e2e/test_e2e_megamolbart.py": 40,
+    "e2e/test_rxnfp.py": 35,
+    "e2e/test_batching.py": 35,
+    "e2e/test_e2e_encoders.py": 35,
+    "e2e/test_served_errors.py": 30,
+    "export/test_contact_head.py": 30,
+    "e2e/test_job_memory.py": 30,
+    "e2e/test_serving_host.py": 30,
+    "export/test_nemo2.py": 30,
     "e2e/test_serve_recovery.py": 30,
-    "e2e/test_e2e_megamolbart.py": 30,
-    "export/test_backends.py": 25,
-    "e2e/test_rxnfp.py": 25,
-    "e2e/test_serving_host.py": 25,
-    "export/test_deploy.py": 20,
+    "export/test_backends.py": 30,
+    "e2e/test_object_storage.py": 25,
+    "e2e/test_bench.py": 25,
+    "e2e/test_saprot.py": 25,
+    "e2e/test_esm1.py": 20,
+    "e2e/test_e2e_contacts.py": 20,
+    "e2e/test_prott5.py": 20,
+    "e2e/test_esmc.py": 20,
+    "e2e/test_e2e_windows.py": 20,
     "unit/test_doctor.py": 15,
-    "unit/test_contacts_model.py": 10,
-    "unit/test_layers_model.py": 15,  # estimate (75 s measured on a busy shared host)
+    "e2e/test_cli.py": 15,
+    "e2e/test_admission.py": 10,
+    "export/test_lm_head.py": 10,
 }
-"""Seconds each slow module took in a two-worker `make test` on a 2-core host (rounded; measured
-2026-11-27). Under pytest-xdist the modules run longest first (see pytest_collection_modifyitems)."""
+"""Seconds each slow module took in a three-worker `make test` on a 2-core host (the sum of its tests'
+times, rounded; measured 2026-11-27, test_tune.py after its budget cut). Under pytest-xdist the
+modules run longest first (see pytest_collection_modifyitems)."""
 UNLISTED_SECONDS = {"unit": 0, "export": 20, "e2e": 20}
 """A module not in MODULE_SECONDS: a unit module takes about a second, any other about 20 s."""
 

@@ -82,7 +82,7 @@ def test_tune_writes_the_winner_reports_it_and_restores_the_previous_settings(es
     repo = copy_of(esm2_repository, tmp_path)
     original = (repo / "esm2nv_encoder" / "config.pbtxt").read_bytes()
     report = tmp_path / "report"
-    result = CliRunner().invoke(app, ["tune", str(repo), "--budget-minutes", "1.2", "--window", "0.5",
+    result = CliRunner().invoke(app, ["tune", str(repo), "--budget-minutes", "0.8", "--window", "0.5",
                                       "--concurrency", "2,8", "--lengths", "uniform:20-60", "--report", str(report)])
     assert result.exit_code == 0, result.output
     assert "untuned vs tuned" in result.output
