@@ -43,7 +43,7 @@ MODULE_SECONDS = {
     "export/test_optimize.py": 270,
     "export/test_megamolbart.py": 250,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
     "e2e/test_serve_supervision.py": 175,
-    "e2e/test_cli_edges.py": 155,
+    "e2e/test_cli_edges.py": 110,
     "export/test_layer_states.py": 145,
     "e2e/test_e2e_ensemble.py": 135,
     "e2e/test_e2e_layers.py": 125,
