@@ -583,6 +583,7 @@ def verify_golden(repository: Path, check_files: bool = True) -> list[TaskCheck]
     repository has no golden answers (built before they were stored)."""
     import onnxruntime as ort
 
+    from bionemo_export.exporters.runtime_session import session_options
     from bionemo_export.serving.golden import GOLDEN_FILE, read_golden
     from bionemo_export.serving.host import cpu_description
     from bionemo_export.serving.onnx_session import graph_for_this_host
@@ -598,9 +599,7 @@ def verify_golden(repository: Path, check_files: bool = True) -> list[TaskCheck]
     checks = []
     for path in found:
         graph = graph_for_this_host(str(path.parent), ["CPUExecutionProvider"])
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(graph, session_options(), providers=["CPUExecutionProvider"])
         golden = read_golden(str(path))
         shape = next(iter(golden.inputs.values())).shape
         for check in golden.run(session):

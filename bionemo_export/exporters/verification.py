@@ -27,6 +27,7 @@ import onnxruntime as ort
 import torch
 
 from bionemo_export.errors import UserError
+from bionemo_export.exporters.runtime_session import session_options
 from bionemo_export.serving.golden import Figures, compare
 
 DEFAULT_MASK_INPUT = "attention_mask"
@@ -222,10 +223,9 @@ def verify_onnx(
 
 
 def _session(onnx_path: Path) -> ort.InferenceSession:
-    """A CPU session with ONNX Runtime's defaults (threads included), as a server would run it."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3  # errors only: its warnings are about graph rewrites
-    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    """A CPU session with ONNX Runtime's default thread count and its idle threads asleep, as a
+    served model runs it (runtime_session.py)."""
+    return ort.InferenceSession(str(onnx_path), session_options(), providers=["CPUExecutionProvider"])
 
 
 def _run_reference(

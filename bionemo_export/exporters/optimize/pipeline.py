@@ -310,11 +310,11 @@ def time_graphs(graphs: dict[str, Path], batch: Any, rounds: int = 5) -> dict[st
 
     import onnxruntime as ort
 
+    from bionemo_export.exporters.runtime_session import session_options
+
     sessions, feeds = {}, {}
     for name, path in graphs.items():
-        settings = ort.SessionOptions()
-        settings.log_severity_level = 3
-        sessions[name] = ort.InferenceSession(str(path), settings, providers=["CPUExecutionProvider"])
+        sessions[name] = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         feeds[name] = {value.name: np.asarray(batch[value.name]) for value in sessions[name].get_inputs()}
         sessions[name].run(None, feeds[name])
     times: dict[str, list[float]] = {name: [] for name in graphs}

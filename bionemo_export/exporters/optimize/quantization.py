@@ -138,13 +138,13 @@ def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndar
         return [node.name for node in reversed(nodes)], "position (last layers first)"
     import onnxruntime as ort
 
+    from bionemo_export.exporters.runtime_session import session_options
+
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     names = list(dict.fromkeys(node.input[0] for node in nodes))
     probe.graph.output.extend(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(probe.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     inputs = {value.name: calibration[value.name] for value in session.get_inputs()}
     # ONNX Runtime returns these outputs as arrays (its stubs allow lists and sparse tensors).
     activations = {name: np.asarray(value) for name, value in zip(names, session.run(names, inputs))}
