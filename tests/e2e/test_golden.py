@@ -27,12 +27,13 @@ from tests.unit.test_golden_answers import WEIGHTS, golden_inputs, store
 # ----------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def int8_repository(tmp_path_factory) -> Path:
-    """A tiny random ESM-2 built in int8 for the Python backend (embeddings only)."""
+    """A tiny random ESM-2 built in int8 for the Python backend (embeddings only), of the seed the
+    other modules build (its fp32 export from the run's graph cache)."""
     from bionemo_export.build import BuildRequest, build_repository
     from bionemo_export.testing.checkpoints import save_random_checkpoint
 
     folder = tmp_path_factory.mktemp("golden")
-    checkpoint = save_random_checkpoint("esm2", folder / "checkpoint", seed=3)
+    checkpoint = save_random_checkpoint("esm2", folder / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=folder / "repo",
                                   backend="python", precision="int8", tasks=("embeddings",)))
     return folder / "repo"
