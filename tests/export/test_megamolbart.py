@@ -328,7 +328,7 @@ def test_an_encoder_only_build_plans_no_decoder_graphs(tmp_path, backend):
     from bionemo_export.build import BuildRequest, build_repository
     from bionemo_export.model_repository.consistency import check_repository
 
-    checkpoint = save_random_checkpoint("megamolbart", tmp_path / "checkpoint", seed=5)  # the e2e modules' seed: its graph from the run's graph cache
+    checkpoint = save_random_checkpoint("megamolbart", tmp_path / "checkpoint", seed=5)  # the e2e modules' seed
     result = build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name="m", out=tmp_path / "repo",
                                            backend=backend, tasks=("embeddings", "hiddens"), optimize=False))
     assert set(result.manifest.export) == {"encoder"}

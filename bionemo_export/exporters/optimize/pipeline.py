@@ -186,9 +186,12 @@ def optimize_and_verify(
             log(f"{plain.parent.name}: {precision} optimization {_options_text(options)} failed: {err}")
             continue
         try:
-            report = verify_onnx(module, result.path, batches, atol=atol, min_cosine=min_cosine,
+            checked = _as_vnni_hosts_compute(result.path) if precision == "int8" and int8_weights == "int8" \
+                else result.path
+            report = verify_onnx(module, checked, batches, atol=atol, min_cosine=min_cosine,
                                  output_names=output_names, mask_input=mask_input,
                                  tolerances=tolerances if precision != "fp32" else None)
+            report = dataclasses.replace(report, onnx_path=result.path)
         except Exception as err:  # ONNX Runtime refusing to run the rewritten graph
             failures.append(RejectedCandidate(_options_record(options), error=f"{type(err).__name__}: {err}"))
             log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} does not run: {err}")
@@ -211,6 +214,21 @@ def optimize_and_verify(
         + ", ".join(f"{name} min cosine {t.min_cosine:g}" for name, t in tolerances.items()) + "): "
         + "; ".join(failure.text() for failure in failures)
         + f". Build with `precision` fp32{' or fp16' if precision == 'int8' else ''}.")
+
+
+def _as_vnni_hosts_compute(graph: Path) -> Path:
+    """The file whose check stands for the int8-weight (u8s8) `graph` on the hosts that open it
+    (VNNI/AMX: exact integer sums). On such a host, `graph` itself. On a host without VNNI, whose
+    kernels saturate u8 x s8 products, its exact u8u8 twin (quantization.write_exact_twin): so a
+    build checks the same figures, and stores the same graphs, on every host."""
+    from bionemo_export.serving.host import cpu_description
+
+    from .quantization import write_exact_twin
+
+    if cpu_description()["vnni"]:
+        return graph
+    twin = graph.parent / "exact-twin" / graph.name
+    return twin if write_exact_twin(graph, twin) else graph
 
 
 def _options_record(options: dict[str, Any]) -> dict[str, Any]:
@@ -242,6 +260,8 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
 
     int8 weights (u8s8) are exact and fast on VNNI/AMX CPUs only; uint8 weights (u8u8) are exact on
     every x86 CPU (quantization.py), so the build host's check of a u8u8 graph holds on every host.
+    A host without VNNI checks each u8s8 candidate through its exact u8u8 twin (the integers VNNI hosts
+    sum; `_as_vnni_hosts_compute`), so every build host stops each ladder where a VNNI host would.
     Both ladders are tried: both pass, model.onnx is the u8s8 graph and no-vnni/ the u8u8 one (the
     served model opens the one its CPU computes exactly). `one_graph` (a backend that cannot choose
     at load, Triton's own ONNX Runtime backend): the u8u8 graph alone when it passes. Only the u8s8

@@ -17,6 +17,10 @@ x86 CPUs do not all compute the same integer products:
   multiplying, so the integer sums are exact everywhere and a graph answers the same on every host
   (the same figures, to six digits, on AMX and emulated Haswell). Slower than u8s8 on VNNI hosts
   (~1.8x on AntiBERTy), so a build stores it as the graph for hosts without VNNI, beside the u8s8 one.
+- A build host without VNNI checks a u8s8 graph through its exact twin (`write_exact_twin`: the int8
+  weights and zero points shifted by 128 into uint8, the same integers), which computes there what
+  VNNI hosts compute: AntiBERTy's u8s8 graph meets min cosine 0.999 on every build host, where the
+  saturating kernels of an AVX2-only build host used to reject it and all its fallbacks.
 
 `keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, or by a SwiGLU's
 product as in ESM C: the most sensitive to int8) in fp32: those whose simulated int8 error on a
@@ -269,3 +273,55 @@ def residual_additions(model: onnx.ModelProto) -> list[str]:
             found.append(node.name)
     return found
 
+
+
+INTEGER_MATMUL_ZERO_POINTS = {"MatMulInteger": 3, "DynamicQuantizeMatMul": 3, "MatMulIntegerToFloat": 5}
+"""The integer MatMuls of an int8 graph (quantize_dynamic's, and ONNX Runtime's fusions of them):
+their weights are input 1, and the weights' zero point the input at this index."""
+
+
+def write_exact_twin(src: Path, dst: Path) -> bool:
+    """Write the u8u8 twin of the int8-weight (u8s8) graph `src` to `dst`: every int8 weight and its
+    zero point shifted by 128 into uint8, so that (w + 128) - (z + 128) = w - z, the same integers.
+    ONNX Runtime widens uint8 weights to 16 bits on every x86 CPU, so the twin computes on any host
+    what VNNI/AMX hosts compute for `src` (AVX2 kernels saturate pairs of u8 x s8 products): how a
+    build host without VNNI checks the graph that VNNI hosts will open. False (nothing written) when
+    `src` has no int8 weights. ValueError when an int8 weight feeds something else than an integer
+    MatMul's weight input (its meaning would change)."""
+    model = onnx.load(str(src))  # with its external data
+    initializers = {init.name: init for init in model.graph.initializer}
+    shifted: dict[str, onnx.TensorProto] = {}
+    for node in model.graph.node:
+        zero_index = INTEGER_MATMUL_ZERO_POINTS.get(node.op_type)
+        if zero_index is None or len(node.input) < 2:
+            continue
+        weights = initializers.get(node.input[1])
+        if weights is None or weights.data_type != onnx.TensorProto.INT8:
+            continue
+        if len(node.input) <= zero_index or not node.input[zero_index]:  # absent: zero, which becomes 128
+            zero = helper.make_tensor(f"{node.input[1]}_zero_point", onnx.TensorProto.INT8, [weights.dims[-1]],
+                                      [0] * weights.dims[-1])
+            model.graph.initializer.append(zero)
+            initializers[zero.name] = zero
+            node.input.extend([""] * (zero_index + 1 - len(node.input)))
+            node.input[zero_index] = zero.name
+        for name in (node.input[1], node.input[zero_index]):
+            if name not in shifted:
+                values = numpy_helper.to_array(initializers[name]).astype(np.int16) + 128
+                shifted[name] = numpy_helper.from_array(values.astype(np.uint8), name)
+    if not shifted:
+        return False
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            zero_index = INTEGER_MATMUL_ZERO_POINTS.get(node.op_type)
+            if name in shifted and index not in (1, zero_index):
+                raise ValueError(f"{src}: the int8 initializer {name} also feeds input {index} of {node.op_type} "
+                                 f"{node.name!r}; only integer MatMul weights can be shifted to uint8")
+    for init in model.graph.initializer:
+        if init.name in shifted:
+            init.CopyFrom(shifted[init.name])
+    external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in onnx.load(
+        str(src), load_external_data=False).graph.initializer)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dst), save_as_external_data=external, location=f"{dst.name}.data" if external else None)
+    return True
