@@ -89,7 +89,7 @@ def norms_registered(monkeypatch):
 
 
 def test_a_made_up_task_is_built_served_and_verified(norms_registered, tmp_path, triton_install):
-    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=3)
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=0)  # the others' seed: a cached graph
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=tmp_path / "repo",
                                            tasks=("embeddings", "norms"), backend="python", optimize=False))
     # Read from the entry: the manifest's public models, the role, the dev server's bindings, the API table.

@@ -39,8 +39,9 @@ modules export (the others: seed 0, docs/developing.md)."""
 
 
 def _build(family: str, folder, tasks=("layers",)):
-    """A build of the layers graph alone (the encoder graph is another task's: these tests compare
-    with PyTorch), of a checkpoint the family's e2e module builds too (SHARED_SEEDS)."""
+    """A build of the layers task (and of the encoder graph every build exports), of a checkpoint
+    the family's e2e module builds too (SHARED_SEEDS): its encoder graph from the run's graph cache
+    when another test exported it first. No decoder graphs: these tests read the layers graph."""
     path = save_random_checkpoint(family, folder / "ck", seed=SHARED_SEEDS.get(family, 0))
     result = build_repository(BuildRequest(family=family, checkpoint=path, name="g", out=folder / "repo",
                                            backend="python", tasks=tasks, optimize=False))
