@@ -73,6 +73,40 @@ def test_the_twin_computes_the_exact_integer_sums_on_this_host(tmp_path, fused):
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
+def test_a_graph_with_external_weights_gets_a_twin_with_external_weights(tmp_path):
+    graph = _quantized(tmp_path, QuantType.QInt8, fused=True)
+    onnx.save(onnx.load(str(graph)), tmp_path / "external.onnx", save_as_external_data=True,
+              location="external.onnx.data", size_threshold=0)
+    assert write_exact_twin(tmp_path / "external.onnx", tmp_path / "twin" / "model.onnx")
+    assert (tmp_path / "twin" / "model.onnx.data").is_file()
+    x = np.abs(np.random.default_rng(1).normal(size=(3, K))).astype(np.float32) * 10
+    got = ort.InferenceSession(str(tmp_path / "twin" / "model.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    expected = _exact(graph, x)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+def test_a_weight_without_its_zero_point_input_gets_one_of_128(tmp_path):
+    """The zero point is optional (absent: 0). Shifted to uint8 the weights need 128, so the twin adds it."""
+    graph = _quantized(tmp_path, QuantType.QInt8, fused=False)
+    model = onnx.load(str(graph))
+    node = next(node for node in model.graph.node if node.op_type == "MatMulInteger")
+    zero = next(init for init in model.graph.initializer if init.name == node.input[3])
+    assert not numpy_helper.to_array(zero).any()  # symmetric int8 weights: the zero point was 0 anyway
+    del node.input[3]
+    onnx.save(model, tmp_path / "no-zero.onnx")
+    assert write_exact_twin(tmp_path / "no-zero.onnx", tmp_path / "twin" / "model.onnx")
+    twin = onnx.load(str(tmp_path / "twin" / "model.onnx"))
+    matmul = next(node for node in twin.graph.node if node.op_type == "MatMulInteger")
+    added = next(init for init in twin.graph.initializer if init.name == matmul.input[3])
+    assert added.data_type == TensorProto.UINT8 and (numpy_helper.to_array(added) == 128).all()
+    x = np.abs(np.random.default_rng(1).normal(size=(3, K))).astype(np.float32) * 10
+    got = ort.InferenceSession(str(tmp_path / "twin" / "model.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    expected = _exact(graph, x)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
 def test_a_graph_without_int8_weights_has_no_twin(tmp_path):
     assert not write_exact_twin(_quantized(tmp_path, QuantType.QUInt8, fused=True), tmp_path / "twin.onnx")
     assert not (tmp_path / "twin.onnx").exists()

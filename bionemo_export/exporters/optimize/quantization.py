@@ -274,7 +274,6 @@ def residual_additions(model: onnx.ModelProto) -> list[str]:
     return found
 
 
-
 INTEGER_MATMUL_ZERO_POINTS = {"MatMulInteger": 3, "DynamicQuantizeMatMul": 3, "MatMulIntegerToFloat": 5}
 """The integer MatMuls of an int8 graph (quantize_dynamic's, and ONNX Runtime's fusions of them):
 their weights are input 1, and the weights' zero point the input at this index."""
@@ -288,7 +287,10 @@ def write_exact_twin(src: Path, dst: Path) -> bool:
     build host without VNNI checks the graph that VNNI hosts will open. False (nothing written) when
     `src` has no int8 weights. ValueError when an int8 weight feeds something else than an integer
     MatMul's weight input (its meaning would change)."""
-    model = onnx.load(str(src))  # with its external data
+    model = onnx.load(str(src), load_external_data=False)
+    external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer)
+    if external:
+        onnx.load_external_data_for_model(model, str(src.parent))
     initializers = {init.name: init for init in model.graph.initializer}
     shifted: dict[str, onnx.TensorProto] = {}
     for node in model.graph.node:
@@ -312,16 +314,14 @@ def write_exact_twin(src: Path, dst: Path) -> bool:
     if not shifted:
         return False
     for node in model.graph.node:
+        allowed = (1, INTEGER_MATMUL_ZERO_POINTS.get(node.op_type))
         for index, name in enumerate(node.input):
-            zero_index = INTEGER_MATMUL_ZERO_POINTS.get(node.op_type)
-            if name in shifted and index not in (1, zero_index):
+            if name in shifted and index not in allowed:
                 raise ValueError(f"{src}: the int8 initializer {name} also feeds input {index} of {node.op_type} "
                                  f"{node.name!r}; only integer MatMul weights can be shifted to uint8")
     for init in model.graph.initializer:
         if init.name in shifted:
             init.CopyFrom(shifted[init.name])
-    external = any(init.data_location == onnx.TensorProto.EXTERNAL for init in onnx.load(
-        str(src), load_external_data=False).graph.initializer)
     dst.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(dst), save_as_external_data=external, location=f"{dst.name}.data" if external else None)
     return True
