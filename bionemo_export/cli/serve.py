@@ -122,8 +122,10 @@ def serve(
         response_cache_bytes=response_cache_mb * 1024 * 1024 or None,
     )
     # Our own handlers whatever we inherited: a script's `serve &` starts us with SIGINT ignored,
-    # and Python then leaves Ctrl-C ignored too.
+    # and Python then leaves Ctrl-C ignored too. A blocked signal survives exec as well: a launcher
+    # that blocked them would leave serve (and the tritonserver it starts) deaf to both.
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
+    previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     health = HealthSettings(interval=health_interval, timeout=health_timeout, load_timeout=timeout,
                             stall_timeout=stall_timeout, leak_limit=max_kept_instances,
                             stub_memory_limit=stub_memory_mb << 20)
@@ -156,6 +158,7 @@ def serve(
         server.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
     console.print(f"tritonserver stopped (exit code {code}).")
 
 

@@ -100,6 +100,7 @@ import ctypes, os, signal, sys
 parent, signum = int(sys.argv[1]), int(sys.argv[2])
 for stop_signal in (signal.SIGINT, signal.SIGTERM):
     signal.signal(stop_signal, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     os.kill(os.getpid(), signum)
@@ -116,8 +117,9 @@ def dying_with_parent(command: list[str], signum: int = signal.SIGTERM) -> list[
     instead of vfork(), and fork() runs every pthread_atfork handler, where grpcio 1.85's waits for
     its own threads. Measured (CI, 3 xdist workers): a test process that had used a gRPC client
     hung in fork() for good while starting its next tritonserver. The launcher also resets SIGINT
-    and SIGTERM to their defaults: a launcher that ignored them (a script's `cmd &`) must not
-    leave the server deaf to them (ignored dispositions survive exec). The signal is tied to the
+    and SIGTERM to their defaults and unblocks them: a launcher that ignored or blocked them (a
+    script's `cmd &` ignores SIGINT) must not leave the server deaf to them (ignored dispositions
+    and the signal mask survive exec). The signal is tied to the
     *thread* that starts the command: start servers from one that lives as long as they should.
     """
     if not sys.platform.startswith("linux"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -366,20 +367,26 @@ def test_serve_names_the_repository_inside_the_folder_given(tmp_path):
 
 # -- signals and what is left behind ------------------------------------------------------------
 
-def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # what `serve &` in a non-interactive script does
+IGNORING_SIGINT = ("sh", "-c", 'trap "" INT; exec "$@"', "sh")
+"""What `serve &` in a non-interactive script does: serve starts with SIGINT ignored."""
+BLOCKING_SIGTERM = (sys.executable, "-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, "
+                    "{signal.SIGTERM}); os.execv(sys.argv[1], sys.argv[1:])")
+"""A launcher that blocked SIGTERM: the signal mask survives exec."""
 
 
-def test_serve_started_with_sigint_ignored_still_stops_on_sigint(tiny_repo, tmp_path):
-    serve = sp.serve(tiny_repo, tmp_path, preexec_fn=_ignore_sigint)
+@pytest.mark.parametrize(("launcher", "signum"), [(IGNORING_SIGINT, signal.SIGINT), (BLOCKING_SIGTERM, signal.SIGTERM)],
+                         ids=["sigint-ignored", "sigterm-blocked"])
+def test_serve_started_deaf_to_a_stop_signal_still_stops_on_it(tiny_repo, tmp_path, launcher, signum):
+    serve = sp.serve(tiny_repo, tmp_path, launcher=launcher)
     try:
         server = sp.tritonserver_of(serve.process.pid)
         stubs = sp.stubs(server)
         assert len(stubs) == 2
-        serve.process.send_signal(signal.SIGINT)
+        serve.process.send_signal(signum)
         code = serve.process.wait(60)
     finally:
         serve.stop()
+    # Exit code 0: the tritonserver serve started stopped on serve's SIGTERM, not its later SIGKILL.
     assert code == 0, serve.text()
     assert "tritonserver stopped (exit code 0)" in serve.text()
     assert not sp.wait_gone([server, *stubs], 10)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,15 +93,18 @@ class Serve:
                 self.process.wait()
 
 
-def serve(repo: Path, work: Path, *args: str, preexec_fn=None) -> Serve:
+def serve(repo: Path, work: Path, *args: str, launcher: Sequence[str] = ()) -> Serve:
+    """`bionemo-export serve repo *args` once it says "Serving.". `launcher`: a command that execs
+    the rest (to start serve with inherited signal settings); not a preexec_fn, which would fork()
+    this test process, gRPC threads and all (runtime/server.py's dying_with_parent says why)."""
     http, grpc, metrics = free_ports(3)
     output = work / f"serve-{http}.out"
     with open(output, "w") as out:
         process = subprocess.Popen(
-            [*CLI, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
+            [*launcher, *CLI, "serve", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
              "--metrics-port", str(metrics), "--log-file", str(work / f"tritonserver-{http}.log"), *args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, "COLUMNS": "200"}, preexec_fn=preexec_fn,
+            env={**os.environ, "COLUMNS": "200"},
         )
     served = Serve(process, output, http, grpc)
     try:
