@@ -77,25 +77,20 @@ HERE = Path(__file__).resolve().parent
 # ------------------------------------------------------------------------------ baselines
 def start_dev_server(checkpoint: Path, family: str, name: str, log: Path) -> tuple[subprocess.Popen, str]:
     """benchmarks/dev_server.py in its own process (so that it competes for the cores as a server
-    would); returns (process, grpc url) once it answers."""
+    would); returns (process, grpc url) once every model it serves answers (it says so in `log`)."""
     http, grpc, metrics = free_ports(3)
     process = subprocess.Popen(
         [sys.executable, str(HERE / "dev_server.py"), "--checkpoint", str(checkpoint), "--family", family,
          "--name", name, "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
         stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    import tritonclient.grpc as grpcclient
-
     deadline = time.monotonic() + 300
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the dev server exited; see {log}")
-        try:
-            if client.is_model_ready(f"{name}_embeddings"):
-                return process, f"grpc://127.0.0.1:{grpc}"
-        except Exception:  # not up yet
-            pass
-        time.sleep(1)
+        if "dev server ready" in log.read_text(errors="replace"):
+            return process, f"grpc://127.0.0.1:{grpc}"
+        time.sleep(0.5)
+    stop(process)
     raise RuntimeError(f"the dev server did not become ready; see {log}")
 
 

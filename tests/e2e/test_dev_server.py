@@ -4,17 +4,16 @@ the real tritonserver, from the same MegaMolBART checkpoint (tiny, random).
 Both bind the same public models and tensors and give the same answers: embeddings and hidden
 states within the family's tolerance, decodes and seeded samples equal. Every client works with
 both: the Python client, PyTriton's ModelClient, the `client encode -> JSON -> client decode`
-round trip, `client sample`, and `verify`. benchmarks/serving.py's baseline is this dev server.
+round trip, `client sample`, and `verify`. benchmarks/serving.py's baseline is this dev server
+(test_e2e_masked_lm.py starts it the way that script does).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -276,19 +275,3 @@ def test_verify_passes_against_the_dev_server(servers):
     checks = verify_repository(servers["repository"], servers["checkpoint"], url=servers["urls"]["dev"]["grpc"])
     assert {check.model for check in checks} == {f"{NAME}_{task}" for task in TASKS}
     assert all(check.passed for check in checks), [check for check in checks if not check.passed]
-
-
-def test_the_benchmark_baseline_runs_the_packages_dev_server(servers, tmp_path):
-    """benchmarks/serving.py starts benchmarks/dev_server.py, a wrapper of the package's dev server."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    try:  # a script folder, not a package: found on the path it is given here, not by the type checker
-        serving = importlib.import_module("serving")
-    finally:
-        sys.path.pop(0)
-    process, url = serving.start_dev_server(servers["checkpoint"], "megamolbart", "bench", tmp_path / "log")
-    try:
-        with RepositoryClient("bench", url) as bench, _both(servers)[1] as dev:
-            assert bench.client.max_batch_size("bench_embeddings") == 10  # BioNeMo's setting
-            np.testing.assert_array_equal(bench.seqs_to_embedding(_smiles()), dev.seqs_to_embedding(_smiles()))
-    finally:
-        serving.stop(process)

@@ -7,7 +7,10 @@ masking one copy at a time (tests/helpers/masked_lm_reference.py).
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,26 +146,28 @@ def test_the_real_antibertys_served_plls_follow_its_runner(tmp_path, triton_inst
 def test_the_dev_server_serves_logits_and_scores_as_the_repository_does(served, tmp_path):
     """BioNeMo's way (PyTriton, PyTorch): the same public models and tensors, the same answers
     within the family's tolerance, a bad variant refused with the same words (one parser:
-    serving/scoring.py)."""
-    import sys
-
+    serving/scoring.py). The dev server is started as benchmarks/serving.py starts its baseline
+    (benchmarks/dev_server.py, a wrapper of the package's dev server; test_dev_server.py starts
+    `bionemo-export dev-server`)."""
     import tritonclient.grpc as grpcclient
 
-    from bionemo_export.runtime.server import free_ports
-    from tests.e2e.test_dev_server import start_dev_server, stop_dev_server
-
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:  # a script folder, not a package: found on the path it is given here, not by the type checker
+        serving = importlib.import_module("serving")
+    finally:
+        sys.path.pop(0)
     result, _, repository = served
-    http, grpc, metrics = free_ports(3)
     models = [f"{NAME}_{task}" for task in ("embeddings", "hiddens", "logits", "scores")]
-    dev = start_dev_server([sys.executable, "-m", "bionemo_export.cli.main", "dev-server", "--model", "esm2",
-                            "--checkpoint", result.manifest.checkpoint["path"], "--name", NAME,
-                            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
-                           tmp_path / "dev_server.log", grpc, models)
+    dev, url = serving.start_dev_server(Path(result.manifest.checkpoint["path"]), "esm2", NAME,
+                                        tmp_path / "dev_server.log")
+    grpc = url.removeprefix("grpc://")
     try:
-        with RepositoryClient(NAME, f"grpc://127.0.0.1:{grpc}") as client:
+        with RepositoryClient(NAME, url) as client:
+            assert client.client.max_batch_size(f"{NAME}_embeddings") == 10  # BioNeMo's setting
+            assert all(grpcclient.InferenceServerClient(grpc).is_model_ready(model) for model in models)
             for model in models[2:]:
                 answers = [c.get_model_metadata(model, as_json=True) for c in (
-                    grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}"), repository.client._client)]
+                    grpcclient.InferenceServerClient(grpc), repository.client._client)]
                 assert all(isinstance(answer, dict) for answer in answers), answers  # parsed JSON
                 tensors = [{side: sorted((t["name"], t["datatype"], tuple(t["shape"])) for t in answer[side])
                             for side in ("inputs", "outputs")}
@@ -178,7 +183,7 @@ def test_the_dev_server_serves_logits_and_scores_as_the_repository_does(served, 
             with pytest.raises(InferenceError, match="position 1 is M in the wild type, not L"):
                 client.score_variants(WILD_TYPE, ["L1A"])
     finally:
-        stop_dev_server(dev)
+        serving.stop(dev)
 
 
 def test_client_encode_of_the_logits_model_names_the_alphabet(served, tmp_path):
