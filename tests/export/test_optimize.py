@@ -262,8 +262,8 @@ def test_int8_build_of_antiberty_keeps_embeddings_within_cosine_0_999(tmp_path):
     assert quantization["matmuls_fp32"] == len(quantization["kept_fp32"])
     for rejected in optimization["rejected"]:  # the tries before: recorded with their figures
         assert rejected["figures"]["embeddings"]["min_cosine"] < 0.999
-    # The same graphs from every build host: the u8s8 one for VNNI/AMX hosts (a host without VNNI checks it
-    # through its exact u8u8 twin, as VNNI hosts compute it) and the u8u8 one for the others.
+    # Both graphs from every build host: the u8s8 one for VNNI/AMX hosts (a host without VNNI checks it
+    # through its exact u8u8 twin, the integers VNNI hosts sum) and the u8u8 one for the others.
     assert quantization["weights"] == "int8"
     assert manifest["export"]["encoder"]["optimization_no_vnni"]["quantization"]["weights"] == "uint8"
     stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))

@@ -219,8 +219,9 @@ def optimize_and_verify(
 def _as_vnni_hosts_compute(graph: Path) -> Path:
     """The file whose check stands for the int8-weight (u8s8) `graph` on the hosts that open it
     (VNNI/AMX: exact integer sums). On such a host, `graph` itself. On a host without VNNI, whose
-    kernels saturate u8 x s8 products, its exact u8u8 twin (quantization.write_exact_twin): so a
-    build checks the same figures, and stores the same graphs, on every host."""
+    kernels saturate u8 x s8 products, its exact u8u8 twin (quantization.write_exact_twin): the
+    integers VNNI hosts sum, so the check is not spoiled by saturation (the fp32 parts still round
+    as this host's kernels do: docs/building.md)."""
     from bionemo_export.serving.host import cpu_description
 
     from .quantization import write_exact_twin
@@ -261,7 +262,7 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
     int8 weights (u8s8) are exact and fast on VNNI/AMX CPUs only; uint8 weights (u8u8) are exact on
     every x86 CPU (quantization.py), so the build host's check of a u8u8 graph holds on every host.
     A host without VNNI checks each u8s8 candidate through its exact u8u8 twin (the integers VNNI hosts
-    sum; `_as_vnni_hosts_compute`), so every build host stops each ladder where a VNNI host would.
+    sum; `_as_vnni_hosts_compute`).
     Both ladders are tried: both pass, model.onnx is the u8s8 graph and no-vnni/ the u8u8 one (the
     served model opens the one its CPU computes exactly). `one_graph` (a backend that cannot choose
     at load, Triton's own ONNX Runtime backend): the u8u8 graph alone when it passes. Only the u8s8

@@ -14,13 +14,14 @@ x86 CPUs do not all compute the same integer products:
   overflow: the real AntiBERTy's embeddings fell from min cosine 0.9993 to 0.994 (measured under
   `qemu-x86_64 -cpu Haswell` on the same graph and inputs).
 - `uint8` weights (u8u8, `PORTABLE_WEIGHTS`): every x86 kernel widens these to 16 bits before
-  multiplying, so the integer sums are exact everywhere and a graph answers the same on every host
-  (the same figures, to six digits, on AMX and emulated Haswell). Slower than u8s8 on VNNI hosts
+  multiplying, so the integer sums are exact everywhere (the answers still differ slightly between
+  CPUs: the activations are quantized from fp32 values each CPU's kernels round in their own way;
+  docs/building.md has the figures). Slower than u8s8 on VNNI hosts
   (~1.8x on AntiBERTy), so a build stores it as the graph for hosts without VNNI, beside the u8s8 one.
 - A build host without VNNI checks a u8s8 graph through its exact twin (`write_exact_twin`: the int8
-  weights and zero points shifted by 128 into uint8, the same integers), which computes there what
-  VNNI hosts compute: AntiBERTy's u8s8 graph meets min cosine 0.999 on every build host, where the
-  saturating kernels of an AVX2-only build host used to reject it and all its fallbacks.
+  weights and zero points shifted by 128 into uint8, the same integers), which sums there what
+  VNNI hosts sum: the saturating kernels of an AVX2-only build host used to reject AntiBERTy's u8s8
+  graph and all its fallbacks.
 
 `keep_fp32` leaves a share of the feed-forward output MatMuls (those fed by a GELU, or by a SwiGLU's
 product as in ESM C: the most sensitive to int8) in fp32: those whose simulated int8 error on a
@@ -282,8 +283,8 @@ their weights are input 1, and the weights' zero point the input at this index."
 def write_exact_twin(src: Path, dst: Path) -> bool:
     """Write the u8u8 twin of the int8-weight (u8s8) graph `src` to `dst`: every int8 weight and its
     zero point shifted by 128 into uint8, so that (w + 128) - (z + 128) = w - z, the same integers.
-    ONNX Runtime widens uint8 weights to 16 bits on every x86 CPU, so the twin computes on any host
-    what VNNI/AMX hosts compute for `src` (AVX2 kernels saturate pairs of u8 x s8 products): how a
+    ONNX Runtime widens uint8 weights to 16 bits on every x86 CPU, so the twin sums on any host the
+    integers VNNI/AMX hosts sum for `src` (AVX2 kernels saturate pairs of u8 x s8 products): how a
     build host without VNNI checks the graph that VNNI hosts will open. False (nothing written) when
     `src` has no int8 weights. ValueError when an int8 weight feeds something else than an integer
     MatMul's weight input (its meaning would change)."""
