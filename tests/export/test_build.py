@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 
 import onnx
 import pytest
@@ -100,18 +102,39 @@ def test_auto_backend_follows_the_servers_backends():
     assert resolve_backend("native") == "native"
 
 
-def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpoint, tmp_path):
+def test_cli_build_through_model_navigator_reports_the_export_check(esm2_checkpoint, tmp_path, capfd, monkeypatch):
+    """The suite's one Model Navigator export (about 40 s of CPU each): `--exporter navigator` end to
+    end, with its graph re-saved in our weights layout (external data forced), Navigator's console
+    and logging kept out of the user's, and the graph checked against PyTorch like any other."""
+    from bionemo_export.exporters import onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)  # the re-save's external-data path
+    root_handlers = logging.getLogger().handlers[:]
+    start_method = multiprocessing.get_start_method(allow_none=True)
     out = tmp_path / "repo"
+    capfd.readouterr()
     result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(esm2_checkpoint),
                                  "--name", "esm2nv", "--out", str(out), "--max-batch-size", "4",
-                                 "--tasks", "embeddings",  # one graph: each Navigator export is ~40 s of CPU
+                                 "--tasks", "embeddings",  # one graph
                                  "--exporter", "navigator", "--no-optimize", "--graph-cache", str(tmp_path / "graphs")],
                            env={"COLUMNS": "200"})
+    console = capfd.readouterr()  # what reached the process's own stdout/stderr, beside the CLI's output
     assert result.exit_code == 0, result.output
+    assert console.out == "" and console.err == "", console
+    assert logging.getLogger().handlers == root_handlers
+    assert multiprocessing.get_start_method(allow_none=True) == start_method
     assert "navigator exporter" in result.output and "encoder" in result.output
     assert "max abs error" in result.output and "esm2nv_embeddings" in result.output
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["exporter"] == "navigator" and manifest["export"]["encoder"]["exporter"] == "navigator"
+    assert manifest["exporter"] == "navigator"
+    export = manifest["export"]["encoder"]
+    assert export["exporter"] == "navigator" and "model_navigator" in export["versions"] and export["external_data"]
+    graph = out / "esm2nv_encoder" / "1" / "model.onnx"
+    assert sorted(p.name for p in graph.parent.iterdir() if p.name.startswith("model.onnx")) == [
+        "model.onnx", "model.onnx.data"]
+    assert (graph.parent / "model.onnx.data").stat().st_mode == graph.stat().st_mode
+    check = manifest["verification"]["graphs"]["encoder"]
+    assert check["passed"] and max(output["max_abs_error"] for output in check["outputs"]) <= 1e-5, check
     # --graph-cache: every graph stored in the folder given, as Model Navigator exported it
     stored = [json.loads(p.read_text())["export"] for p in (tmp_path / "graphs").glob("??/*/export.json")]
     assert len(stored) == len(manifest["export"]) and {e["exporter"] for e in stored} == {"navigator"}

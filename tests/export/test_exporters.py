@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
-import multiprocessing
 import sys
 from pathlib import Path
 
@@ -258,32 +256,6 @@ def test_tensorrt_is_reported_available_exactly_where_it_imports_and_a_gpu_is_vi
     else:
         expected = torch.cuda.is_available()
     assert tensorrt_available() is expected
-
-
-@pytest.mark.skipif("navigator" not in available_exporters(), reason="Model Navigator not installed")
-def test_navigator_export_matches_torch_and_keeps_the_console_quiet(tiny, tmp_path, capfd):
-    root_handlers = logging.getLogger().handlers[:]
-    start_method = multiprocessing.get_start_method(allow_none=True)
-    capfd.readouterr()
-    result = export_onnx(
-        tiny, ENCODER_INPUTS, OUTPUTS, make_batch(2, 12), tmp_path / "out" / "model.onnx",
-        exporter="navigator", workspace=tmp_path / "navigator", external_data=True,
-    )
-    console = capfd.readouterr()
-    assert console.out == "" and console.err == ""
-    assert logging.getLogger().handlers == root_handlers
-    assert multiprocessing.get_start_method(allow_none=True) == start_method
-    assert (tmp_path / "navigator" / "navigator" / "navigator.log").is_file()
-    assert (tmp_path / "navigator" / "console.log").is_file()
-
-    assert result.exporter == "navigator" and "model_navigator" in result.versions
-    # Re-saved in our layout: one weights file, readable like the graph.
-    assert sorted(p.name for p in result.path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
-    assert result.data_path is not None and result.data_path.stat().st_mode == result.path.stat().st_mode
-    model = onnx.load(str(result.path))
-    assert [v.name for v in model.graph.input] == [s.name for s in ENCODER_INPUTS]
-    assert [v.name for v in model.graph.output] == ["hiddens", "embeddings"]
-    assert_matches_torch(tiny, result.path, atol=1e-5)
 
 
 @pytest.mark.parametrize("family_name", ["esm2", "bert"])
