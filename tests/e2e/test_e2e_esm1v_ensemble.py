@@ -25,7 +25,8 @@ from tests.helpers.masked_lm_reference import brute_force, reference_log_probs  
 from tests.unit.test_fair_esm import _esm1b_file, _reference  # noqa: E402
 
 NAME = "esm1v"
-SEEDS = (11, 12, 13)
+SEEDS = (11, 12)
+"""Two seeds of the five ESM-1v has: their mean is neither member, which is what an ensemble adds."""
 WILD_TYPE = "MKTAYIAKQRQISFVKSHF"
 VARIANTS = ["M1A", "K2R:T3S", "Y5W", "F19E:H18K"]
 
@@ -58,7 +59,7 @@ def test_the_seeds_files_build_one_esm1_ensemble(served):
     manifest = result.manifest
     assert manifest.family == "esm1" and manifest.tasks == ["logits", "scores"]
     assert [m["checkpoint_form"] for m in manifest.members or []] == [
-        f"fair-esm ESM-1v file esm1v_t2_tiny_{n}.pt" for n in (1, 2, 3)]
+        f"fair-esm ESM-1v file esm1v_t2_tiny_{n}.pt" for n in range(1, len(SEEDS) + 1)]
 
 
 def test_served_log_probs_are_the_mean_of_the_seeds_in_fair_esm(served):
