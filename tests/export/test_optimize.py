@@ -23,6 +23,7 @@ from bionemo_export.exporters.optimize import (
     attention,
     candidates,
     fuse_attention,
+    fuse_graph,
     fused_operators,
     optimize_onnx,
 )
@@ -240,6 +241,29 @@ def test_int8_keeps_the_share_of_feed_forward_outputs_asked_in_fp32(tiny, tmp_pa
     assert set(kept[0.25]) < set(kept[1.0])
     with pytest.raises(ValueError, match="fraction"):
         optimize_onnx(plain, tmp_path / "x.onnx", num_heads=heads, hidden_size=loaded.hidden_size, keep_fp32=2)
+
+
+def test_a_ladder_fused_once_writes_the_graphs_each_candidate_fused_alone_writes(tiny, tmp_path):
+    """An int8 ladder fuses the export once (fuse_graph) and ranks its feed-forward outputs once per
+    weights' type: every candidate is byte for byte the file optimize_onnx writes fusing alone."""
+    _, loaded, plain = tiny
+    heads, calibration = loaded.description["heads"], _batches(loaded)[0]
+    shared = fuse_graph(plain, num_heads=heads, hidden_size=loaded.hidden_size)
+    for weights in ("int8", "uint8"):
+        for fraction in (0.0, 0.5):
+            alone, together = (
+                optimize_onnx(plain, tmp_path / f"{kind}-{weights}-{fraction}.onnx", num_heads=heads,
+                              hidden_size=loaded.hidden_size, precision="int8", keep_fp32=fraction,
+                              int8_weights=weights, calibration=calibration, fused=fused)
+                for kind, fused in (("alone", None), ("shared", shared)))
+            assert together.path.read_bytes() == alone.path.read_bytes(), (weights, fraction)
+            assert together.to_dict()["quantization"] == alone.to_dict()["quantization"]
+    fp32 = optimize_onnx(plain, tmp_path / "fp32.onnx", num_heads=heads, hidden_size=loaded.hidden_size, fused=shared)
+    alone = optimize_onnx(plain, tmp_path / "fp32-alone.onnx", num_heads=heads, hidden_size=loaded.hidden_size)
+    assert fp32.path.read_bytes() == alone.path.read_bytes()
+    with pytest.raises(ValueError, match="fuse=True"):  # made for another candidate: refused, not used
+        optimize_onnx(plain, tmp_path / "x.onnx", num_heads=heads, hidden_size=loaded.hidden_size, fuse=False,
+                      fused=shared)
 
 
 def test_int8_build_of_antiberty_keeps_embeddings_within_cosine_0_999(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from bionemo_export.exporters.optimize.quantization import _ffn_outputs_by_error
+from bionemo_export.exporters.optimize.quantization import ffn_outputs_by_error
 
 
 def _graph(kind: str) -> onnx.ModelProto:
@@ -30,6 +30,6 @@ def _graph(kind: str) -> onnx.ModelProto:
 
 
 def test_swiglu_products_are_feed_forward_outputs_and_a_plain_product_is_not():
-    assert _ffn_outputs_by_error(_graph("swiglu"), None)[0] == ["down"]
-    assert _ffn_outputs_by_error(_graph("silu-op"), None)[0] == ["down"]
-    assert _ffn_outputs_by_error(_graph("plain"), None)[0] == []
+    assert ffn_outputs_by_error(_graph("swiglu"), None)[0] == ["down"]
+    assert ffn_outputs_by_error(_graph("silu-op"), None)[0] == ["down"]
+    assert ffn_outputs_by_error(_graph("plain"), None)[0] == []

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import logging
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,7 +54,7 @@ from bionemo_export.procfs import available_memory_bytes
 
 from .attention import fuse_attention
 from .graph import remove_unused
-from .quantization import Fp16Conversion, Int8Quantization, convert_fp16, quantize_int8
+from .quantization import Fp16Conversion, Int8Quantization, convert_fp16, ffn_outputs_by_error, quantize_int8
 
 DEFAULT_LEVEL = OptimizationLevel.EXTENDED
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
@@ -101,44 +102,40 @@ class OptimizationResult:
         return result
 
 
-def optimize_onnx(
-    src: Path,
-    dst: Path,
-    *,
-    num_heads: int | None,
-    hidden_size: int | None,
-    precision: str = "fp32",
-    level: str = DEFAULT_LEVEL,
-    fuse: bool = True,
-    keep_fp32: float = 0.0,
-    int8_weights: str = "int8",
-    calibration: dict[str, np.ndarray] | None = None,
-    external_data: bool | None = None,
-) -> OptimizationResult:
-    """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
+@dataclass
+class FusedGraph:
+    """The exported graph after the fusions (steps 1 and 2), in memory: what every candidate of a
+    ladder starts from. An int8 ladder's candidates differ only in the share kept in fp32 and the
+    weights' type, so it fuses once (`fuse_graph`) and hands this to each `optimize_onnx` call, with
+    the int8 error ranking of each weights' type computed once too. No step changes `model`."""
 
-    `num_heads`/`hidden_size` (the model's attention heads and width) enable the attention and
-    transformer fusions; None skips them. `precision`: "fp32", "int8" or "fp16". `keep_fp32`
-    (int8): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
-    to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
-    inputs) is largest; without `calibration`, the last ones. `int8_weights`: "int8" (u8s8, exact on
-    VNNI CPUs) or "uint8" (u8u8, exact on every x86 CPU): quantization.py. `external_data`: None decides by the
-    weights' size. Raises OptimizationError when a step fails (dst is then not written).
-    """
-    # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
-    OptimizationLevel.parse(level, "level")
-    Precision.parse(precision, "precision")
-    if not 0.0 <= keep_fp32 <= 1.0:
-        raise ValueError(f"keep_fp32 is a fraction between 0 and 1, not {keep_fp32}")
-    import onnxruntime as ort
+    src: Path
+    fuse: bool
+    num_heads: int | None
+    model: onnx.ModelProto
+    applied: tuple[str, ...]
+    skipped: tuple[str, ...]
+    nodes_before: int
+    external: bool
+    """Written with external data (weights over EXTERNAL_DATA_THRESHOLD_BYTES): such a graph is not
+    worth keeping in memory between candidates."""
+    _rankings: dict[tuple[str, str | None], tuple[list[str], str]] = field(default_factory=dict, repr=False)
 
-    src, dst = Path(src), Path(dst)
-    if src.resolve() == dst.resolve():
-        raise ValueError("optimize_onnx writes a new file: dst must differ from src")
-    start = time.perf_counter()
+    def int8_ranking(self, calibration: dict[str, np.ndarray] | None, weights: str) -> tuple[list[str], str]:
+        """quantization.ffn_outputs_by_error for this graph, computed once per weights' type and batch."""
+        key = (weights, _digest(calibration) if calibration is not None else None)
+        if key not in self._rankings:
+            self._rankings[key] = ffn_outputs_by_error(self.model, calibration, weights)
+        return self._rankings[key]
+
+
+def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fuse: bool = True,
+               external_data: bool | None = None) -> FusedGraph:
+    """Load the graph at `src` and apply the fusions (steps 1 and 2; `fuse` False: neither).
+    OptimizationError when the host lacks the memory or a step fails."""
+    src = Path(src)
     applied: list[str] = []
     skipped: list[str] = []
-    quantization: Int8Quantization | Fp16Conversion | None = None
     _check_memory(src)
     try:
         model = onnx.load(str(src))  # with its external data
@@ -162,9 +159,76 @@ def optimize_onnx(
             model, stats = _step("transformer fusions", lambda: _transformer_fusions(model, num_heads, hidden_size))
             if stats:
                 applied.append("transformer_fusions(" + ", ".join(f"{op} x{n}" for op, n in stats.items()) + ")")
+    return FusedGraph(src, fuse, num_heads, model, tuple(applied), tuple(skipped), nodes_before, external)
+
+
+def _digest(arrays: dict[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def optimize_onnx(
+    src: Path,
+    dst: Path,
+    *,
+    num_heads: int | None,
+    hidden_size: int | None,
+    precision: str = "fp32",
+    level: str = DEFAULT_LEVEL,
+    fuse: bool = True,
+    keep_fp32: float = 0.0,
+    int8_weights: str = "int8",
+    calibration: dict[str, np.ndarray] | None = None,
+    external_data: bool | None = None,
+    fused: FusedGraph | None = None,
+) -> OptimizationResult:
+    """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
+
+    `num_heads`/`hidden_size` (the model's attention heads and width) enable the attention and
+    transformer fusions; None skips them. `precision`: "fp32", "int8" or "fp16". `keep_fp32`
+    (int8): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
+    to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
+    inputs) is largest; without `calibration`, the last ones. `int8_weights`: "int8" (u8s8, exact on
+    VNNI CPUs) or "uint8" (u8u8, exact on every x86 CPU): quantization.py. `external_data`: None decides by the
+    weights' size. `fused`: `fuse_graph(src, ...)` made once for several candidates (it must have been
+    made from `src` with the same `fuse` and heads); None fuses here. Raises OptimizationError when a
+    step fails (dst is then not written).
+    """
+    # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
+    OptimizationLevel.parse(level, "level")
+    Precision.parse(precision, "precision")
+    if not 0.0 <= keep_fp32 <= 1.0:
+        raise ValueError(f"keep_fp32 is a fraction between 0 and 1, not {keep_fp32}")
+    import onnxruntime as ort
+
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise ValueError("optimize_onnx writes a new file: dst must differ from src")
+    start = time.perf_counter()
+    if fused is None:
+        fused = fuse_graph(src, num_heads=num_heads, hidden_size=hidden_size, fuse=fuse, external_data=external_data)
+        model = fused.model
+    elif (fused.src.resolve(), fused.fuse, fused.num_heads) != (src.resolve(), fuse, num_heads):
+        raise ValueError(f"`fused` was made from {fused.src} with fuse={fused.fuse}, num_heads={fused.num_heads}; "
+                         f"this candidate optimizes {src} with fuse={fuse}, num_heads={num_heads}")
+    else:  # shared: int8 only reads it; fp16's conversion and an external-data save change a graph in place
+        model = fused.model
+        if precision != "int8":
+            model = onnx.ModelProto()
+            model.CopyFrom(fused.model)
+    applied = list(fused.applied)
+    skipped = list(fused.skipped)
+    external = fused.external
+    quantization: Int8Quantization | Fp16Conversion | None = None
     if precision == "int8":
-        model, quantization = _step("int8 quantization",
-                                    lambda: quantize_int8(model, keep_fp32, calibration, external, int8_weights))
+        shared = fused
+        model, quantization = _step("int8 quantization", lambda: quantize_int8(
+            model, keep_fp32, calibration, external, int8_weights, ranking=shared.int8_ranking(
+                calibration if keep_fp32 and not external else None, int8_weights)))
         applied.append("quantize_dynamic(int8)")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
@@ -194,7 +258,7 @@ def optimize_onnx(
         applied=tuple(applied),
         fused=fused_operators(written),
         skipped=tuple(skipped),
-        nodes_before=nodes_before,
+        nodes_before=fused.nodes_before,
         nodes_after=len(written.graph.node),
         external_data=external,
         bytes=size,

@@ -97,16 +97,21 @@ class Fp16Conversion:
 
 
 def quantize_int8(model: onnx.ModelProto, keep_fp32: float, calibration: dict[str, np.ndarray] | None,
-                  external: bool, weights: str = "int8") -> tuple[onnx.ModelProto, Int8Quantization]:
+                  external: bool, weights: str = "int8", *, ranking: tuple[list[str], str] | None = None
+                  ) -> tuple[onnx.ModelProto, Int8Quantization]:
     """`model` with 8-bit MatMuls (`weights` "int8" or "uint8": the module's docstring), a share
     `keep_fp32` of its feed-forward output MatMuls left in fp32
     (ranked on `calibration`, one batch of graph inputs, when given and the graph has no external
-    data; else the last layers first), and how it was done."""
+    data; else the last layers first), and how it was done. `ranking`: that order, already computed
+    by `ffn_outputs_by_error` for this graph (a ladder's candidates share it). `model` is changed only
+    in naming its unnamed feed-forward output MatMuls (ffn_outputs_by_error: exclusion is by name)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     if weights not in WEIGHT_TYPES:
         raise ValueError(f"int8 weights are one of {', '.join(WEIGHT_TYPES)}, not {weights!r}")
-    ranked, ranking = _ffn_outputs_by_error(model, calibration if keep_fp32 and not external else None, weights)
+    if ranking is None:
+        ranking = ffn_outputs_by_error(model, calibration if keep_fp32 and not external else None, weights)
+    ranked, ranked_by = ranking
     excluded = ranked[:math.ceil(keep_fp32 * len(ranked))]
     with tempfile.TemporaryDirectory(prefix="bionemo-export-int8-") as work:
         out = Path(work) / "int8.onnx"
@@ -120,11 +125,11 @@ def quantize_int8(model: onnx.ModelProto, keep_fp32: float, calibration: dict[st
     counts = collections.Counter(node.op_type for node in quantized.graph.node)
     return quantized, Int8Quantization(
         method=INT8_METHOD.format(weights=weights), weights=weights, keep_fp32=keep_fp32, kept_fp32=excluded,
-        kept_fp32_chosen_by=ranking if excluded else None,
+        kept_fp32_chosen_by=ranked_by if excluded else None,
         matmuls_int8=counts["MatMulInteger"], matmuls_fp32=counts["MatMul"])
 
 
-def _ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndarray] | None,
+def ffn_outputs_by_error(model: onnx.ModelProto, calibration: dict[str, np.ndarray] | None,
                           weights: str = "int8") -> tuple[list[str], str]:
     """The feed-forward output MatMuls (input from a GELU or a SwiGLU, weights constant), largest simulated
     int8 error first: relative error of (uint8 per-tensor input) x (8-bit per-column `weights`)
