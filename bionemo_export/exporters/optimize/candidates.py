@@ -107,11 +107,13 @@ class FusedGraph:
     """The exported graph after the fusions (steps 1 and 2), in memory: what every candidate of a
     ladder starts from. An int8 ladder's candidates differ only in the share kept in fp32 and the
     weights' type, so it fuses once (`fuse_graph`) and hands this to each `optimize_onnx` call, with
-    the int8 error ranking of each weights' type computed once too. No step changes `model`."""
+    the int8 error ranking of each weights' type computed once too. Candidates leave `model` as it is
+    (the ranking names its unnamed feed-forward MatMuls; fp16 and fp32 candidates work on a copy)."""
 
     src: Path
     fuse: bool
     num_heads: int | None
+    hidden_size: int | None
     model: onnx.ModelProto
     applied: tuple[str, ...]
     skipped: tuple[str, ...]
@@ -159,7 +161,7 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
             model, stats = _step("transformer fusions", lambda: _transformer_fusions(model, num_heads, hidden_size))
             if stats:
                 applied.append("transformer_fusions(" + ", ".join(f"{op} x{n}" for op, n in stats.items()) + ")")
-    return FusedGraph(src, fuse, num_heads, model, tuple(applied), tuple(skipped), nodes_before, external)
+    return FusedGraph(src, fuse, num_heads, hidden_size, model, tuple(applied), tuple(skipped), nodes_before, external)
 
 
 def _digest(arrays: dict[str, np.ndarray]) -> str:
@@ -212,9 +214,11 @@ def optimize_onnx(
     if fused is None:
         fused = fuse_graph(src, num_heads=num_heads, hidden_size=hidden_size, fuse=fuse, external_data=external_data)
         model = fused.model
-    elif (fused.src.resolve(), fused.fuse, fused.num_heads) != (src.resolve(), fuse, num_heads):
-        raise ValueError(f"`fused` was made from {fused.src} with fuse={fused.fuse}, num_heads={fused.num_heads}; "
-                         f"this candidate optimizes {src} with fuse={fuse}, num_heads={num_heads}")
+    elif (fused.src.resolve(), fused.fuse, fused.num_heads, fused.hidden_size) != (
+            src.resolve(), fuse, num_heads, hidden_size):
+        raise ValueError(f"`fused` was made from {fused.src} with fuse={fused.fuse}, num_heads={fused.num_heads}, "
+                         f"hidden_size={fused.hidden_size}; this candidate optimizes {src} with fuse={fuse}, "
+                         f"num_heads={num_heads}, hidden_size={hidden_size}")
     else:  # shared: int8 only reads it; fp16's conversion and an external-data save change a graph in place
         model = fused.model
         if precision != "int8":
