@@ -386,8 +386,8 @@ def test_serve_started_deaf_to_a_stop_signal_still_stops_on_it(tiny_repo, tmp_pa
         code = serve.process.wait(60)
     finally:
         serve.stop()
-    # Exit code 0: the tritonserver serve started stopped on serve's SIGTERM, not its later SIGKILL.
     assert code == 0, serve.text()
+    # The tritonserver serve started stopped on serve's SIGTERM (exit 0), not on the SIGKILL after it.
     assert "tritonserver stopped (exit code 0)" in serve.text()
     assert not sp.wait_gone([server, *stubs], 10)
 

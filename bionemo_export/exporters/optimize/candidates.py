@@ -229,10 +229,10 @@ def optimize_onnx(
     external = fused.external
     quantization: Int8Quantization | Fp16Conversion | None = None
     if precision == "int8":
-        shared = fused
+        rank = fused.int8_ranking  # called inside the step, so that its failures are the step's
         model, quantization = _step("int8 quantization", lambda: quantize_int8(
-            model, keep_fp32, calibration, external, int8_weights, ranking=shared.int8_ranking(
-                calibration if keep_fp32 and not external else None, int8_weights)))
+            model, keep_fp32, calibration, external, int8_weights,
+            ranking=rank(calibration if keep_fp32 and not external else None, int8_weights)))
         applied.append("quantize_dynamic(int8)")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
