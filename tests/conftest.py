@@ -40,7 +40,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 MODULE_SECONDS = {
-    "export/test_megamolbart.py": 230,  # trains the copy model (made once: test_e2e_megamolbart waits on it)
     "export/test_optimize.py": 205,
     "e2e/test_serve_supervision.py": 190,
     "export/test_layer_states.py": 140,
@@ -53,6 +52,7 @@ MODULE_SECONDS = {
     "e2e/test_load_fault.py": 80,
     "export/test_build.py": 80,
     "e2e/test_e2e_layers.py": 75,
+    "export/test_megamolbart.py": 75,
     "export/test_exporters.py": 75,
     "e2e/test_e2e_nemo.py": 70,
     "export/test_graph_cache.py": 70,
@@ -92,8 +92,8 @@ MODULE_SECONDS = {
 }
 """Seconds each slow module took in a three-worker `make test` on a 2-core host (the sum of its tests'
 times, rounded; measured 2026-11-28 on the AVX2-only kind; test_exporters, test_e2e_layers,
-test_dev_server and test_e2e_esm1v_ensemble lowered by what was cut from them after). Under pytest-xdist the
-modules run longest first (see pytest_collection_modifyitems)."""
+test_dev_server, test_e2e_esm1v_ensemble and test_megamolbart lowered by what was cut from them
+after). Under pytest-xdist the modules run longest first (see pytest_collection_modifyitems)."""
 UNLISTED_SECONDS = {"unit": 0, "export": 20, "e2e": 20}
 """A module not in MODULE_SECONDS: a unit module takes about a second, any other about 20 s."""
 
@@ -166,23 +166,19 @@ def esm2_repository(tmp_path_factory, esm2_checkpoint) -> Path:
     return made_once(tmp_path_factory, "esm2-repository", build) / "repo"
 
 
+COPY_MODEL = TESTS / "data" / "megamolbart-copy"
+"""The small MegaMolBART copy model (models/megamolbart_training.py's defaults, seed 0), trained by
+scripts/train_megamolbart_copy_model.py and committed: training it in every run cost a minute of
+CPU on a fast host. Tests only read it."""
+
+
 @pytest.fixture(scope="session")
-def trained_megamolbart(tmp_path_factory) -> tuple[Path, float]:
-    """(checkpoint, training seconds) of models/megamolbart_training.py's small copy model (seed 0,
-    its defaults), trained once for the run on this process's threads (about a minute on two
-    threads of a quiet host, the time the docs quote): the tests that decode need a model that
+def trained_megamolbart() -> Path:
+    """The committed copy model (`COPY_MODEL`): the tests that decode need a model that
     reconstructs SMILES, not a random one."""
-    import time
-
-    from bionemo_export.models.megamolbart_training import train_copy_model  # torch: only where asked
-
-    def train(folder: Path) -> None:
-        start = time.perf_counter()
-        train_copy_model(folder / "checkpoint", seed=0)
-        (folder / "training_seconds").write_text(f"{time.perf_counter() - start:.3f}")
-
-    folder = made_once(tmp_path_factory, "megamolbart-trained", train)
-    return folder / "checkpoint", float((folder / "training_seconds").read_text())
+    if not (COPY_MODEL / "model.safetensors").is_file():
+        pytest.fail(f"{COPY_MODEL} holds no model: run `python scripts/train_megamolbart_copy_model.py`")
+    return COPY_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""MegaMolBART end to end: a small model trained by the suite, built, served by the real tritonserver.
+"""MegaMolBART end to end: the small trained copy model (tests/data), built, served by the real tritonserver.
 
 Checks the four public models against the PyTorch reference: embeddings/hiddens numerically,
 decodes string for string against the reference greedy decode (no cache, PyTorch), the
@@ -29,7 +29,7 @@ def trained(trained_megamolbart):
     """(checkpoint, training SMILES, held-out SMILES) of a small model trained to auto-encode."""
     from bionemo_export.models.megamolbart_training import generate_smiles, training_smiles
 
-    checkpoint, _ = trained_megamolbart
+    checkpoint = trained_megamolbart
     training = training_smiles()
     tokenizer = get_family("megamolbart").load(checkpoint).tokenizer
     seen = set(training)

@@ -1,6 +1,6 @@
 """The megamolbart family: saved form (round trip, strict loading), the decoder graphs (cached
-steps equal the full decoder, padding changes nothing, ONNX export at several lengths), and a
-small trained model that reconstructs SMILES from its hidden states."""
+steps equal the full decoder, padding changes nothing, ONNX export at several lengths), and the
+small trained copy model (committed) and its trainer: both reconstruct SMILES from hidden states."""
 
 from __future__ import annotations
 
@@ -298,25 +298,35 @@ def test_training_is_deterministic(tmp_path):
     assert (first / "vocab.txt").read_text() == (second / "vocab.txt").read_text()
 
 
+def test_the_trainer_learns_to_copy_smiles(tmp_path):
+    """train_copy_model, which made the committed copy model, still learns: 250 steps on 16 SMILES
+    (8 s of CPU) and the model gives most of them back, where the untrained one gives none.
+    (Measured: 15 or 16 of 16 for seeds 0-2; the full training: test below.)"""
+    smiles = training_smiles()[:16]  # the family's samples, the drugs, then generated ones
+    checkpoint = train_copy_model(tmp_path / "model", smiles=smiles, steps=250, batch_size=16, seed=0)
+    decoded = greedy_decode(get_family("megamolbart").load(checkpoint), smiles)
+    copied = sum(a == b for a, b in zip(decoded, smiles))
+    assert copied >= 12, list(zip(decoded, smiles))
+
+
 @pytest.fixture(scope="module")
-def trained(trained_megamolbart) -> tuple[LoadedModel, float]:
-    """The small copy model (trained once for the run) loaded, and its training time."""
-    checkpoint, seconds = trained_megamolbart
-    return get_family("megamolbart").load(checkpoint), seconds
+def trained(trained_megamolbart) -> LoadedModel:
+    """The committed copy model (scripts/train_megamolbart_copy_model.py) loaded."""
+    return get_family("megamolbart").load(trained_megamolbart)
 
 
-def test_trained_model_reconstructs_smiles(trained, record_property):
-    model, seconds = trained
+def test_the_committed_copy_model_reconstructs_smiles(trained, record_property):
+    """The model the decode tests use (train_copy_model's defaults: 4,000 SMILES, 1,000 steps)
+    gives back the SMILES it was trained on and unseen ones (committed: 0.997 and 1.0)."""
     seen = training_smiles()
     train = seen[:300]  # the drugs and 288 generated ones (decoding all 4000 takes too long)
     held_out = [s for s in generate_smiles(400, seed=1) if s not in set(seen)][:20]
     rates = {}
     for name, smiles in (("train", train), ("held_out", held_out)):
-        decoded = greedy_decode(model, smiles)
+        decoded = greedy_decode(trained, smiles)
         rates[name] = sum(a == b for a, b in zip(decoded, smiles)) / len(smiles)
         record_property(f"{name}_reconstructed", rates[name])
-    record_property("training_seconds", round(seconds, 1))
-    print(f"trained in {seconds:.1f} s; reconstructed: {rates}")
+    print(f"reconstructed: {rates}")
     assert DRUGS[0] in train and rates["train"] >= 0.9 and rates["held_out"] >= 0.8, rates
 
 
