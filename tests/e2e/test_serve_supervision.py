@@ -39,7 +39,7 @@ from tests.helpers.tiny_repository import tiny_repository
 NAME = "sup"
 SEQUENCES = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG"]
 HEAL_SECONDS = 60
-OVERLOAD_SECONDS = 8  # the queue passes the 1 s probe timeout within the first seconds
+OVERLOAD_SECONDS = 5  # the queue passes the 1 s probe timeout within the first seconds
 
 
 def _health(*args: str) -> subprocess.CompletedProcess:
