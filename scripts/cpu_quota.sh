@@ -5,10 +5,11 @@
 #
 # The suite's time target is set on the project's slower 2-core host kind (AVX2-only), which a
 # session may not be given. On a faster host, a quota on the total CPU time gives the same
-# throughput: measured 2026-11-28, commit 5f2de7d's `make test` took 18 min 17 s on the slower kind
-# and 20 min 44 s here (2-core AVX-512 Zen 4) under a quota of 0.8 cores: the quota read 1.13x the
-# slower kind. It is a model, not that host: threads run at full speed in bursts (the quota is
-# spent per 100 ms), and a test's fixed-length load windows cost what they cost on any host.
+# throughput: commit 5f2de7d's `bash .ci/run` took 18 min 17 s on the slower kind, and on 2026-11-28
+# 19 min 07 s to 20 min 44 s on a 2-core AVX-512 Zen 4 under a quota of 0.8 cores (1.05-1.13x; the
+# same commit varies by a minute between runs on a shared host). So compare a change back to back
+# with 5f2de7d and scale by 18 min 17 s, rather than reading one figure. It is a model, not that
+# host: threads run at full speed in bursts (the quota is spent per 100 ms).
 #
 # Needs root and the cpu controller: cgroup v2 (cpu.max) or v1 (cpu.cfs_quota_us). The cgroup is
 # removed when the command ends; the command's exit status is this script's.
