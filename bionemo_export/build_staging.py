@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -213,3 +214,18 @@ def signals_interrupt_the_build() -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+def quiet_finalizers_after_an_interrupt() -> None:
+    """Call when a build was interrupted and the process is about to exit: from then on an error
+    in an object's finalizer is logged at debug level instead of printed with its traceback.
+
+    A signal stops the build inside whatever library code runs at that moment, and some of it
+    leaves objects half-made. Found by CI: numpy's `savez` (Model Navigator saving its samples)
+    stopped mid-write leaves a zip writer open, and at exit its `__del__` failed with "seek of
+    closed file", printing a traceback after the CLI's one-line message. The files those objects
+    wrote went with the build's folder, so there is nothing left for them to finish."""
+    def log_at_debug(unraisable: sys.UnraisableHookArgs) -> None:
+        LOG.debug("after the interrupted build, ignored in %r: %r", unraisable.object, unraisable.exc_value)
+
+    sys.unraisablehook = log_at_debug

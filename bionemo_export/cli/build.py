@@ -113,6 +113,7 @@ def repo(
 ) -> None:
     """Export a checkpoint and write a model repository that tritonserver serves directly."""
     from bionemo_export.build import BuildInterrupted, BuildRequest, build_repository
+    from bionemo_export.build_staging import quiet_finalizers_after_an_interrupt
 
     console = Console()
     try:
@@ -148,6 +149,7 @@ def repo(
         console.print(f"[red]build failed:[/red] {reason(err)}", highlight=False)
         raise typer.Exit(1) from None
     except BuildInterrupted as err:
+        quiet_finalizers_after_an_interrupt()  # the exit prints nothing after the one-line message
         console.print(f"[red]{err}[/red]", highlight=False)
         raise typer.Exit(128 + err.signum) from None  # the shell's status for "ended by this signal"
     manifest = result.manifest
