@@ -41,6 +41,18 @@ LOOPBACK = "127.0.0.1"
 
 # An error line of Triton's log ("E1121 11:15:29.182 3177 file.cc:642] message") or its final
 # "error: creating server: ..." line.
+# A frame of the backtrace tritonserver prints when a signal ends it (" 3# gsignal in /lib/...").
+_BACKTRACE_FRAME = re.compile(r"^\s*\d+# ")
+
+
+def without_backtrace(lines: list[str]) -> list[str]:
+    """A tritonserver log's lines without the numbered frames of its dying backtrace: addresses in
+    stripped libraries, 20 lines that pushed out of a short tail the lines that say why it died
+    ("terminate called after throwing an instance of 'boost::interprocess::lock_exception'",
+    "Signal (6) received.")."""
+    return [line for line in lines if not _BACKTRACE_FRAME.match(line)]
+
+
 _LOG_ERROR = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ [^\]]+\]|error:)\s*(?P<message>.*)$")
 # Errors every CPU-only host logs; they say nothing about the repository.
 _HARMLESS_ERRORS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver")
@@ -416,11 +428,13 @@ class TritonServer:
     # -- inspection ---------------------------------------------------------------------------
 
     def log_tail(self, lines: int = 30) -> str:
+        """The log's last `lines` lines, without the frames of the backtrace tritonserver prints when
+        it dies on a signal (see `without_backtrace`)."""
         try:
             text = self.log_file.read_text(errors="replace")
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(without_backtrace(text.splitlines())[-lines:])
 
     def log_errors(self) -> list[str]:
         """Triton's error lines from the log (model load failures and the like), most telling

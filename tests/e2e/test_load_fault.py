@@ -7,7 +7,10 @@ invalid request must fail alone, as the client's mistake (INVALID_ARGUMENT / HTT
 the problem; no request may be lost (each gets an answer or an error within its deadline); the
 server's memory (tritonserver and its stubs) stays flat from one round to the next. Then a stub is
 killed under load: requests may fail while it is reloaded, never with a wrong answer, and answers
-are right again within a minute, from the same tritonserver.
+are right again within a minute: from the same tritonserver, or, when the kill caught the stub
+holding its shared-memory lock and tritonserver aborted (Triton's Python backend throws
+`boost::interprocess::lock_exception`: docs/reference/platform.md), from the one `serve` restarted
+on the same ports.
 """
 
 from __future__ import annotations
@@ -141,12 +144,20 @@ def _run_client(index: int, serve: sp.Serve, sequences, expected, healing: bool)
                         tally.refused += 1
                     else:
                         tally.misreported.append(f"{protocol}: {problem}: {err.status()} {err.message()}")
+                except OSError as err:  # HTTP's connection refused or reset: the server itself went away
+                    if healing:
+                        tally.refused += 1
+                    else:
+                        tally.misreported.append(f"{protocol}: {problem}: {type(err).__name__}: {err}")
                 continue
             sequence = sequences[(index * REQUESTS_PER_CLIENT + n) % len(sequences)]
             try:
                 answer = _send(module, client, sequence)
             except InferenceServerException as err:
                 tally.failed.append(f"{protocol}: {err.status()} {err.message()}"[:300])
+                continue
+            except OSError as err:  # HTTP's connection refused or reset (gRPC says UNAVAILABLE, above)
+                tally.failed.append(f"{protocol}: {type(err).__name__}: {err}"[:300])
                 continue
             if np.allclose(answer, expected[sequence], atol=1e-4, rtol=1e-4):
                 tally.correct += 1
@@ -256,8 +267,11 @@ def test_overload_is_turned_away_never_failed_and_no_stub_is_killed(served, sequ
 def test_a_stub_killed_under_load_heals_without_wrong_answers(served, sequences, expected):
     """Rounds of load run back to back while both encoder stubs are killed: requests fail while the
     supervisor reloads the encoder (never with a wrong answer), then answers are right again
-    within a minute, from the same tritonserver, and every request of the next round is right."""
+    within a minute and every request of the next round is right. The same tritonserver answers,
+    unless it aborted on the dead stub's lock (seen in a CI run, and in one of three runs of this
+    module under a 0.4-core quota): then `serve` must have said so and restarted it."""
     server = sp.tritonserver_of(served.process.pid)
+    earlier = len(served.text())
     stop = threading.Event()
 
     def load() -> Tally:
@@ -291,12 +305,16 @@ def test_a_stub_killed_under_load_heals_without_wrong_answers(served, sequences,
         time.sleep(2.0)  # the load goes on against the healed model for a while
         stop.set()
         during = running.result(timeout=600)
+    log = served.text()[earlier:]
+    restarted = sp.tritonserver_of(served.process.pid) != server
+    if restarted:  # only for the abort the module's docstring describes, and said by serve
+        assert "tritonserver exited unexpectedly" in log and "lock_exception" in log, log[-4000:]
     np.testing.assert_allclose(answer, expected[sequences[0]], atol=1e-4, rtol=1e-4)
     assert during.failed, "no request failed: the stubs were killed after the load"
     assert not during.wrong, f"wrong answers while healing: {during.wrong[:5]}"
-    assert not during.misreported, during.misreported[:5]
+    assert not during.misreported, (during.misreported[:5], log[-4000:])
     after = _round(served, sequences, expected)
     assert after.correct == CLIENTS * REQUESTS_PER_CLIENT * 3 // 4 and not after.wrong and not after.failed
-    assert sp.tritonserver_of(served.process.pid) == server
-    print(f"healed {healed:.1f} s after the kill; meanwhile {during.correct} right answers, "
-          f"{len(during.failed)} failed requests, none wrong")
+    by = "a restarted tritonserver" if restarted else "the same tritonserver"
+    print(f"healed {healed:.1f} s after the kill ({by}); "
+          f"meanwhile {during.correct} right answers, {len(during.failed)} failed requests, none wrong")

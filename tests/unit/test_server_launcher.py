@@ -1,4 +1,5 @@
-"""runtime/server.py's `dying_with_parent` launcher: what a server started through it inherits."""
+"""runtime/server.py: what a server started through `dying_with_parent` inherits, and the log tail
+shown when it dies."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_a_launched_server_hears_the_stop_signals_its_starter_ignored_or_blocked
         bit = 1 << (signum - 1)
         assert not sets["SigBlk"] & bit, f"{signum.name} is still blocked in the launched command"
         assert not sets["SigIgn"] & bit, f"{signum.name} is still ignored in the launched command"
+
+
+# The end of tritonserver's log when the Python backend aborted under load (CI, 2026-11-28), shortened.
+DYING_LOG = """\
+W1128 13:11:16.843829 13855 pinned_memory_manager.cc:170] "failed to allocate pinned system memory"
+terminate called after throwing an instance of 'boost::interprocess::lock_exception'
+  what():  boost::interprocess::lock_exception
+Signal (6) received.
+ 0# 0x00005639598D452D in /opt/tritonserver/bin/tritonserver
+ 1# 0x00007F9D77A5A050 in /lib/x86_64-linux-gnu/libc.so.6
+ 3# gsignal in /lib/x86_64-linux-gnu/libc.so.6
+19# 0x00007F9D77B278EC in /lib/x86_64-linux-gnu/libc.so.6
+"""
+
+
+def test_a_dying_servers_log_tail_says_why_not_where():
+    """serve's crash message shows the server's last lines: the numbered frames (addresses in
+    stripped libraries) are left out, so the lines that name the cause are in them."""
+    from bionemo_export.runtime.server import without_backtrace
+
+    tail = without_backtrace(DYING_LOG.splitlines())[-3:]
+    assert tail == ["terminate called after throwing an instance of 'boost::interprocess::lock_exception'",
+                    "  what():  boost::interprocess::lock_exception", "Signal (6) received."]
+    assert without_backtrace(["I1128 model 'x' 1# loaded"]) == ["I1128 model 'x' 1# loaded"]
