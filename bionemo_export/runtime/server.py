@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -45,7 +46,7 @@ LOOPBACK = "127.0.0.1"
 _BACKTRACE_FRAME = re.compile(r"^\s*\d+# ")
 
 
-def without_backtrace(lines: list[str]) -> list[str]:
+def without_backtrace(lines: Iterable[str]) -> list[str]:
     """A tritonserver log's lines without the numbered frames of its dying backtrace: addresses in
     stripped libraries, 20 lines that pushed out of a short tail the lines that say why it died
     ("terminate called after throwing an instance of 'boost::interprocess::lock_exception'",
