@@ -15,7 +15,9 @@ VENV ?= .venv
 # day's test cuts) 18.5 min at 184%, all passing. Earlier runs on three had three failures: a worker
 # hung in fork() (fixed: servers start without a preexec_fn), a request count read too early (fixed)
 # and a samplings model that never finished loading (not understood; a start that times out now says
-# what each stub is doing). `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
+# what each stub is doing). Four measured 2026-11-28 under scripts/cpu_quota.sh 0.8 (the slower kind's
+# stand-in): 18.7 min against three's 16.7 min the same afternoon, so three it stays.
+# `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
 PYTEST_WORKERS ?= 3
