@@ -64,6 +64,41 @@ PENDING_METRIC = re.compile(r'^nv_inference_pending_request_count\{model="(?P<mo
 Log = Callable[[str], None]
 
 
+@dataclass
+class LoadWatch:
+    """Whether a stub died while a load ran, from successive looks at the server's children: a new
+    instance's stub seen alive and then gone, a stub newly turned zombie, or a child reaped by the
+    server that no look explains (a stub killed within milliseconds of starting, before any look
+    saw it: found by CI).
+
+    The stubs that were already dead when the load began are the old instances the load replaces:
+    Triton ends them during the load and reaps their stubs when no request failed on them, which
+    moves the reaped count. That is expected, not a stub lost: the count is taken afresh once a look
+    sees them gone. (Found under a CPU quota: the reap of the two killed stubs, and a load that then
+    took over LOST_STUB_GRACE_S to return, restarted tritonserver instead of finishing the reload.)"""
+
+    live_before: set[int]
+    """The model's live stubs when the load began."""
+    dead_before: set[int]
+    """Every zombie stub of the server when the load began."""
+    reaped_before: int
+    """reaped_children when the load began."""
+    new: set[int] = field(default_factory=set)
+    """Stubs of the model seen alive since the load began."""
+
+    def stub_lost(self, reaped_then: int, live: set[int], dead: set[int], reaped_now: int) -> bool:
+        """One look: the reaped count read before the stubs (`reaped_then`), the model's live stubs
+        and the server's zombie stubs, and the count read after (`reaped_now`)."""
+        if self.dead_before - dead:  # old instances' stubs reaped: their count is the new baseline
+            self.dead_before &= dead
+            self.reaped_before = reaped_now
+            self.new |= live - self.live_before
+            return False
+        lost = bool(self.new - live) or bool(dead - self.dead_before) or reaped_then != self.reaped_before
+        self.new |= live - self.live_before
+        return lost
+
+
 def pending_requests(metrics_url: str, timeout: float = 5.0) -> dict[str, int]:
     """Requests each model holds that are not finished (`nv_inference_pending_request_count`, from
     Triton's metrics endpoint, which answers without waiting behind inference work)."""
@@ -331,9 +366,7 @@ class Supervisor:
     def _load(self, model: str, config: dict) -> bool:
         """Load `model` with `config` in a worker thread while watching the server's stubs. True once
         the load returned (its error is raised); False, with `recycle_reason` set, when it never
-        will: a stub died while the load ran (a new instance's stub, seen alive and then gone, any
-        stub turned zombie, or a child reaped by the server before any look saw it: found by CI, a
-        stub killed within milliseconds of starting) and the load did not return within
+        will: a stub died while the load ran (`LoadWatch`) and the load did not return within
         LOST_STUB_GRACE_S, or `load_timeout` passed."""
         def stubs() -> tuple[set[int], set[int]]:
             """(live stubs of `model`, dead stubs of any model) by pid."""
@@ -341,8 +374,11 @@ class Supervisor:
             return ({stub.pid for stub in found if stub.model == model and not stub.zombie},
                     {stub.pid for stub in found if stub.zombie})
 
+        def reaped() -> int:
+            return reaped_children(self.server_pid) if self.server_pid else 0
+
         before, dead_before = stubs()
-        reaped_before = reaped_children(self.server_pid) if self.server_pid else 0
+        watch = LoadWatch(before, dead_before, reaped())
         outcome: list[BaseException | None] = []
 
         def load() -> None:
@@ -356,7 +392,6 @@ class Supervisor:
         worker = threading.Thread(target=load, name=f"bionemo-export-load-{model}", daemon=True)
         worker.start()
         deadline = time.monotonic() + self.load_timeout
-        new: set[int] = set()
         lost_at: float | None = None
         while not self._stop.is_set():
             worker.join(0.05)  # a new stub may live only moments: look often while a load runs
@@ -366,11 +401,10 @@ class Supervisor:
                 return True
             now = time.monotonic()
             if lost_at is None:
+                reaped_then = reaped()  # before the look at the stubs, so a reap it misses waits for the next look
                 live, dead = stubs()
-                reaped = reaped_children(self.server_pid) if self.server_pid else 0
-                if (new - live) or (dead - dead_before) or reaped != reaped_before:
+                if watch.stub_lost(reaped_then, live, dead, reaped()):
                     lost_at = now
-                new |= live - before
             if lost_at is not None and now - lost_at > LOST_STUB_GRACE_S:
                 self.recycle_reason = (f"a stub died while {model} loaded; Triton 2.51 never finishes such a "
                                        "load, restarting tritonserver does")

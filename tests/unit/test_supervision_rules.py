@@ -157,3 +157,33 @@ def test_reaped_children_grows_when_a_child_ends_and_is_waited_for():
     subprocess.run([sys.executable, "-c", "pass"], check=True)  # a child that ran, ended, was waited for
     assert reaped_children(os.getpid()) > before
     assert reaped_children(2 ** 22 + 7) == 0  # no such process
+
+
+# -- a load watched for a lost stub (supervisor.LoadWatch) ----------------------------------------------------------
+
+
+def test_the_reload_reaping_the_stubs_it_replaces_is_not_a_lost_stub():
+    """Both old stubs (zombies 11, 12) are reaped while the new ones (21, 22) start: the reaped count
+    moves, and that is the reload working, not a stub lost (it once restarted tritonserver)."""
+    from bionemo_export.runtime.supervisor import LoadWatch
+
+    watch = LoadWatch(live_before=set(), dead_before={11, 12}, reaped_before=100)
+    assert not watch.stub_lost(100, {21}, {11, 12}, 100)
+    assert not watch.stub_lost(100, {21, 22}, {12}, 140)  # 11 reaped between the two reads
+    assert not watch.stub_lost(140, {21, 22}, {12}, 140)
+    assert not watch.stub_lost(140, {21, 22}, set(), 175)  # 12 reaped before the first read
+    assert not watch.stub_lost(175, {21, 22}, set(), 175)
+    assert watch.stub_lost(190, {21, 22}, set(), 190)  # then a child nobody saw go: lost
+
+
+@pytest.mark.parametrize("look", [
+    (100, {21}, set(), 100),  # the new stub 22, seen alive before, is gone
+    (100, {21, 22}, {31}, 100),  # a stub turned zombie
+    (130, {21, 22}, set(), 130),  # a child reaped that no look saw: a stub killed as it started
+], ids=["new-stub-gone", "new-zombie", "unseen-child-reaped"])
+def test_a_stub_dying_during_the_load_is_lost(look):
+    from bionemo_export.runtime.supervisor import LoadWatch
+
+    watch = LoadWatch(live_before=set(), dead_before=set(), reaped_before=100)
+    assert not watch.stub_lost(100, {21, 22}, set(), 100)
+    assert watch.stub_lost(*look)
