@@ -40,8 +40,6 @@ from .stubs import SHARED_MEMORY_DIR, describe_stubs, live_stubs
 
 LOOPBACK = "127.0.0.1"
 
-# An error line of Triton's log ("E1121 11:15:29.182 3177 file.cc:642] message") or its final
-# "error: creating server: ..." line.
 # A frame of the backtrace tritonserver prints when a signal ends it (" 3# gsignal in /lib/...").
 _BACKTRACE_FRAME = re.compile(r"^\s*\d+# ")
 
@@ -54,6 +52,8 @@ def without_backtrace(lines: Iterable[str]) -> list[str]:
     return [line for line in lines if not _BACKTRACE_FRAME.match(line)]
 
 
+# An error line of Triton's log ("E1121 11:15:29.182 3177 file.cc:642] message") or its final
+# "error: creating server: ..." line.
 _LOG_ERROR = re.compile(r"^(?:E\d{4} [\d:.]+\s+\d+ [^\]]+\]|error:)\s*(?P<message>.*)$")
 # Errors every CPU-only host logs; they say nothing about the repository.
 _HARMLESS_ERRORS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver")

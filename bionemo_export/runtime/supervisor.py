@@ -89,12 +89,12 @@ class LoadWatch:
     def stub_lost(self, reaped_then: int, live: set[int], dead: set[int], reaped_now: int) -> bool:
         """One look: the reaped count read before the stubs (`reaped_then`), the model's live stubs
         and the server's zombie stubs, and the count read after (`reaped_now`)."""
-        if self.dead_before - dead:  # old instances' stubs reaped: their count is the new baseline
+        old_reaped = bool(self.dead_before - dead)
+        if old_reaped:  # old instances' stubs reaped: their count is the new baseline
             self.dead_before &= dead
             self.reaped_before = reaped_now
-            self.new |= live - self.live_before
-            return False
-        lost = bool(self.new - live) or bool(dead - self.dead_before) or reaped_then != self.reaped_before
+        lost = not old_reaped and (bool(self.new - live) or bool(dead - self.dead_before)
+                                   or reaped_then != self.reaped_before)
         self.new |= live - self.live_before
         return lost
 
