@@ -1,14 +1,16 @@
 """Which MatMuls int8 builds may keep in fp32 (exporters/optimize/quantization.py): the feed-forward
 output products, fed by a GELU or, in SwiGLU networks such as ESM C, by silu(gate) * up; small
-hand-built ONNX graphs, one of each, and a product that is neither."""
+hand-built ONNX graphs, one of each, and a product that is neither; and how a ladder of candidates
+shares the quantization of the MatMuls none of them keeps."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from bionemo_export.exporters.optimize.quantization import ffn_outputs_by_error
+from bionemo_export.exporters.optimize.quantization import ffn_outputs_by_error, quantize_all_but, quantize_int8
 
 
 def _graph(kind: str) -> onnx.ModelProto:
@@ -33,3 +35,50 @@ def test_swiglu_products_are_feed_forward_outputs_and_a_plain_product_is_not():
     assert ffn_outputs_by_error(_graph("swiglu"), None)[0] == ["down"]
     assert ffn_outputs_by_error(_graph("silu-op"), None)[0] == ["down"]
     assert ffn_outputs_by_error(_graph("plain"), None)[0] == []
+
+
+def _two_blocks() -> onnx.ModelProto:
+    """x [n, 8] -> two feed-forward blocks (up MatMul, erf GELU, down MatMul named down0/down1) -> y."""
+    rng = np.random.default_rng(3)
+    nodes, weights, value = [], [], "x"
+    for block in range(2):
+        up, down = f"up{block}", f"down{block}"
+        weights += [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), f"w_{up}"),
+                    numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), f"w_{down}")]
+        nodes += [helper.make_node("MatMul", [value, f"w_{up}"], [up], name=up),
+                  helper.make_node("Div", [up, "sqrt2"], [f"{up}_scaled"]),
+                  helper.make_node("Erf", [f"{up}_scaled"], [f"{up}_erf"]),
+                  helper.make_node("Add", [f"{up}_erf", "one"], [f"{up}_erf1"]),
+                  helper.make_node("Mul", [up, f"{up}_erf1"], [f"{up}_x"]),
+                  helper.make_node("Mul", [f"{up}_x", "half"], [f"{up}_gelu"]),
+                  helper.make_node("MatMul", [f"{up}_gelu", f"w_{down}"], [down], name=down)]
+        value = down
+    constants = [numpy_helper.from_array(np.array(v, np.float32), name)
+                 for name, v in (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+    graph = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [helper.make_tensor_value_info(value, TensorProto.FLOAT, ["n", 8])], weights + constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("weights", ["int8", "uint8"])
+def test_a_ladder_quantizing_on_the_shared_rest_computes_what_quantizing_whole_does(weights):
+    """A ladder quantizes every MatMul but the ranked ones once (quantize_all_but), and each candidate
+    only the ranked ones it does not keep: the same integers and scales as quantizing the graph whole."""
+    import onnxruntime as ort
+
+    model = _two_blocks()
+    x = np.random.default_rng(4).standard_normal((5, 8)).astype(np.float32)
+    ranking = ffn_outputs_by_error(model, {"x": x}, weights)
+    assert sorted(ranking[0]) == ["down0", "down1"]
+    rest = quantize_all_but(model, ranking[0], weights)
+
+    def run(graph: onnx.ModelProto) -> np.ndarray:
+        return ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    for keep in (0.0, 0.5, 1.0):
+        whole, whole_record = quantize_int8(model, keep, None, False, weights, ranking=ranking)
+        shared, shared_record = quantize_int8(model, keep, None, False, weights, ranking=ranking, rest_quantized=rest)
+        assert shared_record == whole_record
+        assert shared_record.matmuls_int8 == 4 - round(keep * 2)
+        np.testing.assert_array_equal(run(shared), run(whole))
+    assert sum(node.op_type == "MatMulInteger" for node in rest.graph.node) == 2  # the up projections

@@ -54,7 +54,14 @@ from bionemo_export.procfs import available_memory_bytes
 
 from .attention import fuse_attention
 from .graph import remove_unused
-from .quantization import Fp16Conversion, Int8Quantization, convert_fp16, ffn_outputs_by_error, quantize_int8
+from .quantization import (
+    Fp16Conversion,
+    Int8Quantization,
+    convert_fp16,
+    ffn_outputs_by_error,
+    quantize_all_but,
+    quantize_int8,
+)
 
 DEFAULT_LEVEL = OptimizationLevel.EXTENDED
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
@@ -107,7 +114,8 @@ class FusedGraph:
     """The exported graph after the fusions (steps 1 and 2), in memory: what every candidate of a
     ladder starts from. An int8 ladder's candidates differ only in the share kept in fp32 and the
     weights' type, so it fuses once (`fuse_graph`) and hands this to each `optimize_onnx` call, with
-    the int8 error ranking of each weights' type computed once too. Candidates leave `model` as it is
+    the int8 error ranking of each weights' type computed once too, and the graph with every other
+    MatMul quantized (`int8_rest_quantized`). Candidates leave `model` as it is
     (the ranking names its unnamed feed-forward MatMuls; fp16 and fp32 candidates work on a copy)."""
 
     src: Path
@@ -122,6 +130,7 @@ class FusedGraph:
     """Written with external data (weights over EXTERNAL_DATA_THRESHOLD_BYTES): such a graph is not
     worth keeping in memory between candidates."""
     _rankings: dict[tuple[str, str | None], tuple[list[str], str]] = field(default_factory=dict, repr=False)
+    _rest_quantized: dict[tuple[str, tuple[str, ...]], onnx.ModelProto] = field(default_factory=dict, repr=False)
 
     def int8_ranking(self, calibration: dict[str, np.ndarray] | None, weights: str) -> tuple[list[str], str]:
         """quantization.ffn_outputs_by_error for this graph, computed once per weights' type and batch."""
@@ -129,6 +138,17 @@ class FusedGraph:
         if key not in self._rankings:
             self._rankings[key] = ffn_outputs_by_error(self.model, calibration, weights)
         return self._rankings[key]
+
+    def int8_rest_quantized(self, ranked: list[str], weights: str) -> onnx.ModelProto | None:
+        """quantization.quantize_all_but(model, `ranked`), made once per weights' type and ranking
+        (the candidates then quantize only the ranked MatMuls they do not keep); None for a graph
+        with external data, which is quantized whole per candidate instead of held in memory."""
+        if self.external:
+            return None
+        key = (weights, tuple(ranked))
+        if key not in self._rest_quantized:
+            self._rest_quantized[key] = quantize_all_but(self.model, ranked, weights)
+        return self._rest_quantized[key]
 
 
 def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fuse: bool = True,
@@ -211,6 +231,7 @@ def optimize_onnx(
     if src.resolve() == dst.resolve():
         raise ValueError("optimize_onnx writes a new file: dst must differ from src")
     start = time.perf_counter()
+    shared = fused is not None
     if fused is None:
         fused = fuse_graph(src, num_heads=num_heads, hidden_size=hidden_size, fuse=fuse, external_data=external_data)
         model = fused.model
@@ -229,10 +250,13 @@ def optimize_onnx(
     external = fused.external
     quantization: Int8Quantization | Fp16Conversion | None = None
     if precision == "int8":
-        rank = fused.int8_ranking  # called inside the step, so that its failures are the step's
-        model, quantization = _step("int8 quantization", lambda: quantize_int8(
-            model, keep_fp32, calibration, external, int8_weights,
-            ranking=rank(calibration if keep_fp32 and not external else None, int8_weights)))
+        def quantize() -> tuple[onnx.ModelProto, Int8Quantization]:  # in the step: its failures are the step's
+            ranking = fused.int8_ranking(calibration if keep_fp32 and not external else None, int8_weights)
+            rest = fused.int8_rest_quantized(ranking[0], int8_weights) if shared else None  # alone: one pass
+            return quantize_int8(model, keep_fp32, calibration, external, int8_weights, ranking=ranking,
+                                 rest_quantized=rest)
+
+        model, quantization = _step("int8 quantization", quantize)
         applied.append("quantize_dynamic(int8)")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
