@@ -73,7 +73,8 @@ def test_a_ladder_quantizing_on_the_shared_rest_computes_what_quantizing_whole_d
     rest = quantize_all_but(model, ranking[0], weights)
 
     def run(graph: onnx.ModelProto) -> np.ndarray:
-        return ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        session = ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+        return np.asarray(session.run(None, {"x": x})[0])
 
     for keep in (0.0, 0.5, 1.0):
         whole, whole_record = quantize_int8(model, keep, None, False, weights, ranking=ranking)
