@@ -14,6 +14,7 @@ remove the ones a failed start leaks from /dev/shm without touching any other se
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import shutil
@@ -25,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -145,18 +146,50 @@ def python_backend_stubs(server_pid: int, model: str | None = None) -> list[int]
     return [stub.pid for stub in live_stubs(server_pid, model)]
 
 
+LISTENING_PORTS_FROM = 15000
+"""free_ports draws its ports from here up to the start of the kernel's ephemeral range."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """`count` distinct TCP ports that are free on `host` right now."""
-    sockets = []
+    """`count` distinct TCP ports that are free on `host` right now, drawn at random from below the
+    kernel's ephemeral range (Linux; elsewhere, or when that range leaves too few, from the kernel).
+
+    Not from the ephemeral range, where the kernel picks the local port of every outgoing
+    connection: a server restarted on its ports (serve, after tritonserver died) found its gRPC port
+    taken by some client's connection in the meantime, "Address already in use" (measured: one run
+    of the suite, three workers on a busy host). Below that range only another listener can take a
+    port, and ports are drawn at random there, so two callers rarely draw the same one."""
+    bind_host = host if host != "0.0.0.0" else ""
+    candidates = _below_ephemeral_range()
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        while len(sockets) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host if host != "0.0.0.0" else "", 0))
             sockets.append(sock)
+            port = next(candidates, 0)  # 0: the kernel's choice, once the drawn ones run out
+            try:
+                sock.bind((bind_host, port))
+            except OSError:
+                if port == 0:
+                    raise
+                sockets.pop().close()
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _below_ephemeral_range(tries: int = 200) -> Iterator[int]:
+    """Up to `tries` distinct random ports from LISTENING_PORTS_FROM to the ephemeral range's start;
+    none where that range is unknown or starts within 1,000 ports of it."""
+    try:
+        ephemeral_start = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return iter(())
+    if ephemeral_start - LISTENING_PORTS_FROM < 1000:
+        return iter(())
+    return iter(random.sample(range(LISTENING_PORTS_FROM, ephemeral_start), tries))
 
 
 @dataclass(frozen=True)

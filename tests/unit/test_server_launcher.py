@@ -59,3 +59,35 @@ def test_a_dying_servers_log_tail_says_why_not_where():
     assert tail == ["terminate called after throwing an instance of 'boost::interprocess::lock_exception'",
                     "  what():  boost::interprocess::lock_exception", "Signal (6) received."]
     assert without_backtrace(["I1128 model 'x' 1# loaded"]) == ["I1128 model 'x' 1# loaded"]
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_skip_taken_ones(tmp_path, monkeypatch):
+    """Below the range the kernel draws outgoing connections' local ports from, a port freed by a
+    killed server cannot be taken by some client's connection before the server is started again."""
+    import random
+    import socket
+
+    from bionemo_export.runtime import server
+
+    if not server.EPHEMERAL_RANGE.is_file():
+        pytest.skip("a Linux host's ephemeral port range")
+    real_start = int(server.EPHEMERAL_RANGE.read_text().split()[0])
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("32768\t60999\n")
+    monkeypatch.setattr(server, "EPHEMERAL_RANGE", ephemeral)
+    ports = server.free_ports(3)
+    assert len(set(ports)) == 3 and all(server.LISTENING_PORTS_FROM <= port < 32768 for port in ports)
+
+    with socket.socket() as taken:
+        taken.bind((server.LOOPBACK, 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        drawn = random.sample
+        monkeypatch.setattr(random, "sample", lambda population, k: [busy, *drawn(population, k - 1)])
+        [port] = server.free_ports(1)
+        assert port != busy and server.LISTENING_PORTS_FROM <= port < 32768
+
+    ephemeral.write_text("15500\t60999\n")  # too few ports below the range: the kernel's choice
+    assert all(port >= real_start for port in server.free_ports(2))
+    monkeypatch.setattr(server, "EPHEMERAL_RANGE", tmp_path / "absent")  # not Linux: the kernel's choice
+    assert len(set(server.free_ports(2))) == 2
