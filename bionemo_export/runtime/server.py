@@ -156,10 +156,10 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     kernel's ephemeral range (Linux; elsewhere, or when that range leaves too few, from the kernel).
 
     Not from the ephemeral range, where the kernel picks the local port of every outgoing
-    connection: a server restarted on its ports (serve, after tritonserver died) found its gRPC port
-    taken by some client's connection in the meantime, "Address already in use" (measured: one run
-    of the suite, three workers on a busy host). Below that range only another listener can take a
-    port, and ports are drawn at random there, so two callers rarely draw the same one."""
+    connection and of every bind to port 0: a server restarted on its ports (serve, after
+    tritonserver died) found its gRPC port taken in the meantime, "Address already in use" (one run
+    of the suite, three workers on a busy host). Below that range only a listener asking for that
+    very port can take it, and ports are drawn at random there, so two callers rarely draw the same one."""
     bind_host = host if host != "0.0.0.0" else ""
     candidates = _below_ephemeral_range()
     sockets: list[socket.socket] = []
