@@ -13,8 +13,8 @@ import transformers
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import RepositoryClient
 from bionemo_export.runtime import TritonServer
-from bionemo_export.testing.checkpoints import tiny_config
 from tests.helpers.masked_lm_reference import brute_force, reference_log_probs
+from tests.helpers.random_models import esmc_checkpoint
 
 NAME = "esmc"
 SEQUENCES = ["MKTAYIAKQR", "MSLKRKNIALIPAAGIGVRFG", "LAGVSERTIDPKQNFYMHWCXBUZO"]
@@ -25,14 +25,7 @@ VARIANTS = ["M1A", "K2R:T3S", "Y5W", "Q22E:R21K:S20T"]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("esmc")
-    torch.manual_seed(5)
-    reference = transformers.EsmcForMaskedLM(tiny_config("esmc", hidden_size=128, num_heads=2, num_layers=2,
-                                                         intermediate_size=256)).eval()
-    with torch.no_grad():
-        for parameter in reference.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.1)
-    reference.save_pretrained(work / "checkpoint")
-    transformers.EsmcTokenizer().save_pretrained(work / "checkpoint")
+    _, reference = esmc_checkpoint(work / "checkpoint")
     result = build_repository(BuildRequest(family="esmc", checkpoint=work / "checkpoint", name=NAME,
                                            out=work / "repo", backend="python", optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:

@@ -12,15 +12,13 @@ import csv
 import numpy as np
 import pytest
 import torch
-import transformers
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import RepositoryClient
 from bionemo_export.runtime import TritonServer
-from bionemo_export.testing.checkpoints import save_huggingface, tiny_config
-from bionemo_export.tokenizers.structure_aware import saprot_vocabulary
+from tests.helpers.random_models import saprot_checkpoint
 from tests.helpers.saprot_reference import (
     AMINO_ACIDS,
     marginal_scores,
@@ -41,13 +39,7 @@ VARIANTS = ["M1A", "K2R:T3S", "Y5W", "Q22E:R21K:S20T"]
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("saprot")
-    torch.manual_seed(13)
-    reference = transformers.EsmForMaskedLM(tiny_config("saprot", hidden_size=64, num_layers=2, num_heads=4,
-                                                        intermediate_size=128)).eval()
-    with torch.no_grad():
-        for parameter in reference.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.3)
-    save_huggingface(reference, work / "checkpoint", saprot_vocabulary())
+    _, reference = saprot_checkpoint(work / "checkpoint")
     result = build_repository(BuildRequest(family=None, checkpoint=work / "checkpoint", name=NAME,
                                            out=work / "repo", backend="python", optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:

@@ -23,6 +23,7 @@ from bionemo_export.serving.layers import LayerEmbeddings
 from bionemo_export.serving.responses import RequestError, Responder
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import fake_pb_utils
+from tests.helpers.random_models import esmc_checkpoint, saprot_checkpoint
 
 ATOL = 1e-4
 PROTEINS = ["MKTAYIAKQRQISFVKSHFSRQ", "GVE", "MSLKRKNIALIPAAGIGVRFG"]
@@ -33,16 +34,22 @@ REFERENCES = {"esm1": lambda path: transformers.EsmModel.from_pretrained(path, a
               "prott5": lambda path: transformers.T5EncoderModel.from_pretrained(path, attn_implementation="eager")}
 
 
-SHARED_SEEDS = {"esm1": 3, "prott5": 3, "saprot": 3, "megamolbart": 5}
-"""The seeds of the checkpoints tests/e2e/test_esm1.py, test_prott5.py, test_saprot.py and the MegaMolBART
-modules export (the others: seed 0, docs/developing.md)."""
+SHARED_SEEDS = {"esm1": 3, "prott5": 3, "megamolbart": 5}
+"""The seeds of the checkpoints tests/e2e/test_esm1.py, test_prott5.py and the MegaMolBART modules export
+(the others: seed 0, docs/developing.md)."""
+SHARED_CHECKPOINTS = {"esmc": esmc_checkpoint, "saprot": saprot_checkpoint}
+"""The checkpoints tests/e2e/test_esmc.py and test_saprot.py serve (tests/helpers/random_models.py)."""
 
 
 def _build(family: str, folder, tasks=("layers",)):
     """A build of the layers task (and of the encoder graph every build exports), of a checkpoint
-    the family's e2e module builds too (SHARED_SEEDS): its encoder graph from the run's graph cache
-    when another test exported it first. No decoder graphs: these tests read the layers graph."""
-    path = save_random_checkpoint(family, folder / "ck", seed=SHARED_SEEDS.get(family, 0))
+    the family's e2e module builds too (SHARED_SEEDS, SHARED_CHECKPOINTS): its encoder graph from the
+    run's graph cache when another test exported it first. No decoder graphs: these tests read the
+    layers graph."""
+    if family in SHARED_CHECKPOINTS:
+        path, _ = SHARED_CHECKPOINTS[family](folder / "ck")
+    else:
+        path = save_random_checkpoint(family, folder / "ck", seed=SHARED_SEEDS.get(family, 0))
     result = build_repository(BuildRequest(family=family, checkpoint=path, name="g", out=folder / "repo",
                                            backend="python", tasks=tasks, optimize=False))
     return path, result

@@ -1,8 +1,10 @@
 """Small random transformers models for tests: one definition of the tiny ESM-2 configuration and
-of moving every parameter off its initial value (so that layer norms and biases are not trivial)."""
+of moving every parameter off its initial value (so that layer norms and biases are not trivial),
+and the random ESM C and SaProt checkpoints that more than one module builds."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -39,3 +41,41 @@ def sharpened_tiny_esm(**overrides) -> transformers.EsmForMaskedLM:
         for parameter in model.parameters():
             parameter.mul_(3.0)
     return model
+
+
+def esmc_checkpoint(folder: Path) -> tuple[Path, transformers.EsmcForMaskedLM]:
+    """A random ESM C masked LM (2 layers, 128 wide, 64-wide heads; seed 5, every parameter moved
+    off its initial value) written as a Hugging Face folder with its tokenizer, and the model:
+    tests/e2e/test_esmc.py serves it and tests/export/test_layer_states.py builds its layers, the
+    encoder graph exported once for both (the run's graph cache). The caller's RNG is left as it was."""
+    from bionemo_export.testing.checkpoints import tiny_config
+
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        model = transformers.EsmcForMaskedLM(tiny_config("esmc", hidden_size=128, num_heads=2, num_layers=2,
+                                                         intermediate_size=256)).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.save_pretrained(folder)
+    transformers.EsmcTokenizer().save_pretrained(folder)
+    return Path(folder), model
+
+
+def saprot_checkpoint(folder: Path) -> tuple[Path, transformers.EsmForMaskedLM]:
+    """A random SaProt (EsmForMaskedLM over SaProt's paired vocabulary, 2 layers, 64 wide; seed 13,
+    every parameter moved well off its initial value) written as a Hugging Face folder with its
+    vocab.txt, and the model: tests/e2e/test_saprot.py serves it and tests/export/test_layer_states.py
+    builds its layers (one encoder export for both). The caller's RNG is left as it was."""
+    from bionemo_export.testing.checkpoints import save_huggingface, tiny_config
+    from bionemo_export.tokenizers.structure_aware import saprot_vocabulary
+
+    with torch.random.fork_rng():
+        torch.manual_seed(13)
+        model = transformers.EsmForMaskedLM(tiny_config("saprot", hidden_size=64, num_layers=2, num_heads=4,
+                                                        intermediate_size=128)).eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * 0.3)
+    save_huggingface(model, folder, saprot_vocabulary())
+    return Path(folder), model
