@@ -43,7 +43,7 @@ MAX_DECODE = 24
 def esm2nv(tmp_path_factory, triton_install):
     """(HF source folder, server) for a repository built by the CLI from an ESM-2nv archive."""
     work = tmp_path_factory.mktemp("esm2nv")
-    source = save_random_checkpoint("esm2", work / "hf", seed=3)
+    source = save_random_checkpoint("esm2", work / "hf", seed=0)
     config = transformers.EsmConfig.from_pretrained(source)
     weights = esm2_to_megatron(load_file(source / "model.safetensors"), config.num_hidden_layers,
                                config.num_attention_heads)
@@ -90,7 +90,7 @@ def megamolbart_nemo(tmp_path_factory, triton_install):
     """(source saved form, source MegaMolBart, imported model, server) for a repository built from a
     MegaMolBART archive."""
     work = tmp_path_factory.mktemp("megamolbart")
-    folder = save_random_checkpoint("megamolbart", work / "source", seed=4)
+    folder = save_random_checkpoint("megamolbart", work / "source", seed=5)
     model, vocab, _ = load_model(folder)
     config, artifacts = megamolbart_config(model.config, vocab, nested=True)
     weights = megamolbart_to_nemo(model.state_dict(), model.config)
