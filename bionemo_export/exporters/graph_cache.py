@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from bionemo_export.choices import Exporter
+
 if TYPE_CHECKING:  # torch loads when a key is computed: reading the setting needs no torch
     import torch
 
@@ -86,7 +88,9 @@ class GraphCache:
                 digest.update(repr(part).encode())
                 digest.update(b"\0")
 
-        add(FORMAT, _environment_digest(), file_name, exporter, opset, external)
+        # The exporter by its name: the CLI's build passes the Exporter member, Python callers may pass
+        # "torch" (their reprs differ, and the two once missed each other's entries).
+        add(FORMAT, _environment_digest(), file_name, Exporter(exporter).value, opset, external)
         add([repr(spec) for spec in inputs], [repr(spec) for spec in outputs])
         for argument in arguments:
             add(_describe(argument, 0))

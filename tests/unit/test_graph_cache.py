@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bionemo_export.choices import Exporter
 from bionemo_export.exporters.graph_cache import (
     ENVIRONMENT_VARIABLE,
     FORMAT,
@@ -66,6 +67,7 @@ def test_the_key_follows_what_decides_the_graph():
     assert key(Scaled(), opset=17) != base
     assert key(Scaled(), external=True) != base
     assert key(Scaled(), exporter="navigator") != base
+    assert key(Scaled(), exporter=Exporter.TORCH) == base  # the build's member and a caller's name alike
     assert key(Scaled(), file_name="lm_head.onnx") != base  # external data names its file
     other_outputs = (TensorSpec("embeddings", DType.FP32, ("batch", "length", 8)),)
     assert key(Scaled(), outputs=other_outputs) != base

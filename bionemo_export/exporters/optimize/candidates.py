@@ -231,7 +231,6 @@ def optimize_onnx(
     if src.resolve() == dst.resolve():
         raise ValueError("optimize_onnx writes a new file: dst must differ from src")
     start = time.perf_counter()
-    shared = fused is not None
     if fused is None:
         fused = fuse_graph(src, num_heads=num_heads, hidden_size=hidden_size, fuse=fuse, external_data=external_data)
         model = fused.model
@@ -252,9 +251,9 @@ def optimize_onnx(
     if precision == "int8":
         def quantize() -> tuple[onnx.ModelProto, Int8Quantization]:  # in the step: its failures are the step's
             ranking = fused.int8_ranking(calibration if keep_fp32 and not external else None, int8_weights)
-            rest = fused.int8_rest_quantized(ranking[0], int8_weights) if shared else None  # alone: one pass
+            # Alone too (one pass more than needed): a candidate's file is the same bytes in or out of a ladder.
             return quantize_int8(model, keep_fp32, calibration, external, int8_weights, ranking=ranking,
-                                 rest_quantized=rest)
+                                 rest_quantized=fused.int8_rest_quantized(ranking[0], int8_weights))
 
         model, quantization = _step("int8 quantization", quantize)
         applied.append("quantize_dynamic(int8)")
