@@ -112,7 +112,9 @@ def test_the_exported_contacts_graph_equals_transformers(tmp_path, family):
     (ESM-2's is served and compared in tests/e2e/test_e2e_contacts.py)."""
     import onnxruntime as ort
 
-    path = set_contact_head(save_random_checkpoint(family, tmp_path / "ck", seed=7), seed=8)
+    # Seed 3: the ESM-1 that test_layer_states and test_esm1 build, so its encoder graph comes from the
+    # run's graph cache (only the contact head differs).
+    path = set_contact_head(save_random_checkpoint(family, tmp_path / "ck", seed=3), seed=8)
     result = build_repository(BuildRequest(family=family, checkpoint=path, name="g", out=tmp_path / "repo",
                                            backend="python", tasks=("embeddings", "contacts"), optimize=False))
     session = ort.InferenceSession(str(result.repository / "g_contact_graph" / "1" / "model.onnx"),
