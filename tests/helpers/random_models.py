@@ -4,6 +4,7 @@ and the random ESM C and SaProt checkpoints that more than one module builds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -50,32 +51,35 @@ def esmc_checkpoint(folder: Path) -> tuple[Path, transformers.EsmcForMaskedLM]:
     encoder graph exported once for both (the run's graph cache). The caller's RNG is left as it was."""
     from bionemo_export.testing.checkpoints import tiny_config
 
-    with torch.random.fork_rng():
-        torch.manual_seed(5)
-        model = transformers.EsmcForMaskedLM(tiny_config("esmc", hidden_size=128, num_heads=2, num_layers=2,
-                                                         intermediate_size=256)).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter) * 0.1)
+    model = _seeded(lambda: transformers.EsmcForMaskedLM(tiny_config(
+        "esmc", hidden_size=128, num_heads=2, num_layers=2, intermediate_size=256)), seed=5, spread=0.1)
     model.save_pretrained(folder)
     transformers.EsmcTokenizer().save_pretrained(folder)
     return Path(folder), model
 
 
-def saprot_checkpoint(folder: Path) -> tuple[Path, transformers.EsmForMaskedLM]:
-    """A random SaProt (EsmForMaskedLM over SaProt's paired vocabulary, 2 layers, 64 wide; seed 13,
-    every parameter moved well off its initial value) written as a Hugging Face folder with its
-    vocab.txt, and the model: tests/e2e/test_saprot.py serves it and tests/export/test_layer_states.py
-    builds its layers (one encoder export for both). The caller's RNG is left as it was."""
+def saprot_checkpoint(folder: Path, seed: int = 13) -> tuple[Path, transformers.EsmForMaskedLM]:
+    """A random SaProt (EsmForMaskedLM over SaProt's paired vocabulary, 2 layers, 64 wide; every
+    parameter moved well off its initial value, so log-probabilities are far from uniform) written
+    as a Hugging Face folder with its vocab.txt, and the model. Seed 13: tests/e2e/test_saprot.py
+    serves it and tests/export/test_layer_states.py builds its layers (one encoder export for both).
+    The caller's RNG is left as it was."""
     from bionemo_export.testing.checkpoints import save_huggingface, tiny_config
     from bionemo_export.tokenizers.structure_aware import saprot_vocabulary
 
-    with torch.random.fork_rng():
-        torch.manual_seed(13)
-        model = transformers.EsmForMaskedLM(tiny_config("saprot", hidden_size=64, num_layers=2, num_heads=4,
-                                                        intermediate_size=128)).eval()
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn_like(parameter) * 0.3)
+    model = _seeded(lambda: transformers.EsmForMaskedLM(tiny_config(
+        "saprot", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)), seed=seed, spread=0.3)
     save_huggingface(model, folder, saprot_vocabulary())
     return Path(folder), model
+
+
+def _seeded(make: Callable[[], ModuleT], seed: int, spread: float) -> ModuleT:
+    """`make()` initialised after seeding torch's RNG with `seed`, then every parameter moved by
+    `spread` standard normal draws of that RNG, in eval mode; the caller's RNG left as it was."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = make().eval()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * spread)
+    return model

@@ -83,3 +83,15 @@ def test_a_ladder_quantizing_on_the_shared_rest_computes_what_quantizing_whole_d
         assert shared_record.matmuls_int8 == 4 - round(keep * 2)
         np.testing.assert_array_equal(run(shared), run(whole))
     assert sum(node.op_type == "MatMulInteger" for node in rest.graph.node) == 2  # the up projections
+
+
+def test_a_ladder_quantizes_the_rest_once_whichever_order_ranks_its_matmuls(tmp_path):
+    """A ladder's first candidate ranks by position, the others by error: the same MatMuls, so one
+    rest-quantized graph serves them all."""
+    from bionemo_export.exporters.optimize.candidates import fuse_graph
+
+    onnx.save(_two_blocks(), str(tmp_path / "model.onnx"))
+    fused = fuse_graph(tmp_path / "model.onnx", num_heads=None, hidden_size=None, fuse=False)
+    first = fused.int8_rest_quantized(["down1", "down0"], "int8")
+    assert fused.int8_rest_quantized(["down0", "down1"], "int8") is first
+    assert fused.int8_rest_quantized(["down0", "down1"], "uint8") is not first

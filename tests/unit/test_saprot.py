@@ -25,6 +25,7 @@ from bionemo_export.testing.checkpoints import save_huggingface, save_random_che
 from bionemo_export.tokenizers.character import TokenizationError
 from bionemo_export.tokenizers.structure_aware import StructureAwareTokenizer, saprot_vocabulary
 from tests.helpers import fake_pb_utils
+from tests.helpers.random_models import saprot_checkpoint
 from tests.helpers.saprot_reference import marginal_scores, pairs, predict_mut, residue_log_probs, token_ids, vocab_ids
 
 WILD_TYPE = "MdKvTpAyYnIwArKqQhRgQdIlSvFtVmKfSsHaFeSiRkQc"  # 22 residues, every 3Di letter
@@ -36,14 +37,7 @@ VARIANTS = ["M1A", "K2R:T3S", "Y5W", "A4A", "Q22E:R21K:S20T", "K2A:T3G"]
 def saprot(tmp_path_factory):
     """A random SaProt checkpoint with every parameter moved off its initial value (so that the
     log-probabilities are far from uniform and the scores far from 0)."""
-    folder = tmp_path_factory.mktemp("saprot") / "checkpoint"
-    torch.manual_seed(11)
-    model = transformers.EsmForMaskedLM(tiny_config("saprot", hidden_size=64, num_layers=2, num_heads=4,
-                                                    intermediate_size=128)).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.3)
-    save_huggingface(model, folder, saprot_vocabulary())
+    folder, _ = saprot_checkpoint(tmp_path_factory.mktemp("saprot") / "checkpoint", seed=11)
     return folder, load_checkpoint(folder), transformers.EsmForMaskedLM.from_pretrained(folder).eval()
 
 

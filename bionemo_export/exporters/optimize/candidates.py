@@ -140,12 +140,13 @@ class FusedGraph:
         return self._rankings[key]
 
     def int8_rest_quantized(self, ranked: list[str], weights: str) -> onnx.ModelProto | None:
-        """quantization.quantize_all_but(model, `ranked`), made once per weights' type and ranking
-        (the candidates then quantize only the ranked MatMuls they do not keep); None for a graph
-        with external data, which is quantized whole per candidate instead of held in memory."""
+        """quantization.quantize_all_but(model, `ranked`), made once per weights' type and set of
+        ranked MatMuls (a ladder ranks them by position for its first candidate, by error after: the
+        same set; the candidates then quantize only the ranked MatMuls they do not keep); None for a
+        graph with external data, which is quantized whole per candidate instead of held in memory."""
         if self.external:
             return None
-        key = (weights, tuple(ranked))
+        key = (weights, tuple(sorted(ranked)))
         if key not in self._rest_quantized:
             self._rest_quantized[key] = quantize_all_but(self.model, ranked, weights)
         return self._rest_quantized[key]
