@@ -75,7 +75,9 @@ def saprot_checkpoint(folder: Path, seed: int = 13) -> tuple[Path, transformers.
 
 def _seeded(make: Callable[[], ModuleT], seed: int, spread: float) -> ModuleT:
     """`make()` initialised after seeding torch's RNG with `seed`, then every parameter moved by
-    `spread` standard normal draws of that RNG, in eval mode; the caller's RNG left as it was."""
+    `spread` standard normal draws of that RNG, in eval mode; the caller's RNG left as it was. (Not
+    `perturb`, which draws from a generator of its own: these are the weights the ESM C and SaProt
+    tests were written against.)"""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = make().eval()

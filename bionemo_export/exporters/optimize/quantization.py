@@ -129,12 +129,11 @@ def quantize_int8(model: onnx.ModelProto, keep_fp32: float, calibration: dict[st
         matmuls_int8=counts["MatMulInteger"], matmuls_fp32=counts["MatMul"])
 
 
-def quantize_all_but(model: onnx.ModelProto, names: list[str], weights: str, external: bool = False
-                     ) -> onnx.ModelProto:
-    """`model` with every MatMul quantize_int8 quantizes made 8-bit except the nodes `names` (a
-    ladder's ranked feed-forward outputs): what the ladder's candidates share (quantize_int8's
-    `rest_quantized`)."""
-    return _quantize_dynamic(model, weights, external, exclude=names)
+def quantize_all_but(model: onnx.ModelProto, names: list[str], weights: str) -> onnx.ModelProto:
+    """`model` (without external data: it is held in memory for the ladder) with every MatMul
+    quantize_int8 quantizes made 8-bit except the nodes `names` (a ladder's ranked feed-forward
+    outputs): what the ladder's candidates share (quantize_int8's `rest_quantized`)."""
+    return _quantize_dynamic(model, weights, False, exclude=names)
 
 
 def _quantize_dynamic(model: onnx.ModelProto, weights: str, external: bool, *, exclude: list[str] | None = None,
