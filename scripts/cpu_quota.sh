@@ -4,10 +4,10 @@
 #   sudo bash scripts/cpu_quota.sh 0.8 make test        # the suite with 0.8 of one core's time in all
 #
 # The suite's time target is set on the project's slower 2-core host kind (AVX2-only), which a
-# session may not be given. On a faster host, a quota on the total CPU time gives the same
+# session may not be given. On a faster host, a quota on the total CPU time gives about the same
 # throughput: commit 5f2de7d's `bash .ci/run` took 18 min 17 s on the slower kind, and on 2026-11-28
-# 19 min 07 s to 20 min 44 s on a 2-core AVX-512 Zen 4 under a quota of 0.8 cores (1.05-1.13x; the
-# same commit varies by a minute between runs on a shared host). So compare a change back to back
+# 19 min 07 s to 24 min 12 s on a 2-core AVX-512 Zen 4 under a quota of 0.8 cores (1.05-1.32x; a
+# shared host's speed changes by the hour). So compare a change back to back
 # with 5f2de7d and scale by 18 min 17 s, rather than reading one figure. It is a model, not that
 # host: threads run at full speed in bursts (the quota is spent per 100 ms).
 #
