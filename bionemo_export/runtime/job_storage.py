@@ -17,6 +17,15 @@ AWS_SECRET_ACCESS_KEY / AWS_DEFAULT_REGION or AWS_PROFILE, as for a repository.
 - A single-file output (s3://bucket/path/proteome.h5 or .parquet) keeps its parts and journal the
   same way under `<location>.parts/` while it runs; the finished file (and its errors file) is
   uploaded to the location, which marks it finished, then the stored parts are deleted.
+- Every object is uploaded with its SHA-256 in its metadata (`x-amz-meta-sha256`; an ETag is no
+  digest of a multipart upload). A run that finds the output finished here but not there (a run
+  stopped during its last uploads) uploads every file the location lacks or holds with another
+  digest, the marker of completeness last, and says so: a stop at any point is repaired by
+  running the same command again.
+- The local folder is private to the user (0700, under $XDG_CACHE_HOME or ~/.cache), at the same
+  path for the same location, so that a rerun on the machine finds it.
+- One run at a time works on an output: `OutputMirror.lease` is the lease object beside it
+  (job_lease.py), which the job holds while it runs.
 """
 
 from __future__ import annotations
@@ -24,16 +33,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import re
+import stat
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from bionemo_export.client.job_files import FORMATS, JOURNAL, MANIFEST, errors_file, work_folder
+from bionemo_export.client.job_lock import Notice, OutputLease
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.model_repository.integrity import file_digest
+
+from .job_lease import LEASE_SECONDS, S3Lease
 
 JOBS_DIR_ENV = "BIONEMO_EXPORT_JOBS_DIR"
-"""Where jobs with an s3:// input or output keep their local folder (default: the temporary folder)."""
+"""Where jobs with an s3:// input or output keep their local folders (default: the user's cache folder)."""
 ERRORS = "errors.tsv"
+LEASE = "job.lease"
+"""A directory output's lease object; a single file's is `<name>.lease` beside it."""
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def is_s3(location: str | os.PathLike[str]) -> bool:
@@ -41,14 +59,47 @@ def is_s3(location: str | os.PathLike[str]) -> bool:
 
 
 def local_folder(location: str) -> Path:
-    """The local folder of the job whose output is `location`: the same path on every machine
-    (a rescheduled pod finds what its predecessor left, where its disk survived)."""
-    root = Path(os.environ.get(JOBS_DIR_ENV) or Path(tempfile.gettempdir()) / "bionemo-export-jobs")
-    return root / hashlib.sha256(location.rstrip("/").encode()).hexdigest()[:16]
+    """The local folder of the job whose output is `location`, created private (0700): the same
+    path on the same machine every time (a rerun, a rescheduled pod whose disk survived, finds
+    what the last run left), under $BIONEMO_EXPORT_JOBS_DIR or the user's cache folder. A folder
+    there that is not the user's own is refused; one of theirs open to others is closed again."""
+    if os.environ.get(JOBS_DIR_ENV):
+        root = Path(os.environ[JOBS_DIR_ENV])
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME", "")
+        root = (Path(cache) if os.path.isabs(cache) else Path.home() / ".cache") / "bionemo-export" / "jobs"
+    folder = root / hashlib.sha256(location.rstrip("/").encode()).hexdigest()[:16]
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    found = os.lstat(folder)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+        what = "not a folder" if not stat.S_ISDIR(found.st_mode) else f"owned by user id {found.st_uid}, not you"
+        raise InvalidInputError(f"{folder}: the local folder of the job on {location} is {what}; remove it, or set "
+                                f"{JOBS_DIR_ENV} to a folder of your own")
+    if stat.S_IMODE(found.st_mode) != 0o700:  # ours, but others could read or change the job's files
+        os.chmod(folder, 0o700)
+    return folder
+
+
+def plain_name(name: object, source: str) -> str:
+    """A file name read from a journal or a manifest (`source`), which must name a file inside its
+    folder: a hostile or damaged one (`../x`, `/etc/x`) is refused, naming where it was read."""
+    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name):
+        raise InvalidInputError(f"{source} names the part {name!r}, which is not a plain file name in its folder: "
+                                "the file is damaged or was not written by this tool; run the job into a new output")
+    return name
+
+
+def file_sha256(path: Path) -> str:
+    return file_digest(path)["sha256"]
 
 
 class S3Folder:
-    """A folder in object storage: list, download and upload its files by name."""
+    """A folder in object storage: list, download and upload its files by name; each upload
+    carries its SHA-256 (the object's `sha256` metadata), which `sha256` reads back."""
 
     def __init__(self, uri: str) -> None:
         from .object_storage import S3RepositoryError, parse_s3_uri, s3_client
@@ -62,25 +113,36 @@ class S3Folder:
             raise InvalidInputError(f"{uri}: s3:// inputs and outputs need boto3 (pip install boto3)") from None
         self.uri = uri.rstrip("/")
 
+    def fail(self, what: str, err: Exception) -> NoReturn:
+        raise InvalidInputError(f"{self.uri}: cannot {what} ({err}); check the location and the AWS_* "
+                                "credentials") from None
+
     def _call(self, what: str, call: Any) -> Any:
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return call()
-        except (BotoCoreError, ClientError) as err:
-            raise InvalidInputError(f"{self.uri}: cannot {what} ({err}); check the location and the AWS_* "
-                                    "credentials") from None
+        except (BotoCoreError, ClientError, S3UploadFailedError) as err:
+            self.fail(what, err)
 
-    def exists(self, name: str) -> bool:
+    def _head(self, name: str) -> dict[str, Any] | None:
         from botocore.exceptions import ClientError
 
         try:
-            self.client.head_object(Bucket=self.location.bucket, Key=self.location.key(name))
+            return self.client.head_object(Bucket=self.location.bucket, Key=self.location.key(name))
         except ClientError as err:
             if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
+                return None
             raise InvalidInputError(f"{self.uri}/{name}: cannot read it ({err})") from None
-        return True
+
+    def exists(self, name: str) -> bool:
+        return self._head(name) is not None
+
+    def sha256(self, name: str) -> str | None:
+        """The SHA-256 the object was uploaded with; "" for one uploaded without it, None when absent."""
+        head = self._head(name)
+        return None if head is None else head.get("Metadata", {}).get("sha256", "")
 
     def download(self, name: str, to: Path) -> None:
         """`name` into the file `to`, written beside it and renamed."""
@@ -89,9 +151,12 @@ class S3Folder:
             self.location.bucket, self.location.key(name), str(staging)))
         staging.replace(to)
 
-    def upload(self, path: Path, name: str | None = None) -> None:
+    def upload(self, path: Path, name: str | None = None, sha256: str | None = None) -> None:
+        """The file at `path` as `name` (its own name by default), with its SHA-256 (`sha256`, or read here)."""
         key = self.location.key(name or path.name)
-        self._call(f"upload {path.name}", lambda: self.client.upload_file(str(path), self.location.bucket, key))
+        metadata = {"sha256": sha256 or file_sha256(path)}
+        self._call(f"upload {path.name}", lambda: self.client.upload_file(
+            str(path), self.location.bucket, key, ExtraArgs={"Metadata": metadata}))
 
     def delete_all(self) -> None:
         """Every object under the folder (a finished single-file output's parts and journal)."""
@@ -135,8 +200,9 @@ def fetch_output(uri: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     store.download(MANIFEST, folder / MANIFEST)
     for part in json.loads((folder / MANIFEST).read_text())["parts"]:
-        if not (folder / part["file"]).is_file():
-            store.download(part["file"], folder / part["file"])
+        name = plain_name(part.get("file"), f"{uri.rstrip('/')}/{MANIFEST}")
+        if not (folder / name).is_file():
+            store.download(name, folder / name)
     if store.exists(ERRORS):
         store.download(ERRORS, folder / ERRORS)
     return folder
@@ -146,7 +212,7 @@ class OutputMirror:
     """A job's output kept in a local folder and mirrored to an s3:// location (see the module):
     `output` is the job's local output, a directory or a single file named like the location."""
 
-    def __init__(self, uri: str, output: Path) -> None:
+    def __init__(self, uri: str, output: Path, lease_seconds: float = LEASE_SECONDS) -> None:
         uri = uri.rstrip("/")
         parent, _, name = uri.rpartition("/")
         self.file: tuple[S3Folder, Path] | None = None
@@ -157,6 +223,10 @@ class OutputMirror:
             uri = f"{uri}.parts"
         self.store, self.folder = S3Folder(uri), work_folder(output)
         self.uri = f"{parent}/{name}" if self.file else f"{uri}/"
+        self.lease_seconds = lease_seconds
+        self.notice: Notice = _to_stderr
+        """Where the mirror says what it repaired: the notice the job's lease was taken with."""
+        self._lease: S3Lease | None = None
 
     @property
     def location(self) -> str:
@@ -166,12 +236,23 @@ class OutputMirror:
     def errors_location(self) -> str:
         return f"{self.uri}.errors.tsv" if self.file else f"{self.uri}{ERRORS}"
 
+    def lease(self, notice: Notice) -> OutputLease:
+        """The lease object beside the output (job_lease.py), for the job to hold while it runs;
+        `notice` also hears what `pull` repairs."""
+        self.notice = notice
+        store, name = (self.file[0], f"{self.file[1].name}.lease") if self.file else (self.store, LEASE)
+        self._lease = S3Lease(store, name, notice, self.lease_seconds)
+        return self._lease
+
     def pull(self) -> None:
-        """Make the local folder and the location agree on where the job is: a finished output's
-        manifest is brought here; else the longer journal wins. The store's (a job started anew on
-        another machine): its parts are downloaded. The local one (this machine stopped between
-        recording a part and uploading it): those parts and the journal are uploaded."""
+        """Make the local folder and the location agree on where the job is. An output finished here
+        is completed there (`_complete`); a finished output there is brought here; else the longer
+        journal wins. The store's (a job started anew on another machine): its parts are
+        downloaded. The local one (this machine stopped between recording a part and uploading
+        it): those parts and the journal are uploaded."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self._complete():
+            return
         if self.file is not None:
             store, output = self.file
             if store.exists(output.name):  # finished: the job finds it so (and a stop before the clean-up is undone)
@@ -189,8 +270,9 @@ class OutputMirror:
             stored = _entries(stored_copy)
             if len(stored) > len(local):
                 for entry in stored[1:]:
-                    if not (self.folder / entry["part"]).is_file():
-                        self.store.download(entry["part"], self.folder / entry["part"])
+                    name = plain_name(entry.get("part"), f"{self.store.uri}/{JOURNAL}")
+                    if not (self.folder / name).is_file():
+                        self.store.download(name, self.folder / name)
                 stored_copy.replace(journal)
                 return
             stored_copy.unlink()
@@ -198,17 +280,20 @@ class OutputMirror:
             stored = []
         if len(local) > len(stored):
             for entry in local[max(1, len(stored)):]:
-                self.store.upload(self.folder / entry["part"])
+                self._check()
+                self.store.upload(self.folder / plain_name(entry.get("part"), str(journal)))
             self.store.upload(journal)
 
     def part_finished(self, part: Path) -> None:
         """After the job recorded `part` in its journal: the part, then the journal."""
+        self._check()
         self.store.upload(part)
         self.store.upload(self.folder / JOURNAL)
 
     def finished(self) -> None:
         """The errors file (if any), then what marks the output finished: the manifest, or the single
         file itself (after which its stored parts go)."""
+        self._check()
         if self.file is not None:
             store, output = self.file
             if errors_file(output).is_file():
@@ -219,6 +304,64 @@ class OutputMirror:
         if (self.folder / ERRORS).is_file():
             self.store.upload(self.folder / ERRORS)
         self.store.upload(self.folder / MANIFEST)
+
+    def _check(self) -> None:
+        if self._lease is not None:
+            self._lease.check()
+
+    def _complete(self) -> bool:
+        """Where the output is finished here: the location made to hold all of it, checked by digest
+        (every file it lacks or holds with another SHA-256 uploaded, the marker last), and what was
+        uploaded said in one line. False where nothing is finished here, or the location holds a
+        finished output of its own (another machine's run of the job: it wins, as when this folder
+        is gone)."""
+        marker_store, marker = self.file if self.file is not None else (self.store, self.folder / MANIFEST)
+        if not marker.is_file():
+            return False
+        stored = marker_store.sha256(marker.name)
+        if stored is not None and stored != file_sha256(marker):
+            return False
+        uploads = [] if stored is not None else [
+            (store, path, digest) for store, path, digest in self._finished_files()
+            if store.sha256(path.name) != digest]
+        for store, path, digest in uploads:  # in _finished_files' order: the marker last
+            self._check()
+            store.upload(path, sha256=digest)
+        if self.file is not None:
+            self.store.delete_all()  # the stored parts of a run stopped before it removed them
+        if uploads:
+            names = ", ".join(path.name for _, path, _ in uploads[:4]) + (", ..." if len(uploads) > 4 else "")
+            self.notice(f"{self.uri}: the last run stopped before its output was all uploaded; uploaded the "
+                        f"{len(uploads)} files the location lacked ({names}) from {marker.parent}, {marker.name} last")
+        return True
+
+    def _finished_files(self) -> list[tuple[S3Folder, Path, str]]:
+        """(where it goes, the local file, its SHA-256) of each file of the finished output here, in
+        the order they are uploaded: the parts, the journal and the errors file, then the marker.
+        A part whose recorded SHA-256 (the manifest's, when it records one) is not the file's is
+        damaged here, and refused."""
+        if self.file is not None:
+            store, output = self.file
+            listed = [output.with_name(output.name + ".errors.tsv"), output]
+            return [(store, path, file_sha256(path)) for path in listed if path.is_file()]
+        manifest = self.folder / MANIFEST
+        files: list[tuple[S3Folder, Path, str]] = []
+        for part in json.loads(manifest.read_text()).get("parts", []):
+            path = self.folder / plain_name(part.get("file"), str(manifest))
+            digest = file_sha256(path) if path.is_file() else None
+            if digest is None or part.get("sha256", digest) != digest:
+                problem = "is missing" if digest is None else f"has not the SHA-256 {manifest.name} records"
+                raise InvalidInputError(f"{path} {problem}: the finished output here is damaged and {self.uri} "
+                                        "lacks it; run the job again into a new output")
+            files.append((self.store, path, digest))
+        for path in (self.folder / JOURNAL, self.folder / ERRORS, manifest):
+            if path.is_file():
+                files.append((self.store, path, file_sha256(path)))
+        return files
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def _entries(journal: Path) -> list[dict[str, Any]]:
