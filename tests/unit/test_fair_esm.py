@@ -147,10 +147,12 @@ class _Hostile:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_pickle_that_would_run_code_is_read_inert_and_refused(tmp_path):
+def test_a_pickle_that_would_run_code_is_refused_by_name_and_never_run(tmp_path):
+    """(tests/unit/test_hostile_checkpoints.py runs every hostile form against every file.)"""
     marker = tmp_path / "ran"
     torch.save({"model": {"encoder.sentence_encoder.embed_tokens.weight": _Hostile(marker)},
                 "cfg": {"model": _Hostile(marker)}}, tmp_path / "esm2_t1_bad.pt", pickle_module=pickle)
-    with pytest.raises(CheckpointError, match="entries that are not named tensors"):
+    with pytest.raises(CheckpointError, match=r"esm2_t1_bad\.pt: it holds pickled code or objects other than "
+                                              r"tensors \(posix\.system\), which will not be run; refusing it$"):
         read_checkpoint(tmp_path / "esm2_t1_bad.pt")
     assert not marker.exists()  # os.system was named, never called

@@ -182,7 +182,8 @@ def refused_weights(source: str, err: BaseException) -> CheckpointError:
 
 def weights_error(source: str, err: BaseException) -> CheckpointError:
     """The error for a torch state dict (`torch.load(weights_only=True)`) or safetensors file that
-    failed to load: refused pickles (`refused_weights`) apart from unreadable files."""
+    failed to load: refused pickles (`refused_weights`) apart from unreadable files. Torch files are
+    opened by torch_files.py, the one way the readers open them."""
     if isinstance(err, pickle.UnpicklingError):
         return refused_weights(source, err)
     return unreadable_weights(source, err)
@@ -191,22 +192,6 @@ def weights_error(source: str, err: BaseException) -> CheckpointError:
 EXTRA_STATE = "_extra_state"
 """The leaf name of TransformerEngine's serialized FP8 metadata (bytes, not weights): skipped, as
 BioNeMo's own loaders skip it."""
-
-
-def load_torch_weights(source_file: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(state dict, skipped entries) of a torch checkpoint, read with `torch.load(weights_only=True)`:
-    no pickled code runs. `io.BytesIO` is allowed besides tensors, as older TransformerEngine stores
-    `_extra_state` that way (a byte buffer, nothing callable); those entries are skipped."""
-    import io
-
-    import torch
-
-    try:
-        with torch.serialization.safe_globals([io.BytesIO]):
-            loaded = torch.load(source_file, map_location="cpu", weights_only=True)
-    except Exception as err:  # a refused pickle (refused_weights) or an unreadable file
-        raise weights_error(source, err) from None
-    return check_state_dict(loaded, source)
 
 
 def check_state_dict(weights: Any, source: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

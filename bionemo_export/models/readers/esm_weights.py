@@ -3,15 +3,16 @@
 (`embed.weight`, `transformer.blocks.0.attn.layernorm_qkv.1.weight`, `sequence_head.3.weight`, ...),
 without a config: the sizes are read from the tensors (models/esmc.py `from_esm_weights`).
 
-Read with `torch.load(weights_only=True)`, as every torch state dict here: no pickled code runs.
+Opened as every torch file here (torch_files.py): torch's zip format only, `torch.load(weights_only=True)`;
+no pickled code runs.
 """
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
-from .base import Checkpoint, CheckpointError, CheckpointReader, load_torch_weights, register_reader
+from .base import Checkpoint, CheckpointError, CheckpointReader, register_reader
+from .torch_files import load_torch_weights
 
 MARKERS = ("embed.weight", "transformer.blocks.0.attn.layernorm_qkv.1.weight")
 """Keys every ESM C state dict of the `esm` package has."""
@@ -26,7 +27,8 @@ class EsmWeightsReader(CheckpointReader):
         return f"esm package ESM C weights {checkpoint.path.name}"
 
     def recognizes(self, path: Path) -> bool:
-        return path.is_file() and path.suffix == ".pth" and zipfile.is_zipfile(path)
+        # Any .pth file, zip or not: a legacy pickle or a TorchScript archive is refused as such.
+        return path.is_file() and path.suffix == ".pth"
 
     def read(self, path: Path) -> Checkpoint:
         weights, skipped = load_torch_weights(path, str(path))

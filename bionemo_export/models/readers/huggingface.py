@@ -13,10 +13,10 @@ from .base import (
     CheckpointError,
     CheckpointReader,
     check_state_dict,
-    load_torch_weights,
     register_reader,
     weights_error,
 )
+from .torch_files import load_torch_weights
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SAVED_FORM_TYPES = ("megamolbart",)
@@ -67,9 +67,8 @@ def read_weights(directory: Path) -> tuple[dict[str, Any], str, dict[str, str]]:
 
 
 def read_weight_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """(state dict, entries skipped) of a safetensors or torch file; torch files are read with
-    weights_only=True, so no pickled code ever runs (a file that holds some is refused:
-    base.refused_weights)."""
+    """(state dict, entries skipped) of a safetensors or torch file; torch files are opened by
+    torch_files.py (zip format only, weights_only=True), so no pickled code ever runs."""
     if path.suffix != ".safetensors":
         return load_torch_weights(path, str(path))
     from safetensors.torch import load_file

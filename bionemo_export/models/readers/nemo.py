@@ -8,8 +8,9 @@ Reading is defensive, bounded in time and memory whatever the archive holds:
 - the archive is read through bounded_tar.py (never extracted; headers, names, sizes and the
   expansion of gzip'd archives bounded);
 - `model_config.yaml` through bounded_yaml.py (size, nesting and aliases bounded while composed);
-- the weights are read with `torch.load(weights_only=True)`, so no pickled code runs, and a file
-  that holds some is refused as such.
+- the weights are opened as every torch file here (torch_files.py): torch's zip format only,
+  `torch.load(weights_only=True)`, so no pickled code runs, and a member that holds some (or is a
+  legacy pickle or a TorchScript archive) is refused as such.
 
 What Megatron varies in the stored weights is undone here (megatron_ranks.py), so every family
 reads one layout: model-parallel archives (`mp_rank_XX/`, `tp_rank_XX_pp_rank_XXX/`) are merged into
@@ -30,12 +31,12 @@ from .base import (
     Checkpoint,
     CheckpointError,
     CheckpointReader,
-    load_torch_weights,
     register_reader,
 )
 from .bounded_tar import RefusedArchive, looks_like_tar, open_archive, read_member, safe_members
 from .bounded_yaml import MAX_CONFIG_BYTES, parse_yaml_mapping
 from .megatron_ranks import Rank, check_grid, find_ranks, merge_ranks, regroup_legacy_qkv, strip_module_infix
+from .torch_files import load_torch_weights
 
 CONFIG_NAME = "model_config.yaml"
 WEIGHTS_NAME = "model_weights.ckpt"

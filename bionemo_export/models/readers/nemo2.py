@@ -14,8 +14,9 @@ Nothing from the checkpoint is executed or unpickled beyond data:
 - `.metadata` is unpickled by `_MetadataUnpickler`, which builds only the checkpoint metadata
   dataclasses, torch sizes, dtypes and layouts and paths, and refuses any other pickled global;
   what it built is then checked field by field (shapes, chunk coverage, file names and offsets);
-- the chunks are read by torch.distributed.checkpoint in this one process (`no_dist=True`), which
-  loads every record with `torch.load(weights_only=True)`;
+- every chunk's record (a torch.save'd tensor inside a `.distcp` file) is opened by
+  torch_files.py, as every torch file here: zip format only, `torch.load(weights_only=True)`;
+  stored objects (bytes) are never read;
 - `common.pt` is not read at all: Megatron keeps every model weight in the sharded part, and the
   trainer state it holds (optimizer settings, schedulers, callbacks) is of no use here.
 
@@ -28,11 +29,11 @@ axis); families map them (models/megatron_core.py).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import json
 import math
 import pickle
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,9 +45,9 @@ from .base import (
     CheckpointError,
     CheckpointReader,
     register_reader,
-    weights_error,
 )
 from .bounded_yaml import MAX_CONFIG_BYTES, parse_yaml_mapping
+from .torch_files import open_torch_file
 
 if TYPE_CHECKING:
     import torch
@@ -100,8 +101,9 @@ class _Refused(pickle.UnpicklingError):
 
 class _MetadataUnpickler(pickle._Unpickler):
     """Python's own unpickler, building checkpoint metadata only: globals are looked up in
-    `_allowed_globals` (any other is refused, by name), and state is set on instances only (a
-    BUILD on a class would set attributes of torch's own classes for the whole process)."""
+    `_allowed_globals` (any other is refused, by name), and state is set only on instances of the
+    metadata dataclasses, which the pickle itself made (a BUILD on a class, a function, a dtype or
+    an enum member would change torch's own objects for the whole process)."""
 
     dispatch: dict[int, Callable[[Any], None]] = dict(pickle._Unpickler.dispatch)
     stack: list[Any]  # the unpickler's stack (set by load(); typeshed does not declare it)
@@ -109,6 +111,8 @@ class _MetadataUnpickler(pickle._Unpickler):
     def __init__(self, file: Any) -> None:
         super().__init__(file)
         self.allowed = _allowed_globals()
+        self.buildable = {value for value in self.allowed.values() if dataclasses.is_dataclass(value)
+                          and isinstance(value, type)}
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -117,8 +121,11 @@ class _MetadataUnpickler(pickle._Unpickler):
             raise _Refused(f"{module}.{name}"[:200]) from None
 
     def load_build(self) -> None:
-        if isinstance(self.stack[-2], type):
-            raise _Refused(f"state for the class {self.stack[-2].__qualname__}")
+        target = self.stack[-2]
+        if type(target) not in self.buildable:
+            what = "class" if isinstance(target, type) else "function" if callable(target) else "object"
+            named = getattr(target, "__qualname__", None) or type(target).__qualname__
+            raise _Refused(f"state for the {what} {named:.100}")
         super().load_build()  # pyright: ignore[reportAttributeAccessIssue] - pickle's private opcode handler
 
     dispatch[pickle.BUILD[0]] = load_build
@@ -259,32 +266,37 @@ def _check_storage(metadata: Any, tensors: dict[str, tuple[tuple[int, ...], Any]
 
 def load_distributed(weights: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(the model's tensors at their global shapes, entries skipped) of a torch distributed
-    checkpoint folder, read in this process with torch.distributed.checkpoint."""
+    checkpoint folder: every chunk's record (a torch.save'd tensor at an offset of a `.distcp`
+    file) opened by `open_torch_file` and copied into place. Stored objects (bytes) are never read."""
     import torch
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.state_dict_loader import load
 
     metadata = _read_metadata(weights / METADATA)
     tensors, skipped = _select(metadata, weights / METADATA)
     _check_storage(metadata, tensors, weights)
-
-    class CheckedReader(FileSystemReader):
-        """torch's reader, given the metadata read and checked above instead of unpickling it."""
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return metadata
-
+    where = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
     state = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in tensors.items()}
+    handles: dict[str, Any] = {}
     try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore")
-            load(state, storage_reader=CheckedReader(weights), no_dist=True)
-    except CheckpointException as err:  # torch wraps what failed, per rank
-        cause = next((failure[0] for failure in err.failures.values()), err) if isinstance(err.failures, dict) else err
-        raise weights_error(f"{weights} (a record of its .distcp files)", cause) from None
-    except Exception as err:
-        raise weights_error(str(weights), err) from None
+        for key, target in state.items():
+            for chunk in metadata.state_dict_metadata[key].chunks:
+                info = where[key, tuple(chunk.offsets)]
+                if info.relative_path not in handles:
+                    handles[info.relative_path] = (weights / info.relative_path).open("rb")
+                handle = handles[info.relative_path]
+                handle.seek(info.offset)
+                name = f"{weights / info.relative_path}:{key}@{tuple(chunk.offsets)}"
+                record = open_torch_file(io.BytesIO(handle.read(info.length)), name)
+                if not isinstance(record, torch.Tensor) or tuple(record.shape) != tuple(chunk.sizes) \
+                        or record.dtype != target.dtype:
+                    found = f"{record.dtype} {tuple(record.shape)}" if isinstance(record, torch.Tensor) \
+                        else f"a {type(record).__name__}"
+                    raise CheckpointError(f"cannot read weights {name}: it holds {found}, not the "
+                                          f"{target.dtype} {tuple(chunk.sizes)} chunk {METADATA} lists; the "
+                                          "checkpoint is corrupt")
+                target[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = record
+    finally:
+        for handle in handles.values():
+            handle.close()
     return state, skipped
 
 
