@@ -1,14 +1,22 @@
-"""Golden answers: a repository checks itself on the host that serves it.
+"""Golden answers: a repository's Python-backend models check themselves on the host that serves them.
 
 A build stores, beside each graph it verified, `golden.npz`: one batch of the graph's inputs, the
 PyTorch fp32 outputs the graph was verified against, the tolerance it was held to, and the build
-host's CPU and figures. A served model that runs the graph (onnx_session.create_session) runs the
-golden inputs once when it loads and compares: outside the tolerance, the model refuses to load,
-naming this host's CPU features, the tolerance and the figures (answers that would be wrong are
-never served silently: int8 kernels differ between CPUs, see exporters/optimize/quantization.py).
-`BIONEMO_EXPORT_GOLDEN_CHECK=warn` in the server's environment (`bionemo-export serve --golden-check
-warn`) serves it anyway, with a warning in the server's log. `bionemo-export verify` without a
-checkpoint sends the same golden inputs through a running server.
+host's CPU and figures. A Python-backend model that runs the graph opens it with
+onnx_session.create_session in its `initialize`, which calls check_at_load: the golden inputs run
+once through the session and are compared; outside the tolerance the model refuses to load,
+naming this host's CPU features, the tolerance and the figures (int8 kernels differ between CPUs,
+see exporters/optimize/quantization.py). That is the model's own code, so it runs under any
+tritonserver, started by `bionemo-export serve` or not. `BIONEMO_EXPORT_GOLDEN_CHECK=warn` in the
+server's environment (`bionemo-export serve --golden-check warn`) serves it anyway, with a warning
+in the server's log.
+
+What this module does not reach: a graph served by Triton's own ONNX Runtime backend (`platform:
+"onnxruntime_onnx"`, `--backend native`) runs none of this code; `bionemo-export serve` asks it for
+its golden answers once the server is ready (runtime/golden_answers.py), and a plain tritonserver
+does not check it. TensorRT engines are not checked against golden answers. `bionemo-export verify
+REPO` without a checkpoint (verify.verify_golden) runs the golden inputs through each stored graph
+with ONNX Runtime on the host verify runs on; it sends nothing to a server.
 
 The file is read with numpy alone (no pickle): arrays `input:<name>` and `reference:<name>`, and
 `meta`, a JSON string. This file is copied verbatim into generated Triton Python-backend model
