@@ -12,7 +12,9 @@ kernel's boot id and the pid namespace), which tells a holder on this very machi
   lease of another run is refused with JobLockedError naming its holder and how to take over.
 - The owner renews it every third of its life from a daemon thread (a write conditional on its
   last ETag). A renewal that finds the lease changed or gone marks it lost (another run took it
-  over, or someone removed it), and the job stops at its next upload (`check`).
+  over, or someone removed it), and the job stops at its next upload (`check`, which renews the
+  lease itself when the thread is late: a process stopped for longer than the lease's life and
+  then continued must not upload before it knows the lease is still its own).
 - It is given back on exit: deleted, only while still ours (a delete conditional on our ETag).
 
 Expiry is judged by the reader's clock against the writer's: hosts of one cluster agree within
@@ -25,6 +27,7 @@ import json
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -57,6 +60,10 @@ class S3Lease:
         """Why the lease is no longer this run's (set by the renewing thread); None while it is."""
         self._conditions = True
         """False once the store answered that it has no conditional writes: then the read-back decides."""
+        self._written = 0.0
+        """time.monotonic() of our last write of the lease."""
+        self._writing = threading.Lock()
+        """Held by a renewal: the thread's and check's would otherwise race on one ETag."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,7 +106,10 @@ class S3Lease:
                 Bucket=location.bucket, Key=location.key(self.name), **condition), IfMatch=self.etag)
 
     def check(self) -> None:
-        """Raise JobLockedError when the lease was lost: this run must not write the output any more."""
+        """Raise JobLockedError when the lease was lost: this run must not write the output any more.
+        A renewal overdue (the process was stopped, the thread starved) is done here first."""
+        if self.lost is None and time.monotonic() - self._written > self.seconds / 2:
+            self._renew_once()
         if self.lost is not None:
             raise JobLockedError(f"{self.uri}: {self.lost}; this run stopped writing the output. If no other run "
                                  "works on it, rerun the same command: it resumes")
@@ -133,7 +143,7 @@ class S3Lease:
             **given), **condition)
         if answer is None:
             return False
-        self.etag = answer["ETag"]
+        self.etag, self._written = answer["ETag"], time.monotonic()
         return True
 
     def _conditional(self, what: str, call: Callable[[dict[str, str]], Any], **condition: str) -> Any:
@@ -155,15 +165,17 @@ class S3Lease:
             self.store.fail(what, err)
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.seconds / 3):
+        while not self._stop.wait(self.seconds / 3) and self.lost is None:
             try:
-                renewed = self._write(IfMatch=self.etag or "")
+                self._renew_once()
             except UserError:  # the store unreachable for a moment: the next renewal tries again
                 continue
-            if not renewed:
+
+    def _renew_once(self) -> None:
+        with self._writing:
+            if self.lost is None and not self._write(IfMatch=self.etag or ""):
                 self.lost = ("the job's lease was taken over or removed while this run held it (it was not renewed "
                              f"within {self.seconds:.0f} s, or someone deleted it)")
-                return
 
     # -- what the user reads ---------------------------------------------------------------------------
     def _held(self, record: dict[str, Any]) -> str:

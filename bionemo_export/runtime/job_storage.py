@@ -33,13 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bionemo_export.client.job_files import FORMATS, JOURNAL, MANIFEST, errors_file, work_folder
+from bionemo_export.client.job_files import FORMATS, JOURNAL, MANIFEST, errors_file, plain_part_name, work_folder
 from bionemo_export.client.job_lock import Notice, OutputLease
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.model_repository.integrity import file_digest
@@ -51,7 +50,6 @@ JOBS_DIR_ENV = "BIONEMO_EXPORT_JOBS_DIR"
 ERRORS = "errors.tsv"
 LEASE = "job.lease"
 """A directory output's lease object; a single file's is `<name>.lease` beside it."""
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def is_s3(location: str | os.PathLike[str]) -> bool:
@@ -82,15 +80,6 @@ def local_folder(location: str) -> Path:
     if stat.S_IMODE(found.st_mode) != 0o700:  # ours, but others could read or change the job's files
         os.chmod(folder, 0o700)
     return folder
-
-
-def plain_name(name: object, source: str) -> str:
-    """A file name read from a journal or a manifest (`source`), which must name a file inside its
-    folder: a hostile or damaged one (`../x`, `/etc/x`) is refused, naming where it was read."""
-    if not isinstance(name, str) or not _PLAIN_NAME.fullmatch(name):
-        raise InvalidInputError(f"{source} names the part {name!r}, which is not a plain file name in its folder: "
-                                "the file is damaged or was not written by this tool; run the job into a new output")
-    return name
 
 
 def file_sha256(path: Path) -> str:
@@ -200,7 +189,7 @@ def fetch_output(uri: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     store.download(MANIFEST, folder / MANIFEST)
     for part in json.loads((folder / MANIFEST).read_text())["parts"]:
-        name = plain_name(part.get("file"), f"{uri.rstrip('/')}/{MANIFEST}")
+        name = plain_part_name(part.get("file"), f"{uri.rstrip('/')}/{MANIFEST}")
         if not (folder / name).is_file():
             store.download(name, folder / name)
     if store.exists(ERRORS):
@@ -270,9 +259,9 @@ class OutputMirror:
             stored = _entries(stored_copy)
             if len(stored) > len(local):
                 for entry in stored[1:]:
-                    name = plain_name(entry.get("part"), f"{self.store.uri}/{JOURNAL}")
-                    if not (self.folder / name).is_file():
-                        self.store.download(name, self.folder / name)
+                    path = self.folder / plain_part_name(entry.get("part"), f"{self.store.uri}/{JOURNAL}")
+                    if not path.is_file() or entry.get("sha256", None) not in (None, file_sha256(path)):
+                        self.store.download(path.name, path)
                 stored_copy.replace(journal)
                 return
             stored_copy.unlink()
@@ -281,7 +270,7 @@ class OutputMirror:
         if len(local) > len(stored):
             for entry in local[max(1, len(stored)):]:
                 self._check()
-                self.store.upload(self.folder / plain_name(entry.get("part"), str(journal)))
+                self.store.upload(self.folder / plain_part_name(entry.get("part"), journal), sha256=entry.get("sha256"))
             self.store.upload(journal)
 
     def part_finished(self, part: Path) -> None:
@@ -338,19 +327,20 @@ class OutputMirror:
     def _finished_files(self) -> list[tuple[S3Folder, Path, str]]:
         """(where it goes, the local file, its SHA-256) of each file of the finished output here, in
         the order they are uploaded: the parts, the journal and the errors file, then the marker.
-        A part whose recorded SHA-256 (the manifest's, when it records one) is not the file's is
-        damaged here, and refused."""
+        A part whose recorded SHA-256 (the manifest's or the journal's, where they record one) is not
+        the file's is damaged here, and refused."""
         if self.file is not None:
             store, output = self.file
             listed = [output.with_name(output.name + ".errors.tsv"), output]
             return [(store, path, file_sha256(path)) for path in listed if path.is_file()]
         manifest = self.folder / MANIFEST
+        recorded = {entry.get("part"): entry.get("sha256") for entry in _entries(self.folder / JOURNAL)[1:]}
         files: list[tuple[S3Folder, Path, str]] = []
         for part in json.loads(manifest.read_text()).get("parts", []):
-            path = self.folder / plain_name(part.get("file"), str(manifest))
+            path = self.folder / plain_part_name(part.get("file"), manifest)
             digest = file_sha256(path) if path.is_file() else None
-            if digest is None or part.get("sha256", digest) != digest:
-                problem = "is missing" if digest is None else f"has not the SHA-256 {manifest.name} records"
+            if digest is None or (part.get("sha256") or recorded.get(path.name) or digest) != digest:
+                problem = "is missing" if digest is None else "has not the SHA-256 the job recorded"
                 raise InvalidInputError(f"{path} {problem}: the finished output here is damaged and {self.uri} "
                                         "lacks it; run the job again into a new output")
             files.append((self.store, path, digest))
