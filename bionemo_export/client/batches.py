@@ -2,10 +2,15 @@
 several in flight, put the answers back together in the caller's order.
 
 `infer_rows` is the one engine behind the Python client (bionemo_export.client.RepositoryClient)
-and the `client` commands. A request the server refuses either ends the run (InferenceError, the
-server's message with the rows it covered) or, with `isolate=True`, is sent again one row at a
-time so that only the rows the server refuses alone are reported (`RowResults.failures`) and the
-others are kept.
+and the `client` commands. A request the server refuses for what it holds either ends the run
+(InferenceError, the server's message with the rows it covered) or, with `isolate=True`, is sent
+again one row at a time so that only the rows the server refuses alone are reported
+(`RowResults.failures`) and the others are kept.
+
+A request the server failed for a reason of its own (ServerFailedError: a deadline, a dead stub, a
+server shutting down; ServerUnreachableError) is never a row's failure: it ends the run, isolate
+or not. Through a ServerPool it has already been sent again for as long as the pool allows; one
+TritonClient raises it at once.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.batching import stack_padded
 
-from .triton import InferenceError, Inferrer
+from .triton import InferenceError, Inferrer, ServerFailedError
 
 DEFAULT_IN_FLIGHT = 4
 """Requests kept in flight: enough to keep a server's instances and dynamic batcher busy while
@@ -65,7 +70,8 @@ def batch_size_for(client: Inferrer, model: str, requested: int | None = None) -
 def in_order(client: Inferrer, model: str, requests: Iterable[dict[str, np.ndarray]], outputs: list[str] | None,
              in_flight: int) -> Iterator[dict[str, np.ndarray] | InferenceError]:
     """Send `requests` with at most `in_flight` awaiting an answer; yield each answer (or the
-    InferenceError it got) in the order of `requests`. Other errors (an unreachable server) raise."""
+    InferenceError it got for what it holds) in the order of `requests`. The server's own failures
+    (ServerFailedError, ServerUnreachableError) raise."""
     pending: deque = deque()
     for inputs in requests:
         if len(pending) >= max(1, in_flight):
@@ -78,6 +84,8 @@ def in_order(client: Inferrer, model: str, requests: Iterable[dict[str, np.ndarr
 def _answer(future) -> dict[str, np.ndarray] | InferenceError:
     try:
         return future.result()
+    except ServerFailedError:
+        raise  # the server's failure, not the rows': sending them one by one would list them as bad
     except InferenceError as err:
         return err
 
@@ -90,10 +98,12 @@ def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs
     max_batch_size), `in_flight` at a time. `make_inputs(rows, index)` builds request `index`'s
     inputs for its `rows`; `progress(n)` is told each time n more rows are done.
 
-    A refused request raises InferenceError naming its rows (when there were several requests),
-    unless `isolate`: then its rows are sent one by one and those refused alone are listed in
-    `failures` with the server's message; `stop_on_failure` ends the run at the first such row
-    (the rows after it are left out of the results)."""
+    A request refused for what it holds raises InferenceError naming its rows (when there were
+    several requests), unless `isolate`: then its rows are sent one by one and those refused alone
+    are listed in `failures` with the server's message; `stop_on_failure` ends the run at the first
+    such row (the rows after it are left out of the results). A failure of the server's own
+    (ServerFailedError, ServerUnreachableError), of a request or of a row sent alone, raises: it is
+    never listed as a row's."""
     size = batch_size_for(client, model, batch_size)
     plan = plan_requests(count, size)
     pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []
@@ -105,7 +115,7 @@ def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs
         if isinstance(answer, InferenceError):
             if not isolate:
                 where = f" (rows {rows[0]}-{rows[-1]} of {count}, sent as one request)" if len(plan) > 1 else ""
-                raise type(answer)(f"{answer}{where}") from answer  # a ServerBusyError stays one
+                raise type(answer)(f"{answer}{where}") from answer
             good, bad = _one_by_one(client, model, rows, make_inputs, index, outputs, in_flight)
             if bad and stop_on_failure:
                 pieces += [(single, answer) for single, answer in good if single[0] < bad[0][0]]

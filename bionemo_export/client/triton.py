@@ -10,10 +10,12 @@ thread; `infer` is `submit(...).result()`.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from http.client import HTTPException
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -27,6 +29,9 @@ GRPC_MAX_MESSAGE_BYTES = 2**31 - 1
 few long sequences exceed (BioNeMo's ESM-2 client raised it to 100 MiB by hand). Triton's server
 accepts up to this size."""
 
+MAX_RECONNECT_BACKOFF_MS = 2000
+"""The longest a gRPC channel waits between tries to reconnect to its server."""
+
 _NUMPY_TO_TRITON = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32",
                     np.dtype(np.bool_): "BOOL", np.dtype(np.object_): "BYTES", np.dtype(np.float16): "FP16"}
 
@@ -35,7 +40,8 @@ class Pending(Protocol):
     """A request in flight (`TritonClient.submit`): a gRPC Future, or an HTTP request in flight."""
 
     def result(self) -> dict[str, np.ndarray]:
-        """Wait for the outputs; raises InferenceError or ServerUnreachableError as `infer` does."""
+        """Wait for the outputs; raises InferenceError (ServerFailedError when it was the server's
+        failure) or ServerUnreachableError as `infer` does."""
         ...
 
 
@@ -57,29 +63,113 @@ class InferenceError(UserError, RuntimeError):
     """The server refused or failed a request; the message is the server's."""
 
 
-class ServerBusyError(InferenceError):
+class ServerFailedError(InferenceError):
+    """The server failed a request for a reason of its own, not for what the request holds: no answer
+    within the deadline, the model's Python-backend stub died ("Stub process '<instance>' is not
+    healthy."), the server shutting down, a 5xx that is not the request's fault. Transient: the same
+    request, sent again a little later or to another server, is answered. A ServerPool sends it
+    again; a single TritonClient raises it at once."""
+
+
+class ServerBusyError(ServerFailedError):
     """The server turned the request away under admission control (its queue for the model was full,
     or the request waited past the queue timeout): gRPC UNAVAILABLE, HTTP 503. Retry later, or with
     fewer requests in flight."""
 
 
-class ModelNotServedError(InferenceError):
+class ModelNotServedError(ServerFailedError):
     """The server answers but does not serve the model now: it is unloading it (tritonserver shutting
     down), reloading it (serve's supervisor healing a stub) or never loaded it. Not the request's
     fault: another server, or the same one a little later, answers it."""
 
 
-NOT_SERVED = ("Request for unknown model",)
+class ServerUnreachableError(UserError, ConnectionError):
+    """No Triton server answers at the URL (refused, unresolvable, the connection dropped); the
+    message names the URL."""
+
+
+# -- whose fault a failed request is ------------------------------------------------------------
+
+class Failure(enum.Enum):
+    """Whose fault a failed request is, and so what a caller does with it: only REQUEST is the
+    request's (a bad record); every other kind is the server's and passes."""
+
+    REQUEST = "request"
+    """The request's own (INVALID_ARGUMENT / HTTP 400, a model's named input error, a model failing
+    on what it holds): InferenceError."""
+    BUSY = "busy"
+    """Turned away by the model's queue policy: ServerBusyError."""
+    NOT_SERVED = "not served"
+    """The server does not serve the model now (unloading, reloading, stopping): ModelNotServedError."""
+    UNREACHABLE = "unreachable"
+    """Nothing answers, or the connection dropped mid-request: ServerUnreachableError."""
+    FAILED = "failed"
+    """The server failed it (a deadline, a dead stub, a cancel of its own): ServerFailedError."""
+
+
+NOT_SERVED = ("Request for unknown model", "Server is stopping", "Server not ready", "Server exiting",
+              "does not serve it now")
 """How Triton words a request for a model it has no loaded version of (gRPC NOT_FOUND, HTTP 400):
 measured on tritonserver 2.51 while it shut down under load, every request between the unloading
-of the model and the closing of the port got it."""
+of the model and the closing of the port got it. Then Triton core's words while it stops (gRPC
+UNAVAILABLE, HTTP 503), and ModelNotServedError's own."""
 
 TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired")
 """How Triton words a rejection by a model's queue policy (its error code is UNAVAILABLE / 503)."""
 
+SERVER_FAILED = (
+    "is not healthy",  # python_backend: "Stub process '<instance>' is not healthy." (2.51, measured), and
+    "Stub process is unhealthy",  # "Stub process is not healthy."; before r24.07 the stub was restarted
+    "Failed to obtain the health mutex",  # a stub that died holding its lock
+    "Exit timeout expired",  # tritonserver ended the requests it still held when it stopped
+    "Deadline Exceeded",  # gRPC: no answer within the client's deadline (timeout_s)
+    "the request was cancelled",  # serving/responses.py's CANCELLED_MESSAGE (HTTP 400 carries no code)
+    "timed out",  # HTTP: no answer within timeout_s (a socket timeout)
+    "failed the request, not for what it holds",  # ServerFailedError's own
+)
+"""Words of failures that are the server's, whatever code carries them: a dead Python-backend stub
+answers INTERNAL / HTTP 500, which is otherwise a model failing on what a request holds."""
 
-class ServerUnreachableError(UserError, ConnectionError):
-    """No Triton server answers at the URL (refused, unresolvable, timed out); the message names the URL."""
+CONNECTION_LOST = ("Socket closed", "Stream removed", "Connection reset", "Connection refused", "Broken pipe",
+                   "failed to connect to all addresses", "connection closed", "cannot reach a Triton server")
+"""Words of a connection that dropped or never opened (gRPC UNAVAILABLE "Stream removed (Socket
+closed)" for requests in flight when tritonserver was killed, measured; geventhttpclient's
+"connection closed."), and ServerUnreachableError's own."""
+
+REQUEST_TOO_LARGE = ("larger than max",)
+"""gRPC's RESOURCE_EXHAUSTED for a message over the channel's limit: the request's size, not the server's state."""
+
+_CODES = {
+    "UNAVAILABLE": Failure.UNREACHABLE, "503": Failure.UNREACHABLE, "502": Failure.UNREACHABLE,
+    "DEADLINE_EXCEEDED": Failure.FAILED, "504": Failure.FAILED, "408": Failure.FAILED,
+    "CANCELLED": Failure.FAILED, "499": Failure.FAILED,
+    "RESOURCE_EXHAUSTED": Failure.FAILED, "429": Failure.FAILED, "ABORTED": Failure.FAILED,
+}
+"""Codes that are the server's state whatever the message (gRPC's names, HTTP's numbers). INTERNAL /
+500 is not among them: Triton answers it for a model that failed on what the request holds (an
+onnxruntime backend: "onnx runtime error N: ...", a Python model's exception: serving/responses.py's
+"internal error (...)"); a dead stub's INTERNAL is told by its words (SERVER_FAILED)."""
+
+
+def failure_kind(message: str, status: str | int | None = None) -> Failure:
+    """Whose fault a failed request is, from the server's message and, where known, its status
+    (tritonclient's `status()`: "StatusCode.DEADLINE_EXCEEDED" over gRPC, "500" over HTTP)."""
+    text = str(message)
+    if any(marker in text for marker in REQUEST_TOO_LARGE):
+        return Failure.REQUEST
+    for kind, markers in ((Failure.BUSY, TURNED_AWAY), (Failure.NOT_SERVED, NOT_SERVED),
+                          (Failure.FAILED, SERVER_FAILED), (Failure.UNREACHABLE, CONNECTION_LOST)):
+        if any(marker in text for marker in markers):
+            return kind
+    code = "" if status is None else str(status).removeprefix("StatusCode.")
+    return _CODES.get(code, Failure.REQUEST)
+
+
+def is_transient(message: str, status: str | int | None = None) -> bool:
+    """Whether a failed request was the server's passing state rather than the request's fault:
+    sent again, it is answered. Works on a message alone (an error recorded earlier, as an errors
+    file or a journal holds it, with or without the model's name before it)."""
+    return failure_kind(message, status) is not Failure.REQUEST
 
 
 @dataclass(frozen=True)
@@ -108,8 +198,9 @@ def strings_to_tensor(sequences: list[str] | tuple[str, ...]) -> np.ndarray:
 
 def grpc_channel_args() -> list[tuple[str, int]]:
     """The gRPC channel options of every client: message limits raised to GRPC_MAX_MESSAGE_BYTES
-    (whatever the installed tritonclient defaults to; older ones kept gRPC's 4 MiB) and
-    tritonclient's keepalive defaults, which passing `channel_args` would otherwise drop."""
+    (whatever the installed tritonclient defaults to; older ones kept gRPC's 4 MiB),
+    tritonclient's keepalive defaults, which passing `channel_args` would otherwise drop, and a
+    reconnect backoff bounded by MAX_RECONNECT_BACKOFF_MS."""
     from tritonclient.grpc import KeepAliveOptions
 
     keepalive = KeepAliveOptions()
@@ -120,6 +211,10 @@ def grpc_channel_args() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
         ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        # gRPC waits up to 120 s (growing 1.6x from 1 s) between tries to reconnect to a server that
+        # went away, and fails requests at once meanwhile: a server restarted on its ports would be
+        # seen up to two minutes late.
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
@@ -167,6 +262,7 @@ class TritonClient:
         requested = [self._module.InferRequestedOutput(name) for name in outputs] if outputs else None
         if self.url.protocol == "grpc":
             return self._submit_grpc(model, infer_inputs, requested, outputs)
+        _quiet_connection_errors()
         return _HttpPending(self._guarded(model, lambda: self._client.async_infer(model, infer_inputs,
                                                                                    outputs=requested)),
                             lambda result: self._outputs(result, outputs), self._translate(model))
@@ -204,25 +300,33 @@ class TritonClient:
 
         def translate(err: Exception) -> Exception:
             if isinstance(err, InferenceServerException):
-                if any(marker in str(err.message()) for marker in TURNED_AWAY):
-                    return _chained(ServerBusyError(
-                        f"{model}: the server is busy and turned the request away ({err.message()}); "
-                        "retry later or send fewer requests at once"), err)
-                if any(marker in str(err.message()) for marker in NOT_SERVED):
-                    return _chained(ModelNotServedError(
-                        f"{model}: the server at {self.url} does not serve it now ({err.message()})"), err)
-                if err.status() == "StatusCode.UNAVAILABLE":  # gRPC: nothing listening, or the connection dropped
-                    return _chained(ServerUnreachableError(
-                        f"cannot reach a Triton server at {self.url}: {err.message()}"), err)
-                # The project's Python models already name themselves ("<model>: ..."): once is enough.
                 message = str(err.message())
-                named = message if message.startswith(f"{model}: ") else f"{model}: {message}"
-                return _chained(InferenceError(named), err)
-            if isinstance(err, OSError):  # HTTP: refused, reset, unresolvable host, timed out
-                return _chained(ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {err}"), err)
+                return _chained(self._failure(model, failure_kind(message, err.status()), message), err)
+            if isinstance(err, TimeoutError):  # HTTP: no answer within timeout_s
+                return _chained(self._failure(model, Failure.FAILED, f"no answer within {self.timeout_s:g} s: {err}"),
+                                err)
+            # HTTP: refused, reset, unresolvable host; or the connection closed before the answer
+            # (geventhttpclient's HTTPConnectionClosed, which is no OSError)
+            if isinstance(err, (OSError, HTTPException)):
+                return _chained(self._failure(model, Failure.UNREACHABLE, str(err) or type(err).__name__), err)
             return err
 
         return translate
+
+    def _failure(self, model: str, kind: Failure, message: str) -> Exception:
+        """Our error for a failed request to `model` of `kind`, with the server's `message`."""
+        if kind is Failure.BUSY:
+            return ServerBusyError(f"{model}: the server is busy and turned the request away ({message}); "
+                                   "retry later or send fewer requests at once")
+        if kind is Failure.NOT_SERVED:
+            return ModelNotServedError(f"{model}: the server at {self.url} does not serve it now ({message})")
+        if kind is Failure.UNREACHABLE:
+            return ServerUnreachableError(f"cannot reach a Triton server at {self.url}: {message}")
+        if kind is Failure.FAILED:
+            return ServerFailedError(f"{model}: the server at {self.url} failed the request, not for what it holds "
+                                     f"({message}); send it again later or to another server")
+        # The project's Python models already name themselves ("<model>: ..."): once is enough.
+        return InferenceError(message if message.startswith(f"{model}: ") else f"{model}: {message}")
 
     def _guarded(self, model: str, call: Callable[[], Any]) -> Any:
         """`call()`, its tritonclient or socket errors raised as ours."""
@@ -320,6 +424,32 @@ class TritonClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def server_words(err: BaseException) -> str:
+    """What the server (or the connection) said of a failed request, on one line, without this
+    module's framing: "Stub process 'esm2nv_encoder_0_0' is not healthy.", "Stream removed (Socket
+    closed)". For a progress line, or a message naming each server's last answer."""
+    cause = err.__cause__
+    if cause is not None and callable(getattr(cause, "message", None)):  # tritonclient's InferenceServerException
+        words = str(cause.message())  # pyright: ignore[reportAttributeAccessIssue] - checked just above
+    elif cause is not None:
+        words = str(cause) or type(cause).__name__
+    else:
+        words = str(err) or type(err).__name__
+    return " ".join(words.split())
+
+
+def _quiet_connection_errors() -> None:
+    """Keep gevent's hub (this thread's: HTTP requests run as its greenlets) from printing a
+    traceback for each request that ends with a connection error: the error reaches the caller
+    anyway, raised from `result()` as ours. A server restarted under an HTTP job printed one
+    traceback per request in flight."""
+    import gevent
+
+    hub = gevent.get_hub()
+    if not issubclass(HTTPException, hub.NOT_ERROR):
+        hub.NOT_ERROR = (*hub.NOT_ERROR, OSError, HTTPException)
 
 
 def _chained(new: Exception, cause: Exception) -> Exception:
