@@ -356,9 +356,11 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
                 in_name: str, batch_size: int | None, in_flight: int, chunk_size: int, precision: str,
                 include: str | None, sequence_column: str | None, id_column: str | None, allow_partial: bool,
                 layers: str | None = None) -> None:
-    """client encode as a bulk job (client/jobs.py), with a progress line of records/s and residues/s."""
+    """client encode as a bulk job (client/jobs.py), with a progress line of records/s, residues/s,
+    bad records and retries. Another run holding the output: one red line naming it, exit status 2."""
     from bionemo_export.client.job_files import FORMATS
-    from bionemo_export.client.jobs import EncodeJob
+    from bionemo_export.client.job_lock import JobLockedError
+    from bionemo_export.client.jobs import EncodeJob, JobProgress
     from bionemo_export.client.records import parse_shard
     from bionemo_export.client.server_pool import ServerPool
     from bionemo_export.errors import InvalidInputError
@@ -366,40 +368,51 @@ def _encode_job(ctx: typer.Context, *, model: str, input: str, output: str, shar
 
     console = Console()
     with _reported(ctx, console):
-        # The bar follows the input's bytes (known up front, unlike its records): its share done
-        # and the time left; the rates are this run's (a resumed run skips what is done at once).
-        columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                   TextColumn("{task.fields[records]} records, {task.fields[rates]}"), TimeElapsedColumn())
-        with Progress(*columns, console=Console(stderr=True)) as bar:
-            task = bar.add_task("encoding", total=1.0, records=0, rates="")
-            started, records, residues = time.monotonic(), 0, 0
+        try:
+            # The bar follows the input's bytes (known up front, unlike its records): its share done
+            # and the time left; the rates are this run's (a resumed run skips what is done at once).
+            columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                       TextColumn("{task.fields[records]} records, {task.fields[rates]}{task.fields[trouble]}"),
+                       TimeElapsedColumn())
+            with Progress(*columns, console=Console(stderr=True)) as bar:
+                task = bar.add_task("encoding", total=1.0, records=0, rates="", trouble="")
+                started, records, residues = time.monotonic(), 0, 0
 
-            def advance(more_records: int, more_residues: int, fraction: float) -> None:
-                nonlocal records, residues
-                records, residues = records + more_records, residues + more_residues
-                seconds = max(time.monotonic() - started, 1e-9)
-                bar.update(task, completed=fraction, records=records,
-                           rates=f"{records / seconds:.1f} records/s, {residues / seconds:.0f} residues/s")
+                def advance(progress: JobProgress) -> None:
+                    nonlocal records, residues
+                    records, residues = records + progress.records, residues + progress.residues
+                    seconds = max(time.monotonic() - started, 1e-9)
+                    trouble = "".join([f", {progress.errors} bad" if progress.errors else "",
+                                       f", {progress.retries} retried" if progress.retries else ""])
+                    bar.update(task, completed=progress.fraction, records=records, trouble=trouble,
+                               rates=f"{records / seconds:.1f} records/s, {residues / seconds:.0f} residues/s")
 
-            local_output, mirror = Path(output), None
-            if is_s3(output):
-                name = output.rstrip("/").rpartition("/")[2]
-                if Path(name).suffix and Path(name).suffix not in FORMATS:
-                    raise InvalidInputError(f"--output {output}: give s3://bucket/path/ (a folder of parts) or "
-                                            f"a file ending in {', '.join(FORMATS)}")
-                local_output = local_folder(output) / name if Path(name).suffix else local_folder(output)
-                mirror = OutputMirror(output, local_output)
-                console.print(f"job folder: {local_output} (mirrored to {output})", highlight=False)
-            local_input = fetch_input(input, local_folder(output) / "input") if is_s3(input) else _existing(input)
-            assert local_input is not None  # given: a bulk job has an input
-            job = EncodeJob(model=model, input=local_input, output=local_output, in_name=in_name,
-                            shard=parse_shard(shard), chunk_size=chunk_size, batch_size=batch_size,
-                            in_flight=in_flight, precision=precision, include=include, layers=layers,
-                            sequence_column=sequence_column,
-                            id_column=id_column, progress=advance, source=input if is_s3(input) else None,
-                            mirror=mirror)
-            with ServerPool(triton_urls, concurrency=in_flight) as servers:
-                summary = job.run(servers)
+                def notice(line: str) -> None:
+                    bar.console.print(f"[yellow]{line}[/yellow]", highlight=False)
+
+                local_output, mirror = Path(output), None
+                if is_s3(output):
+                    name = output.rstrip("/").rpartition("/")[2]
+                    if Path(name).suffix and Path(name).suffix not in FORMATS:
+                        raise InvalidInputError(f"--output {output}: give s3://bucket/path/ (a folder of parts) or "
+                                                f"a file ending in {', '.join(FORMATS)}")
+                    local_output = local_folder(output) / name if Path(name).suffix else local_folder(output)
+                    mirror = OutputMirror(output, local_output)
+                    console.print(f"job folder: {local_output} (mirrored to {output})", highlight=False)
+                local_input = fetch_input(input, local_folder(output) / "input") if is_s3(input) else _existing(input)
+                assert local_input is not None  # given: a bulk job has an input
+                job = EncodeJob(model=model, input=local_input, output=local_output, in_name=in_name,
+                                shard=parse_shard(shard), chunk_size=chunk_size, batch_size=batch_size,
+                                in_flight=in_flight, precision=precision, include=include, layers=layers,
+                                sequence_column=sequence_column, id_column=id_column, progress=advance,
+                                notice=notice, source=input if is_s3(input) else None, mirror=mirror)
+                with ServerPool(triton_urls, concurrency=in_flight) as servers:
+                    summary = job.run(servers)
+        except JobLockedError as err:  # another run holds the output: not this run's failure (exit 2)
+            if debugging(ctx):
+                raise
+            console.print(f"[red]{reason(err)}[/red]", highlight=False)
+            raise typer.Exit(2) from None
     console.print(summary.line(), highlight=False)
     if summary.partial and not allow_partial:
         raise typer.Exit(3)

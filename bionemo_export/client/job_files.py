@@ -33,9 +33,14 @@ refuses per-residue states and contact maps there). A directory output keeps the
 `manifest.json` listing them.
 
 The journal, `journal.jsonl`, says what is done: a first line with the run's fingerprint, then one
-line per part written (records, errors). A part exists only when its line does: parts are written
-beside their final name and renamed, and a part without a line is the one a stopped run was
-writing, removed and written again.
+line per part written (records, errors, the part's size and SHA-256). A part exists only when its
+line does: parts are written beside their final name, fsynced, renamed and their folder fsynced
+(`durable_replace`), and a part without a line is the one a stopped run was writing, removed and
+written again. A resume checks every recorded part against its size and digest (`part_problem`)
+and writes again from the first that does not match (a crash, a reboot, a damaged disk).
+
+Names read back from a journal or a manifest are data: each must be a plain part name
+(`part-NNNNN.h5`) inside the folder (`plain_part_name`), never a path.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.model_repository.integrity import file_digest
 
 from .memory import give_back_memory
 
@@ -65,6 +71,7 @@ FORMATS = {".h5": "hdf5", ".hdf5": "hdf5", ".parquet": "parquet"}
 POOLED = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddings_max"}
 """A pooling -> the HDF5 dataset of its rows; Parquet's column is the same name in the singular."""
 _POOLED_NAME = re.compile(r"^embeddings(?P<pooling>_bos|_max)?(?:_layer(?P<layer>\d+))?$")
+_PART_NAME = re.compile(r"part-\d{5,}\.h5")
 
 
 def pooled_dataset(key: str) -> str:
@@ -224,8 +231,66 @@ def part_name(number: int) -> str:
     return f"part-{number:05d}.h5"
 
 
+def plain_part_name(name: object, source: Path | str) -> str:
+    """A part's name read from a journal or a manifest (`source`), which must be a plain part name
+    inside its folder (part-NNNNN.h5): a damaged or hostile one (`../../x`, `/etc/passwd`) is
+    refused naming the file it was read from, before anything is read or written under it."""
+    if not isinstance(name, str) or not _PART_NAME.fullmatch(name):
+        raise InvalidInputError(f"{source} names the part {name!r}, which is not a part file in its folder "
+                                "(part-NNNNN.h5): the file is damaged or was not written by this tool; remove it, or "
+                                "run the job into a new output")
+    return name
+
+
+def durable_replace(staging: Path, final: Path) -> None:
+    """`staging` (written and closed) renamed to `final` so that a crash or a power cut leaves the old
+    file or the whole new one, never a name that points at unwritten blocks: the file's data is
+    fsynced before the rename, and the folder's entry after it."""
+    fd = os.open(staging, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(staging, final)
+    fsync_folder(final.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """The folder's entries (a rename, a new file) on disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def part_record(path: Path) -> dict[str, Any]:
+    """What the journal records of a part written at `path`: {"bytes", "sha256"}, read from the file."""
+    return file_digest(path)
+
+
+def part_problem(path: Path, entry: dict[str, Any]) -> str | None:
+    """Why the part at `path` is not what the journal `entry` recorded (missing, another size or
+    SHA-256), or None when it is. An entry of an earlier version without size or digest: the part
+    must open as HDF5 and hold the recorded number of records."""
+    if not path.is_file():
+        return "it is missing"
+    if "sha256" in entry:
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return f"it holds {size} bytes, the journal recorded {entry.get('bytes')}"
+        found = file_digest(path)["sha256"]
+        return None if found == entry["sha256"] else f"its SHA-256 is {found[:16]}..., not the recorded one"
+    try:
+        with h5py_module().File(path, "r") as handle:
+            rows = handle["ids"].shape[0]
+    except (OSError, KeyError) as err:
+        return f"it does not open as a part ({err})"
+    return None if rows == entry.get("records") else f"it holds {rows} records, the journal recorded {entry['records']}"
+
+
 def write_part(path: Path, chunk: Chunk, dtype: np.dtype) -> None:
-    """The chunk as an HDF5 part at `path`, written beside it and renamed (never half a part)."""
+    """The chunk as an HDF5 part at `path`, written beside it and put in place durably (never half a part)."""
     write_hdf5([chunk], path, {}, dtype)
 
 
@@ -320,7 +385,7 @@ def write_manifest(directory: Path, metadata: dict[str, Any], parts: Sequence[tu
     manifest = {**metadata, "parts": [{"file": name, "records": records} for name, records in parts]}
     staging = directory / (MANIFEST + ".writing")
     staging.write_text(json.dumps(manifest, indent=1) + "\n")
-    staging.replace(directory / MANIFEST)
+    durable_replace(staging, directory / MANIFEST)
 
 
 def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
@@ -329,7 +394,7 @@ def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
     if path.is_dir():
         manifest = json.loads((path / MANIFEST).read_text())
         for part in manifest["parts"]:
-            yield read_part(path / part["file"])
+            yield read_part(path / plain_part_name(part.get("file"), path / MANIFEST))
     elif FORMATS.get(path.suffix) == "hdf5":
         with h5py_module().File(path, "r") as handle:
             total = handle["ids"].shape[0]
@@ -350,28 +415,42 @@ def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
 
 
 class Journal:
-    """journal.jsonl: the fingerprint line, then one line per finished part (flushed to disk); also
-    the journal of a resumable `client score` (variants.py), one line per chunk written."""
+    """journal.jsonl: the fingerprint line, then one line per finished part (fsynced); also the
+    journal of a resumable `client score` (variants.py), one line per chunk written.
+
+    Part names are checked as they are read (plain_part_name). A part's errors stay in the file:
+    in memory an entry holds their count (`error_count`), and `errors()` reads them back a part
+    at a time, so that a job with millions of bad records does not hold them."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fingerprint: dict[str, Any] | None = None
         self.parts: list[dict[str, Any]] = []
-        if path.is_file():
-            text = path.read_text()
-            if text and not text.endswith("\n"):  # a run killed while writing its last line: drop that line
-                text = text[:text.rfind("\n") + 1]
-                with path.open("r+") as handle:
-                    handle.truncate(len(text.encode()))
-            lines = [json.loads(line) for line in text.splitlines() if _complete(line)]
-            if lines:
-                self.fingerprint, self.parts = lines[0]["fingerprint"], lines[1:]
+        self.notes: dict[str, Any] = {}
+        """What a run learned as it went and a later run checks (the whole input's digest), in the first line."""
+        if not path.is_file():
+            return
+        with path.open("r+b") as handle:  # a run killed while writing its last line: drop that line
+            size = handle.seek(0, os.SEEK_END)
+            if size:
+                handle.seek(max(0, size - 1))
+                if handle.read(1) != b"\n":
+                    handle.seek(0)
+                    text = handle.read()
+                    handle.truncate(text.rfind(b"\n") + 1)
+        for number, entry in enumerate(self._lines()):
+            if number == 0:
+                self.fingerprint, self.notes = entry["fingerprint"], entry.get("notes", {})
+                continue
+            if "part" in entry:
+                plain_part_name(entry["part"], path)
+            self.parts.append(_counted(entry))
 
     def start(self, fingerprint: dict[str, Any]) -> None:
         """A new journal, or the check that this one is the same run's."""
         if self.fingerprint is None:
             self.fingerprint = fingerprint
-            self._append({"fingerprint": fingerprint})
+            self._rewrite()
             return
         differing = sorted(key for key in fingerprint.keys() | self.fingerprint.keys()
                            if fingerprint.get(key) != self.fingerprint.get(key))
@@ -381,24 +460,72 @@ class Journal:
                 + "; ".join(f"{k} was {self.fingerprint.get(k)!r}, now {fingerprint.get(k)!r}" for k in differing)
                 + "): rerun that run's command to finish it, or give another --output")
 
-    def finished(self, part: str, records: int, residues: int, errors: list[tuple[str, int, str]]) -> None:
-        self.add({"part": part, "records": records, "residues": residues, "errors": [list(e) for e in errors]})
+    def finished(self, part: Path, records: int, residues: int, errors: list[tuple[str, int, str]]) -> None:
+        """The part written at `part` (durably, under its final name), with its size and SHA-256."""
+        self.add({"part": part.name, "records": records, "residues": residues, "errors": [list(e) for e in errors],
+                  **part_record(part)})
 
     def add(self, entry: dict[str, Any]) -> None:
         """One more finished step, on disk (fsynced) before this returns."""
         self._append(entry)
-        self.parts.append(entry)
+        self.parts.append(_counted(entry))
+
+    def keep(self, count: int) -> None:
+        """Keep the first `count` steps only (those after are done again), on disk before this returns."""
+        del self.parts[count:]
+        self._rewrite()
+
+    def note(self, key: str, value: Any) -> None:
+        """Record `value` under `key` in the first line's notes, on disk before this returns."""
+        self.notes[key] = value
+        self._rewrite()
+
+    def errors(self) -> Iterator[list[list[Any]]]:
+        """Each recorded part's errors ([id, line, reason] each), in order, read from the file."""
+        for number, entry in enumerate(self._lines()):
+            if 0 < number <= len(self.parts):
+                yield entry.get("errors", [])
 
     @property
     def records_done(self) -> int:
         """Records of the input (after sharding) the finished parts cover, answered or not."""
-        return sum(entry["records"] + len(entry["errors"]) for entry in self.parts)
+        return sum(entry["records"] + entry["error_count"] for entry in self.parts)
+
+    def _lines(self) -> Iterator[dict[str, Any]]:
+        """The file's complete lines, parsed, one at a time."""
+        if not self.path.is_file():
+            return
+        with self.path.open() as handle:
+            for line in handle:
+                if _complete(line):
+                    yield json.loads(line)
+
+    def _rewrite(self) -> None:
+        """The journal written beside itself and put in place durably (a new journal, new notes, a
+        shortened one): the first line anew, then the kept steps' lines as they are."""
+        first: dict[str, Any] = {"fingerprint": self.fingerprint}
+        if self.notes:
+            first["notes"] = self.notes
+        staging = self.path.with_name(self.path.name + ".writing")
+        with staging.open("w") as written:
+            written.write(json.dumps(first) + "\n")
+            for number, entry in enumerate(self._lines()):
+                if 0 < number <= len(self.parts):
+                    written.write(json.dumps(entry) + "\n")
+        durable_replace(staging, self.path)
 
     def _append(self, entry: dict[str, Any]) -> None:
         with self.path.open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def _counted(entry: dict[str, Any]) -> dict[str, Any]:
+    """A journal entry as held in memory: its errors replaced by their count (`error_count`)."""
+    held = {key: value for key, value in entry.items() if key != "errors"}
+    held["error_count"] = len(entry.get("errors", []))
+    return held
 
 
 def _complete(line: str) -> bool:
@@ -411,53 +538,117 @@ def _complete(line: str) -> bool:
 
 
 def write_hdf5(chunks: Iterable[Chunk], out: Path, attributes: dict[str, Any], dtype: np.dtype) -> None:
-    """`chunks` as one HDF5 file at `out` (written beside it and renamed), one chunk in memory at a time."""
-    h5py = h5py_module()
-    staging = out.with_name(out.name + ".writing")
-    # No chunk cache: rows are appended in order, each chunk written once it is reached; HDF5's
-    # cache (1 MB a dataset, in practice more) only grew the merging process.
-    with h5py.File(staging, "w", rdcc_nbytes=0) as handle:
-        for name, value in attributes.items():
-            handle.attrs[name] = value if isinstance(value, str | int | float) else json.dumps(value)
-        datasets: dict[str, Any] = {}
-        residue_rows = sequence_bytes = contact_values = 0  # where the ragged datasets' pointers stand
+    """`chunks` as one HDF5 file at `out` (written beside it and put in place durably), one chunk in
+    memory at a time."""
+    with Hdf5Writer(out, attributes, dtype, buffer_bytes=0) as writer:
         for chunk in chunks:
             give_back_memory()  # the previous chunk's arrays
-            if not len(chunk):
-                continue
-            columns: dict[str, np.ndarray] = {
-                "ids": np.asarray(chunk.ids, dtype=object), "index": np.asarray(chunk.index, dtype=np.int64),
-                "sequence_sha256": np.asarray(chunk.digests, dtype="S64")}
-            for pooling, rows in chunk.pooled.items():
-                columns[pooled_dataset(pooling)] = rows.astype(dtype, copy=False)
-            if chunk.residues is not None:
-                if chunk.sequences is None:
-                    raise ValueError("per-residue states are stored with their sequences (scikit-bio's `id`)")
-                encoded = [sequence.encode() for sequence in chunk.sequences]
-                columns["embedding"] = np.concatenate(chunk.residues).astype(dtype, copy=False)
-                columns["embedding_ptr"] = residue_rows + np.cumsum([len(r) for r in chunk.residues], dtype=np.int64)
-                columns["id"] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-                columns["idptr"] = sequence_bytes + np.cumsum([len(e) for e in encoded], dtype=np.int64)
-                residue_rows, sequence_bytes = int(columns["embedding_ptr"][-1]), int(columns["idptr"][-1])
-                if "format" not in handle.attrs:
-                    handle.attrs.update({**SKBIO_FORMAT, "dtype": np.dtype(dtype).name,
-                                         "dim": int(columns["embedding"].shape[1])})
-            if chunk.contacts is not None:
-                columns["contacts"] = np.concatenate([m.reshape(-1) for m in chunk.contacts]).astype(dtype, copy=False)
-                columns["contacts_ptr"] = contact_values + np.cumsum([m.size for m in chunk.contacts], dtype=np.int64)
-                contact_values = int(columns["contacts_ptr"][-1])
-            for name, column in columns.items():
-                if name not in datasets:
-                    kind = h5py.string_dtype() if name == "ids" else column.dtype
-                    datasets[name] = handle.create_dataset(name, shape=(0, *column.shape[1:]), dtype=kind,
-                                                           maxshape=(None, *column.shape[1:]),
-                                                           chunks=_chunk_shape(column))
-                _append(datasets[name], column)
-        if not datasets:  # no record: an empty output still says what it is
-            handle.create_dataset("ids", shape=(0,), dtype=h5py.string_dtype())
-            handle.create_dataset("index", shape=(0,), dtype=np.int64)
-            handle.create_dataset("sequence_sha256", shape=(0,), dtype="S64")
-    os.replace(staging, out)
+            writer.add(chunk)
+
+
+class Hdf5Writer:
+    """An HDF5 part or output written as its records arrive (the layout of the module's docstring):
+    records are appended in order, a few MB at a time (`buffer_bytes`: small answers are gathered
+    so that each append is worth its cost), into `<out>.writing`, which `close` puts in place
+    durably. Leaving the context on an error removes the unfinished file.
+
+        with Hdf5Writer(tmp / "part-00000.h5", {}, np.dtype(np.float16)) as part:
+            for answer in answers:
+                part.add(answer)        # a chunk of a few records, arrays already in `dtype`
+    """
+
+    def __init__(self, out: Path, attributes: dict[str, Any], dtype: np.dtype, buffer_bytes: int = 8 << 20) -> None:
+        h5py = h5py_module()
+        self.out, self.dtype, self.buffer_bytes = out, np.dtype(dtype), buffer_bytes
+        self.staging = out.with_name(out.name + ".writing")
+        # No chunk cache: rows are appended in order, each chunk written once it is reached; HDF5's
+        # cache (1 MB a dataset, in practice more) only grew the merging process.
+        self.handle = h5py.File(self.staging, "w", rdcc_nbytes=0)
+        for name, value in attributes.items():
+            self.handle.attrs[name] = value if isinstance(value, str | int | float) else json.dumps(value)
+        self.datasets: dict[str, Any] = {}
+        self.records = 0
+        self._ends = {"embedding": 0, "id": 0, "contacts": 0}  # where the ragged datasets' pointers stand
+        self._buffer: list[Chunk] = []
+        self._buffered = 0
+
+    def add(self, chunk: Chunk) -> None:
+        """`chunk`'s records after those added before."""
+        if not len(chunk):
+            return
+        self.records += len(chunk)
+        self._buffer.append(chunk)
+        self._buffered += _nbytes(chunk)
+        if self._buffered >= self.buffer_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """The records added so far into the file."""
+        if self._buffer:
+            chunk = self._buffer[0] if len(self._buffer) == 1 else Chunk.joined(self._buffer)
+            self._buffer, self._buffered = [], 0
+            self._write(chunk)
+
+    def close(self) -> None:
+        """The file complete, under its name."""
+        self.flush()
+        if not self.datasets:  # no record: an empty output still says what it is
+            h5py = h5py_module()
+            self.handle.create_dataset("ids", shape=(0,), dtype=h5py.string_dtype())
+            self.handle.create_dataset("index", shape=(0,), dtype=np.int64)
+            self.handle.create_dataset("sequence_sha256", shape=(0,), dtype="S64")
+        self.handle.close()
+        durable_replace(self.staging, self.out)
+
+    def __enter__(self) -> Hdf5Writer:
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.handle.close()
+            self.staging.unlink(missing_ok=True)
+
+    def _write(self, chunk: Chunk) -> None:
+        dtype, handle = self.dtype, self.handle
+        columns: dict[str, np.ndarray] = {
+            "ids": np.asarray(chunk.ids, dtype=object), "index": np.asarray(chunk.index, dtype=np.int64),
+            "sequence_sha256": np.asarray(chunk.digests, dtype="S64")}
+        for pooling, rows in chunk.pooled.items():
+            columns[pooled_dataset(pooling)] = rows.astype(dtype, copy=False)
+        if chunk.residues is not None:
+            if chunk.sequences is None:
+                raise ValueError("per-residue states are stored with their sequences (scikit-bio's `id`)")
+            encoded = [sequence.encode() for sequence in chunk.sequences]
+            columns["embedding"] = np.concatenate(chunk.residues).astype(dtype, copy=False)
+            columns["embedding_ptr"] = self._pointers("embedding", [len(r) for r in chunk.residues])
+            columns["id"] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+            columns["idptr"] = self._pointers("id", [len(e) for e in encoded])
+            if "format" not in handle.attrs:
+                handle.attrs.update({**SKBIO_FORMAT, "dtype": dtype.name, "dim": int(columns["embedding"].shape[1])})
+        if chunk.contacts is not None:
+            columns["contacts"] = np.concatenate([m.reshape(-1) for m in chunk.contacts]).astype(dtype, copy=False)
+            columns["contacts_ptr"] = self._pointers("contacts", [m.size for m in chunk.contacts])
+        for name, column in columns.items():
+            if name not in self.datasets:
+                kind = h5py_module().string_dtype() if name == "ids" else column.dtype
+                self.datasets[name] = handle.create_dataset(name, shape=(0, *column.shape[1:]), dtype=kind,
+                                                            maxshape=(None, *column.shape[1:]),
+                                                            chunks=_chunk_shape(column))
+            _append(self.datasets[name], column)
+
+    def _pointers(self, dataset: str, sizes: list[int]) -> np.ndarray:
+        """Where each of the records' rows ends in a ragged dataset (scikit-bio's pointers)."""
+        ends = self._ends[dataset] + np.cumsum(sizes, dtype=np.int64)
+        self._ends[dataset] = int(ends[-1])
+        return ends
+
+
+def _nbytes(chunk: Chunk) -> int:
+    """The bytes of a chunk's arrays (what buffering it holds)."""
+    arrays = [*chunk.pooled.values(), *(chunk.residues or []), *(chunk.contacts or [])]
+    return sum(array.nbytes for array in arrays) + 100 * len(chunk)
 
 
 def _chunk_shape(column: np.ndarray) -> tuple[int, ...]:
@@ -508,4 +699,4 @@ def write_parquet(chunks: Iterable[Chunk], out: Path, metadata: dict[str, Any], 
             writer.close()
     if writer is None:
         raise InvalidInputError(f"{out}: no record was answered; nothing to write")
-    os.replace(staging, out)
+    durable_replace(staging, out)

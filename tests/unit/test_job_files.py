@@ -14,6 +14,7 @@ from bionemo_export.client.job_files import (
     Journal,
     SeenSequences,
     h5py_module,
+    part_name,
     read_digests,
     read_part,
     read_rows,
@@ -89,15 +90,17 @@ def test_parts_merge_into_one_file_without_padding(tmp_path):
 
 
 def test_the_journal_keeps_what_finished_and_refuses_another_run(tmp_path):
+    for number in range(2):
+        write_part(tmp_path / part_name(number), _chunk(0, [3]), np.dtype(np.float32))
     journal = Journal(tmp_path / "journal.jsonl")
     journal.start({"model": "a", "input": "x"})
-    journal.finished("part-00000.h5", records=8, residues=40, errors=[("bad", 3, "invalid character")])
+    journal.finished(tmp_path / "part-00000.h5", records=8, residues=40, errors=[("bad", 3, "invalid character")])
     with (tmp_path / "journal.jsonl").open("a") as handle:
         handle.write('{"part": "part-00001.h5", "reco')  # a run killed while writing its line
     again = Journal(tmp_path / "journal.jsonl")
     again.start({"model": "a", "input": "x"})
     assert [entry["part"] for entry in again.parts] == ["part-00000.h5"] and again.records_done == 9
-    again.finished("part-00001.h5", records=2, residues=7, errors=[])  # on a line of its own
+    again.finished(tmp_path / "part-00001.h5", records=2, residues=7, errors=[])  # on a line of its own
     assert [entry["part"] for entry in Journal(tmp_path / "journal.jsonl").parts] == ["part-00000.h5", "part-00001.h5"]
     with pytest.raises(ValueError, match="another run .*model was 'a', now 'b'"):
         Journal(tmp_path / "journal.jsonl").start({"model": "b", "input": "x"})
