@@ -280,8 +280,8 @@ class OutputMirror:
         self.store.upload(self.folder / JOURNAL)
 
     def finished(self) -> None:
-        """The errors file (if any), then what marks the output finished: the manifest, or the single
-        file itself (after which its stored parts go)."""
+        """The errors file (if any; a directory's journal too, as the job left it), then what marks the
+        output finished: the manifest, or the single file itself (after which its stored parts go)."""
         self._check()
         if self.file is not None:
             store, output = self.file
@@ -290,8 +290,9 @@ class OutputMirror:
             store.upload(output)
             self.store.delete_all()
             return
-        if (self.folder / ERRORS).is_file():
-            self.store.upload(self.folder / ERRORS)
+        for path in (self.folder / JOURNAL, self.folder / ERRORS):
+            if path.is_file():
+                self.store.upload(path)
         self.store.upload(self.folder / MANIFEST)
 
     def _check(self) -> None:

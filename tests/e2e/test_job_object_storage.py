@@ -223,3 +223,23 @@ def test_one_run_at_a_time_holds_an_s3_output(s3, tmp_path):
             first.part_finished(tmp_path / "m1" / "part-00000.h5")
     assert _lease(client, f"leased/{LEASE}")["owner"] == "another"  # not given back: it is not ours
     assert "leased/part-00000.h5" not in str(client.list_objects_v2(Bucket=BUCKET, Prefix="leased/"))
+
+
+def test_a_second_run_on_an_s3_output_refuses_naming_the_first(server, s3, tmp_path, monkeypatch):
+    """Two machines on one output: while the first holds its lease (this process, as its job run
+    does), `client encode` from another local folder refuses at once, naming the holder, and sends
+    nothing; once the lease is given back the same command runs, and gives the lease back too."""
+    client, located = s3
+    output = f"{located}/twice/"
+    command = _encode(server, _dataset(tmp_path / "in.fasta.gz", 16), output)
+    monkeypatch.setenv(JOBS_DIR_ENV, str(tmp_path / "machine2"))
+    with OutputMirror(output, tmp_path / "machine1").lease(print):
+        refused = runner.invoke(app, command)
+    assert refused.exit_code == 2, refused.output  # not this run's failure: another holds the output
+    assert _said(f"another run works on this job's output: host {socket.gethostname()}, pid {os.getpid()}") in _said(
+        refused.output) and "Traceback" not in refused.output
+    assert "Contents" not in client.list_objects_v2(Bucket=BUCKET, Prefix="twice/")
+    ran = runner.invoke(app, command)
+    assert ran.exit_code == 3, ran.output
+    assert sorted(_stored(client, "twice/")) == ["errors.tsv", "journal.jsonl", MANIFEST, "part-00000.h5",
+                                                 "part-00001.h5"]
