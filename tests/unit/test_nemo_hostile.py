@@ -365,9 +365,9 @@ def test_pickled_os_system_in_a_nemo_never_runs_and_is_refused(tmp_path, form):
         read_checkpoint(archive)
     if form == "torch.save":
         assert_refused_in_one_line(str(raised.value), f"{archive}:model_weights.ckpt", "posix.system")
-    else:  # refused from its first byte, before anything is unpickled
-        assert str(raised.value).startswith(f"cannot read weights {archive}:model_weights.ckpt: it is a legacy "
-                                            "(non-zip) torch pickle")
+    else:  # refused from its first pickle (no torch magic number), before anything is unpickled
+        assert str(raised.value).startswith(f"cannot read weights {archive}:model_weights.ckpt: it is a pickle "
+                                            "stream, not a torch file (no torch magic number)")
     assert not marker.exists()
 
 

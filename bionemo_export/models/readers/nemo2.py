@@ -273,7 +273,8 @@ def load_distributed(weights: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     metadata = _read_metadata(weights / METADATA)
     tensors, skipped = _select(metadata, weights / METADATA)
     _check_storage(metadata, tensors, weights)
-    where = {(index.fqn, tuple(index.offset)): info for index, info in metadata.storage_data.items()}
+    where = {(getattr(index, "fqn", None), tuple(getattr(index, "offset", None) or ())): info
+             for index, info in metadata.storage_data.items()}  # stored objects have no offsets
     state = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in tensors.items()}
     handles: dict[str, Any] = {}
     try:
