@@ -100,28 +100,27 @@ class Failure(enum.Enum):
     BUSY = "busy"
     """Turned away by the model's queue policy: ServerBusyError."""
     NOT_SERVED = "not served"
-    """The server does not serve the model now (unloading, reloading, stopping): ModelNotServedError."""
+    """The server does not serve the model now (unloading or reloading it): ModelNotServedError."""
     UNREACHABLE = "unreachable"
-    """Nothing answers, or the connection dropped mid-request: ServerUnreachableError."""
+    """Nothing answers, the connection dropped mid-request, or the server is stopping:
+    ServerUnreachableError."""
     FAILED = "failed"
     """The server failed it (a deadline, a dead stub, a cancel of its own): ServerFailedError."""
 
 
-NOT_SERVED = ("Request for unknown model", "Server is stopping", "Server not ready", "Server exiting",
-              "does not serve it now")
+NOT_SERVED = ("Request for unknown model", "does not serve it now")
 """How Triton words a request for a model it has no loaded version of (gRPC NOT_FOUND, HTTP 400):
 measured on tritonserver 2.51 while it shut down under load, every request between the unloading
-of the model and the closing of the port got it. Then Triton core's words while it stops (gRPC
-UNAVAILABLE, HTTP 503), and ModelNotServedError's own."""
+of the model and the closing of the port got it. Then ModelNotServedError's own words."""
 
 TURNED_AWAY = ("Exceeds maximum queue size", "Request timeout expired")
 """How Triton words a rejection by a model's queue policy (its error code is UNAVAILABLE / 503)."""
 
 SERVER_FAILED = (
-    "is not healthy",  # python_backend: "Stub process '<instance>' is not healthy." (2.51, measured), and
-    "Stub process is unhealthy",  # "Stub process is not healthy."; before r24.07 the stub was restarted
-    "Failed to obtain the health mutex",  # a stub that died holding its lock
-    "Exit timeout expired",  # tritonserver ended the requests it still held when it stopped
+    # python_backend's dead stub: "Stub process '<instance>' is not healthy." (measured on 2.51, gRPC
+    # INTERNAL and HTTP 500), "Stub process is not healthy."; and a stub that died holding its lock
+    "is not healthy",
+    "Failed to obtain the health mutex",
     "Deadline Exceeded",  # gRPC: no answer within the client's deadline (timeout_s)
     "the request was cancelled",  # serving/responses.py's CANCELLED_MESSAGE (HTTP 400 carries no code)
     "timed out",  # HTTP: no answer within timeout_s (a socket timeout)
@@ -131,10 +130,12 @@ SERVER_FAILED = (
 answers INTERNAL / HTTP 500, which is otherwise a model failing on what a request holds."""
 
 CONNECTION_LOST = ("Socket closed", "Stream removed", "Connection reset", "Connection refused", "Broken pipe",
-                   "failed to connect to all addresses", "connection closed", "cannot reach a Triton server")
+                   "failed to connect to all addresses", "connection closed", "cannot reach a Triton server",
+                   "Server is stopping", "Server not ready", "Server exiting")
 """Words of a connection that dropped or never opened (gRPC UNAVAILABLE "Stream removed (Socket
 closed)" for requests in flight when tritonserver was killed, measured; geventhttpclient's
-"connection closed."), and ServerUnreachableError's own."""
+"connection closed."), of a server on its way out (Triton core's, UNAVAILABLE / 503), and
+ServerUnreachableError's own."""
 
 REQUEST_TOO_LARGE = ("larger than max",)
 """gRPC's RESOURCE_EXHAUSTED for a message over the channel's limit: the request's size, not the server's state."""

@@ -1,16 +1,18 @@
 """A server that fails for a moment never makes a bad record: `infer_rows(isolate=True)` through a
-ServerPool, against real tritonservers (the hand-made tiny repository: `affine`, y = 2 x + 1), while
-the server is stopped and started again on the same ports, or while the model's Python-backend stub
-is killed.
+ServerPool, against real tritonservers (tests/helpers/tiny_repository.py's `affine`, y = 2 x + 1, and
+`length_embeddings`, a public model that serve's supervisor watches), while the server is stopped and
+started again on the same ports, or while the model's Python-backend stub is killed.
 
-What Triton 2.51 answers meanwhile (measured; client/triton.py classifies it): over gRPC "Stream
-removed (Socket closed)" and "failed to connect to all addresses" (UNAVAILABLE) and "Request for
-unknown model" (NOT_FOUND) while it unloads; over HTTP "connection closed." (geventhttpclient's
-HTTPConnectionClosed, not an OSError) and ConnectionRefusedError; and to a request that reaches a
-killed stub, INTERNAL / HTTP 500 "Stub process 'affine_0_0' is not healthy.". Triton 2.51 never
-restarts a dead stub (python_backend dropped that in r24.07): `serve`'s supervisor reloads the model;
-under a bare tritonserver the pool gives up after give_up_s with an error naming the server and its
-last answer, and lists nothing as a bad record.
+What Triton 2.51 answers meanwhile (measured; client/triton.py classifies it): over gRPC "Request
+for unknown model: 'affine' has no available versions" (NOT_FOUND) while it unloads, "Stream removed
+(Socket closed)" for a request in flight when it dies and "failed to connect to all addresses; ...
+Connection refused" (UNAVAILABLE) while it is down; over HTTP ConnectionRefusedError, and
+"connection closed." (geventhttpclient's HTTPConnectionClosed, no OSError) for a request sent on a
+kept-alive connection while it stops; to a request that reaches a killed stub, INTERNAL / HTTP 500
+"Stub process 'affine_0_0' is not healthy.". Triton 2.51 never restarts a dead stub (python_backend
+stopped doing so in r24.07): `serve`'s supervisor reloads the model; under a bare tritonserver the
+pool gives up after give_up_s with an error naming the server and its last answer, and lists
+nothing as a bad record.
 
 Only processes the tests started are signalled.
 """
