@@ -31,6 +31,7 @@ from .job_files import (
     FORMATS,
     Chunk,
     errors_file,
+    fsync_folder,
     metadata_file,
     output_chunks,
     part_name,
@@ -159,6 +160,7 @@ def _write_directory(chunks: Iterator[Chunk], out: Path, metadata: dict[str, Any
     if out.exists():
         out.rmdir()  # empty: checked before the merge
     os.replace(staging, out)
+    fsync_folder(out.parent)  # the parts and manifest were each put in place durably; now the folder's name
 
 
 def _join_errors(shards: Sequence[Path], target: Path) -> None:

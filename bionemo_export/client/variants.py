@@ -27,7 +27,8 @@ import numpy as np
 
 from bionemo_export.errors import InvalidInputError
 
-from .job_files import Journal, file_identity
+from .job_files import Journal, durable_replace, file_identity
+from .job_lock import LocalOutputLock
 from .records import Record
 
 
@@ -149,13 +150,16 @@ class ScoredTableWriter:
     the temporary file's length then, after an fsync), a stopped run keeps both, and the same run
     started again cuts the temporary file back to the last recorded chunk and skips the rows
     before it (`skips`): every row once, as in an uninterrupted run. Another run's journal is
-    refused, naming what differs. Without one, a failed run removes its temporary file.
+    refused, naming what differs. Without one, a failed run removes its temporary file. One run at a
+    time writes an output: a second refuses at once (JobLockedError naming the holder: the lock
+    file `.<name>.lock` beside it, held from enter to exit).
     """
 
     def __init__(self, out: Path, header: list[str], score_column: str | Sequence[str],
                  fingerprint: dict[str, Any] | None = None) -> None:
         self.out = Path(out)
         self.partial = self.out.with_name(f".{self.out.name}.partial")
+        self.lock = LocalOutputLock(self.out.with_name(f".{self.out.name}.lock"))
         self.journal_path = self.out.with_name(f".{self.out.name}.journal.jsonl")
         self.fingerprint = fingerprint
         columns = [score_column] if isinstance(score_column, str) else list(score_column)
@@ -170,6 +174,14 @@ class ScoredTableWriter:
         self._seen = 0
 
     def __enter__(self) -> ScoredTableWriter:
+        self.lock.__enter__()  # before the partial table or the journal is touched
+        try:
+            return self._open()
+        except BaseException:
+            self.lock.__exit__()
+            raise
+
+    def _open(self) -> ScoredTableWriter:
         journal = None
         if self.fingerprint is not None:
             if not self.partial.is_file():
@@ -216,12 +228,15 @@ class ScoredTableWriter:
             self._journal.add({"rows": self.rows, "bytes": os.fstat(self._handle.fileno()).st_size})
 
     def __exit__(self, kind: object, error: object, traceback: object) -> None:
-        self._handle.close()
-        if kind is None:
-            self.partial.replace(self.out)
-            self.journal_path.unlink(missing_ok=True)
-        elif self._journal is None:
-            self.partial.unlink(missing_ok=True)
+        try:
+            self._handle.close()
+            if kind is None:
+                durable_replace(self.partial, self.out)
+                self.journal_path.unlink(missing_ok=True)
+            elif self._journal is None:
+                self.partial.unlink(missing_ok=True)
+        finally:
+            self.lock.__exit__()
 
 
 def score_fingerprint(model: str, model_config: dict[str, Any], fasta: Path, variants: Path, **options: Any

@@ -13,8 +13,11 @@ from bionemo_export.client.job_files import (
     Chunk,
     Journal,
     SeenSequences,
+    durable_replace,
     h5py_module,
+    output_chunks,
     part_name,
+    part_problem,
     read_digests,
     read_part,
     read_rows,
@@ -169,3 +172,62 @@ def test_other_layers_poolings_get_a_layer_suffix_and_round_trip(tmp_path):
     (again,) = output_chunks(tmp_path / "all.parquet")
     for key, rows in chunk.pooled.items():
         np.testing.assert_array_equal(again.pooled[key], rows)
+
+
+def test_durable_replace_puts_the_whole_file_in_place_and_leaves_no_staging(tmp_path):
+    (tmp_path / "out.json").write_text("old")
+    (tmp_path / "out.json.writing").write_text("new")
+    durable_replace(tmp_path / "out.json.writing", tmp_path / "out.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"] and (tmp_path / "out.json").read_text() == "new"
+
+
+def test_part_names_read_back_must_be_parts_of_the_folder(tmp_path):
+    """A journal naming ../../x and a manifest naming /etc/passwd are refused naming the file and the
+    name, before anything is read or written under them."""
+    journal = tmp_path / "job" / "journal.jsonl"
+    journal.parent.mkdir()
+    journal.write_text(json.dumps({"fingerprint": {}}) + "\n"
+                       + json.dumps({"part": "../../x", "records": 1, "residues": 1, "errors": []}) + "\n")
+    with pytest.raises(ValueError, match=f"{journal} names the part '../../x', which is not a part file"):
+        Journal(journal)
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "manifest.json").write_text(json.dumps({"parts": [{"file": "/etc/passwd", "records": 1}]}))
+    with pytest.raises(ValueError, match="manifest.json names the part '/etc/passwd'"):
+        list(output_chunks(tmp_path / "done"))
+
+
+def test_a_recorded_part_that_changed_is_found(tmp_path):
+    """The journal's size and SHA-256 of a part: a truncated part and one flipped byte are found; an
+    entry of an earlier version (no digest) is checked by opening the part and counting its records."""
+    path = tmp_path / part_name(0)
+    write_part(path, _chunk(0, [3, 4]), np.dtype(np.float32))
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.start({"model": "a"})
+    journal.finished(path, records=2, residues=7, errors=[])
+    entry = Journal(tmp_path / "journal.jsonl").parts[0]
+    assert part_problem(path, entry) is None and entry["bytes"] == path.stat().st_size
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert "SHA-256" in (part_problem(path, entry) or "")
+    path.write_bytes(bytes(data[:-100]))
+    assert "bytes, the journal recorded" in (part_problem(path, entry) or "")
+    old = {"part": path.name, "records": 2}
+    assert "does not open as a part" in (part_problem(path, old) or "")
+    write_part(path, _chunk(0, [3]), np.dtype(np.float32))
+    assert "holds 1 records, the journal recorded 2" in (part_problem(path, old) or "")
+    path.unlink()
+    assert part_problem(path, entry) == "it is missing"
+
+
+def test_a_shortened_journal_keeps_the_errors_of_the_parts_it_keeps(tmp_path):
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.start({"model": "a"})
+    for number in range(3):
+        write_part(tmp_path / part_name(number), _chunk(0, [2]), np.dtype(np.float32))
+        journal.finished(tmp_path / part_name(number), records=1, residues=2, errors=[(f"bad{number}", number, "x")])
+    journal.note("input_sha256", "abc")
+    journal.keep(2)
+    again = Journal(tmp_path / "journal.jsonl")
+    assert [entry["part"] for entry in again.parts] == [part_name(0), part_name(1)] and again.records_done == 4
+    assert list(again.errors()) == [[["bad0", 0, "x"]], [["bad1", 1, "x"]]] and again.notes == {"input_sha256": "abc"}
