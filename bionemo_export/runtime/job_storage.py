@@ -332,7 +332,7 @@ class OutputMirror:
         the file's is damaged here, and refused."""
         if self.file is not None:
             store, output = self.file
-            listed = [output.with_name(output.name + ".errors.tsv"), output]
+            listed = [errors_file(output), output]
             return [(store, path, file_sha256(path)) for path in listed if path.is_file()]
         manifest = self.folder / MANIFEST
         recorded = {entry.get("part"): entry.get("sha256") for entry in _entries(self.folder / JOURNAL)[1:]}
