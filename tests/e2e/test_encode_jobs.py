@@ -377,3 +377,83 @@ def test_the_embedding_jobs_pods_commands_shard_and_merge_to_the_whole_job(serve
         assert b["ids"][()].tolist() == a["ids"][()].tolist()
         # A shard's records are batched with each other, not as in the whole job: float rounding only.
         np.testing.assert_allclose(b["embeddings"][()], a["embeddings"][()], atol=1e-5)
+
+
+def test_two_runs_started_at_once_on_one_output_one_refuses_naming_the_holder(server, tmp_path):
+    """A Slurm requeue while the first run still runs: the second refuses at once with one line that
+    names the first (exit status 2, no traceback), and the first finishes the job undisturbed."""
+    _dataset(tmp_path / "in.fasta.gz", 200, seed=4)
+    command = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
+               "-i", str(tmp_path / "in.fasta.gz"), "--output", str(tmp_path / "out.h5"), "--chunk-size", "8",
+               "--batch-size", "4", "--in-flight", "1", "--triton-url", _url(server)]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    journal = tmp_path / "out.h5.parts" / JOURNAL
+    deadline = time.monotonic() + 120
+    while _lines(journal) < 2 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert first.poll() is None, "the first run ended before the second started"
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    said = " ".join((second.stdout + second.stderr).split())
+    assert second.returncode == 2, said
+    assert f"held by pid {first.pid} on host" in said and f"kill {first.pid}" in said and "Traceback" not in said
+    output, _ = first.communicate(timeout=300)
+    assert first.returncode == 3 and "199 of 200 records answered" in " ".join(output.split()), output
+    with _h5(tmp_path / "out.h5") as saved:
+        assert saved["index"][()].tolist() == sorted(set(saved["index"][()].tolist()))  # each record once, in order
+        assert len(saved["ids"]) == 199
+
+
+def test_a_damaged_part_is_written_again_on_resume(server, tmp_path):
+    """A crash or a reboot left the last recorded part short: the resume finds it (size and SHA-256
+    in the journal), says so, writes the job again from that part, and the output equals the whole run."""
+    _dataset(tmp_path / "in.fasta.gz", 60, seed=6)
+    said: list[str] = []
+    with TritonClient(_url(server)) as client:
+        EncodeJob(model="esm2nv_hiddens", input=tmp_path / "in.fasta.gz", output=tmp_path / "whole",
+                  chunk_size=8).run(client)
+        job = EncodeJob(model="esm2nv_hiddens", input=tmp_path / "in.fasta.gz", output=tmp_path / "out",
+                        chunk_size=8, notice=said.append)
+        job.run(client)
+        (tmp_path / "out" / "manifest.json").unlink()  # as if killed before its finishing step
+        last = tmp_path / "out" / "part-00007.h5"
+        last.write_bytes(last.read_bytes()[:-4096])
+        summary = job.run(client)
+    assert any("part-00007.h5: it holds" in line and "writing the job again from this part (1 of 8 parts)" in line
+               for line in said), said
+    assert summary.resumed_after == 56 and summary.answered == 59
+    whole, resumed = json.loads((tmp_path / "whole" / "manifest.json").read_text()), \
+        json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [p["records"] for p in resumed["parts"]] == [p["records"] for p in whole["parts"]]
+    for a, b in zip(whole["parts"], resumed["parts"], strict=True):
+        left, right = read_part(tmp_path / "whole" / a["file"]), read_part(tmp_path / "out" / b["file"])
+        assert left.ids == right.ids and left.residues is not None and right.residues is not None
+        for x, y in zip(left.residues, right.residues, strict=True):
+            np.testing.assert_allclose(y, x, atol=1e-6)
+
+
+def test_a_repository_rebuilt_from_another_checkpoint_is_refused_on_resume(server, esm2_repository, triton_install,
+                                                                          tmp_path):
+    """The same name, layout and configuration, another checkpoint's weights: the job started on the
+    first repository refuses to go on against the second (its parts hold the first model's answers),
+    and a job given both servers at once is refused at start, naming them."""
+    from bionemo_export.build import BuildRequest, build_repository
+    from bionemo_export.testing.checkpoints import save_random_checkpoint
+
+    other = build_repository(BuildRequest(
+        family="esm2", checkpoint=save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=41), name="esm2nv",
+        out=tmp_path / "rebuilt", backend="python", optimize=False)).repository
+    _dataset(tmp_path / "in.fasta.gz", 40, seed=7)
+    job = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "out", chunk_size=8)
+    with TritonClient(_url(server)) as client:
+        job.run(client)
+    (tmp_path / "out" / "manifest.json").unlink()  # as if the job had not finished
+    with TritonServer(other, install=triton_install, log_file=tmp_path / "rebuilt.log") as rebuilt:
+        with TritonClient(_url(rebuilt)) as client, pytest.raises(ValueError) as refused:
+            job.run(client)
+        assert "answers esm2nv_embeddings otherwise than when this job started" in str(refused.value)
+        both = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "-i", str(tmp_path / "in.fasta.gz"),
+                                   "--output", str(tmp_path / "both.h5"), "--triton-url", _url(server),
+                                   "--triton-url", _url(rebuilt)])
+    assert both.exit_code == 1 and f"--triton-url {_url(rebuilt)} answers esm2nv_embeddings otherwise than " \
+        f"{_url(server)}" in " ".join(both.output.split()), both.output
+    assert not (tmp_path / "both.h5.parts").exists()  # refused before anything was written
