@@ -342,9 +342,11 @@ class EncodeJob:
                     self.mirror.part_finished(path)
                 seen.add(number, digests)
                 give_back_memory()  # the chunk's arrays: freed heap stays with the process unless given back
+            whole = digest.finish()
         finally:
             seen.close()
-        self._check_input(journal, digest.finish())
+            digest.handle.close()
+        self._check_input(journal, whole)
 
     def _answer(self, client: Inferrer, records: list[Record], seen: SeenSequences, summary: JobSummary,
                 include: Include, asked: list[Asked], part: Hdf5Writer, done: Progress,
@@ -509,9 +511,10 @@ class EncodeJob:
         metadata = read_metadata(metadata_file(self.output))
         if metadata is None:
             return None
-        if metadata.get("fingerprint") != fingerprint:
+        recorded = metadata.get("fingerprint") or {}
+        if {**{key: fingerprint[key] for key in ADDED_KEYS if key in fingerprint}, **recorded} != fingerprint:
             raise InvalidInputError(f"--output {self.output} holds another finished job; remove it or give another "
-                                    "name")
+                                    "name")  # (an earlier version's finished job lacks the keys it could not know)
         if not self.is_directory:
             shutil.rmtree(self.work, ignore_errors=True)  # a run killed after its output was in place
         return JobSummary(**{k: v for k, v in metadata["summary"].items() if k in JobSummary.__dataclass_fields__})
@@ -598,8 +601,8 @@ class _InputDigest:
         self._read_to(int(self.position.fraction() * self.size))
 
     def finish(self) -> str:
+        """The whole file's SHA-256, once its records are all read."""
         self._read_to(None)
-        self.handle.close()
         return self.sha256.hexdigest()
 
     def _read_to(self, offset: int | None) -> None:

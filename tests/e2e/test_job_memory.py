@@ -1,10 +1,11 @@
 """A bulk job's client memory does not grow with its input: peak RSS of `client encode --output X.h5`
 (a child process; its VmHWM, tests/helpers/peak_memory.py) at two input sizes, and per-residue outputs
-of thousands of proteins against pooled outputs of three.
+of thousands of proteins against pooled outputs of three, and at chunk sizes from 32 to 1,200 records.
 
 The server runs stand-in encoders whose answers cost nothing and can be checked
 (tests/helpers/tiny_repository.py: length_embeddings, length_hiddens), so the client is what is
-measured. benchmarks/job_memory.py runs the same at 10k, 100k and 1M records."""
+measured. benchmarks/job_memory.py runs the same at 10k, 100k and 1M records, and per-residue states of
+10,000 proteins from a 1280-wide stand-in at chunk sizes 64, 256 and 1024 (--per-residue)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import h5py
 import numpy as np
 import pytest
 
+from bionemo_export.client.job_files import read_part
 from bionemo_export.runtime import TritonServer
 from tests.helpers.peak_memory import cli_peak_rss
 from tests.helpers.tiny_repository import length_encoder_repository
@@ -36,9 +38,9 @@ def server(tmp_path_factory, triton_install):
         yield running
 
 
-def _fasta(path, count: int, seed: int = 0) -> list[str]:
+def _fasta(path, count: int, seed: int = 0, longest: int = 400) -> list[str]:
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(50, 400, size=count)
+    lengths = rng.integers(50, longest, size=count)
     letters = AMINO_ACIDS[rng.integers(0, 20, size=int(lengths.sum()))].tobytes().decode("ascii")
     ends = np.cumsum(lengths)
     sequences = [letters[end - length:end] for end, length in zip(ends, lengths, strict=True)]
@@ -88,3 +90,20 @@ def test_per_residue_states_cost_a_window_not_their_size(server, tmp_path):
         last = saved["embedding"][ends[-2]:ends[-1]]
     assert last.shape == (len(proteins[-1]), WIDTH)  # ragged: the last protein's residues, no padding
     np.testing.assert_array_equal(last[:, 0], list(proteins[-1].encode()))
+
+
+def test_per_residue_memory_does_not_depend_on_the_chunk_size(server, tmp_path):
+    """1,200 proteins of 50-1000 residues, per-residue states in requests of 8: in chunks of 32 and in
+    one chunk of 1,200, the same peak within 25 MB. Each record is written as its request is answered,
+    cut to its length: a chunk held whole and padded to its longest would be ~150 MB more here."""
+    proteins = _fasta(tmp_path / "in.fasta.gz", 1_200, seed=6, longest=1000)
+    requests = ["--batch-size", "8", "--in-flight", "4"]
+    small = _peak_rss_mb(server, "length_hiddens", tmp_path / "in.fasta.gz", tmp_path / "small", "--chunk-size", "32",
+                         *requests)
+    large = _peak_rss_mb(server, "length_hiddens", tmp_path / "in.fasta.gz", tmp_path / "large", "--chunk-size",
+                         "1200", *requests)
+    padded_mb = 1_200 * max(map(len, proteins)) * WIDTH * 4 / 2**20
+    assert large - small < 25, (small, large, padded_mb)
+    chunk = read_part(tmp_path / "large" / "part-00000.h5")
+    assert chunk.residues is not None and [len(r) for r in chunk.residues] == [len(p) for p in proteins]
+    np.testing.assert_array_equal(chunk.residues[-1][:, 0], list(proteins[-1].encode()))
