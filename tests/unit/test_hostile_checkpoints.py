@@ -16,7 +16,9 @@ import io
 import json
 import pickle
 import shutil
+import struct
 import tarfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +277,53 @@ def test_the_hostile_files_are_armed(tmp_path):
     for data in (hostile.legitimate_zip(), hostile.legitimate_legacy()):
         assert torch.equal(torch.load(io.BytesIO(data), weights_only=True)["w"], torch.zeros(2))
         assert torch.equal(open_torch_file(io.BytesIO(data), "twin")["w"], torch.zeros(2))
+
+
+def tar_polyglot() -> bytes:
+    """A file that is torch's legacy run of pickles and, read as a tar, a header (the pickles are
+    its member's name): torch.load's legacy path tries its pre-1.0 tar format, which it extracts."""
+    proto, stop = hostile.PROTO2, hostile.STOP
+    pickles = b"".join(proto + part + stop for part in (hostile.integer(hostile.LEGACY_MAGIC), hostile.integer(1001),
+                                                         hostile.EMPTY_DICT, hostile.EMPTY_DICT, b"]"))
+    info = tarfile.TarInfo(pickles.decode("latin-1"))
+    return info.tobuf(tarfile.GNU_FORMAT, "latin-1", "strict") + bytes(2 * tarfile.BLOCKSIZE)
+
+
+def central_size(data: bytes, record: str, size: int) -> bytes:
+    """`data` (a zip) with the sizes its central directory gives `record` replaced by `size`."""
+    name, entry = record.encode(), data.index(b"PK\x01\x02")
+    while data[entry + 46:entry + 46 + len(name)] != name:  # the entry's name follows its 46-byte header
+        entry = data.index(b"PK\x01\x02", entry + 4)
+    return data[:entry + 20] + struct.pack("<II", size, size) + data[entry + 28:]
+
+
+def rezipped(data: bytes, *, extra: str | None = None, compress: bool = False, drop: str | None = None) -> bytes:
+    """A torch zip rewritten: one more record, every record deflated, or one left out."""
+    source, buffer = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as out:
+        for info in source.infolist():
+            if info.filename != drop:
+                out.writestr(info.filename, source.read(info))
+        if extra:
+            out.writestr(extra, "print('hi')\n")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (tar_polyglot(), r"it is a tar archive \(torch's pre-1\.0 format\), which is not opened"),
+    (rezipped(WEIGHTS, extra="archive/extra/run.py"), "it is a zip file holding 'extra/run.py', which torch.save "
+                                                      "does not write"),
+    (rezipped(WEIGHTS, compress=True), "its record data.pkl is compressed, which torch.save never does"),
+    (rezipped(WEIGHTS, drop="archive/data.pkl"), r"it is a zip file but not one torch.save writes \(no "
+                                                 r"<archive>/data\.pkl\)"),
+    (central_size(hostile.legitimate_zip(), "archive/data/0", 0xFFFFFFF0),
+     "its record data/0 claims 4294967280 bytes, more than the file holds"),
+], ids=["tar polyglot", "extra record", "compressed", "no data.pkl", "record size"])
+def test_files_torch_save_never_writes_are_refused_before_unpickling(tmp_path, data, says):
+    path = tmp_path / "model_weights.ckpt"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"^cannot read weights {path}: {says}; refusing it$"):
+        open_torch_file(path, str(path))
 
 
 def armed_target() -> None:

@@ -26,6 +26,7 @@ import io
 import os
 import pickletools
 import re
+import tarfile
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -91,6 +92,8 @@ def _check_format(source: IO[bytes], name: str) -> None:
     if head == b"PK\x03\x04":
         _check_zip(source, size, name)
     elif head[:1] == b"\x80":  # PROTO: torch's legacy format is a run of pickles
+        if _is_tar(source):  # torch.load tries its pre-1.0 tar format first, which it extracts
+            raise _refused(name, "it is a tar archive (torch's pre-1.0 format), which is not opened")
         _check_legacy(_Bounded(source, size), size, name)
     else:
         raise CheckpointError(f"cannot read weights {name}: not a readable checkpoint (neither torch's zip format "
@@ -140,6 +143,17 @@ def _check_legacy(source: _Bounded, size: int, name: str) -> None:
     if sum(claimed.values()) + 8 * len(claimed) > left:
         raise _refused(name, f"its pickle claims {sum(claimed.values())} bytes of storages but only {left} bytes "
                              "follow it: the file is forged or damaged")
+
+
+def _is_tar(source: IO[bytes]) -> bool:
+    """Whether the file's first block is a tar header, as torch.load's legacy path would find."""
+    block = source.read(tarfile.BLOCKSIZE)
+    source.seek(0)
+    try:
+        tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
 
 
 class _Bounded:
