@@ -48,15 +48,19 @@ or a byte buffer; neither runs code of the file's choosing."""
 TORCH_RECORDS = re.compile(r"data\.pkl|byteorder|version|\.format_version|\.storage_alignment|\.data/version"
                            r"|\.data/serialization_id|data/[0-9A-Za-z_]+")
 """The records (under the archive's folder) that torch.save writes; nothing else is opened."""
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+"""The number torch's legacy format pickles first (torch.serialization.MAGIC_NUMBER)."""
+MAX_LINE = 1 << 16
+"""Longest line of a text opcode (pickle protocol 0) read."""
 RE_SAVE = ("load it where you trust it and save its tensors again with torch.save (or as safetensors), "
            "then use that file")
 
 
 def open_torch_file(source: Path | IO[bytes], name: str) -> Any:
-    """What torch.save wrote to `source` (a path, or a seekable binary file that holds it
-    from byte 0), loaded as the module says: no code in it runs. `name` is the file as messages name it
+    """What torch.save wrote to `source` (a path, or a seekable binary file that holds it from
+    byte 0), loaded as the module says: no code in it runs. `name` is the file as messages name it
     ("x.nemo:model_weights.ckpt"). CheckpointError naming it for a file in another format (a
-    legacy pickle, a TorchScript archive), a forged storage size, or what torch refuses."""
+    TorchScript archive, a plain pickle stream), a forged storage size, or what torch refuses."""
     import torch
 
     if isinstance(source, (str, Path)):
@@ -120,10 +124,6 @@ def _check_zip(source: IO[bytes], size: int, name: str) -> None:
                                  f"{record.file_size}: the file is forged or damaged")
 
 
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-"""The number torch's legacy format pickles first (torch.serialization.MAGIC_NUMBER)."""
-
-
 def _check_legacy(source: _Bounded, size: int, name: str) -> None:
     """torch's legacy format (torch.save before 1.6, `_use_new_zipfile_serialization=False`):
     pickles of the magic number, the protocol version, system information, the object and the
@@ -174,10 +174,6 @@ class _Bounded:
         return self.source.readline(min(MAX_LINE, self.size - self.source.tell()))
 
 
-MAX_LINE = 1 << 16
-"""Longest line of a text opcode read."""
-
-
 def _torch_records(archive: zipfile.ZipFile, size: int, name: str) -> dict[str, zipfile.ZipInfo]:
     """The archive's records by name under its folder, checked to be what torch.save writes:
     one folder, no code, stored uncompressed, each inside the file."""
@@ -197,7 +193,7 @@ def _torch_records(archive: zipfile.ZipFile, size: int, name: str) -> dict[str, 
     for item, entry in zip(inner, entries):
         if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
             raise _refused(name, f"its record {item} is compressed, which torch.save never does")
-        if entry.header_offset + 30 + len(entry.orig_filename) + entry.file_size > size:
+        if entry.header_offset + 30 + len(entry.orig_filename.encode()) + entry.file_size > size:
             raise _refused(name, f"its record {item} claims {entry.file_size} bytes, more than the file holds")
     return dict(zip(inner, entries))
 
