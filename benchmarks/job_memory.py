@@ -13,7 +13,11 @@ hashing, duplicates, requests over gRPC, HDF5 parts, the final merge. What the i
 1280-wide ESM-2 would send, at no cost to the server), stored fp16 in a directory output, at each
 of `--chunk-sizes`, in requests of 8 with 4 in flight. The client's peak must not depend on the
 chunk size beyond a few MB per record in flight: records are written as their request is
-answered, never a chunk held (or padded to its longest) at once. 10,000 such proteins are 5.3M
+answered, never a chunk held (or padded to its longest) at once. What the peak holds is the
+requests in flight (4 x 8 records, each up to 1000 x 1280 fp32 values as received and as read:
+~10 MB a record), so chunk sizes are compared from 32 records up (a smaller chunk has fewer
+requests in flight: at 16, 2; measured here at 120 proteins: 412-452 MB at chunk 16, 465-522 at
+32 and 120 alike). 10,000 such proteins are 5.3M
 residues: 27 GB sent as fp32, 13 GB written per chunk size (removed after each run).
 
     .venv/bin/python benchmarks/job_memory.py --per-residue --records 10000 --chunk-sizes 64 256 1024

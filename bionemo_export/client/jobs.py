@@ -415,6 +415,8 @@ class EncodeJob:
                 refused.update(answer.failures)
                 first, listed = next_record, len(errors)
                 write_ready()
+                del answer, encoded, maps
+                give_back_memory()  # the request's arrays: freed heap is kept until given back, and grows
                 done.told(records[first:next_record], len(errors) - listed, digest)
         first, listed = next_record, len(errors)
         write_ready()
