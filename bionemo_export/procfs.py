@@ -9,11 +9,13 @@ children of a process; the host's free memory and CPU model.
 
 Processes end between two looks at /proc: every function answers None (or 0, or leaves the process
 out) for one that is gone instead of raising. Where /proc does not exist (not Linux), the same: no
-processes, no figures. Imports only the standard library, so every layer may use it.
+processes, no figures (`alive` asks the kernel instead). Imports only the standard library, so every
+layer may use it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,9 +109,23 @@ def children(pid: int) -> list[ProcessStat]:
 
 
 def alive(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie (one waiting for a reaper counts as ended)."""
+    """Whether `pid` runs on this host: it exists and is not a zombie (one waiting for a reaper
+    counts as ended). A process /proc does not show (another user's where /proc is mounted with
+    hidepid, or no /proc at all) is asked of the kernel with signal 0, so that it is not taken for
+    gone: lock holders (client/job_lock.py, runtime/job_lease.py) are judged by this. A pid that is
+    not a process's (0 or less, larger than any) is not alive."""
+    if pid <= 0:  # signal 0 to 0 or -N would ask about a process group, not a process
+        return False
     stat = process_stat(pid)
-    return stat is not None and not stat.zombie
+    if stat is not None:
+        return not stat.zombie
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
 
 
 def command_line(pid: int) -> list[str] | None:

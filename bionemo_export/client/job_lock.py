@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.procfs import alive
 
 Notice = Callable[[str], None]
 """Where a lease says one line the user should read (a dead holder's lock taken over)."""
@@ -133,16 +134,6 @@ def _same_file(fd: int, path: Path) -> bool:
 def _gone(record: dict[str, Any]) -> str:
     """Why a recorded holder no longer holds the lock, as far as this host can tell."""
     pid = record.get("pid")
-    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not _running(pid):
+    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not alive(pid):
         return "which is no longer running"
     return "which no longer holds the lock (it stopped without giving it back)"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

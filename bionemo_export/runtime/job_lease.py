@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from bionemo_export.client.job_lock import JobLockedError, Notice
 from bionemo_export.errors import UserError
+from bionemo_export.procfs import alive
 
 if TYPE_CHECKING:
     from .job_storage import S3Folder
@@ -202,8 +203,8 @@ def _holder_gone(record: dict[str, Any]) -> str | None:
         expires = expires.replace(tzinfo=timezone.utc)
     if expires <= datetime.now(timezone.utc):
         return f"whose lease expired at {record['expires_at']}"
-    machine = _machine()
-    if machine is not None and record.get("machine") == machine and not _running(record.get("pid")):
+    machine, pid = _machine(), record.get("pid")
+    if machine is not None and record.get("machine") == machine and not (isinstance(pid, int) and alive(pid)):
         return "which ran on this machine and is no longer running"
     return None
 
@@ -216,15 +217,3 @@ def _machine() -> str | None:
         return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:  # not Linux: no holder is known to be here, and a lease waits for its expiry
         return None
-
-
-def _running(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

@@ -82,10 +82,6 @@ def local_folder(location: str) -> Path:
     return folder
 
 
-def file_sha256(path: Path) -> str:
-    return file_digest(path)["sha256"]
-
-
 class S3Folder:
     """A folder in object storage: list, download and upload its files by name; each upload
     carries its SHA-256 (the object's `sha256` metadata), which `sha256` reads back."""
@@ -143,7 +139,7 @@ class S3Folder:
     def upload(self, path: Path, name: str | None = None, sha256: str | None = None) -> None:
         """The file at `path` as `name` (its own name by default), with its SHA-256 (`sha256`, or read here)."""
         key = self.location.key(name or path.name)
-        metadata = {"sha256": sha256 or file_sha256(path)}
+        metadata = {"sha256": sha256 or file_digest(path)["sha256"]}
         self._call(f"upload {path.name}", lambda: self.client.upload_file(
             str(path), self.location.bucket, key, ExtraArgs={"Metadata": metadata}))
 
@@ -260,7 +256,7 @@ class OutputMirror:
             if len(stored) > len(local):
                 for entry in stored[1:]:
                     path = self.folder / plain_part_name(entry.get("part"), f"{self.store.uri}/{JOURNAL}")
-                    if not path.is_file() or entry.get("sha256", None) not in (None, file_sha256(path)):
+                    if not path.is_file() or entry.get("sha256", None) not in (None, file_digest(path)["sha256"]):
                         self.store.download(path.name, path)
                 stored_copy.replace(journal)
                 return
@@ -309,7 +305,7 @@ class OutputMirror:
         if not marker.is_file():
             return False
         stored = marker_store.sha256(marker.name)
-        if stored is not None and stored != file_sha256(marker):
+        if stored is not None and stored != file_digest(marker)["sha256"]:
             return False
         uploads = [] if stored is not None else [
             (store, path, digest) for store, path, digest in self._finished_files()
@@ -333,13 +329,13 @@ class OutputMirror:
         if self.file is not None:
             store, output = self.file
             listed = [errors_file(output), output]
-            return [(store, path, file_sha256(path)) for path in listed if path.is_file()]
+            return [(store, path, file_digest(path)["sha256"]) for path in listed if path.is_file()]
         manifest = self.folder / MANIFEST
         recorded = {entry.get("part"): entry.get("sha256") for entry in _entries(self.folder / JOURNAL)[1:]}
         files: list[tuple[S3Folder, Path, str]] = []
         for part in json.loads(manifest.read_text()).get("parts", []):
             path = self.folder / plain_part_name(part.get("file"), manifest)
-            digest = file_sha256(path) if path.is_file() else None
+            digest = file_digest(path)["sha256"] if path.is_file() else None
             if digest is None or (part.get("sha256") or recorded.get(path.name) or digest) != digest:
                 problem = "is missing" if digest is None else "has not the SHA-256 the job recorded"
                 raise InvalidInputError(f"{path} {problem}: the finished output here is damaged and {self.uri} "
@@ -347,7 +343,7 @@ class OutputMirror:
             files.append((self.store, path, digest))
         for path in (self.folder / JOURNAL, self.folder / ERRORS, manifest):
             if path.is_file():
-                files.append((self.store, path, file_sha256(path)))
+                files.append((self.store, path, file_digest(path)["sha256"]))
         return files
 
 

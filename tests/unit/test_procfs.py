@@ -78,6 +78,16 @@ def test_a_child_is_listed_with_its_arguments_then_as_a_zombie_then_not_at_all()
     assert child.pid not in [stat.pid for stat in procfs.children(os.getpid())]
 
 
+def test_alive_answers_for_any_pid_a_record_may_hold_and_without_proc(monkeypatch, tmp_path):
+    gone = _gone_pid()
+    assert procfs.alive(os.getpid()) and not procfs.alive(gone)
+    for not_a_process in (0, -1, 2**70):  # a lock file's or lease's pid is data: never a process group, no error
+        assert not procfs.alive(not_a_process)
+    monkeypatch.setattr(procfs, "PROC", tmp_path)  # /proc shows nothing (hidepid, not Linux): the kernel is asked
+    assert procfs.process_stat(os.getpid()) is None
+    assert procfs.alive(os.getpid()) and procfs.alive(1) and not procfs.alive(gone)
+
+
 def test_a_sleeping_child_says_where_it_waits():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
