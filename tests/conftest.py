@@ -41,6 +41,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 MODULE_SECONDS = {
     "export/test_optimize.py": 205,
+    "e2e/test_job_chaos.py": 120,
+    "e2e/test_snakemake_workflow.py": 80,
+    "e2e/test_job_object_storage.py": 70,
+    "e2e/test_transient_failures.py": 60,
     "e2e/test_serve_supervision.py": 190,
     "export/test_layer_states.py": 140,
     "e2e/test_encode_jobs.py": 110,
