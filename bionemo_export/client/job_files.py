@@ -246,18 +246,19 @@ def durable_replace(staging: Path, final: Path) -> None:
     """`staging` (written and closed) renamed to `final` so that a crash or a power cut leaves the old
     file or the whole new one, never a name that points at unwritten blocks: the file's data is
     fsynced before the rename, and the folder's entry after it."""
-    fd = os.open(staging, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(staging)
     os.replace(staging, final)
     fsync_folder(final.parent)
 
 
 def fsync_folder(folder: Path) -> None:
     """The folder's entries (a rename, a new file) on disk."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync(folder, os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int = 0) -> None:
+    """What was written to the file at `path` (a folder, with O_DIRECTORY) on disk."""
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
