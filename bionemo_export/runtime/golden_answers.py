@@ -6,7 +6,8 @@ A model served by Triton's own ONNX Runtime backend (`--backend native`, `platfo
 ready and compares the answers before it reports the repository as served: outside the tolerance,
 serve stops (or, with `--golden-check warn`, says so and serves). TensorRT engines are left out:
 they run at the precision their engine was built with, which the fp32 golden tolerance does not
-describe (`engines build` checks them against the graph on the GPU host).
+describe, and nothing checks their answers (`engines build` checks each engine's inputs and
+outputs against its config.pbtxt, not its answers).
 
     for found in served_golden_checks(repository, "grpc://127.0.0.1:8001"):
         if not found.passed: print(found.refusal())
