@@ -39,10 +39,17 @@ from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_
 from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
-from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, host_record, package_versions
+from bionemo_export.model_repository.manifest import (
+    Manifest,
+    checkpoint_digest,
+    host_record,
+    package_versions,
+    source_sha256,
+)
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
 from bionemo_export.model_repository.options import ServingOptions
+from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
@@ -517,8 +524,11 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                     raise BuildError(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")
                 plan = _plan(request, loaded, tasks, serving, graphs)
+                checkpoint = _checkpoint_record(request.checkpoint, loaded)
+                _stamp_source(plan, [checkpoint], request.precision)
                 plan.write(stage.repository)
-            manifest = _manifest(request, loaded, tasks, backend, serving, graphs, plan, stage.repository)
+            manifest = _manifest(request, loaded, tasks, backend, serving, graphs, plan, stage.repository,
+                                 checkpoint)
             findings = check_repository(stage.repository)
             if findings:  # a planner bug: what a server would refuse at load time, or fail on later
                 raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))
@@ -530,8 +540,9 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
 
 def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], backend: str,
               serving: ServingOptions, graphs: dict[str, ExportedGraph], plan: RepositoryPlan,
-              staging: Path, members: list[dict[str, Any]] | None = None) -> Manifest:
+              staging: Path, checkpoint: dict[str, Any], members: list[dict[str, Any]] | None = None) -> Manifest:
     """Write manifest.json into `staging`, where the rest of the repository is written already.
+    `checkpoint`: `_checkpoint_record`'s, the one the configs were stamped from (`_stamp_source`);
     `members`: an ensemble's checkpoint records, in order (`checkpoint` is then the first's)."""
     encoder = graphs["encoder"] if members is None else graphs[f"{member_label(1)}_encoder"]
     return Manifest(
@@ -541,7 +552,7 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
         tasks=list(tasks),
         public_models=[get_task(task).model(request.name) for task in tasks],
         models={m.name: m.description for m in plan.models},
-        checkpoint=members[0] if members else _checkpoint_record(request.checkpoint, loaded),
+        checkpoint=checkpoint,
         members=members,
         precision=request.precision,
         backend=backend,
@@ -563,8 +574,20 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
 
 
 def _checkpoint_record(path: Path, loaded: LoadedModel) -> dict[str, Any]:
-    """manifest.json's record of a checkpoint: its path, digest and the family's facts."""
+    """manifest.json's record of a checkpoint: its path, digest and the family's facts. Made once
+    per checkpoint and build (the digest reads every byte of it), for the manifest and the configs'
+    stamp alike."""
     return {"path": str(path.resolve()), "digest": checkpoint_digest(path), **loaded.description}
+
+
+def _stamp_source(plan: RepositoryPlan, checkpoints: list[dict[str, Any]], precision: str) -> None:
+    """Give every model of `plan` the SOURCE_SHA256 parameter (parameters.py): the digest of the
+    `checkpoints` records' digests (`_checkpoint_record`, in member order) and `precision`, so that
+    a repository rebuilt from another checkpoint under the same name serves other configs; a
+    client reads configs, never manifest.json. The consistency check compares it with the manifest."""
+    stamp = source_sha256([record["digest"] for record in checkpoints], precision)
+    for model in plan.models:  # a new dict: planners may share one parameters dict between models
+        model.parameters = {**model.parameters, SOURCE_SHA256: stamp}
 
 
 def _load(path: Path, request: BuildRequest) -> LoadedModel:
@@ -653,9 +676,10 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                     request.name, family=first.family.name, tokenizer=first.tokenizer, members=members,
                     head=_head(first), tasks=tasks, options=serving))
                 plan.validate()
+                _stamp_source(plan, records, request.precision)
                 plan.write(stage.repository)
             manifest = _manifest(request, first, tasks, backend, serving, graphs, plan, stage.repository,
-                                 members=records)
+                                 records[0], members=records)
             findings = check_repository(stage.repository)
             if findings:  # a planner bug: what a server would refuse at load time, or fail on later
                 raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))

@@ -11,7 +11,11 @@ reports, one line each:
 - what each backend's own rules find in its models (backends.py: `check_config`, `check_version`):
   an ONNX Runtime model whose default_model_filename is not its graph; TensorRT models whose
   `engine.json` profiles do not cover every shape the repository's other models can send them,
-  disagree with the graph, or are not all listed in the instance group.
+  disagree with the graph, or are not all listed in the instance group;
+- models of the manifest whose `source_sha256` parameter (parameters.py) is missing while others
+  carry it, or differs from the one manifest.json's checkpoint digests and precision give: a client
+  tells repositories apart by it, so it must say what the repository was built from. A repository
+  none of whose models carries it was built before the stamp (or by hand) and is not checked.
 
 The shapes callers can send are derived here from the configs and the manifest, not from the
 planner's own `ShapeRange`s, so that a planner mistake shows: batch up to the config's
@@ -35,6 +39,7 @@ from bionemo_export.tensors import TensorSpec
 from .backends import ServingBackend, graph_backend
 from .graph_io import GraphIO, graph_io
 from .manifest import MANIFEST_NAME, Manifest
+from .parameters import SOURCE_SHA256
 from .pbtxt import read_config
 from .plan import ModelPlan, PlanError, RepositoryPlan
 
@@ -79,11 +84,36 @@ def check_repository(root: Path) -> list[str]:
         RepositoryPlan(list(plans.values())).validate()
     except PlanError as err:
         findings.append(str(err))
+    findings += _check_source(root, plans)
     sizes = caller_sizes(root, plans)
     for name, plan in plans.items():
         backend = graph_backend(plan)
         if backend is not None:
             findings += _check_graph_model(root / name, plan, backend, sizes[name])
+    return findings
+
+
+def _check_source(root: Path, plans: dict[str, ModelPlan]) -> list[str]:
+    """The SOURCE_SHA256 stamp of the models manifest.json lists (every model when it lists none:
+    folders a user added beside a build's models are served, not checked) against the manifest's."""
+    manifest = Manifest.read(root) if (root / MANIFEST_NAME).is_file() else None
+    listed = [name for name in plans if manifest is None or not manifest.models or name in manifest.models]
+    stamps = {name: plans[name].parameters.get(SOURCE_SHA256) for name in listed}
+    if not any(stamps.values()):
+        return []
+    expected = manifest.source_sha256 if manifest is not None else None
+    if expected is None:
+        return [f"models carry a {SOURCE_SHA256} parameter, but {MANIFEST_NAME} records no checkpoint digest to "
+                "check it against: build the repository again with `bionemo-export build repo`"]
+    findings = []
+    for name, stamp in stamps.items():
+        if stamp is None:
+            findings.append(f"{name}: no {SOURCE_SHA256} parameter, which the repository's other models carry: "
+                            "build the repository again")
+        elif stamp != expected:
+            findings.append(f"{name}: {SOURCE_SHA256} {stamp} is not the {expected} that {MANIFEST_NAME}'s "
+                            "checkpoint digests and precision give: its config comes from another build; "
+                            "build the repository again")
     return findings
 
 

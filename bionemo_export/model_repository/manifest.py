@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import json
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +37,18 @@ def checkpoint_digest(path: Path) -> str:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     return "sha256:" + digest.hexdigest()
+
+
+def source_sha256(checkpoint_digests: Sequence[str], precision: str) -> str:
+    """What a repository serves, as one hex digest: the sha256 of its checkpoints' digests
+    (`checkpoint_digest`; an ensemble's members in order) and the precision its weights are stored
+    in. Every model a build writes carries it as the SOURCE_SHA256 config parameter
+    (parameters.py), which is how a client that sees configs only tells apart repositories built
+    from different checkpoints. Derived from digests already computed, so that a checkpoint is
+    read once per build; the same checkpoints and precision always give the same value."""
+    canonical = json.dumps({"checkpoints": list(checkpoint_digests), "precision": precision},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def package_versions() -> dict[str, str | None]:
@@ -122,6 +135,16 @@ class Manifest:
     def built_by_bionemo_export(self) -> bool:
         """The file names bionemo-export as its tool (hand-written manifests do not)."""
         return self.tool.get("name") == "bionemo-export"
+
+    @property
+    def source_sha256(self) -> str | None:
+        """The SOURCE_SHA256 parameter the repository's models carry when built from what this
+        manifest records (`source_sha256` of its checkpoint digests and precision); None when it
+        records no digest for its checkpoint or one of its members (a hand-written manifest)."""
+        records = self.members if self.members else [self.checkpoint]
+        digests = [record.get("digest") if isinstance(record, dict) else None for record in records]
+        known = [digest for digest in digests if isinstance(digest, str) and digest]
+        return source_sha256(known, self.precision) if known and len(known) == len(digests) else None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of manifest.json (`created` first; no `engines` key when none were built,

@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 from bionemo_export.build import BuildError, BuildRequest, build_repository, resolve_backend
 from bionemo_export.cli.main import app
 from bionemo_export.model_repository.encoder import ServingOptions
+from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, source_sha256
+from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.pbtxt import read_config
+from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 runner = CliRunner()
 
@@ -51,6 +54,37 @@ def test_native_build_writes_onnxruntime_configs_that_reference_the_graph(esm2_c
     assert manifest["verification"]["passed"]
     assert manifest["versions"]["onnxruntime"]
     assert result.models[-1] == "esm2nv_scores"
+
+
+def _configs(repository) -> dict[str, bytes]:
+    return {folder.name: (folder / "config.pbtxt").read_bytes()
+            for folder in sorted(repository.iterdir()) if (folder / "config.pbtxt").is_file()}
+
+
+def _stamps(repository) -> set[str]:
+    return {read_config(repository / name).parameters[SOURCE_SHA256].string_value for name in _configs(repository)}
+
+
+def test_every_config_names_the_checkpoint_and_a_rebuild_writes_the_same_bytes(esm2_checkpoint, esm2_repository,
+                                                                                 tmp_path):
+    """The configs are what a client sees of a repository (a bulk job's fingerprint hashes them):
+    they carry the checkpoint's digest, the same for the same checkpoint, another for another one."""
+    stamp = source_sha256([checkpoint_digest(esm2_checkpoint)], "fp32")
+    assert _stamps(esm2_repository) == {stamp} == {Manifest.read(esm2_repository).source_sha256}
+    # esm2_repository's own request again (graphs from the run's cache): every config byte for byte
+    again = build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm2nv",
+                                          out=tmp_path / "again", backend="python", optimize=False))
+    assert _configs(again.repository) == _configs(esm2_repository)
+
+    # Another checkpoint of the same architecture (test_ensemble_backends' second member: cached
+    # graphs in a full run) under the same name: nothing in the encoder's config but the stamp differs.
+    other = save_random_checkpoint("esm2", tmp_path / "other", seed=41)
+    rebuilt = build_repository(_request(other, tmp_path / "rebuilt", backend="python", tasks=("embeddings",)))
+    assert _stamps(rebuilt.repository) == {source_sha256([checkpoint_digest(other)], "fp32")} != {stamp}
+    encoders = [read_config(repository / "esm2nv_encoder") for repository in (esm2_repository, rebuilt.repository)]
+    for config in encoders:
+        del config.parameters[SOURCE_SHA256]
+    assert encoders[0] == encoders[1]
 
 
 def test_an_existing_repository_needs_force_and_is_replaced_whole(esm2_checkpoint, tmp_path):

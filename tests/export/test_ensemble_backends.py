@@ -2,7 +2,8 @@
 backend; tensorrt): built from two tiny random ESM-2 members, checked by the consistency rules a
 build applies (model_repository/consistency.py) and read back from config.pbtxt: one tokenizer
 shared by the members, each member's graphs on the backend's platform, the mean in Python. And an
-int8 ensemble, whose manifest records each member's accuracy cost."""
+int8 ensemble, whose manifest records each member's accuracy cost and whose configs name every
+member's checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.model_repository.consistency import check_repository
+from bionemo_export.model_repository.manifest import checkpoint_digest, source_sha256
+from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.pbtxt import read_config
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
@@ -50,3 +53,7 @@ def test_an_int8_ensemble_records_each_members_accuracy_cost(members, tmp_path):
     assert all(record["accuracy"]["precision"] == "int8" for record in records)
     assert records[0]["accuracy"] == result.manifest.accuracy  # the top level is member 1's
     assert records[0]["accuracy"] != records[1]["accuracy"]  # each measured on its own graphs
+    # Every model, members' and ensembles' alike, names both checkpoints in order and the precision.
+    stamp = source_sha256([checkpoint_digest(member) for member in members], "int8")
+    assert {read_config(result.repository / name).parameters[SOURCE_SHA256].string_value
+            for name in result.models} == {stamp} == {result.manifest.source_sha256}
