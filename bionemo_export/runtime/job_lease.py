@@ -32,14 +32,13 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NoReturn, Protocol
 
 from bionemo_export.client.job_lock import JobLockedError, Notice
 from bionemo_export.errors import UserError
 from bionemo_export.procfs import alive
 
-if TYPE_CHECKING:
-    from .job_storage import S3Folder
+from .object_storage import S3Location
 
 LEASE_SECONDS = 300.0
 """How long a lease lives unless renewed: how long the output of a run that died elsewhere stays locked."""
@@ -49,10 +48,24 @@ _UNSUPPORTED = {"NotImplemented", "501"}
 """What a store that has no conditional writes answers to one."""
 
 
+class LeaseFolder(Protocol):
+    """The folder of object storage the lease object lives in (job_storage.S3Folder, which imports
+    this module: named here by what the lease uses of it)."""
+
+    uri: str
+    location: S3Location
+    client: Any
+    """The boto3 S3 client of the folder's store."""
+
+    def fail(self, what: str, err: Exception) -> NoReturn:
+        """Raise the one-line error of a request to the store that failed."""
+        ...
+
+
 class S3Lease:
     """The lease object `name` in `store`, held for `seconds` at a time (see the module)."""
 
-    def __init__(self, store: S3Folder, name: str, notice: Notice, seconds: float = LEASE_SECONDS) -> None:
+    def __init__(self, store: LeaseFolder, name: str, notice: Notice, seconds: float = LEASE_SECONDS) -> None:
         self.store, self.name, self.notice, self.seconds = store, name, notice, seconds
         self.owner = uuid.uuid4().hex
         self.started = datetime.now(timezone.utc).isoformat(timespec="seconds")
