@@ -58,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from bionemo_export.digests import file_digest
 from bionemo_export.errors import InvalidInputError
-from bionemo_export.model_repository.integrity import file_digest
 
 from .memory import give_back_memory
 

@@ -19,14 +19,13 @@ What is checked:
 
 A repository without recorded digests (built before they were, or written by hand) is served with
 a one-line note, not refused. Sizes are compared first, so a truncated file costs no hashing;
-contents are hashed in 1 MiB reads (about 1 GB/s for sha256 on one core).
+contents are hashed in 1 MiB reads (digests.file_digest; about 1 GB/s for sha256 on one core).
 
 Standard library only: serve, verify and repo push run it on hosts without torch or protobuf.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -34,12 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from bionemo_export.digests import file_digest
 from bionemo_export.errors import UserError
 
 from .manifest import MANIFEST_NAME, Manifest, ManifestError
 
-CHUNK_BYTES = 1 << 20
-"""Bytes read at a time while hashing: large reads keep the hash, not the system calls, the cost."""
 FIX = "rebuild the repository or pass --no-check"
 """What to do about any problem: the record is the build's, so only a build (or opting out) helps."""
 
@@ -56,19 +54,6 @@ class IntegrityError(UserError, ValueError):
             message = (f"{len(problems)} files differ from what the build recorded:\n  " + "\n  ".join(problems)
                        + f"\n{FIX}")
         super().__init__(message)
-
-
-def file_digest(path: Path) -> dict[str, Any]:
-    """{"sha256": hex digest, "bytes": size} of one file, read in CHUNK_BYTES pieces."""
-    digest = hashlib.sha256()
-    size = 0
-    buffer = bytearray(CHUNK_BYTES)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:  # unbuffered: readinto fills our buffer directly
-        while count := handle.readinto(buffer):
-            digest.update(view[:count])
-            size += count
-    return {"sha256": digest.hexdigest(), "bytes": size}
 
 
 def _ignored(relative: PurePosixPath) -> bool:

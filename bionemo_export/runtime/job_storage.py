@@ -40,8 +40,8 @@ from typing import Any, NoReturn
 
 from bionemo_export.client.job_files import FORMATS, JOURNAL, MANIFEST, errors_file, plain_part_name, work_folder
 from bionemo_export.client.job_lock import Notice, OutputLease
+from bionemo_export.digests import file_digest
 from bionemo_export.errors import InvalidInputError
-from bionemo_export.model_repository.integrity import file_digest
 
 from .job_lease import LEASE_SECONDS, S3Lease
 
