@@ -389,18 +389,41 @@ def write_manifest(directory: Path, metadata: dict[str, Any], parts: Sequence[tu
     durable_replace(staging, directory / MANIFEST)
 
 
+RAGGED_VALUES_READ = 8 << 20
+"""Per-residue or contact values read back at once at most (32 MB as fp32), whatever `rows` says:
+a part of 1,024 proteins of 1,000 residues at width 1,280 holds 1.3G values."""
+
+
+def hdf5_chunks(path: Path, rows: int = 1024, values: int = RAGGED_VALUES_READ) -> Iterator[Chunk]:
+    """A part or an .h5 output as chunks of at most `rows` records and `values` ragged values (a
+    record larger than that comes alone), one chunk in memory at a time."""
+    with h5py_module().File(path, "r") as handle:
+        total = handle["ids"].shape[0]
+        sizes = None  # ragged values up to the end of each record (the pointers are n int64s: small)
+        if "embedding_ptr" in handle:
+            sizes = handle["embedding_ptr"][()] * int(np.prod(handle["embedding"].shape[1:]))
+        if "contacts_ptr" in handle:
+            sizes = handle["contacts_ptr"][()] + (0 if sizes is None else sizes)
+        start = 0
+        while start < total:
+            end = min(start + rows, total)
+            if sizes is not None:
+                before = int(sizes[start - 1]) if start else 0
+                fits = int(np.searchsorted(sizes, before + values, side="right"))
+                end = max(start + 1, min(end, fits))
+            yield _read_hdf5_rows(handle, start, end)
+            start = end
+
+
 def output_chunks(path: Path, rows: int = 1024) -> Iterator[Chunk]:
     """A finished job's output (a directory of parts, an .h5 or a .parquet file) as chunks of at
     most `rows` records, in its order, one chunk in memory at a time."""
     if path.is_dir():
         manifest = json.loads((path / MANIFEST).read_text())
         for part in manifest["parts"]:
-            yield read_part(path / plain_part_name(part.get("file"), path / MANIFEST))
+            yield from hdf5_chunks(path / plain_part_name(part.get("file"), path / MANIFEST), rows)
     elif FORMATS.get(path.suffix) == "hdf5":
-        with h5py_module().File(path, "r") as handle:
-            total = handle["ids"].shape[0]
-            for start in range(0, total, rows):
-                yield _read_hdf5_rows(handle, start, min(start + rows, total))
+        yield from hdf5_chunks(path, rows)
     else:
         import pyarrow.parquet as pq
 

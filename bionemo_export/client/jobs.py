@@ -66,13 +66,13 @@ from .job_files import (
     durable_replace,
     errors_file,
     file_identity,
+    hdf5_chunks,
     metadata_file,
     parquet_column,
     part_name,
     part_problem,
     read_digests,
     read_metadata,
-    read_part,
     read_rows,
     sequence_digest,
     work_folder,
@@ -560,9 +560,9 @@ class EncodeJob:
                 self.mirror.finished()
             return
         if FORMATS[self.output.suffix] == "hdf5":
-            write_hdf5(map(read_part, parts), self.output, metadata, dtype)
+            write_hdf5(_records_of(parts), self.output, metadata, dtype)
         else:
-            write_parquet(map(read_part, parts), self.output, metadata, dtype)
+            write_parquet(_records_of(parts), self.output, metadata, dtype)
         if self.mirror is not None:
             self.mirror.finished()
         shutil.rmtree(self.work)
@@ -635,6 +635,13 @@ def _adopted(journal: Journal, fingerprint: dict[str, Any], notice: Notice) -> d
 def _config_sha256(client: Inferrer, model: str) -> str:
     """The SHA-256 of the configuration the server serves `model` with (a run's fingerprint)."""
     return hashlib.sha256(json.dumps(client.model_config(model), sort_keys=True).encode()).hexdigest()
+
+
+def _records_of(parts: list[Path]) -> Iterator[Chunk]:
+    """The parts' records in order, a slice of a part at a time (a single-file output is written
+    within the same memory as the parts were)."""
+    for part in parts:
+        yield from hdf5_chunks(part)
 
 
 def _chunks(records: Iterator[Record], size: int) -> Iterator[list[Record]]:

@@ -15,6 +15,7 @@ from bionemo_export.client.job_files import (
     SeenSequences,
     durable_replace,
     h5py_module,
+    hdf5_chunks,
     output_chunks,
     part_name,
     part_problem,
@@ -58,6 +59,20 @@ def test_a_part_round_trips_ragged_and_reads_single_rows(tmp_path):
     np.testing.assert_array_equal(one.residues[0], chunk.residues[2])
     np.testing.assert_array_equal(one.pooled["max"], chunk.pooled["max"][2:3])
     assert [p.name for p in tmp_path.iterdir()] == ["part.h5"]  # written beside, then renamed
+
+
+def test_a_part_is_read_back_in_slices_bounded_by_its_ragged_values(tmp_path):
+    """Records of 3, 1, 5, 2 and 6 residues (width 4) read with at most 16 values a slice: [3],
+    [1], [5] ... each alone where two would not fit, a record over the bound alone, nothing lost."""
+    chunk = _chunk(0, [3, 1, 5, 2, 6])
+    write_part(tmp_path / "part.h5", chunk, np.dtype(np.float32))
+    slices = list(hdf5_chunks(tmp_path / "part.h5", rows=4, values=16))
+    assert [s.ids for s in slices] == [["r0", "r1"], ["r2"], ["r3"], ["r4"]]
+    assert chunk.residues is not None
+    back = [r for s in slices for r in s.residues or []]
+    for got, want in zip(back, chunk.residues, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert [s.ids for s in hdf5_chunks(tmp_path / "part.h5", rows=2)] == [["r0", "r1"], ["r2", "r3"], ["r4"]]
 
 
 def test_parts_merge_into_one_file_without_padding(tmp_path):
