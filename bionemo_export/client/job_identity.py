@@ -1,16 +1,21 @@
 """What a bulk job knows of the repository its servers serve, so that a resume never mixes two models.
 
 A Triton server lets a client read each model's configuration, not the repository's files: the
-manifest's digests stay on the serving host. So a job identifies what it is answered by twice:
+manifest stays on the serving host. So a job identifies what answers it by what the configurations say:
 
 - `repository_sha256` (in the run's fingerprint): the SHA-256 of the configurations of the models
   it asks and of every model they call (an ensemble's steps, a Python model's `bls_models`): a
-  repository rebuilt with another layout, backend, batch size or tokenizer is another job.
+  repository rebuilt with another layout, backend, batch size or tokenizer is another job. Every
+  configuration a build writes carries `source_sha256` (the digest of the checkpoints manifest.json
+  records, and the precision: model_repository/parameters.py), so a repository rebuilt from another
+  checkpoint under the same names is another job too; the asked model's stamp is also a key of its
+  own in the fingerprint, so that the refusal names it. The parameter serve's supervisor adds when it
+  reloads a model (`supervisor_generation`) is left out: a reload is the same repository.
 - `probe answers` (in the journal's notes, compared within a tolerance): what each asked model
   answers for one record of the input (the first with a sequence, whatever the shard), reduced to
-  PROBE_VALUES values. The configuration of a repository rebuilt from another checkpoint of the
-  same architecture is the same; its answers are not. A tolerance, not a digest: the same weights
-  answer with float differences on another host or after a restart.
+  PROBE_VALUES values: for repositories built before the stamp, whose configurations are the same
+  whatever checkpoint they were built from. A tolerance, not a digest: the same weights answer with
+  float differences on another host or after a restart.
 
 Every server of a job is asked at start, and servers that serve different repositories are refused
 then, naming them.
@@ -39,6 +44,11 @@ PROBE_COSINE = 0.999
 are ~1e-6 relative; two random or trained checkpoints' answers differ at the first digit)."""
 CALLS = "bls_models"
 """The config parameter naming the models a Python model calls (model_repository/parameters.BLS_MODELS)."""
+SOURCE = "source_sha256"
+"""The config parameter naming what a repository was built from (model_repository/parameters.SOURCE_SHA256)."""
+RELOADED = "supervisor_generation"
+"""The config parameter serve's supervisor sets on a model it reloads (runtime/supervisor.GENERATION):
+not part of what the repository is."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +76,30 @@ def repository_sha256(client: Inferrer, models: Sequence[str]) -> str:
         model = waiting.pop()
         if model in configs:
             continue
-        config = configs[model] = client.model_config(model)
+        config = configs[model] = _as_built(client.model_config(model))
         steps = (config.get("ensemble_scheduling") or {}).get("step", [])
         waiting += [step["model_name"] for step in steps if "model_name" in step]
         called = ((config.get("parameters") or {}).get(CALLS) or {}).get("string_value", "")
         waiting += [name.strip() for name in called.split(",") if name.strip()]
     return hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()
+
+
+def _as_built(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` without what serving added to it (RELOADED)."""
+    parameters = config.get("parameters") or {}
+    if RELOADED not in parameters:
+        return config
+    return {**config, "parameters": {k: v for k, v in parameters.items() if k != RELOADED}}
+
+
+def config_sha256(client: Inferrer, model: str) -> str:
+    """The SHA-256 of the configuration the server serves `model` with, as built (a run's fingerprint)."""
+    return hashlib.sha256(json.dumps(_as_built(client.model_config(model)), sort_keys=True).encode()).hexdigest()
+
+
+def source_sha256(client: Inferrer, model: str) -> str | None:
+    """The `source_sha256` stamp `model` is served with; None for a repository built before it."""
+    return ((client.model_config(model).get("parameters") or {}).get(SOURCE) or {}).get("string_value")
 
 
 def probe_answers(client: Inferrer, asked: Sequence[Asked], probe: Record) -> dict[str, Any]:

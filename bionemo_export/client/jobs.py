@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import shutil
 import time
 from collections import Counter
@@ -80,7 +79,7 @@ from .job_files import (
     write_manifest,
     write_parquet,
 )
-from .job_identity import Asked, answers_differ, served_identity
+from .job_identity import Asked, answers_differ, config_sha256, served_identity, source_sha256
 from .job_lock import LOCK_FILE, LocalOutputLock, Notice, OutputLease
 from .memory import give_back_memory, map_large_blocks
 from .pooling import CONTACTS, Include, served_contacts_model
@@ -277,14 +276,15 @@ class EncodeJob:
         """What makes two runs the same run: a resume must match it. `repository`: job_identity's
         repository_sha256 of what the servers serve."""
         identity = file_identity(self.input)
-        fingerprint = {"model": self.model, "model_config_sha256": _config_sha256(client, self.model),
+        fingerprint = {"model": self.model, "model_config_sha256": config_sha256(client, self.model),
                        "input": self.source or str(self.input.resolve()), "input_bytes": identity["bytes"],
                        "input_head_sha256": identity["head_sha256"],
                        "shard": f"{self.shard[0]}/{self.shard[1]}", "chunk_size": self.chunk_size,
                        "precision": self.precision, "in_name": self.in_name, "sequence_column": self.sequence_column,
-                       "id_column": self.id_column, "include": include.text(), "repository_sha256": repository}
+                       "id_column": self.id_column, "include": include.text(), "repository_sha256": repository,
+                       "source_sha256": source_sha256(client, self.model)}
         if include.contacts:  # only then: the fingerprints of jobs without maps stay what they were
-            fingerprint["contacts_model_config_sha256"] = _config_sha256(client, self.contacts_model)
+            fingerprint["contacts_model_config_sha256"] = config_sha256(client, self.contacts_model)
         return fingerprint
 
     def run(self, client: Inferrer) -> JobSummary:
@@ -615,7 +615,7 @@ class _InputDigest:
             self.sha256.update(block)
 
 
-ADDED_KEYS = ("repository_sha256",)
+ADDED_KEYS = ("repository_sha256", "source_sha256")
 """Fingerprint keys this version added: a journal of an earlier version without them is resumed."""
 
 
@@ -630,11 +630,6 @@ def _adopted(journal: Journal, fingerprint: dict[str, Any], notice: Notice) -> d
         journal.fingerprint = fingerprint
         journal.keep(len(journal.parts))
     return fingerprint
-
-
-def _config_sha256(client: Inferrer, model: str) -> str:
-    """The SHA-256 of the configuration the server serves `model` with (a run's fingerprint)."""
-    return hashlib.sha256(json.dumps(client.model_config(model), sort_keys=True).encode()).hexdigest()
 
 
 def _records_of(parts: list[Path]) -> Iterator[Chunk]:

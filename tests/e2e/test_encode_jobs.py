@@ -433,9 +433,10 @@ def test_a_damaged_part_is_written_again_on_resume(server, tmp_path):
 
 def test_a_repository_rebuilt_from_another_checkpoint_is_refused_on_resume(server, esm2_repository, triton_install,
                                                                           tmp_path):
-    """The same name, layout and configuration, another checkpoint's weights: the job started on the
-    first repository refuses to go on against the second (its parts hold the first model's answers),
-    and a job given both servers at once is refused at start, naming them."""
+    """The same name and layout, another checkpoint's weights (the configurations differ in their
+    source_sha256 stamp alone): the job started on the first repository refuses to go on against
+    the second (its parts hold the first model's answers), naming the stamp, and a job given both
+    servers at once is refused at start, naming them."""
     from bionemo_export.build import BuildRequest, build_repository
     from bionemo_export.testing.checkpoints import save_random_checkpoint
 
@@ -450,10 +451,11 @@ def test_a_repository_rebuilt_from_another_checkpoint_is_refused_on_resume(serve
     with TritonServer(other, install=triton_install, log_file=tmp_path / "rebuilt.log") as rebuilt:
         with TritonClient(_url(rebuilt)) as client, pytest.raises(ValueError) as refused:
             job.run(client)
-        assert "answers esm2nv_embeddings otherwise than when this job started" in str(refused.value)
+        said = " ".join(str(refused.value).split())
+        assert "is the journal of another run" in said and "source_sha256 was" in said, said
         both = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "-i", str(tmp_path / "in.fasta.gz"),
                                    "--output", str(tmp_path / "both.h5"), "--triton-url", _url(server),
                                    "--triton-url", _url(rebuilt)])
-    assert both.exit_code == 1 and f"--triton-url {_url(rebuilt)} answers esm2nv_embeddings otherwise than " \
-        f"{_url(server)}" in " ".join(both.output.split()), both.output
+    assert both.exit_code == 1 and f"--triton-url {_url(rebuilt)} serves esm2nv_embeddings with other configurations " \
+        f"than {_url(server)}" in " ".join(both.output.split()), both.output
     assert not (tmp_path / "both.h5.parts").exists()  # refused before anything was written
