@@ -13,7 +13,6 @@ first server is killed (SIGKILL, not a clean stop) once a third of the parts are
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import signal
@@ -34,20 +33,12 @@ from benchmarks.job_throughput import build_repository  # noqa: E402
 from bionemo_export import procfs  # noqa: E402
 from bionemo_export.client.job_files import JOURNAL  # noqa: E402
 from bionemo_export.runtime import TritonServer  # noqa: E402
-
-AMINO_ACIDS = np.frombuffer(b"ACDEFGHIKLMNPQRSTVWY", dtype="S1")
+from tests.helpers.job_inputs import write_proteins  # noqa: E402
 
 
 def dataset(path: Path, count: int, seed: int = 0) -> None:
-    """`count` proteins, one in 17 a repeat, one with a character ESM-2 refuses."""
-    rng = np.random.default_rng(seed)
-    records = [(f"p{i:05d}", AMINO_ACIDS[rng.integers(0, 20, size=int(n))].tobytes().decode())
-               for i, n in enumerate(rng.integers(5, 120, size=count))]
-    for i in range(7, count, 17):
-        records[i] = (records[i][0], records[i // 3][1])
-    records[count // 2] = ("bad_char", "MKTJAK")
-    with gzip.open(path, "wt") as handle:
-        handle.write("".join(f">{i}\n{s}\n" for i, s in records))
+    """`count` proteins of 5-119 residues, one in 17 a repeat, one with a character ESM-2 refuses."""
+    write_proteins(path, count, seed, longest=120)
 
 
 def lines(path: Path) -> int:

@@ -4,7 +4,6 @@ killed with SIGKILL at random points resumes to exactly the uninterrupted result
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ from bionemo_export.client import RepositoryClient, TritonClient
 from bionemo_export.client.job_files import JOURNAL, read_part
 from bionemo_export.client.jobs import EncodeJob
 from bionemo_export.runtime import TritonServer
+from tests.helpers.job_inputs import write_proteins
 
 runner = CliRunner()
 AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
@@ -42,15 +42,7 @@ def _url(server) -> str:
 
 def _dataset(path, count: int, seed: int = 0) -> list[tuple[str, str]]:
     """A gzipped FASTA of `count` proteins, some repeated, one with a character ESM-2 refuses."""
-    rng = np.random.default_rng(seed)
-    records = [(f"p{i:05d}", "".join(rng.choice(list(AMINO_ACIDS), size=int(n))))
-               for i, n in enumerate(rng.integers(5, 60, size=count))]
-    for i in range(7, count, 17):  # repeats of earlier sequences, under their own ids
-        records[i] = (records[i][0], records[i // 3][1])
-    records[count // 2] = ("bad_char", "MKTJAK")
-    with gzip.open(path, "wt") as handle:
-        handle.write("".join(f">{i} description\n{s}\n" for i, s in records))
-    return records
+    return write_proteins(path, count, seed)
 
 
 def _h5(path) -> Any:

@@ -12,7 +12,6 @@ record); and no traceback from any of the runs.
 
 from __future__ import annotations
 
-import gzip
 import os
 import signal
 import subprocess
@@ -26,9 +25,9 @@ import pytest
 
 from bionemo_export.client.job_files import JOURNAL, output_chunks
 from bionemo_export.runtime import TritonServer
+from tests.helpers.job_inputs import write_proteins
 
 POINTS = int(os.environ.get("BIONEMO_EXPORT_CHAOS_POINTS", "20"))
-AMINO_ACIDS = "ACDEFGHIKLMNPQRSTVWY"
 KINDS = ("kill", "kill", "twin", "kill-truncate", "restart")
 """The disruptions, drawn in turn (a kill is the commonest thing that happens to a job)."""
 
@@ -38,18 +37,6 @@ def server(esm2_repository, tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("chaos")
     with TritonServer(esm2_repository, install=triton_install, log_file=work / "server.log") as running:
         yield running
-
-
-def _dataset(path: Path, count: int, seed: int) -> None:
-    """A gzipped FASTA of `count` proteins, some repeated, one with a character ESM-2 refuses."""
-    rng = np.random.default_rng(seed)
-    records = [(f"p{i:05d}", "".join(rng.choice(list(AMINO_ACIDS), size=int(n))))
-               for i, n in enumerate(rng.integers(5, 60, size=count))]
-    for i in range(7, count, 17):
-        records[i] = (records[i][0], records[i // 3][1])
-    records[count // 3] = ("bad_char", "MKTJAK")
-    with gzip.open(path, "wt") as handle:
-        handle.write("".join(f">{i}\n{s}\n" for i, s in records))
 
 
 @dataclass
@@ -98,7 +85,7 @@ def _truncate_last_part(folder: Path) -> bool:
 
 
 def test_a_job_survives_kills_twin_runs_damaged_parts_and_a_restarted_server(server, tmp_path):
-    _dataset(tmp_path / "in.fasta.gz", 1000, seed=11)
+    write_proteins(tmp_path / "in.fasta.gz", 1000, seed=11, bad_at=333)
     base = [sys.executable, "-m", "bionemo_export.cli.main", "client", "encode", "-m", "esm2nv_embeddings",
             "-i", str(tmp_path / "in.fasta.gz"), "--chunk-size", "8", "--batch-size", "4", "--in-flight", "1",
             "--triton-url", f"grpc://{server.endpoints.grpc_url}"]
