@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,7 +23,11 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 def local_s3(bucket: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """A moto S3 server on a free loopback port holding the empty `bucket`; yields its endpoint
     (http://127.0.0.1:PORT). While it runs, the environment holds its dummy credentials (and `env`),
-    so the processes a test starts meanwhile (serve, tritonserver) find them."""
+    so the processes a test starts meanwhile (serve, tritonserver) find them.
+
+    moto keeps its buckets in the process, not in the server: a module's server would find what an
+    earlier module of the same pytest worker stored (a finished job under the same key, which a
+    job then takes for its own). So the store is reset as it starts: every module's is empty."""
     port = free_ports(1)[0]
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request would bury a failure's report
     store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -34,6 +39,7 @@ def local_s3(bucket: str, env: dict[str, str] | None = None) -> Iterator[str]:
         store.start()
         try:
             endpoint = f"http://127.0.0.1:{port}"
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")).close()
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
             yield endpoint
         finally:
