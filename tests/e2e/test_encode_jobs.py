@@ -384,7 +384,14 @@ def test_two_runs_started_at_once_on_one_output_one_refuses_naming_the_holder(se
     while _lines(journal) < 2 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert first.poll() is None, "the first run ended before the second started"
-    second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    # Held still while the second starts (a stopped process keeps its lock): 200 records take the
+    # first run about 2 s, less than the second's start-up took once under CI's load (it then found
+    # the job finished and exited 3).
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
     said = " ".join((second.stdout + second.stderr).split())
     assert second.returncode == 2, said
     assert f"held by pid {first.pid} on host" in said and f"kill {first.pid}" in said and "Traceback" not in said

@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,15 @@ def shm_prefix(server_pid: int) -> str:
 
 # -- serve as a real process --------------------------------------------------------------------
 
+def model_ready(http: int, model: str) -> bool:
+    """Whether the model's ready endpoint answers 200."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 @dataclass
 class Serve:
     process: subprocess.Popen
@@ -81,6 +92,27 @@ class Serve:
             assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
             assert time.monotonic() < deadline, f"serve never printed any of {markers!r}:\n{self.text()}"
             time.sleep(0.1)
+
+    def settle(self, model: str, timeout: float = 180, quiet: float = 3.0) -> None:
+        """Wait until every tritonserver restart serve began has ended, `model` says ready and
+        serve has printed nothing for `quiet` seconds (a reload the supervisor started is over):
+        tests sharing one serve process each start from a server at rest, whatever the one before
+        left behind (measured in CI: a restart begun during one test refused the next one's first
+        request)."""
+        begun = ("serve: restarting tritonserver on the same ports", "serve: tritonserver exited unexpectedly")
+        ended = ("serve: tritonserver is ready again", "serve: starting tritonserver again failed")
+        deadline = time.monotonic() + timeout
+        last, since = self.text(), time.monotonic()
+        while True:
+            assert self.process.poll() is None, f"serve exited with {self.process.returncode}:\n{self.text()}"
+            text = self.text()
+            if text != last:
+                last, since = text, time.monotonic()
+            restarting = sum(map(text.count, begun)) > sum(map(text.count, ended))
+            if not restarting and time.monotonic() - since >= quiet and model_ready(self.http, model):
+                return
+            assert time.monotonic() < deadline, f"serve never settled within {timeout:g} s:\n{text}"
+            time.sleep(0.2)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL for serve and (by the parent-death signal) its server."""
