@@ -71,32 +71,40 @@ class LoadWatch:
     server that no look explains (a stub killed within milliseconds of starting, before any look
     saw it: found by CI).
 
-    The stubs that were already dead when the load began are the old instances the load replaces:
-    Triton ends them during the load and reaps their stubs when no request failed on them, which
-    moves the reaped count. That is expected, not a stub lost: the count is taken afresh once a look
-    sees them gone. (Found under a CPU quota: the reap of the two killed stubs, and a load that then
-    took over LOST_STUB_GRACE_S to return, restarted tritonserver instead of finishing the reload.)"""
+    The model's stubs when the load began (`old`: its live instances, and every zombie stub of the
+    server) belong to the instances the load replaces or to ones Triton already keeps: Triton ends the
+    live ones once the new instances are in (a reload that gives back shared memory: found in CI, where
+    their exit restarted tritonserver), and reaps them, and the dead ones when no request failed on
+    them, which moves the reaped count. That is the reload working, not a stub lost: an old stub may
+    turn zombie, and once a look sees one reaped the count is taken afresh. (Found under a CPU quota:
+    the reap of the two killed stubs, and a load that then took over LOST_STUB_GRACE_S to return,
+    restarted tritonserver instead of finishing the reload.)"""
 
-    live_before: set[int]
-    """The model's live stubs when the load began."""
-    dead_before: set[int]
-    """Every zombie stub of the server when the load began."""
+    old: set[int]
+    """The model's live stubs and every zombie stub of the server when the load began."""
     reaped_before: int
-    """reaped_children when the load began."""
+    """reaped_children when the load began (taken afresh when an old stub is reaped)."""
     new: set[int] = field(default_factory=set)
     """Stubs of the model seen alive since the load began."""
+    reason: str = ""
+    """What the look that found a stub lost saw."""
 
     def stub_lost(self, reaped_then: int, live: set[int], dead: set[int], reaped_now: int) -> bool:
         """One look: the reaped count read before the stubs (`reaped_then`), the model's live stubs
         and the server's zombie stubs, and the count read after (`reaped_now`)."""
-        old_reaped = bool(self.dead_before - dead)
+        old_reaped = self.old - live - dead
         if old_reaped:  # old instances' stubs reaped: their count is the new baseline
-            self.dead_before &= dead
+            self.old -= old_reaped
             self.reaped_before = reaped_now
-        lost = not old_reaped and (bool(self.new - live) or bool(dead - self.dead_before)
-                                   or reaped_then != self.reaped_before)
-        self.new |= live - self.live_before
-        return lost
+        self.new |= live - self.old
+        if old_reaped:
+            return False
+        gone, turned_zombie = self.new - live - dead, dead - self.old
+        if gone or turned_zombie:
+            self.reason = f"stub {min(gone | turned_zombie)} of the new instances ended"
+        elif reaped_then != self.reaped_before:
+            self.reason = "the server reaped a child no look saw (a stub killed as it started)"
+        return bool(self.reason)
 
 
 def pending_requests(metrics_url: str, timeout: float = 5.0) -> dict[str, int]:
@@ -377,8 +385,8 @@ class Supervisor:
         def reaped() -> int:
             return reaped_children(self.server_pid) if self.server_pid else 0
 
-        before, dead_before = stubs()
-        watch = LoadWatch(before, dead_before, reaped())
+        live, dead = stubs()
+        watch = LoadWatch(live | dead, reaped())
         outcome: list[BaseException | None] = []
 
         def load() -> None:
@@ -406,8 +414,8 @@ class Supervisor:
                 if watch.stub_lost(reaped_then, live, dead, reaped()):
                     lost_at = now
             if lost_at is not None and now - lost_at > LOST_STUB_GRACE_S:
-                self.recycle_reason = (f"a stub died while {model} loaded; Triton 2.51 never finishes such a "
-                                       "load, restarting tritonserver does")
+                self.recycle_reason = (f"a stub died while {model} loaded ({watch.reason}); Triton 2.51 never "
+                                       "finishes such a load, restarting tritonserver does")
                 return False
             if now > deadline:
                 self.recycle_reason = (f"loading {model} did not finish within {self.load_timeout:g} s; "

@@ -167,7 +167,7 @@ def test_the_reload_reaping_the_stubs_it_replaces_is_not_a_lost_stub():
     moves, and that is the reload working, not a stub lost (it once restarted tritonserver)."""
     from bionemo_export.runtime.supervisor import LoadWatch
 
-    watch = LoadWatch(live_before=set(), dead_before={11, 12}, reaped_before=100)
+    watch = LoadWatch(old={11, 12}, reaped_before=100)
     assert not watch.stub_lost(100, {21}, {11, 12}, 100)
     assert not watch.stub_lost(100, {21, 22}, {12}, 140)  # 11 reaped between the two reads
     assert not watch.stub_lost(140, {21, 22}, {12}, 140)
@@ -184,6 +184,24 @@ def test_the_reload_reaping_the_stubs_it_replaces_is_not_a_lost_stub():
 def test_a_stub_dying_during_the_load_is_lost(look):
     from bionemo_export.runtime.supervisor import LoadWatch
 
-    watch = LoadWatch(live_before=set(), dead_before=set(), reaped_before=100)
+    watch = LoadWatch(old=set(), reaped_before=100)
     assert not watch.stub_lost(100, {21, 22}, set(), 100)
     assert watch.stub_lost(*look)
+    assert watch.reason
+
+
+def test_the_live_instances_a_reload_replaces_ending_is_not_a_lost_stub():
+    """Finding (CI): a reload that gives back an idle model's shared memory replaces live
+    instances (stubs 11, 12); Triton ends them as the new ones (21, 22) come in. Their turning zombie
+    and being reaped is the reload working; it once restarted tritonserver. A new stub ending after
+    that is still lost."""
+    from bionemo_export.runtime.supervisor import LoadWatch
+
+    watch = LoadWatch(old={11, 12}, reaped_before=100)
+    assert not watch.stub_lost(100, {11, 12, 21}, set(), 100)
+    assert not watch.stub_lost(100, {12, 21, 22}, {11}, 100)  # 11 ended: a zombie
+    assert not watch.stub_lost(100, {21, 22}, {11}, 130)  # 12 reaped at once
+    assert not watch.stub_lost(130, {21, 22}, set(), 160)  # 11 reaped
+    assert not watch.stub_lost(160, {21, 22}, set(), 160)
+    assert watch.stub_lost(160, {21}, set(), 160)  # the new 22 ended: lost
+    assert "22" in watch.reason
