@@ -30,6 +30,7 @@ from bionemo_export.errors import UserError, reason
 from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
+from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from bionemo_export.generation.reference import decoder_check_batches
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
@@ -93,7 +94,10 @@ class BuildRequest:
     max_decode_length: int | None = None
     """Decoding families: most tokens a decode produces (default: the model's limit)."""
     precision: str = Precision.FP32
-    """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); fp16 (GPU hosts)."""
+    """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); int8w, int4 (weight-only,
+    CPU: exporters/optimize/weight_only.py); fp16 (GPU hosts)."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """int8w, int4: weights per quantization block along the reduction axis (weight_only.BLOCK_SIZES)."""
     optimize: bool = True
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
     check_memory: bool = True
@@ -152,6 +156,9 @@ def _check_request(request: BuildRequest) -> None:
         seen[checkpoint.resolve()] = number
     if request.precision not in tuple(Precision):
         raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}")
+    if request.block_size not in BLOCK_SIZES:
+        raise BuildError(f"`block_size` {request.block_size}: choose one of {', '.join(map(str, BLOCK_SIZES))} "
+                         "(weights per quantization block of int8w and int4)")
     if request.exporter not in tuple(Exporter):
         raise BuildError(f"`exporter` {request.exporter!r}: choose one of {', '.join(Exporter)}")
 
@@ -214,7 +221,7 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                   family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
                   optimize: bool = True, num_heads: int | None = None,
                   hidden_size: int | None = None, picks_cpu_graph: bool = True,
-                  cache: GraphCache | None = None) -> ExportedGraph:
+                  cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
@@ -264,9 +271,9 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
         int8 = verified_int8_graphs(module, exported.path, report, work, batches, one_graph=not picks_cpu_graph,
                                     log=log, **settings)
         chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
-    else:
+    else:  # fp32, fp16, and the weight-only int8w / int4 (block_size: theirs)
         chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
-                                     **settings)
+                                     block_size=block_size, **settings)
     verification = GraphVerification(chosen.report, exported.path, chosen.record.precision,
                                      unoptimized=report if chosen.path != exported.path else None,
                                      no_vnni=no_vnni.report if no_vnni else None)
@@ -379,7 +386,8 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                              picks_cpu_graph=picks_cpu_graph,
-                             cache=GraphCache(request.graph_cache) if request.graph_cache else None)
+                             cache=GraphCache(request.graph_cache) if request.graph_cache else None,
+                             block_size=request.block_size)
 
     # Reduced precision applies to the encoder's graph, graph optimization to it and the layers
     # graph; the others are stored as exported in fp32 (see GRAPH_EXPORTS).
@@ -498,9 +506,9 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
         serving = dataclasses.replace(request.serving, backend=backend)
     except ValueError as err:  # a device or layout the backend cannot serve
         raise BuildError(str(err)) from err
-    if request.precision == "int8" and not serving.serving_backend.stores_cpu_optimized_graphs:
-        raise BuildError("`precision` int8 is ONNX Runtime's CPU quantization; on `device` gpu use fp16 "
-                         "(`backend` tensorrt builds fp16 engines by default)")
+    if Precision(request.precision).quantized and not serving.serving_backend.stores_cpu_optimized_graphs:
+        raise BuildError(f"`precision` {request.precision} is ONNX Runtime's CPU quantization; on `device` gpu use "
+                         "fp16 (`backend` tensorrt builds fp16 engines by default)")
 
     if request.members:
         return _build_ensemble(request, backend, serving, progress)
@@ -565,7 +573,7 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
                                                         if loaded.seq2seq else None),
         verification={"passed": True,
                       "graphs": {name: graph.verification.to_dict() for name, graph in graphs.items()}},
-        accuracy=AccuracyRecord(request.precision, encoder.verification).to_dict(),
+        accuracy=AccuracyRecord(request.precision, encoder.verification, encoder.record.optimization).to_dict(),
         versions=package_versions(),
         build_host=host_record(),
         # Last, once every other file is written: serve and verify compare the files with these.
@@ -669,8 +677,9 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                 assert first is not None  # request.checkpoints holds two at least
                 if request.precision != Precision.FP32:  # each member's cost (manifest `accuracy`: member 1's)
                     for record in records:
-                        record["accuracy"] = AccuracyRecord(
-                            request.precision, graphs[f"{record['member']}_encoder"].verification).to_dict()
+                        member = graphs[f"{record['member']}_encoder"]
+                        record["accuracy"] = AccuracyRecord(request.precision, member.verification,
+                                                            member.record.optimization).to_dict()
                 progress(f"writing the repository ({backend} backend): {count} members")
                 plan = RepositoryPlan(plan_member_ensemble(
                     request.name, family=first.family.name, tokenizer=first.tokenizer, members=members,

@@ -22,3 +22,16 @@ def session_options() -> ort.SessionOptions:
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
+
+
+def served_session_options(level: str, threads: int) -> ort.SessionOptions:
+    """The options a served Python-backend model opens its graph with (serving/onnx_session.py's
+    create_session, which copies nothing from here: it is copied into repositories): `level` (an
+    ORT_* GraphOptimizationLevel name: the config's graph_optimization_level), `threads` intra-op
+    threads, one inter-op thread, idle threads asleep, no memory arena. A quantized graph is checked
+    under these at build time (exporters/optimize/pipeline.py), since its answers move with them."""
+    options = session_options()
+    options.intra_op_num_threads = threads
+    options.enable_cpu_mem_arena = False
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    return options

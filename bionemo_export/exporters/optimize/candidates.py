@@ -3,6 +3,8 @@ precision) with one set of options, written once at build time.
 
     result = optimize_onnx(src, dst, num_heads=8, hidden_size=512)                    # fp32
     result = optimize_onnx(src, dst, num_heads=8, hidden_size=512, precision="int8")  # CPU int8
+    result = optimize_onnx(src, dst, num_heads=8, hidden_size=512, precision="int4",  # CPU weight-only
+                           block_size=32, accuracy_level=4)
 
 The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBERTy and ESM-2):
 
@@ -12,7 +14,8 @@ The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBE
    optimizer misses on the dynamo graph (its Erf-based GELU stays 5 nodes). Its attention fusion is
    off (step 1 does it) and so is SkipLayerNormalization: its CPU kernel measured ~3x slower than
    Add + LayerNormalization here (onnxruntime 1.31).
-3. **Reduced precision**, when asked (quantization.py): int8 for CPUs, fp16 for GPU hosts.
+3. **Reduced precision**, when asked: int8 for CPUs (quantization.py), int8w and int4 weight-only
+   for CPUs (weight_only.py), fp16 for GPU hosts (quantization.py).
 4. **ONNX Runtime's offline graph optimization** at the extended level (constant folding,
    MatMul+scale/transpose -> FusedMatMul, the int8 MatMul fusions, redundant nodes), saved with
    `SessionOptions.optimized_model_filepath`. Extended, not "all": "all" adds layout
@@ -62,6 +65,14 @@ from .quantization import (
     quantize_all_but,
     quantize_int8,
 )
+from .weight_only import (
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    WEIGHT_ONLY_BITS,
+    WeightOnlyQuantization,
+    check_settings,
+    quantize_weight_only,
+)
 
 DEFAULT_LEVEL = OptimizationLevel.EXTENDED
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
@@ -96,8 +107,9 @@ class OptimizationResult:
     seconds: float
     versions: dict[str, str]
     serving_graph_optimization_level: str
-    quantization: Int8Quantization | Fp16Conversion | None = None
-    """int8: the method and the MatMuls kept in fp32; fp16: the method; fp32: None."""
+    quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
+    """int8: the method and the MatMuls kept in fp32; int8w/int4: the bits, block size, accuracy
+    level, the MatMuls kept and the weight bytes; fp16: the method; fp32: None."""
 
     def to_dict(self) -> dict[str, Any]:
         """manifest.json's form: the file's name, lists, and the quantization as an object ({} for fp32)."""
@@ -208,24 +220,32 @@ def optimize_onnx(
     calibration: dict[str, np.ndarray] | None = None,
     external_data: bool | None = None,
     fused: FusedGraph | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    keep_int8: float = 0.0,
 ) -> OptimizationResult:
     """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
 
     `num_heads`/`hidden_size` (the model's attention heads and width) enable the attention and
-    transformer fusions; None skips them. `precision`: "fp32", "int8" or "fp16". `keep_fp32`
-    (int8): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
+    transformer fusions; None skips them. `precision`: "fp32", "int8", "int8w", "int4" or "fp16".
+    `keep_fp32` (int8, int8w): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
     to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
     inputs) is largest; without `calibration`, the last ones. `int8_weights`: "int8" (u8s8, exact on
     VNNI CPUs) or "uint8" (u8u8, exact on every x86 CPU): quantization.py. `external_data`: None decides by the
     weights' size. `fused`: `fuse_graph(src, ...)` made once for several candidates (it must have been
-    made from `src` with the same `fuse` and heads); None fuses here. Raises OptimizationError when a
-    step fails (dst is then not written).
+    made from `src` with the same `fuse` and heads); None fuses here. `block_size`, `accuracy_level`
+    (int8w, int4): MatMulNBits' (weight_only.py); `keep_int8` (int4): the fraction of the feed-forward
+    output MatMuls kept at 8 bits (int8w keeps `keep_fp32` of them in fp32). Raises
+    OptimizationError when a step fails (dst is then not written).
     """
     # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
     OptimizationLevel.parse(level, "level")
     Precision.parse(precision, "precision")
-    if not 0.0 <= keep_fp32 <= 1.0:
-        raise ValueError(f"keep_fp32 is a fraction between 0 and 1, not {keep_fp32}")
+    for name, share in (("keep_fp32", keep_fp32), ("keep_int8", keep_int8)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name} is a fraction between 0 and 1, not {share}")
+    if precision in WEIGHT_ONLY_BITS:
+        check_settings(precision, block_size, accuracy_level)
     import onnxruntime as ort
 
     src, dst = Path(src), Path(dst)
@@ -248,7 +268,7 @@ def optimize_onnx(
     applied = list(fused.applied)
     skipped = list(fused.skipped)
     external = fused.external
-    quantization: Int8Quantization | Fp16Conversion | None = None
+    quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
     if precision == "int8":
         def quantize() -> tuple[onnx.ModelProto, Int8Quantization]:  # in the step: its failures are the step's
             ranking = fused.int8_ranking(calibration if keep_fp32 and not external else None, int8_weights)
@@ -258,6 +278,11 @@ def optimize_onnx(
 
         model, quantization = _step("int8 quantization", quantize)
         applied.append("quantize_dynamic(int8)")
+    elif precision in WEIGHT_ONLY_BITS:
+        keep = keep_int8 if precision == "int4" else keep_fp32
+        model, quantization = _step(f"{precision} quantization", lambda: quantize_weight_only(
+            model, precision, block_size=block_size, accuracy_level=accuracy_level, keep_share=keep))
+        applied.append(f"matmul_nbits({quantization.bits} bits, block {block_size}, accuracy_level {accuracy_level})")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
         applied.append("float16(keep_io_types)")
@@ -331,7 +356,7 @@ def _step(what: str, run: Callable[[], _T]) -> _T:
 FUSED_OPERATORS = ("MultiHeadAttention", "Attention", "SkipLayerNormalization", "LayerNormalization",
                    "BiasGelu", "FastGelu", "Gelu", "RotaryEmbedding", "FusedMatMul", "FusedGemm",
                    "EmbedLayerNormalization", "MatMulInteger", "DynamicQuantizeMatMul",
-                   "MatMulIntegerToFloat", "DynamicQuantizeLinear")
+                   "MatMulIntegerToFloat", "DynamicQuantizeLinear", "MatMulNBits")
 
 
 def fused_operators(model: onnx.ModelProto) -> dict[str, int]:
