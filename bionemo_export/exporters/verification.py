@@ -198,28 +198,30 @@ def verify_onnx(
     if not batches:
         raise ValueError("verify_onnx needs at least one batch")
     start = time.perf_counter()
-    runs = dict(sessions) if sessions else {"build": session_options()}
+    external = has_external_data(Path(onnx_path))
+    runs = dict(sessions) if sessions else {"build": session_options(mapped_weights=external)}
     comparisons: dict[str, list[Figures]] = {}
-    references: list[dict[str, np.ndarray]] = []
     per_session: dict[str, dict[str, float]] = {}
-    batch_shapes: list[tuple[int, ...]] = []
+    input_names, graph_outputs = graph_names(Path(onnx_path))
+    names = list(output_names) if output_names is not None else graph_outputs
+    if unknown := [name for name in names if name not in graph_outputs]:
+        raise ValueError(f"{onnx_path} has no outputs {unknown}; its outputs are {graph_outputs}")
+    for index, batch in enumerate(batches):
+        if missing := [name for name in input_names if name not in batch]:
+            raise ValueError(f"batch {index} lacks the graph inputs {missing}")
+    # PyTorch first, on every batch, then its mapped weights handed back to the kernel: the model's
+    # weights and the session's are never resident together (models/readers/mapped.py).
+    references = [_run_reference(reference_module, [batch[n] for n in input_names], graph_outputs)
+                  for batch in batches]
+    batch_shapes = [tuple(np.shape(batch[input_names[0]])) for batch in batches]
+    release_weights(reference_module)
     for label, options in runs.items():
         session = _session(Path(onnx_path), options)
-        input_names = [value.name for value in session.get_inputs()]
-        graph_outputs = [value.name for value in session.get_outputs()]
-        names = list(output_names) if output_names is not None else graph_outputs
-        if unknown := [name for name in names if name not in graph_outputs]:
-            raise ValueError(f"{onnx_path} has no outputs {unknown}; its outputs are {graph_outputs}")
         found: dict[str, list[Figures]] = {name: [] for name in names}
         for index, batch in enumerate(batches):
-            if missing := [name for name in input_names if name not in batch]:
-                raise ValueError(f"batch {index} lacks the graph inputs {missing}")
             # Tensor outputs come back as arrays (ONNX Runtime's stubs also allow lists and sparse tensors).
             onnx_values = {name: np.asarray(value) for name, value in
                            zip(graph_outputs, session.run(None, {n: batch[n] for n in input_names}))}
-            if index == len(references):  # PyTorch once per batch, whatever the sessions
-                references.append(_run_reference(reference_module, [batch[n] for n in input_names], graph_outputs))
-                batch_shapes.append(tuple(np.shape(batch[input_names[0]])))
             valid = np.asarray(batch[mask_input]) != 0 if mask_input in batch else None
             for name in names:
                 found[name].append(compare(onnx_values[name], references[index][name], valid))
@@ -244,6 +246,29 @@ def verify_onnx(
         seconds=round(time.perf_counter() - start, 3),
         sessions=per_session if sessions else {},
     )
+
+
+def graph_names(onnx_path: Path) -> tuple[list[str], list[str]]:
+    """(input names, output names) of the graph at `onnx_path`, read without its external data
+    (no session: opening one would load every weight)."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    initializers = {tensor.name for tensor in graph.initializer}  # old exports list them as inputs too
+    return [value.name for value in graph.input if value.name not in initializers], [v.name for v in graph.output]
+
+
+def has_external_data(onnx_path: Path) -> bool:
+    """Whether the graph keeps its weights beside it (`<name>.onnx.data`, as the exporters write them)."""
+    return onnx_path.with_name(onnx_path.name + ".data").exists()
+
+
+def release_weights(module: torch.nn.Module) -> int:
+    """Hand the pages of `module`'s memory-mapped weights back to the kernel (they are read from
+    the checkpoint again when next used: models/readers/mapped.py); the bytes advised."""
+    from bionemo_export.models.readers.mapped import page_out
+
+    return page_out([*module.parameters(), *module.buffers()])
 
 
 def _session(onnx_path: Path, options: ort.SessionOptions | None = None) -> ort.InferenceSession:
@@ -298,10 +323,7 @@ def write_golden_answers(reference_module: torch.nn.Module, report: Verification
     served model checks on its host when it loads."""
     from bionemo_export.serving.golden import GOLDEN_FILE, write_golden
 
-    session = _session(report.onnx_path)
-    input_names = [value.name for value in session.get_inputs()]
-    graph_outputs = [value.name for value in session.get_outputs()]
-    del session
+    input_names, graph_outputs = graph_names(report.onnx_path)
     outputs = _run_reference(reference_module, [batch[name] for name in input_names], graph_outputs)
     checked = {check.name: check for check in report.outputs}
     tolerances = {name: check.tolerance or Tolerance(report.atol, report.min_cosine)
