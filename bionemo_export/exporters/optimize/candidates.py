@@ -27,10 +27,16 @@ the expensive rewrites are already in the file, and "all" measured no faster.
 
 Models with more than ~1.8 GB of weights are read and written with external data (one
 `<name>.onnx.data` file next to the graph, as the exporter writes them); step 2, which needs the
-whole graph in one protobuf, is skipped for them (recorded in `skipped`).
+whole graph in one protobuf, is skipped for them (recorded in `skipped`). Their weights stay on
+disk while an fp32 graph is optimized (exporters/external_data.py): the fusion works on the nodes
+and small constants, the weights are copied file to file chunk by chunk, and ONNX Runtime's
+offline optimization computes from the mapped file without prepacking a copy. Reduced precisions
+read every weight (their quantizers rewrite them).
 
-A graph whose weights times MEMORY_FACTOR exceed the free memory is not optimized (the step
-raises, the build keeps the plain export and says why).
+A graph whose optimization would not fit in the free memory is not optimized (the step raises, the
+build keeps the plain export and says why): one held in memory needs its weights times
+MEMORY_FACTOR; one whose weights stay on disk needs MAPPED_MEMORY_FACTOR of them for fp32, and
+QUANTIZE_MEMORY_FACTOR to be quantized.
 """
 
 from __future__ import annotations
@@ -48,10 +54,17 @@ from typing import Any, TypeVar
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from bionemo_export.choices import OptimizationLevel, Precision
 from bionemo_export.errors import UserError
+from bionemo_export.exporters.external_data import (
+    load_structure,
+    load_weights,
+    save_streamed,
+    tensor_bytes,
+    tensors,
+    unloaded,
+)
 from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.procfs import available_memory_bytes
 
@@ -173,7 +186,9 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
     skipped: list[str] = []
     _check_memory(src)
     try:
-        model = onnx.load(str(src))  # with its external data
+        model = load_structure(src)  # its weights over 1 MiB left in their file, for now
+        if _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD_BYTES:
+            load_weights(model, src.parent)  # small enough to rewrite in memory (step 2 needs it whole)
     except Exception as err:
         raise OptimizationError(f"cannot load {src}: {err}") from err
     nodes_before = len(model.graph.node)
@@ -269,6 +284,9 @@ def optimize_onnx(
     skipped = list(fused.skipped)
     external = fused.external
     quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
+    if precision != "fp32" and any(unloaded(tensor) for tensor in tensors(model)):
+        _check_memory(src, QUANTIZE_MEMORY_FACTOR, f"{precision} quantization")
+        _step("loading the weights", lambda: load_weights(model, fused.src.parent))  # the quantizers read them all
     if precision == "int8":
         def quantize() -> tuple[onnx.ModelProto, Int8Quantization]:  # in the step: its failures are the step's
             ranking = fused.int8_ranking(calibration if keep_fp32 and not external else None, int8_weights)
@@ -295,10 +313,10 @@ def optimize_onnx(
     _remove_file(dst)
     with tempfile.TemporaryDirectory(prefix=".bionemo-export-opt-", dir=dst.parent) as work:
         if level == "none":
-            _save(model, dst, external)
+            _save(model, dst, external, fused.src.parent)
         else:
             staged = Path(work) / "staged.onnx"
-            _save(model, staged, external)
+            _save(model, staged, external, fused.src.parent)
             del model
             _step(f"ONNX Runtime {level} optimization", lambda: _runtime_optimize(staged, dst, level, external))
             applied.append(f"onnxruntime_{level}")
@@ -324,20 +342,32 @@ def optimize_onnx(
 
 
 MEMORY_FACTOR = 2.5
-"""Free memory an optimization needs, in multiples of the graph's weights: the graph in memory,
+"""Free memory optimizing a graph held in memory needs, in multiples of its weights: the graph,
 ONNX Runtime's copy while it optimizes, and the quantizer's or converter's working copies."""
+MAPPED_MEMORY_FACTOR = 0.25
+"""The same for a graph whose weights stay on disk (over EXTERNAL_DATA_THRESHOLD_BYTES, fp32): the
+nodes, the constants fusion adds, ONNX Runtime's working tensors; the weights themselves are pages
+of the file, which the kernel reclaims as it needs."""
+QUANTIZE_MEMORY_FACTOR = 1.5
+"""The same for quantizing a graph whose weights stay on disk: every fp32 weight read in, and the
+quantized copy."""
 
 
-def _check_memory(src: Path) -> None:
+def _check_memory(src: Path, factor: float | None = None, what: str = "optimizing") -> None:
     """Refuse (OptimizationError, so the build keeps the plain graph) when the graph's weights
-    times MEMORY_FACTOR exceed the memory available: a 3B-parameter model (12 GB of fp32 weights)
-    would otherwise be killed mid-build on a 24 GB host that held the export."""
+    times `factor` exceed the memory available. By default the factor of the path the graph takes:
+    MEMORY_FACTOR held in memory, MAPPED_MEMORY_FACTOR with its weights left on disk (a
+    3B-parameter model's 11 GB of fp32 weights: 2.8 GB, where held in memory it would need 28 GB)."""
     weights = src.stat().st_size + (_data_path(src).stat().st_size if _data_path(src).exists() else 0)
+    mapped = _data_path(src).exists() and weights > EXTERNAL_DATA_THRESHOLD_BYTES
+    factor = factor or (MAPPED_MEMORY_FACTOR if mapped else MEMORY_FACTOR)
     available = available_memory_bytes()
-    if available is not None and weights * MEMORY_FACTOR > available:
+    if available is not None and weights * factor > available:
+        how = "its weights left on disk" if mapped else "held in memory"
         raise OptimizationError(
-            f"skipped: optimizing {weights / 2**30:.1f} GiB of weights needs about "
-            f"{weights * MEMORY_FACTOR / 2**30:.1f} GiB of free memory; {available / 2**30:.1f} GiB is available")
+            f"skipped: {what} {weights / 2**30:.1f} GiB of weights ({how}) needs about "
+            f"{weights * factor / 2**30:.1f} GiB of free memory ({factor} x); {available / 2**30:.1f} GiB is "
+            "available")
 
 
 _T = TypeVar("_T")
@@ -399,6 +429,8 @@ def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     }[level]
     options.log_severity_level = 3
+    if external:  # compute from the mapped weights file: no packed copy (nothing packed is saved anyway)
+        options.add_session_config_entry("session.disable_prepacking", "1")
     written = src.with_name("optimized.onnx")
     options.optimized_model_filepath = str(written)
     if external:
@@ -424,8 +456,8 @@ def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
-    return sum(len(init.raw_data) if init.raw_data else numpy_helper.to_array(init).nbytes
-               for init in model.graph.initializer)
+    """The initializers' bytes, held in the proto or left in their file."""
+    return sum(tensor_bytes(init) for init in model.graph.initializer)
 
 
 def _data_path(path: Path) -> Path:
@@ -437,8 +469,13 @@ def _remove_file(path: Path) -> None:
     _data_path(path).unlink(missing_ok=True)
 
 
-def _save(model: onnx.ModelProto, path: Path, external: bool) -> None:
+def _save(model: onnx.ModelProto, path: Path, external: bool, source_dir: Path | None = None) -> None:
+    """Write `model` to `path` (`external`: its weights in `<path>.data`). Weights it still refers
+    to in their file (relative to `source_dir`) are copied there chunk by chunk."""
     _remove_file(path)
+    if source_dir is not None and any(unloaded(tensor) for tensor in tensors(model)):
+        save_streamed(model, path, source_dir=source_dir)
+        return
     onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
                     location=_data_path(path).name, size_threshold=1024)
     if external:
