@@ -467,26 +467,79 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
 """How each graph a task entry names is exported, in the order a build exports them."""
 
 
-BUILD_MEMORY_FACTOR = 2.7
-"""A build's peak memory in multiples of the model's fp32 weights (the PyTorch model, the exported
-graph, its check against PyTorch), measured: an ESM C of 600M's sizes (2.3 GB of fp32 weights)
-peaked at 6.1 GB resident (docs/models.md)."""
+IN_MEMORY = "held in memory"
+WEIGHTS_ON_DISK = "weights left on disk"
+BUILD_MEMORY_FACTORS: dict[str, float] = {IN_MEMORY: 2.7, WEIGHTS_ON_DISK: 1.3}
+"""A build's peak resident memory beyond BUILD_BASELINE_BYTES, in multiples of the model's fp32
+weights, per path (`estimate_build_memory`). Held in memory (graphs up to the exporter's
+EXTERNAL_DATA_THRESHOLD_BYTES, 1.8 GB): the graph is exported, fused and saved in one protobuf.
+Weights left on disk (larger graphs): the checkpoint is memory-mapped, the export and the optimizer
+write and copy the weights file chunk by chunk, and PyTorch's answers are computed before each
+ONNX Runtime session opens, its pages handed back to the kernel meanwhile
+(models/readers/mapped.py), so the model's weights and a session's are resident one at a time."""
+QUANTIZE_MEMORY_FACTOR = 1.5
+"""A quantized build (int8, int8w, int4) of a graph with its weights on disk: the quantizers read
+every fp32 weight in and write the quantized copy (exporters/optimize/candidates.py)."""
+BUILD_BASELINE_BYTES = 800 << 20
+"""What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
 
 
-def check_build_memory(checkpoint: Path, available: int | None) -> None:
-    """BuildError before anything is loaded when the checkpoint's fp32 weights times
-    BUILD_MEMORY_FACTOR exceed `available` bytes (None: unknown, not checked): an ESM C 6B (24 GB
-    of fp32 weights) would otherwise be killed by the kernel mid-build on a 24 GB host."""
-    if available is None or not Path(checkpoint).exists():
-        return
+@dataclass(frozen=True)
+class BuildMemory:
+    """What a build of one checkpoint is expected to hold at its peak, and why."""
+
+    path: str
+    """IN_MEMORY or WEIGHTS_ON_DISK: how the build handles the weights (`estimate_build_memory`)."""
+    weights: int
+    """The checkpoint's weights in fp32 bytes (fp32_weight_bytes)."""
+    factor: float
+    needed: int
+    """BUILD_BASELINE_BYTES + factor x weights."""
+    why: str
+
+    def text(self) -> str:
+        return (f"about {self.needed / 2**30:.1f} GiB ({self.factor} x its {self.weights / 2**30:.1f} GiB of fp32 "
+                f"weights + {BUILD_BASELINE_BYTES / 2**30:.1f} GiB, {self.path}: {self.why})")
+
+
+def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32) -> BuildMemory:
+    """The memory a build of `checkpoint` in `precision` needs, by the path it will take: graphs
+    whose weights exceed the exporter's external-data threshold keep their weights on disk
+    (BUILD_MEMORY_FACTORS says what each path holds), and quantizing those reads them in."""
+    from bionemo_export.exporters.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES
+
     weights = fp32_weight_bytes(Path(checkpoint))
-    needed = weights * BUILD_MEMORY_FACTOR
-    if needed > available:
-        raise BuildError(f"{checkpoint}: building it needs about {needed / 2**30:.1f} GiB of memory "
-                         f"({BUILD_MEMORY_FACTOR} x its {weights / 2**30:.1f} GiB of fp32 weights: the PyTorch model, "
-                         f"the exported graph and its check); {available / 2**30:.1f} GiB is available here. Build "
-                         "on a host with more memory (the repository then serves anywhere the graph fits: "
-                         "--precision fp16 halves it for GPU hosts), or pass --no-memory-check to try anyway")
+    if weights <= EXTERNAL_DATA_THRESHOLD_BYTES:
+        path, why = IN_MEMORY, (f"under {EXTERNAL_DATA_THRESHOLD_BYTES / 1e9:.1f} GB the graph is exported, fused "
+                                "and checked in one protobuf, beside the PyTorch model")
+        factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
+    elif precision != Precision.FP32:
+        path, why = WEIGHTS_ON_DISK, (f"the checkpoint is mapped, but {precision} quantization reads every fp32 "
+                                      "weight in and writes the quantized copy")
+        factor = QUANTIZE_MEMORY_FACTOR
+    else:
+        path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data, the "
+                                      "PyTorch model and an ONNX Runtime session resident one at a time")
+        factor = BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK]
+    return BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
+
+
+def check_build_memory(checkpoint: Path, available: int | None, precision: str = Precision.FP32
+                       ) -> BuildMemory | None:
+    """The build's memory estimate (`estimate_build_memory`); BuildError before anything is loaded
+    when it exceeds `available` bytes (None: unknown, not checked): an ESM C 6B quantized (24 GB of
+    fp32 weights read in) would otherwise be killed by the kernel mid-build on a 24 GB host."""
+    if not Path(checkpoint).exists():
+        return None
+    estimate = estimate_build_memory(Path(checkpoint), precision)
+    if available is not None and estimate.needed > available:
+        advice = ("build it in fp32 here (its weights stay on disk) and quantize on a host with more memory"
+                  if precision != Precision.FP32 and estimate.path == WEIGHTS_ON_DISK else
+                  "build on a host with more memory (the repository then serves anywhere the graph fits)")
+        raise BuildError(f"{checkpoint}: building it in {precision} needs {estimate.text()}; "
+                         f"{available / 2**30:.1f} GiB is available here. {advice[0].upper()}{advice[1:]}, or pass "
+                         "--no-memory-check to try anyway")
+    return estimate
 
 
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
@@ -513,7 +566,9 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     if request.members:
         return _build_ensemble(request, backend, serving, progress)
     if request.check_memory:
-        check_build_memory(request.checkpoint, available_memory_bytes())
+        memory = check_build_memory(request.checkpoint, available_memory_bytes(), request.precision)
+        if memory is not None:
+            progress(f"memory: this build needs {memory.text()}")
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     loaded = _load(request.checkpoint, request)
     tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks), asked=request.tasks is not None)
@@ -631,7 +686,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
     if request.check_memory:
         available = available_memory_bytes()
         for path in request.checkpoints:
-            check_build_memory(path, available)
+            check_build_memory(path, available, request.precision)
     facts: list[MemberFacts] = []
     tasks: tuple[str, ...] = ()
     for number, path in enumerate(request.checkpoints, 1):
