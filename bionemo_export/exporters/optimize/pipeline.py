@@ -325,7 +325,11 @@ def _as_vnni_hosts_compute(graph: Path) -> Path:
 
 
 def _options_record(options: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in options.items() if key not in ("calibration", "fused")}
+    """A candidate's options as manifest.json and the log name them: its own, less what every
+    candidate shares (the calibration batch, the fused graph, weight-only's block size and level,
+    which the quantization record holds)."""
+    return {key: value for key, value in options.items()
+            if key not in ("calibration", "fused", "block_size", "accuracy_level")}
 
 
 def _options_text(options: dict[str, Any]) -> str:
