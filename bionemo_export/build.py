@@ -31,6 +31,7 @@ from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+from bionemo_export.exporters.shared_weights import WEIGHTS_FILE
 from bionemo_export.generation.reference import decoder_check_batches
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
@@ -38,6 +39,7 @@ from bionemo_export.model_repository.classifier import ClassifierGraph, plan_cla
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
 from bionemo_export.model_repository.encoder import plan_encoder_repository
+from bionemo_export.model_repository.hosted_graphs import host_graphs
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
 from bionemo_export.model_repository.manifest import (
@@ -59,7 +61,7 @@ from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMis
 from bionemo_export.models.readers.base import fp32_weight_bytes
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
-from bionemo_export.tasks import TASKS, Graph, Requirement, get_task, planned_by
+from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task, planned_by
 
 Progress = Callable[[str], None]
 LOG = logging.getLogger(__name__)
@@ -177,10 +179,13 @@ def _check_out(out: Path) -> None:
         raise BuildError(f"`out` {out}: cannot write in {ancestor} (permission denied)")
 
 
-def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
+def _check_tasks(family, tasks: tuple[str, ...] | None, hosts_graphs: bool = True) -> tuple[str, ...]:
     """The tasks to serve: those asked for, which the family must serve, or all it serves by
-    default (a task entry's `by_default`)."""
-    tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default)
+    default (a task entry's `by_default`), less those whose graphs are the encoder again
+    (tasks.HOSTED_GRAPHS) unless the backend's encoder model hosts them over its weights
+    (`hosts_graphs`: the Python backend); elsewhere each would hold another copy of the weights."""
+    tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default
+                           and (hosts_graphs or not set(get_task(t).graphs) & set(HOSTED_GRAPHS)))
     for task in tasks:
         try:
             get_task(task)
@@ -372,12 +377,14 @@ def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> Masked
 
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
-                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = ""
-                ) -> dict[str, ExportedGraph]:
+                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = "",
+                share_weights: bool = False) -> dict[str, ExportedGraph]:
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
     every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
     they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse).
-    `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`)."""
+    `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`). `share_weights`: the
+    graphs that are the encoder again (tasks.HOSTED_GRAPHS) are rewritten over one weights file
+    with the encoder's (`_share_encoder_weights`), for a backend whose encoder model hosts them."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
     def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
@@ -403,7 +410,52 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                 settings["precision"] = request.precision
             graphs[prefix + graph.value] = export(prefix + graph.value, module, inputs, outputs, graph_batches,
                                                   mask_input=how.mask_input, **settings)
+    if share_weights and not prefix:
+        _share_encoder_weights(graphs, export_dir / "shared", progress)
     return graphs
+
+
+def _share_encoder_weights(graphs: dict[str, ExportedGraph], folder: Path, progress: Progress) -> None:
+    """Rewrite the encoder's graph and those of `graphs` that are the encoder again (layers,
+    contacts, attentions) into `folder` over one weights file, each distinct tensor once
+    (exporters/shared_weights.py), and check each rewritten graph against its golden answers
+    (the PyTorch outputs its export was verified with). Their `files` then name the rewritten
+    graphs, and the encoder's the weights file (its own external data file, if any, left out)."""
+    from bionemo_export.exporters.shared_weights import describe, external_references, share_weights
+    from bionemo_export.serving.golden import GOLDEN_FILE, read_golden
+
+    hosted = [graph for graph in HOSTED_GRAPHS if graph.value in graphs]
+    if not hosted:
+        return
+    names = ["encoder", *(graph.value for graph in hosted)]
+    sources = {name: graphs[name].files["model.onnx"] for name in names}
+    own_data = {name: {ref.location for ref in external_references(sources[name])} for name in names}
+    shared = share_weights(sources, folder, {name: HOSTED_FILES.get(name, "model.onnx") for name in names})
+    for name in names:
+        exported = graphs[name]
+        files = {key: path for key, path in exported.files.items() if key not in own_data[name]}
+        files["model.onnx"] = shared.graphs[name]
+        if name == "encoder":
+            files[shared.weights.name] = shared.weights
+        graphs[name] = dataclasses.replace(exported, files=files)
+        if GOLDEN_FILE in files:  # the rewritten graph answers what the exported one did
+            failed = [check for check in read_golden(str(files[GOLDEN_FILE])).run(_shared_session(files["model.onnx"]))
+                      if not check.passed]
+            if failed:
+                raise BuildError(f"the {name} graph rewritten over the shared {shared.weights.name} answers its "
+                                 f"golden inputs outside tolerance ({'; '.join(c.text() for c in failed)}): a bug "
+                                 "in exporters/shared_weights.py; build with `--backend native` meanwhile")
+    progress(describe(shared))
+
+
+def _shared_session(graph: Path):
+    """An ONNX Runtime session of a graph over the shared weights file, as a hosted graph is served:
+    computing from the mapped file (no prepacked copy)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    return ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
 
 
 @dataclass(frozen=True)
@@ -571,7 +623,9 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             progress(f"memory: this build needs {memory.text()}")
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     loaded = _load(request.checkpoint, request)
-    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks), asked=request.tasks is not None)
+    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks,
+                                                hosts_graphs=serving.serving_backend.runs_python),
+                           asked=request.tasks is not None)
 
     try:
         # Published at request.out when the block ends normally; removed however it ends.
@@ -582,7 +636,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                 try:
                     graphs = _export_all(loaded, tasks, export_dir, request, progress,
                                          cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
-                                         picks_cpu_graph=serving.serving_backend.runs_python)
+                                         picks_cpu_graph=serving.serving_backend.runs_python,
+                                         share_weights=serving.serving_backend.runs_python)
                 except PrecisionError as err:
                     raise BuildError(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")
@@ -768,6 +823,11 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
             raise BuildError(f"task {', '.join(planned_by(planner))} names the planner {planner!r}, which "
                              f"build.PLANNERS does not have (it has {', '.join(PLANNERS)}): add its function there")
         plan.models += PLANNERS[planner](request, loaded, tasks, serving, graphs)
+        plan.validate()
+    weights = graphs["encoder"].files.get(WEIGHTS_FILE)
+    if weights is not None:  # the graphs written over the encoder's weights file move into its model
+        host_graphs(plan, f"{request.name}_encoder",
+                    {graphs[name].files["model.onnx"]: name for name in HOSTED_FILES if name in graphs}, weights)
         plan.validate()
     return plan
 
