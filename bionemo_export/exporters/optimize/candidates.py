@@ -27,9 +27,10 @@ the expensive rewrites are already in the file, and "all" measured no faster.
 
 Models with more than ~1.8 GB of weights are read and written with external data (one
 `<name>.onnx.data` file next to the graph, as the exporter writes them); step 2, which needs the
-whole graph in one protobuf, is skipped for them (recorded in `skipped`). Their weights stay on
-disk while an fp32 graph is optimized (exporters/external_data.py): the fusion works on the nodes
-and small constants, the weights are copied file to file chunk by chunk, and ONNX Runtime's
+whole graph in one protobuf, ran only on the nodes and small constants for them. Their weights
+stay on disk while an fp32 graph is optimized (exporters/external_data.py): the fusions work on
+the nodes and small constants (a transformer fusion that needs a weight's values is skipped, with
+why), the weights are copied file to file chunk by chunk, and ONNX Runtime's
 offline optimization computes from the mapped file without prepacking a copy. Reduced precisions
 read every weight (their quantizers rewrite them).
 
@@ -203,8 +204,19 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
         skipped.append("attention_fusion: number of heads unknown")
     remove_unused(model.graph)
     if fuse and num_heads and hidden_size:
-        if external:
+        on_disk = any(unloaded(tensor) for tensor in tensors(model))
+        if external and not on_disk:
             skipped.append("transformer_fusions: the graph needs external data (over 2 GiB in one protobuf)")
+        elif on_disk:  # the nodes and small constants only: one small protobuf
+            before = onnx.ModelProto()
+            before.CopyFrom(model)
+            try:
+                model, stats = _transformer_fusions(model, num_heads, hidden_size)
+            except Exception as err:  # a fusion that needed a weight's values: go on without them
+                model, stats = before, {}
+                skipped.append(f"transformer_fusions: {type(err).__name__}: {err}"[:300])
+            if stats:
+                applied.append("transformer_fusions(" + ", ".join(f"{op} x{n}" for op, n in stats.items()) + ")")
         else:
             model, stats = _step("transformer fusions", lambda: _transformer_fusions(model, num_heads, hidden_size))
             if stats:
