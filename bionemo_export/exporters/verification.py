@@ -326,6 +326,7 @@ def write_golden_answers(reference_module: torch.nn.Module, report: Verification
     input_names, graph_outputs = graph_names(report.onnx_path)
     outputs = _run_reference(reference_module, [batch[name] for name in input_names], graph_outputs)
     checked = {check.name: check for check in report.outputs}
+    release_weights(reference_module)  # what comes next (another graph's export, the repository) needs none
     tolerances = {name: check.tolerance or Tolerance(report.atol, report.min_cosine)
                   for name, check in checked.items()}
     Path(destination).mkdir(parents=True, exist_ok=True)
