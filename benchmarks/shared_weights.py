@@ -245,7 +245,32 @@ def main(argv: list[str] | None = None) -> None:
     }
     options.out.parent.mkdir(parents=True, exist_ok=True)
     options.out.write_text(json.dumps(record, indent=1) + "\n")
+    options.out.with_suffix(".md").write_text(markdown(record))
     print(json.dumps(record, indent=1))
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """The report's page (the JSON beside it holds every figure)."""
+    weights = record["weight_bytes"]
+    lines = [f"# Shared weights: {record['shape']}", "", SUMMARY.replace("\n", " "), "",
+             f"Run {record['started']} (load average {record['load_average_at_start']} at the start; "
+             f"{record['host']['note']}); `{record['command']}`; every figure in "
+             "`benchmarks/results/shared_weights.json`.", "", "## Weight bytes", "", "| | bytes |", "|---|---|"]
+    lines += [f"| {key} | {value:,} |" if isinstance(value, int) else f"| {key} | {value} |"
+              for key, value in weights.items()]
+    lines += ["", "## Resident memory per process (MB, every process of the row loaded)", "",
+              "| processes | RssAnon (private) | RssFile | Pss_File (file pages, shared) |", "|---|---|---|---|"]
+    for name, reports in record["memory_mb"].items():
+        for report in reports:
+            lines.append(f"| {name}: {report.get('model', 'N_encoder instance')} | {report['RssAnon (all loaded)']} "
+                         f"| {report['RssFile (all loaded)']} | {report['Pss_File (all loaded)']} |")
+        total = sum(r["Pss_Anon (all loaded)"] + r["Pss_File (all loaded)"] for r in reports)
+        lines.append(f"| {name}: **total Pss** | | | **{total:.1f}** |")
+    figures = record["speed"]
+    lines += ["", f"## Speed ({figures['rows']} rows x {figures['length']} tokens, seconds per batch)", "",
+              "| graph | s |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in figures["seconds per batch (median of rounds)"].items()]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -182,8 +182,9 @@ def _check_out(out: Path) -> None:
 def _check_tasks(family, tasks: tuple[str, ...] | None, hosts_graphs: bool = True) -> tuple[str, ...]:
     """The tasks to serve: those asked for, which the family must serve, or all it serves by
     default (a task entry's `by_default`), less those whose graphs are the encoder again
-    (tasks.HOSTED_GRAPHS) unless the backend's encoder model hosts them over its weights
-    (`hosts_graphs`: the Python backend); elsewhere each would hold another copy of the weights."""
+    (tasks.HOSTED_GRAPHS) unless the encoder's model hosts them over its own weights
+    (`hosts_graphs`: the Python backend, an fp32 encoder); elsewhere each would hold another copy
+    of the weights (a quantized encoder's weights are other bytes than their fp32 ones)."""
     tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default
                            and (hosts_graphs or not set(get_task(t).graphs) & set(HOSTED_GRAPHS)))
     for task in tasks:
@@ -623,8 +624,10 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             progress(f"memory: this build needs {memory.text()}")
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     loaded = _load(request.checkpoint, request)
-    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks,
-                                                hosts_graphs=serving.serving_backend.runs_python),
+    # The hosted graphs share the encoder's weights when both are fp32 (they are exported in fp32:
+    # a reduced-precision encoder's weights are other bytes), and the Python backend hosts them.
+    hosts_graphs = serving.serving_backend.runs_python and request.precision == Precision.FP32
+    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks, hosts_graphs=hosts_graphs),
                            asked=request.tasks is not None)
 
     try:

@@ -136,7 +136,7 @@ class Task:
     """Built when a build names no tasks (`--tasks` left out) and the checkpoint carries what it
     requires; False: only when named. A task whose graph is the encoder again (HOSTED_GRAPHS) is
     built by default only where the encoder's model hosts it over one copy of the weights (the
-    Python backend: build.py `_check_tasks`)."""
+    Python backend, an fp32 encoder: build.py `_check_tasks`)."""
     notes: tuple[str, ...] = field(default=())
     """Further lines of documentation (under the task on the docs site's Served API page)."""
     member_outputs: tuple[TensorSpec, ...] = ()
