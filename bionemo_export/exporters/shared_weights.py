@@ -18,7 +18,8 @@ says which sessions prepack. ONNX Runtime refuses an external-data path that lea
 folder (`..`, absolute paths, symlinks resolving elsewhere), so the file sits beside the graphs
 that use it, in one model's version folder.
 
-Tensors are written one graph at a time: the build's memory holds one graph's weights, not all.
+Tensors are read and written one at a time: the build's memory holds one tensor's bytes (and a
+graph's inline ones), never a graph's weights.
 Tensors under SMALL_TENSOR_BYTES (shapes, scalars, the tiny constants exporters add) stay inline.
 """
 
@@ -70,8 +71,17 @@ class SharedWeights:
                 "inline_bytes": dict(self.inline_bytes)}
 
 
-def _raw(tensor) -> bytes | None:
-    """The tensor's bytes as stored (raw_data), None where the exporter used typed fields (left inline)."""
+def _raw(tensor, folder: Path) -> bytes | None:
+    """The tensor's bytes: read from its external-data file (only this tensor's range) or its
+    raw_data; None where the exporter used typed fields (left inline)."""
+    import onnx
+
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        with open(folder / entries["location"], "rb") as data:
+            data.seek(int(entries.get("offset", "0")))
+            length = entries.get("length")
+            return data.read(int(length)) if length is not None else data.read()
     return tensor.raw_data if tensor.HasField("raw_data") else None
 
 
@@ -88,10 +98,11 @@ def share_weights(graphs: dict[str, Path], folder: Path, files: dict[str, str]) 
     offsets: dict[bytes, tuple[int, int]] = {}  # digest -> (offset, length)
     with open(weights, "wb") as out:
         for name, source in graphs.items():
-            model = onnx.load(str(source), load_external_data=True)
+            # The graph without its external data: each tensor's bytes are read when it is written.
+            model = onnx.load(str(source), load_external_data=False)
             inline = 0
             for tensor in initializers(model.graph):
-                raw = _raw(tensor)
+                raw = _raw(tensor, Path(source).parent)
                 if raw is None or len(raw) < SMALL_TENSOR_BYTES:
                     inline += len(raw) if raw is not None else tensor.ByteSize()
                     continue

@@ -246,8 +246,9 @@ def test_share_weights_stores_each_distinct_tensor_once_and_the_graphs_answer_as
     graphs = {"a": _graph({"w": big, "u": other}), "b": _graph({"same_as_w": big.copy()})}
     graphs["c"] = _graph({"tiny": small})
     sources = {}
-    for name, model in graphs.items():
-        onnx.save_model(model, str(tmp_path / f"{name}.onnx"))
+    for name, model in graphs.items():  # b's weights in an external-data file of its own, as a large export's
+        external = dict(save_as_external_data=True, location="b.data", size_threshold=0) if name == "b" else {}
+        onnx.save_model(model, str(tmp_path / f"{name}.onnx"), **external)
         sources[name] = tmp_path / f"{name}.onnx"
     shared = share_weights(sources, tmp_path / "out", {name: f"{name}.onnx" for name in graphs})
     assert shared.tensors == 2 and shared.stored_bytes < 2 * big.nbytes + 64
