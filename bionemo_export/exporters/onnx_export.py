@@ -39,6 +39,7 @@ from bionemo_export.exporters.signature import (
     dynamic_axes,
     sample_arguments,
 )
+from bionemo_export.models.readers.mapped import page_out, return_freed_memory
 from bionemo_export.tensors import TensorSpec
 
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
@@ -226,12 +227,18 @@ def _export_with_torch(
             "does something torch.export cannot capture (data-dependent Python control flow)."
         ) from err
     assert program is not None, "torch.onnx.export(dynamo=True) returns the exported program"
+    # The exporter's constant folding made each linear weight's transpose a new array: the program
+    # holds a copy of the weights. The module's mapped pages, which it read to make them, are not
+    # needed while the copy is written (models/readers/mapped.py).
+    page_out([*module.parameters(), *module.buffers()])
     # Drop the per-node debugging metadata (source stack traces with this machine's paths): it
     # serves nothing at run time and makes the file depend on where the code was installed.
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
     _remove_written(out_path)
     program.save(str(out_path), external_data=external)
+    del program
+    return_freed_memory()  # the program's copy of the weights, before the graph is checked
 
 
 def _dynamic_shapes(inputs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:

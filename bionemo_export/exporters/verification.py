@@ -28,6 +28,7 @@ import torch
 
 from bionemo_export.errors import UserError
 from bionemo_export.exporters.runtime_session import session_options
+from bionemo_export.models.readers.mapped import return_freed_memory
 from bionemo_export.serving.golden import Figures, compare
 
 DEFAULT_MASK_INPUT = "attention_mask"
@@ -227,6 +228,7 @@ def verify_onnx(
                 found[name].append(compare(onnx_values[name], references[index][name], valid))
         del session
         per_session[label] = {name: float(np.min([f.min_cosine for f in figures])) for name, figures in found.items()}
+        return_freed_memory()  # the session's weights and arena, before the next session or step
         for name, figures in found.items():
             comparisons.setdefault(name, []).extend(figures)
 

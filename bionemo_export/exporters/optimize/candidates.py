@@ -67,6 +67,7 @@ from bionemo_export.exporters.external_data import (
     unloaded,
 )
 from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.models.readers.mapped import return_freed_memory
 from bionemo_export.procfs import available_memory_bytes
 
 from .attention import fuse_attention
@@ -332,6 +333,7 @@ def optimize_onnx(
             del model
             _step(f"ONNX Runtime {level} optimization", lambda: _runtime_optimize(staged, dst, level, external))
             applied.append(f"onnxruntime_{level}")
+    return_freed_memory()  # the graph in memory and ONNX Runtime's session, before the candidate is checked
     written = onnx.load(str(dst), load_external_data=False)
     size = dst.stat().st_size + (_data_path(dst).stat().st_size if _data_path(dst).exists() else 0)
     return OptimizationResult(
