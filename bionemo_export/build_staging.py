@@ -127,20 +127,6 @@ def _build_folder_owner(out: Path, folder: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _process_alive(pid: int) -> bool:
-    """Whether process `pid` still runs on this host (a zombie, killed but not yet reaped, does not)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    stat = procfs.process_stat(pid)
-    return stat is None or not stat.zombie  # a stat that cannot be read: the process exists (kill said so)
-
-
 def remove_stale_builds(out: Path, log: Progress = lambda message: None) -> list[Path]:
     """Remove the folders that builds into `out` left beside it when they were killed (their
     process no longer runs); returns them. A build killed in the middle of a `force` swap leaves
@@ -151,7 +137,7 @@ def remove_stale_builds(out: Path, log: Progress = lambda message: None) -> list
     removed = []
     for folder in sorted(out.parent.iterdir()):
         pid = _build_folder_owner(out, folder)
-        if pid is None or _process_alive(pid):
+        if pid is None or pid == os.getpid() or procfs.alive(pid):
             continue
         _discard_build_folder(folder, out, log)
         _log_warning(log, f"removed {folder}, left by build process {pid}, which no longer runs")

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bionemo_export.choices import Exporter
+from bionemo_export.digests import file_digest
 
 if TYPE_CHECKING:  # torch loads when a key is computed: reading the setting needs no torch
     import torch
@@ -180,7 +181,7 @@ def _environment_digest() -> str:
 
 @functools.cache
 def _file_digest(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return file_digest(Path(path))["sha256"]
 
 
 @functools.cache

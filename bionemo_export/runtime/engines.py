@@ -30,7 +30,6 @@ and its file records), a layer below. Its check reads each graph's inputs and ou
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bionemo_export.choices import EnginePrecision
+from bionemo_export.digests import file_digest
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import ENGINE_FILE, engine_json
 from bionemo_export.model_repository.consistency import check_repository
@@ -69,11 +69,7 @@ def engine_recipes(repository: Path) -> dict[str, Path]:
 
 
 def _digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return "sha256:" + digest.hexdigest()
+    return "sha256:" + file_digest(path)["sha256"]
 
 
 def gpu_name(device: int = 0) -> str:
