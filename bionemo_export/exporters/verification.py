@@ -66,7 +66,8 @@ class Tolerance:
 def precision_tolerances(precision: str, output_names: Sequence[str], atol: float, min_cosine: float
                          ) -> dict[str, Tolerance]:
     """The tolerance per output for a graph of `precision` compared with PyTorch fp32: the family's
-    (`atol`, `min_cosine`) for fp32; min cosine only (atol not checked: inf) for int8 and fp16."""
+    (`atol`, `min_cosine`) for fp32; min cosine only (atol not checked: inf) for the reduced
+    precisions (int8, int8w, int4, fp16)."""
     if precision == "fp32":
         return {name: Tolerance(atol, min_cosine) for name in output_names}
     if precision not in PRECISION_MIN_COSINE:
@@ -227,8 +228,8 @@ def verify_onnx(
             for name in names:
                 found[name].append(compare(onnx_values[name], references[index][name], valid))
         del session
-        per_session[label] = {name: float(np.min([f.min_cosine for f in figures])) for name, figures in found.items()}
         return_freed_memory()  # the session's weights and arena, before the next session or step
+        per_session[label] = {name: float(np.min([f.min_cosine for f in figures])) for name, figures in found.items()}
         for name, figures in found.items():
             comparisons.setdefault(name, []).extend(figures)
 
@@ -327,8 +328,8 @@ def write_golden_answers(reference_module: torch.nn.Module, report: Verification
 
     input_names, graph_outputs = graph_names(report.onnx_path)
     outputs = _run_reference(reference_module, [batch[name] for name in input_names], graph_outputs)
-    checked = {check.name: check for check in report.outputs}
     release_weights(reference_module)  # what comes next (another graph's export, the repository) needs none
+    checked = {check.name: check for check in report.outputs}
     tolerances = {name: check.tolerance or Tolerance(report.atol, report.min_cosine)
                   for name, check in checked.items()}
     Path(destination).mkdir(parents=True, exist_ok=True)

@@ -141,7 +141,7 @@ def test_a_graph_within_its_tolerance_but_under_the_margin_is_refused_with_the_f
                f"the tolerance {tolerance:g} and a margin)" in logged[0]
     message = str(refused.value)
     assert message.startswith("no int4 graph of encoder meets the int4 tolerance against PyTorch fp32 with its margin")
-    assert message.endswith("Build with `precision` int8w, or int4 with a smaller `block_size` (16).")
+    assert message.endswith("Build with `precision` int8w (8-bit weights: about twice int4's bytes).")
 
 
 def test_a_block_size_matmulnbits_does_not_compute_is_refused_before_anything_is_read(checkpoint, tmp_path):
