@@ -78,6 +78,7 @@ def worker(spec: dict[str, Any]) -> None:
 
     feed = _feed(2, 64)
     sessions = []
+    baseline = memory()  # the interpreter, numpy, onnxruntime: before any session
     if spec["kind"] == "before":  # one old graph model: its own weights, ONNX Runtime's defaults
         import onnxruntime as ort
 
@@ -94,13 +95,15 @@ def worker(spec: dict[str, Any]) -> None:
         for entry in hosted.values():
             sessions.append(create_session(args, here, entry["file"], prepack=False,
                                            level=entry["graph_optimization_level"])[0])
+    loaded = memory()  # the sessions opened (the served model's golden checks run too), no request yet
     for session in sessions:
         inputs = {value.name: value for value in session.get_inputs()}
         run_feed = {name: feed[name] for name in inputs if name in feed}
         if "residue_mask" in inputs:
             run_feed["residue_mask"] = feed["attention_mask"].astype(bool)
         session.run(None, run_feed)
-    print(json.dumps({"pid": os.getpid(), **memory()}), flush=True)
+    print(json.dumps({"pid": os.getpid(), **memory(), "RssAnon before the sessions": baseline["RssAnon"],
+                      "RssAnon with the sessions opened": loaded["RssAnon"]}), flush=True)
     sys.stdin.readline()
 
 
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--work", type=Path, default=None, help="keep the build here (default: a temporary folder)")
+    parser.add_argument("--reuse", action="store_true", help="measure the build already in --work/repo")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "shared_weights.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -192,13 +196,20 @@ def main(argv: list[str] | None = None) -> None:
     work = options.work or Path(tempfile.mkdtemp(prefix="shared_weights_"))
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load = os.getloadavg()
-    checkpoint = write_random_checkpoint("esm2", work / "checkpoint",
-                                         SMOKE_SHAPE if options.shape == "smoke" else options.shape)
     started = time.perf_counter()
-    result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="sw", out=work / "repo",
-                                           backend="python", force=True, graph_cache=None), progress=print)
-    build_seconds = time.perf_counter() - started
-    encoder = result.repository / "sw_encoder"
+    if options.reuse:
+        from bionemo_export.model_repository.manifest import Manifest
+
+        repository, build_seconds = work / "repo", None
+        tasks = Manifest.read(repository).tasks
+    else:
+        checkpoint = write_random_checkpoint("esm2", work / "checkpoint",
+                                             SMOKE_SHAPE if options.shape == "smoke" else options.shape)
+        result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="sw", out=work / "repo",
+                                               backend="python", force=True, graph_cache=None), progress=print)
+        repository, tasks = result.repository, result.manifest.tasks
+        build_seconds = round(time.perf_counter() - started, 1)
+    encoder = repository / "sw_encoder"
     version = encoder / "1"
     # Before: each graph with its weights inside, in a folder of its own (as its model's was).
     before: dict[str, Path] = {}
@@ -211,8 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         before[name] = work / "before" / name / "model.onnx"
         onnx.save_model(model, str(before[name]))
     one_copy = initializer_bytes(version / "model.onnx")
-    stored_after = repository_weight_bytes(result.repository)
-    heads = sum(initializer_bytes(path) for path in result.repository.rglob("*.onnx") if encoder not in path.parents)
+    stored_after = repository_weight_bytes(repository)
+    heads = sum(initializer_bytes(path) for path in repository.rglob("*.onnx") if encoder not in path.parents)
     stored_before = sum(initializer_bytes(path) for path in before.values()) + heads
     bytes_record = {"one fp32 copy (the encoder graph's weights)": one_copy,
                     "before: every graph its own weights (+ the masked-LM head's graph)": stored_before,
@@ -233,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         "started": started_at, "load_average_at_start": [round(value, 2) for value in load],
         "host": {"cores": len(os.sched_getaffinity(0)), "note": "a 2-core machine shared with other sessions' work: "
                  "compare figures side by side, not with other hosts"},
-        "shape": options.shape, "build_seconds": round(build_seconds, 1), "tasks": result.manifest.tasks,
+        "shape": options.shape, "build_seconds": build_seconds, "tasks": tasks,
         "versions": package_versions(),
         "weight_bytes": bytes_record,
         "memory_mb": {
@@ -259,11 +270,19 @@ def markdown(record: dict[str, Any]) -> str:
     lines += [f"| {key} | {value:,} |" if isinstance(value, int) else f"| {key} | {value} |"
               for key, value in weights.items()]
     lines += ["", "## Resident memory per process (MB, every process of the row loaded)", "",
-              "| processes | RssAnon (private) | RssFile | Pss_File (file pages, shared) |", "|---|---|---|---|"]
+              "RssAnon: private memory after one request to every graph (the interpreter, onnxruntime, the "
+              "prepacked weights, the requests' freed activations); before the sessions, and with them opened "
+              "(before any request), beside it. RssFile counts a file's pages once per mapping (each hosted "
+              "session maps weights.bin); Pss_File divides each physical page among the processes mapping it.",
+              "", "| processes | RssAnon (before sessions / opened / after requests) | RssFile "
+              "| Pss_File (file pages, shared) |", "|---|---|---|---|"]
     for name, reports in record["memory_mb"].items():
         for report in reports:
-            lines.append(f"| {name}: {report.get('model', 'N_encoder instance')} | {report['RssAnon (all loaded)']} "
-                         f"| {report['RssFile (all loaded)']} | {report['Pss_File (all loaded)']} |")
+            anon = (report.get("RssAnon before the sessions"), report.get("RssAnon with the sessions opened"),
+                    report["RssAnon (all loaded)"])
+            lines.append(f"| {name}: {report.get('model', 'N_encoder instance')} | {' / '.join(map(str, anon))}"
+                         f" | {report['RssFile (all loaded)']} "
+                         f"| {report['Pss_File (all loaded)']} |")
         total = sum(r["Pss_Anon (all loaded)"] + r["Pss_File (all loaded)"] for r in reports)
         lines.append(f"| {name}: **total Pss** | | | **{total:.1f}** |")
     figures = record["speed"]
