@@ -52,11 +52,11 @@ TARGETS = {"int8w": 0.9995, "int4": 0.99}
 LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
 
 RSS_PROBE = """
-import json, sys, resource
+import json, sys
 import numpy as np, onnxruntime as ort
-def rss():
+def rss(field="VmRSS:"):  # VmHWM: this process's peak (ru_maxrss carries the parent's across fork/exec)
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return int(line.split()[1]) * 1024
 before = rss()
 options = ort.SessionOptions()
@@ -68,8 +68,7 @@ session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionPro
 opened = rss()
 feed = dict(np.load(sys.argv[4]))
 session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})
-print(json.dumps({"before": before, "opened": opened, "after_run": rss(),
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+print(json.dumps({"before": before, "opened": opened, "after_run": rss(), "peak": rss("VmHWM:")}))
 """
 
 
