@@ -14,10 +14,11 @@ position: small, and their log-probabilities are what scoring ranks).
 
 `accuracy_level` is the MatMulNBits attribute that lets the CPU kernel quantize the activations
 too, per block of K, to int8 (4), and sum the products in integers; 0 leaves the kernel its
-default (fp32 activations: weights dequantized block by block). Level 4 is where the speed is on
-CPUs with 8-bit dot products (AVX2's vpmaddubsw, AVX-512 VNNI, AMX); its accuracy on the real
-AntiBERTy is in docs/building.md (measured with benchmarks/weight_only.py), and the build checks
-every graph against PyTorch with a margin (pipeline.py) whatever the level.
+default (fp32 activations: weights dequantized block by block). Level 4 is what VNNI and AMX CPUs
+compute fast, and it keeps the real AntiBERTy within int8w's and int4's tolerances with their
+margin; on the AVX2-only kind (no 8-bit dot products that sum in 32 bits) level 0 measured as
+accurate and faster (docs/building.md, benchmarks/weight_only.py). The build checks every graph
+against PyTorch with a margin (pipeline.py) whatever the level.
 
 `keep_share` names the most sensitive products (the feed-forward output MatMuls, fed by a GELU
 or a SwiGLU: `quantization.ffn_outputs_by_error`, last layers first) that a candidate keeps at a
