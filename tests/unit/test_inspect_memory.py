@@ -8,7 +8,7 @@ import struct
 
 from typer.testing import CliRunner
 
-from bionemo_export.build import IN_MEMORY, QUANTIZE_MEMORY_FACTOR, WEIGHTS_ON_DISK
+from bionemo_export.build import BUILD_MEMORY_FACTORS, IN_MEMORY, QUANTIZE_MEMORY_FACTOR, WEIGHTS_ON_DISK
 from bionemo_export.checkpoint_report import build_memory
 from bionemo_export.cli.main import app
 from bionemo_export.testing.checkpoints import save_random_checkpoint
@@ -18,7 +18,9 @@ def test_inspect_reports_the_memory_a_build_needs_here(tmp_path):
     folder = save_random_checkpoint("esm2", tmp_path / "esm2")
     result = CliRunner().invoke(app, ["inspect", str(folder)])
     assert result.exit_code == 0, result.output
-    assert f"memory      fp32: about 0.8 GiB (2.7 x 0.0 GiB of fp32 weights, {IN_MEMORY}); fits the" in result.output
+    factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
+    line = f"memory      fp32: about 0.8 GiB ({factor} x 0.0 GiB of fp32 weights, {IN_MEMORY}); fits the"
+    assert line in result.output
     memory = json.loads(CliRunner().invoke(app, ["inspect", str(folder), "--json"]).output)["memory"]
     assert list(memory["builds"]) == ["fp32"]  # a quantized build takes the same path: not repeated
     assert memory["builds"]["fp32"]["fits"] and memory["available_bytes"] > memory["builds"]["fp32"]["needed_bytes"]

@@ -25,14 +25,15 @@ The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBE
 A server then opens the stored graph at `ORT_ENABLE_BASIC` (SERVING_GRAPH_OPTIMIZATION_LEVEL):
 the expensive rewrites are already in the file, and "all" measured no faster.
 
-Models with more than ~1.8 GB of weights are read and written with external data (one
-`<name>.onnx.data` file next to the graph, as the exporter writes them); step 2, which needs the
-whole graph in one protobuf, ran only on the nodes and small constants for them. Their weights
-stay on disk while an fp32 graph is optimized (exporters/external_data.py): the fusions work on
-the nodes and small constants (a transformer fusion that needs a weight's values is skipped, with
-why), the weights are copied file to file chunk by chunk, and ONNX Runtime's
-offline optimization computes from the mapped file without prepacking a copy. Reduced precisions
-read every weight (their quantizers rewrite them).
+Graphs exported with external data (one `<name>.onnx.data` file next to the graph: the exporter
+writes them over 256 MB of weights) keep their weights on disk while an fp32 graph is optimized
+(exporters/external_data.py): the fusions, steps 2 included, work on the nodes and small constants
+(a transformer fusion that needs a weight's values is skipped, with why), the weights are copied
+file to file chunk by chunk, and ONNX Runtime's offline optimization computes from the mapped file
+without prepacking a copy; the optimized graph is stored with external data too. Reduced
+precisions read every weight in (their quantizers rewrite them) and store their graph with
+external data over EXTERNAL_DATA_THRESHOLD_BYTES (1.8 GB, near protobuf's limit); step 2 is
+skipped for a graph over it whose weights are in memory.
 
 A graph whose optimization would not fit in the free memory is not optimized (the step raises, the
 build keeps the plain export and says why): one held in memory needs its weights times
@@ -193,9 +194,9 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
     skipped: list[str] = []
     _check_memory(src)
     try:
-        model = load_structure(src)  # its weights over 1 MiB left in their file, for now
-        if _weight_bytes(model) <= EXTERNAL_DATA_THRESHOLD_BYTES:
-            load_weights(model, src.parent)  # small enough to rewrite in memory (step 2 needs it whole)
+        # Weights over 1 MiB of a graph with external data stay in their file; the quantizers read
+        # them in (optimize_onnx). An inline graph is read whole.
+        model = load_structure(src)
     except Exception as err:
         raise OptimizationError(f"cannot load {src}: {err}") from err
     nodes_before = len(model.graph.node)
@@ -300,7 +301,8 @@ def optimize_onnx(
             model.CopyFrom(fused.model)
     applied = list(fused.applied)
     skipped = list(fused.skipped)
-    external = fused.external
+    # An fp32 graph whose weights stayed on disk is stored with external data whatever its size.
+    external = fused.external or (precision == "fp32" and any(unloaded(tensor) for tensor in tensors(model)))
     quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
     if precision != "fp32" and any(unloaded(tensor) for tensor in tensors(model)):
         _check_memory(src, QUANTIZE_MEMORY_FACTOR, f"{precision} quantization")
@@ -380,7 +382,7 @@ def _check_memory(src: Path, factor: float | None = None, what: str = "optimizin
     MEMORY_FACTOR held in memory, MAPPED_MEMORY_FACTOR with its weights left on disk (a
     3B-parameter model's 11 GB of fp32 weights: 2.8 GB, where held in memory it would need 28 GB)."""
     weights = src.stat().st_size + (_data_path(src).stat().st_size if _data_path(src).exists() else 0)
-    mapped = _data_path(src).exists() and weights > EXTERNAL_DATA_THRESHOLD_BYTES
+    mapped = _data_path(src).exists()
     factor = factor or (MAPPED_MEMORY_FACTOR if mapped else MEMORY_FACTOR)
     available = available_memory_bytes()
     if available is not None and weights * factor > available:
