@@ -93,9 +93,18 @@ class Sampler:
         self.sample()
 
 
-def child_build(checkpoint: Path, family: str, out: Path, extra: dict[str, Any]) -> dict[str, Any]:
-    """Build `checkpoint` into `out` with default options in this process, sampling its memory."""
+def child_build(checkpoint: Path, family: str, out: Path, extra: dict[str, Any],
+                threshold: int | None = None) -> dict[str, Any]:
+    """Build `checkpoint` into `out` with default options in this process, sampling its memory.
+    `threshold` (a diagnosis, not a default build): the external-data threshold lowered, so a small
+    model takes the path with its weights left on disk."""
     from bionemo_export.build import BuildRequest, build_repository
+
+    if threshold is not None:
+        from bionemo_export.exporters import onnx_export
+        from bionemo_export.exporters.optimize import candidates
+
+        onnx_export.EXTERNAL_DATA_THRESHOLD_BYTES = candidates.EXTERNAL_DATA_THRESHOLD_BYTES = threshold
 
     sampler = Sampler()
     baseline = _status()
@@ -228,9 +237,10 @@ def main() -> None:
     parser.add_argument("--build", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--check", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--repository", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--threshold", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
-        print(json.dumps(child_build(args.build, args.family, args.repository, {})))
+        print(json.dumps(child_build(args.build, args.family, args.repository, {}, args.threshold)))
         return
     if args.check:
         print(json.dumps(child_check(args.check, args.family, args.repository)))
