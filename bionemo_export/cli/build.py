@@ -53,7 +53,7 @@ def repo(
                                   "fusions, offline graph optimization), kept only if they verify against PyTorch."),
     memory_check: bool = typer.Option(True, help="Refuse at once a checkpoint whose build needs more memory than this "
                                       "host has, instead of being killed mid-build: about 1.3x its fp32 weights "
-                                      "for models over 1.8 GB (their weights stay on disk; 1.5x to quantize), 2.7x "
+                                      "for models over 256 MB (their weights stay on disk; 1.5x to quantize), 9.5x "
                                       "below, plus 0.8 GiB; the build says which path it takes."),
     max_batch_size: int = typer.Option(ServingOptions.max_batch_size, help="Largest batch any model accepts "
                                        "(requests and dynamic batches)."),
