@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bionemo_export import __version__
 from bionemo_export.build_records import AccuracyRecord, GraphRecord, GraphVerification
 from bionemo_export.build_staging import (
@@ -30,6 +32,8 @@ from bionemo_export.errors import UserError, reason
 from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
+from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+from bionemo_export.exporters.shared_weights import WEIGHTS_FILE
 from bionemo_export.generation.reference import decoder_check_batches
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
@@ -37,6 +41,7 @@ from bionemo_export.model_repository.classifier import ClassifierGraph, plan_cla
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
 from bionemo_export.model_repository.encoder import plan_encoder_repository
+from bionemo_export.model_repository.hosted_graphs import host_graphs
 from bionemo_export.model_repository.integrity import record_files
 from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
 from bionemo_export.model_repository.manifest import (
@@ -58,7 +63,7 @@ from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMis
 from bionemo_export.models.readers.base import fp32_weight_bytes
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
-from bionemo_export.tasks import TASKS, Graph, Requirement, get_task, planned_by
+from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task, planned_by
 
 Progress = Callable[[str], None]
 LOG = logging.getLogger(__name__)
@@ -93,7 +98,10 @@ class BuildRequest:
     max_decode_length: int | None = None
     """Decoding families: most tokens a decode produces (default: the model's limit)."""
     precision: str = Precision.FP32
-    """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); fp16 (GPU hosts)."""
+    """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); int8w, int4 (weight-only,
+    CPU: exporters/optimize/weight_only.py); fp16 (GPU hosts)."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """int8w, int4: weights per quantization block along the reduction axis (weight_only.BLOCK_SIZES)."""
     optimize: bool = True
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
     check_memory: bool = True
@@ -152,6 +160,9 @@ def _check_request(request: BuildRequest) -> None:
         seen[checkpoint.resolve()] = number
     if request.precision not in tuple(Precision):
         raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}")
+    if request.block_size not in BLOCK_SIZES:
+        raise BuildError(f"`block_size` {request.block_size}: choose one of {', '.join(map(str, BLOCK_SIZES))} "
+                         "(weights per quantization block of int8w and int4)")
     if request.exporter not in tuple(Exporter):
         raise BuildError(f"`exporter` {request.exporter!r}: choose one of {', '.join(Exporter)}")
 
@@ -170,10 +181,14 @@ def _check_out(out: Path) -> None:
         raise BuildError(f"`out` {out}: cannot write in {ancestor} (permission denied)")
 
 
-def _check_tasks(family, tasks: tuple[str, ...] | None) -> tuple[str, ...]:
+def _check_tasks(family, tasks: tuple[str, ...] | None, hosts_graphs: bool = True) -> tuple[str, ...]:
     """The tasks to serve: those asked for, which the family must serve, or all it serves by
-    default (a task entry's `by_default`)."""
-    tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default)
+    default (a task entry's `by_default`), less those whose graphs are the encoder again
+    (tasks.HOSTED_GRAPHS) unless the encoder's model hosts them over its own weights
+    (`hosts_graphs`: the Python backend, an fp32 encoder); elsewhere each would hold another copy
+    of the weights (a quantized encoder's weights are other bytes than their fp32 ones)."""
+    tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default
+                           and (hosts_graphs or not set(get_task(t).graphs) & set(HOSTED_GRAPHS)))
     for task in tasks:
         try:
             get_task(task)
@@ -214,7 +229,7 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                   family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
                   optimize: bool = True, num_heads: int | None = None,
                   hidden_size: int | None = None, picks_cpu_graph: bool = True,
-                  cache: GraphCache | None = None) -> ExportedGraph:
+                  cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
@@ -264,9 +279,9 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
         int8 = verified_int8_graphs(module, exported.path, report, work, batches, one_graph=not picks_cpu_graph,
                                     log=log, **settings)
         chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
-    else:
+    else:  # fp32, fp16, and the weight-only int8w / int4 (block_size: theirs)
         chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
-                                     **settings)
+                                     block_size=block_size, **settings)
     verification = GraphVerification(chosen.report, exported.path, chosen.record.precision,
                                      unoptimized=report if chosen.path != exported.path else None,
                                      no_vnni=no_vnni.report if no_vnni else None)
@@ -365,12 +380,14 @@ def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> Masked
 
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
-                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = ""
-                ) -> dict[str, ExportedGraph]:
+                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = "",
+                share_weights: bool = False) -> dict[str, ExportedGraph]:
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
     every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
     they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse).
-    `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`)."""
+    `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`). `share_weights`: the
+    graphs that are the encoder again (tasks.HOSTED_GRAPHS) are rewritten over one weights file
+    with the encoder's (`_share_encoder_weights`), for a backend whose encoder model hosts them."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
     def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
@@ -379,7 +396,8 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                              picks_cpu_graph=picks_cpu_graph,
-                             cache=GraphCache(request.graph_cache) if request.graph_cache else None)
+                             cache=GraphCache(request.graph_cache) if request.graph_cache else None,
+                             block_size=request.block_size)
 
     # Reduced precision applies to the encoder's graph, graph optimization to it and the layers
     # graph; the others are stored as exported in fp32 (see GRAPH_EXPORTS).
@@ -395,7 +413,53 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                 settings["precision"] = request.precision
             graphs[prefix + graph.value] = export(prefix + graph.value, module, inputs, outputs, graph_batches,
                                                   mask_input=how.mask_input, **settings)
+    if share_weights and not prefix:
+        _share_encoder_weights(graphs, export_dir / "shared", progress)
     return graphs
+
+
+def _share_encoder_weights(graphs: dict[str, ExportedGraph], folder: Path, progress: Progress) -> None:
+    """Rewrite the encoder's graph and those of `graphs` that are the encoder again (layers,
+    contacts, attentions) into `folder` over one weights file, each distinct tensor once
+    (exporters/shared_weights.py), and check that each rewritten graph answers its golden inputs
+    as the exported one does (the rewrite moves bytes, nothing else). Their `files` then
+    name the rewritten graphs, and the encoder's the weights file (its own external data file, if
+    any, left out)."""
+    from bionemo_export.exporters.shared_weights import describe, external_references, share_weights
+    from bionemo_export.serving.golden import GOLDEN_FILE, read_golden
+
+    hosted = [graph for graph in HOSTED_GRAPHS if graph.value in graphs]
+    if not hosted:
+        return
+    names = ["encoder", *(graph.value for graph in hosted)]
+    sources = {name: graphs[name].files["model.onnx"] for name in names}
+    own_data = {name: {ref.location for ref in external_references(sources[name])} for name in names}
+    shared = share_weights(sources, folder, {name: HOSTED_FILES.get(name, "model.onnx") for name in names})
+    for name in names:
+        exported = graphs[name]
+        files = {key: path for key, path in exported.files.items() if key not in own_data[name]}
+        files["model.onnx"] = shared.graphs[name]
+        if name == "encoder":
+            files[shared.weights.name] = shared.weights
+        graphs[name] = dataclasses.replace(exported, files=files)
+        if GOLDEN_FILE in files:
+            inputs = read_golden(str(files[GOLDEN_FILE])).inputs
+            before, after = (_answers(path, inputs) for path in (sources[name], shared.graphs[name]))
+            # (equal up to float noise: the same kernels over the same bytes, only their addresses differ)
+            if not all(np.allclose(b, a, rtol=1e-5, atol=1e-6, equal_nan=True) for b, a in zip(before, after)):
+                raise BuildError(f"the {name} graph rewritten over the shared {shared.weights.name} answers its "
+                                 "golden inputs otherwise than the exported graph: a bug in "
+                                 "exporters/shared_weights.py; build with `--backend native` meanwhile")
+    progress(describe(shared))
+
+
+def _answers(graph: Path, inputs: dict) -> list:
+    """Every output of `graph` on `inputs`, in one ONNX Runtime session of default options."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    names = [value.name for value in session.get_inputs()]
+    return [np.asarray(value) for value in session.run(None, {name: inputs[name] for name in names})]
 
 
 @dataclass(frozen=True)
@@ -459,26 +523,81 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
 """How each graph a task entry names is exported, in the order a build exports them."""
 
 
-BUILD_MEMORY_FACTOR = 2.7
-"""A build's peak memory in multiples of the model's fp32 weights (the PyTorch model, the exported
-graph, its check against PyTorch), measured: an ESM C of 600M's sizes (2.3 GB of fp32 weights)
-peaked at 6.1 GB resident (docs/models.md)."""
+IN_MEMORY = "held in memory"
+WEIGHTS_ON_DISK = "weights left on disk"
+BUILD_MEMORY_FACTORS: dict[str, float] = {IN_MEMORY: 9.5, WEIGHTS_ON_DISK: 1.3}
+"""A build's peak resident memory beyond BUILD_BASELINE_BYTES, in multiples of the model's fp32
+weights, per path (`estimate_build_memory`). Held in memory (graphs up to the exporter's
+EXTERNAL_DATA_THRESHOLD_BYTES, 256 MB): the graph is serialized, parsed, fused and checked whole at
+each step (measured when 150M took this path: 5.9 GB for 0.59 GB of weights, 9.3x beyond the
+libraries; under 256 MB that is at most 3.2 GB). Weights left on disk (larger graphs): the
+checkpoint is memory-mapped, the export and the optimizer write and copy the weights file chunk by
+chunk, ONNX Runtime computes from the mapped file, and PyTorch's answers are computed before each
+session opens, its pages handed back to the kernel meanwhile (models/readers/mapped.py), so the
+model's weights and a session's are resident one at a time (benchmarks/results/model_sizes.json)."""
+QUANTIZE_MEMORY_FACTOR = 1.5
+"""A quantized build (int8, int8w, int4) of a graph with its weights on disk: the quantizers read
+every fp32 weight in and write the quantized copy (exporters/optimize/candidates.py)."""
+BUILD_BASELINE_BYTES = 800 << 20
+"""What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
 
 
-def check_build_memory(checkpoint: Path, available: int | None) -> None:
-    """BuildError before anything is loaded when the checkpoint's fp32 weights times
-    BUILD_MEMORY_FACTOR exceed `available` bytes (None: unknown, not checked): an ESM C 6B (24 GB
-    of fp32 weights) would otherwise be killed by the kernel mid-build on a 24 GB host."""
-    if available is None or not Path(checkpoint).exists():
-        return
+@dataclass(frozen=True)
+class BuildMemory:
+    """What a build of one checkpoint is expected to hold at its peak, and why."""
+
+    path: str
+    """IN_MEMORY or WEIGHTS_ON_DISK: how the build handles the weights (`estimate_build_memory`)."""
+    weights: int
+    """The checkpoint's weights in fp32 bytes (fp32_weight_bytes)."""
+    factor: float
+    needed: int
+    """BUILD_BASELINE_BYTES + factor x weights."""
+    why: str
+
+    def text(self) -> str:
+        return (f"about {self.needed / 2**30:.1f} GiB ({self.factor} x its {self.weights / 2**30:.1f} GiB of fp32 "
+                f"weights + {BUILD_BASELINE_BYTES / 2**30:.1f} GiB, {self.path}: {self.why})")
+
+
+def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32) -> BuildMemory:
+    """The memory a build of `checkpoint` in `precision` needs, by the path it will take: graphs
+    whose weights exceed the exporter's external-data threshold keep their weights on disk
+    (BUILD_MEMORY_FACTORS says what each path holds), and quantizing those reads them in."""
+    from bionemo_export.exporters.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES
+
     weights = fp32_weight_bytes(Path(checkpoint))
-    needed = weights * BUILD_MEMORY_FACTOR
-    if needed > available:
-        raise BuildError(f"{checkpoint}: building it needs about {needed / 2**30:.1f} GiB of memory "
-                         f"({BUILD_MEMORY_FACTOR} x its {weights / 2**30:.1f} GiB of fp32 weights: the PyTorch model, "
-                         f"the exported graph and its check); {available / 2**30:.1f} GiB is available here. Build "
-                         "on a host with more memory (the repository then serves anywhere the graph fits: "
-                         "--precision fp16 halves it for GPU hosts), or pass --no-memory-check to try anyway")
+    if weights <= EXTERNAL_DATA_THRESHOLD_BYTES:
+        path, why = IN_MEMORY, (f"up to {EXTERNAL_DATA_THRESHOLD_BYTES >> 20} MB of weights the graph is exported, "
+                                "fused and checked whole, beside the PyTorch model")
+        factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
+    elif precision != Precision.FP32:
+        path, why = WEIGHTS_ON_DISK, (f"the checkpoint is mapped, but {precision} quantization reads every fp32 "
+                                      "weight in and writes the quantized copy")
+        factor = QUANTIZE_MEMORY_FACTOR
+    else:
+        path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data, the "
+                                      "PyTorch model and an ONNX Runtime session resident one at a time")
+        factor = BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK]
+    return BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
+
+
+def check_build_memory(checkpoint: Path, available: int | None, precision: str = Precision.FP32
+                       ) -> BuildMemory | None:
+    """The build's memory estimate (`estimate_build_memory`); BuildError before anything is loaded
+    when it exceeds `available` bytes (None: unknown, not checked): an ESM C 6B quantized (24 GB of
+    fp32 weights read in) would otherwise be killed by the kernel mid-build on a 24 GB host."""
+    if not Path(checkpoint).exists():
+        return None
+    estimate = estimate_build_memory(Path(checkpoint), precision)
+    if available is not None and estimate.needed > available:
+        advice = ("build it in fp32 here (its weights stay on disk) and quantize on a host with more memory"
+                  if precision != Precision.FP32 and estimate.path == WEIGHTS_ON_DISK else
+                  "build on a host with more memory (the repository then serves anywhere the graph fits)")
+        raise BuildError(f"{checkpoint}: building it in {precision} needs {estimate.text()}; "
+                         f"{available / 2**30:.1f} GiB is available here. {advice[0].upper()}{advice[1:]}, or pass "
+                         "--no-memory-check to try anyway")
+    return estimate
 
 
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
@@ -498,17 +617,23 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
         serving = dataclasses.replace(request.serving, backend=backend)
     except ValueError as err:  # a device or layout the backend cannot serve
         raise BuildError(str(err)) from err
-    if request.precision == "int8" and not serving.serving_backend.stores_cpu_optimized_graphs:
-        raise BuildError("`precision` int8 is ONNX Runtime's CPU quantization; on `device` gpu use fp16 "
-                         "(`backend` tensorrt builds fp16 engines by default)")
+    if Precision(request.precision).quantized and not serving.serving_backend.stores_cpu_optimized_graphs:
+        raise BuildError(f"`precision` {request.precision} is ONNX Runtime's CPU quantization; on `device` gpu use "
+                         "fp16 (`backend` tensorrt builds fp16 engines by default)")
 
     if request.members:
         return _build_ensemble(request, backend, serving, progress)
     if request.check_memory:
-        check_build_memory(request.checkpoint, available_memory_bytes())
+        memory = check_build_memory(request.checkpoint, available_memory_bytes(), request.precision)
+        if memory is not None:
+            progress(f"memory: this build needs {memory.text()}")
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     loaded = _load(request.checkpoint, request)
-    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks), asked=request.tasks is not None)
+    # The hosted graphs share the encoder's weights when both are fp32 (they are exported in fp32:
+    # a reduced-precision encoder's weights are other bytes), and the Python backend hosts them.
+    hosts_graphs = serving.serving_backend.runs_python and request.precision == Precision.FP32
+    tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks, hosts_graphs=hosts_graphs),
+                           asked=request.tasks is not None)
 
     try:
         # Published at request.out when the block ends normally; removed however it ends.
@@ -519,7 +644,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                 try:
                     graphs = _export_all(loaded, tasks, export_dir, request, progress,
                                          cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
-                                         picks_cpu_graph=serving.serving_backend.runs_python)
+                                         picks_cpu_graph=serving.serving_backend.runs_python,
+                                         share_weights=serving.serving_backend.runs_python)
                 except PrecisionError as err:
                     raise BuildError(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")
@@ -565,7 +691,7 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
                                                         if loaded.seq2seq else None),
         verification={"passed": True,
                       "graphs": {name: graph.verification.to_dict() for name, graph in graphs.items()}},
-        accuracy=AccuracyRecord(request.precision, encoder.verification).to_dict(),
+        accuracy=AccuracyRecord(request.precision, encoder.verification, encoder.record.optimization).to_dict(),
         versions=package_versions(),
         build_host=host_record(),
         # Last, once every other file is written: serve and verify compare the files with these.
@@ -623,7 +749,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
     if request.check_memory:
         available = available_memory_bytes()
         for path in request.checkpoints:
-            check_build_memory(path, available)
+            check_build_memory(path, available, request.precision)
     facts: list[MemberFacts] = []
     tasks: tuple[str, ...] = ()
     for number, path in enumerate(request.checkpoints, 1):
@@ -669,8 +795,9 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                 assert first is not None  # request.checkpoints holds two at least
                 if request.precision != Precision.FP32:  # each member's cost (manifest `accuracy`: member 1's)
                     for record in records:
-                        record["accuracy"] = AccuracyRecord(
-                            request.precision, graphs[f"{record['member']}_encoder"].verification).to_dict()
+                        member = graphs[f"{record['member']}_encoder"]
+                        record["accuracy"] = AccuracyRecord(request.precision, member.verification,
+                                                            member.record.optimization).to_dict()
                 progress(f"writing the repository ({backend} backend): {count} members")
                 plan = RepositoryPlan(plan_member_ensemble(
                     request.name, family=first.family.name, tokenizer=first.tokenizer, members=members,
@@ -704,6 +831,11 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
             raise BuildError(f"task {', '.join(planned_by(planner))} names the planner {planner!r}, which "
                              f"build.PLANNERS does not have (it has {', '.join(PLANNERS)}): add its function there")
         plan.models += PLANNERS[planner](request, loaded, tasks, serving, graphs)
+        plan.validate()
+    weights = graphs["encoder"].files.get(WEIGHTS_FILE)
+    if weights is not None:  # the graphs written over the encoder's weights file move into its model
+        host_graphs(plan, f"{request.name}_encoder",
+                    {graphs[name].files["model.onnx"]: name for name in HOSTED_FILES if name in graphs}, weights)
         plan.validate()
     return plan
 

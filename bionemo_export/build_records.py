@@ -3,7 +3,7 @@
     record = GraphRecord(export_result, chosen.record)                     # manifest["export"][graph]
     check = GraphVerification(chosen.report, export_result.path, "fp32",   # manifest["verification"]
                               unoptimized=None)                            #   ["graphs"][graph]
-    AccuracyRecord("int8", check).to_dict()                                # manifest["accuracy"]
+    AccuracyRecord("int8", check, chosen.record).to_dict()                 # manifest["accuracy"]
 
 Each `to_dict()` writes the manifest's JSON as it has always been written (the same keys, in the
 same order): repositories built before read the same, and tools reading manifest.json need no change.
@@ -77,25 +77,42 @@ class GraphVerification:
 @dataclass(frozen=True)
 class AccuracyRecord:
     """manifest.json's `accuracy`: the stored encoder graph against the PyTorch fp32 model, what
-    `precision` costs."""
+    `precision` costs. A quantized graph (int8, int8w, int4) also records the min cosine its build
+    required (`required_min_cosine`: the tolerance with its margin, exporters/optimize/pipeline.py),
+    each served session it was checked in (`sessions`), and, for int8w/int4, how it was quantized
+    (`quantization`: bits, block size, accuracy level, the MatMuls kept, the weight bytes)."""
 
     precision: str
     encoder: GraphVerification
+    optimization: OptimizationRecord | None = None
+    """The stored graph's optimization record (its quantization), when known."""
 
     def to_dict(self) -> dict[str, Any]:
+        from bionemo_export.choices import Precision
+        from bionemo_export.exporters.optimize.pipeline import MARGIN_SHARE, margin_min_cosine
         from bionemo_export.exporters.verification import Tolerance
 
         report = self.encoder.report
+        quantized = self.precision in tuple(Precision) and Precision(self.precision).quantized
         outputs = {}
         for check in (check.to_dict() for check in report.outputs):
             # An output held to the family's tolerance records it here (the report's own has no entry).
             tolerance = check.get("tolerance") or Tolerance(report.atol, report.min_cosine).to_dict()
             outputs[check["name"]] = {"max_abs_error": check["max_abs_error"], "min_cosine": check["min_cosine"],
                                       "tolerance": tolerance}
-        return {
+            if quantized:
+                outputs[check["name"]]["required_min_cosine"] = round(margin_min_cosine(tolerance["min_cosine"]), 9)
+        record: dict[str, Any] = {
             "precision": self.precision,
             "reference": "PyTorch fp32",
             "graph": "encoder",
             "batch_shapes": [list(shape) for shape in report.batch_shapes],
             "outputs": outputs,
         }
+        if quantized:
+            record["margin_share"] = MARGIN_SHARE
+            record["sessions"] = report.sessions
+        result = self.optimization.result if self.optimization is not None else None
+        if result is not None and result.quantization is not None and self.precision in ("int8w", "int4"):
+            record["quantization"] = result.quantization.to_dict()
+        return record

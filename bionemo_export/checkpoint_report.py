@@ -4,7 +4,9 @@ The report runs the same steps as `build repo` up to the PyTorch modules, and st
 reader (form, parallel layout, entries it skipped), the family's conversion (sizes, tokenizer,
 heads, the stored tensors it leaves out and why) and the strict load (missing, unexpected or
 mis-shaped keys, reported as problems instead of raised), then the tasks a build would serve
-(`build.servable_tasks`, the rule `build repo` applies) and the command that builds them.
+(`build.servable_tasks`, the rule `build repo` applies) and the command that builds them, and
+the memory a build needs here (`build.estimate_build_memory`, by the path the build will take) against
+what this host has available.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bionemo_export.build import servable_tasks, unserved_tasks
+from bionemo_export.build import estimate_build_memory, servable_tasks, unserved_tasks
 from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, get_family, infer_family
 from bionemo_export.models.readers import READERS, Checkpoint, CheckpointError, read_checkpoint
 from bionemo_export.models.readers.base import KeyMismatchError
@@ -45,6 +47,9 @@ class CheckpointReport:
     """The family's tasks this checkpoint cannot serve, with why (what it lacks)."""
     problems: list[str] = field(default_factory=list)
     command: str | None = None
+    memory: dict[str, Any] = field(default_factory=dict)
+    """What a build needs at its peak, per precision ("fp32", and "quantized" where that differs),
+    and the memory available here (`build_memory`)."""
 
     @property
     def ok(self) -> bool:
@@ -86,11 +91,36 @@ class CheckpointReport:
             lines.append(f"            and when --tasks names them: {', '.join(self.on_request)}")
         for why in dict.fromkeys(self.not_served.values()):
             lines.append(f"not served  {why}")
+        available = self.memory.get("available_bytes")
+        for precision, estimate in self.memory.get("builds", {}).items():
+            fits = "fits" if estimate["fits"] else "does NOT fit"
+            here = "" if available is None else f"; {fits} the {available / 2**30:.1f} GiB available here"
+            lines.append(f"memory      {precision}: about {estimate['needed_bytes'] / 2**30:.1f} GiB "
+                         f"({estimate['factor']} x {estimate['weights_bytes'] / 2**30:.1f} GiB of fp32 weights, "
+                         f"{estimate['path']}){here}")
         for problem in self.problems:
             lines.append(f"problem     {problem}")
         if self.command:
             lines.append(f"build with  {self.command}")
         return "\n".join(lines)
+
+
+def build_memory(path: Path) -> dict[str, Any]:
+    """The memory a build of `path` needs (build.estimate_build_memory) in fp32 and, where it
+    differs, quantized (int8, int8w, int4), each with whether it fits the memory available here."""
+    from bionemo_export.procfs import available_memory_bytes
+
+    available = available_memory_bytes()
+    builds: dict[str, Any] = {}
+    for label, precision in (("fp32", "fp32"), ("quantized", "int4")):
+        estimate = estimate_build_memory(path, precision)
+        entry = {"path": estimate.path, "factor": estimate.factor, "weights_bytes": estimate.weights,
+                 "needed_bytes": estimate.needed, "why": estimate.why,
+                 "fits": available is None or estimate.needed <= available}
+        if builds and entry == builds["fp32"]:
+            continue
+        builds[label] = entry
+    return {"available_bytes": available, "builds": builds}
 
 
 def _listed(title: str, entries: dict[str, str]) -> list[str]:
@@ -190,7 +220,8 @@ def _inspect(path: Path, family: str | None, max_length: int | None) -> tuple[Ch
     checkpoint = read_checkpoint(path)
     report = CheckpointReport(checkpoint=str(path), form=checkpoint.form,
                               form_description=READERS[checkpoint.form].description,
-                              model_class=checkpoint.model_class, family=None, parallel=dict(checkpoint.parallel))
+                              model_class=checkpoint.model_class, family=None, parallel=dict(checkpoint.parallel),
+                              memory=build_memory(path))
     try:
         name = family or _family_of(checkpoint)
     except CheckpointError as err:

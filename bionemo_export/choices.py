@@ -38,9 +38,31 @@ class Precision(Choice):
 
     FP32 = "fp32"
     INT8 = "int8"
-    """Dynamic quantization: ONNX Runtime's CPU kernels."""
+    """Dynamic quantization, for CPU hosts: 8-bit weights per output channel and 8-bit activations
+    quantized per tensor at run time (ONNX Runtime's MatMulInteger kernels)."""
+    INT8W = "int8w"
+    """Weight-only 8-bit, for CPU hosts: weights quantized in blocks along the reduction axis
+    (ONNX Runtime's MatMulNBits), activations quantized per block at run time
+    (exporters/optimize/weight_only.py). Closer to fp32 than int8, as fast or faster."""
+    INT4 = "int4"
+    """Weight-only 4-bit, for CPU hosts: int8w's scheme with 4-bit weights (about 1/6 of the fp32
+    weight bytes at block size 32); the most sensitive matrix products may stay 8-bit."""
     FP16 = "fp16"
     """Half precision, for GPU hosts."""
+
+    @property
+    def quantized(self) -> bool:
+        """Integer weights (int8, int8w, int4): ONNX Runtime CPU kernels (no TensorRT or GPU graph),
+        whose answers differ a little between CPUs and sessions, so a build accepts such a graph only
+        with a margin over its tolerance (exporters/optimize/pipeline.py)."""
+        return self in (Precision.INT8, Precision.INT8W, Precision.INT4)
+
+
+WEIGHT_BLOCK_SIZES = (16, 32, 64, 128, 256)
+"""int8w, int4: the weights per quantization block ONNX Runtime's MatMulNBits computes (powers of
+two from 16; exporters/optimize/weight_only.py)."""
+DEFAULT_WEIGHT_BLOCK_SIZE = 32
+"""int8w, int4: the block size a build uses unless told (measured: docs/building.md)."""
 
 
 class EnginePrecision(Choice):

@@ -65,6 +65,16 @@ class Graph(str, Enum):
     (attentions_1 .. attentions_N): a caller fetches only the blocks it names."""
 
 
+HOSTED_GRAPHS = (Graph.LAYERS, Graph.CONTACTS, Graph.ATTENTIONS)
+"""The graphs that are the encoder again (its weights; other outputs, eager attention). With the
+Python backend the encoder's model hosts them over one weights file with its own graph
+(model_repository/hosted_graphs.py), so that the repository holds the weights once; Triton's own
+runtimes run one graph per model folder, where each keeps a copy, and a default build leaves their
+tasks out (`default_tasks`)."""
+HOSTED_FILES = {graph.value: f"{graph.value}.onnx" for graph in HOSTED_GRAPHS}
+"""Each hosted graph's file in the encoder's version folder."""
+
+
 class Instances(str, Enum):
     """Which of ServingOptions' instance counts a task's model gets by default."""
 
@@ -123,8 +133,10 @@ class Task:
     """The `RepositoryClient` method that asks it (client/repository.py); "" where only the generic
     `RepositoryClient.ask` does."""
     by_default: bool = True
-    """Built when a build names no tasks (`--tasks` left out); False: only when named (a task whose
-    graph costs the repository a second copy of the weights: contacts)."""
+    """Built when a build names no tasks (`--tasks` left out) and the checkpoint carries what it
+    requires; False: only when named. A task whose graph is the encoder again (HOSTED_GRAPHS) is
+    built by default only where the encoder's model hosts it over one copy of the weights (the
+    Python backend, an fp32 encoder: build.py `_check_tasks`)."""
     notes: tuple[str, ...] = field(default=())
     """Further lines of documentation (under the task on the docs site's Served API page)."""
     member_outputs: tuple[TensorSpec, ...] = ()
@@ -274,12 +286,14 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "contacts that are its own)")),
          role="contacts", planner="contacts", check="contacts", graphs=(Graph.CONTACTS,),
          requires=(Requirement.CONTACT_HEAD,), role_defaults=RoleDefaults(Instances.ONE, batched=True),
-         client_method="predict_contacts", by_default=False,
-         notes=("Built only when named (`--tasks ...,contacts`): its graph holds a second copy of every weight of "
-                "the encoder, doubling the repository's size.",
+         client_method="predict_contacts",
+         notes=("Built by default for a checkpoint with the contact head (`--backend python`: its graph is written "
+                "over the encoder's weights file and served by N_encoder, so the weights are stored and mapped "
+                "once; with `--backend native` only when named, its own model `N_contact_graph` holding another "
+                "copy of the weights).",
                 "transformers' `EsmForMaskedLM.predict_contacts` / `EsmModel.predict_contacts`, computed by its own "
-                "graph (`N_contact_graph`, the encoder run again with every layer's attention probabilities); the "
-                "embeddings and hiddens graphs are not changed by it.",
+                "graph (`contacts.onnx`: the encoder run again with every layer's attention probabilities); the "
+                "embeddings and hiddens graph is not changed by it.",
                 "A sequence longer than the config's `max_residues` parameter (default: the model's limit, 1022 "
                 "for ESM-2) is refused with INVALID_ARGUMENT naming its length and the limit; the work grows with "
                 "L^2 x layers x heads. A graph call holds at most `pair_budget` token pairs (rows x T^2).")),
@@ -302,16 +316,16 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "residues/tokens")),
          role="layers", planner="layers", check="layers", graphs=(Graph.LAYERS,),
          role_defaults=RoleDefaults(Instances.ONE, batched=True), client_method="layer_embeddings",
-         by_default=False,
-         notes=("Built only when named (`--tasks ...,layers`): its graph (`N_layer_graph`, every layer's states as "
-                "separate outputs) holds a second copy of every weight of the encoder. N_embeddings and "
+         notes=("Built by default (`--backend python`: its graph, every layer's states as separate outputs, is "
+                "written over the encoder's weights file and served by N_encoder; with `--backend native` only "
+                "when named, its own model `N_layer_graph` holding another copy of the weights). N_embeddings and "
                 "N_hiddens and their encoder graph are not changed by it: the last layer's mean costs what it "
                 "cost before.",
                 "Each output is answered only when `include` names it (default: `embeddings`, the mean). A layer "
                 "outside -(N+1)..N, an unknown choice, or `bos` of a model whose rows start with a residue "
                 "(ProtT5, MegaMolBART) fails that request alone with INVALID_ARGUMENT naming the value and the "
                 "allowed range (the config's `num_layers` parameter is N).",
-                "N_layers asks N_layer_graph for the requested layers only, so the others never cross shared "
+                "N_layers asks the layers graph for the requested layers only, so the others never cross shared "
                 "memory; the graph still runs every block (ONNX Runtime does not prune a graph per request), "
                 "so a middle layer costs what the last does, not less.")),
     Task("attentions", "attention probabilities of chosen blocks and heads (transformers' output_attentions)",
@@ -327,16 +341,17 @@ TASKS: dict[str, Task] = {task.name: task for task in (
           MASK),
          role="attentions", planner="attentions", check="attentions", graphs=(Graph.ATTENTIONS,),
          requires=(Requirement.ATTENTION_PROBABILITIES,), role_defaults=RoleDefaults(Instances.ONE, batched=True),
-         client_method="attention_maps", by_default=False,
-         notes=("Built only when named (`--tasks ...,attentions`): its graph (`N_attention_graph`, every block's "
-                "probabilities as separate outputs) holds a second copy of every weight of the encoder; the "
-                "encoder's graph keeps its fused attention.",
+         client_method="attention_maps",
+         notes=("Built by default for a transformers checkpoint (`--backend python`: its graph, every block's "
+                "probabilities as separate outputs, is written over the encoder's weights file and served by "
+                "N_encoder; with `--backend native` only when named, its own model `N_attention_graph` holding "
+                "another copy of the weights); the encoder's graph keeps its fused attention.",
                 "A request's answer is rows x layers x heads x T^2 values; beyond the config's "
                 f"`max_attention_values` parameter (default {DEFAULT_MAX_ATTENTION_VALUES:,}, 64 MiB) it fails "
                 "alone with INVALID_ARGUMENT naming the size and the limit: ask for fewer blocks or heads. A "
                 "block outside -N..-1, 1..N or a head outside -heads..heads-1 fails the same way, naming the "
                 "range (the config's `num_layers` and `num_heads` parameters).",
-                "N_attentions asks N_attention_graph for the requested blocks only; the graph still computes "
+                "N_attentions asks the attentions graph for the requested blocks only; the graph still computes "
                 "every block's probabilities (eager attention), so one block costs what all do to compute, "
                 "not to ship.")),
 )}

@@ -157,7 +157,8 @@ def esm2_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def esm2_repository(tmp_path_factory, esm2_checkpoint) -> Path:
     """`esm2_checkpoint` built once for the session as the repository `esm2nv` (Python backend, the
-    fused layout, every task the checkpoint supports: embeddings, hiddens, logits, scores), WITHOUT
+    fused layout, every task the checkpoint supports: embeddings, hiddens, logits, scores, contacts,
+    layers, attentions, the last three hosted by N_encoder over its weights.bin), WITHOUT
     graph optimization: for the tests that need a built repository and not its optimization (those
     build their own). Tests only read it; a test that changes it changes a copy
     (shutil.copytree(esm2_repository, tmp_path / "repo"))."""

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bionemo_export.choices import Device, Exporter, Layout, Precision
+from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, Device, Exporter, Layout, Precision
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import AUTO, BackendChoice, backend_help, device_help
 from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
@@ -43,12 +43,18 @@ def repo(
     exporter: Exporter = typer.Option(Exporter.TORCH, help="ONNX exporter: torch (torch.onnx) or navigator (Triton "
                                       "Model Navigator)."),
     precision: Precision = typer.Option(Precision.FP32, help="Encoder graph precision: fp32; int8 (dynamic "
-                                        "quantization, for CPU hosts; its accuracy cost against fp32 is measured and "
-                                        "written in manifest.json); fp16 (for GPU hosts)."),
+                                        "quantization, for CPU hosts); int8w, int4 (weight-only 8- or 4-bit blocks, "
+                                        "for CPU hosts: int8w is the closest to fp32, int4 the smallest); fp16 (for "
+                                        "GPU hosts). A quantized graph is kept only with a margin over its tolerance; "
+                                        "its accuracy cost against fp32 is written in manifest.json."),
+    block_size: int = typer.Option(DEFAULT_WEIGHT_BLOCK_SIZE, help="int8w, int4: weights per quantization block "
+                                   "(16, 32, 64, 128 or 256; smaller is closer to fp32, larger a little smaller)."),
     optimize: bool = typer.Option(True, help="Store the graphs optimized for ONNX Runtime (attention and transformer "
                                   "fusions, offline graph optimization), kept only if they verify against PyTorch."),
     memory_check: bool = typer.Option(True, help="Refuse at once a checkpoint whose build needs more memory than this "
-                                      "host has (about 2.7x its fp32 weights), instead of being killed mid-build."),
+                                      "host has, instead of being killed mid-build: about 1.3x its fp32 weights "
+                                      "for models over 256 MB (their weights stay on disk; 1.5x to quantize), 9.5x "
+                                      "below, plus 0.8 GiB; the build says which path it takes."),
     max_batch_size: int = typer.Option(ServingOptions.max_batch_size, help="Largest batch any model accepts "
                                        "(requests and dynamic batches)."),
     max_length: int | None = typer.Option(None, help="Maximum tokens per sequence, specials included "
@@ -134,6 +140,7 @@ def repo(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize, check_memory=memory_check,
+            block_size=block_size,
         )
         if graph_cache is not None:  # else the request's default: $BIONEMO_EXPORT_GRAPH_CACHE
             request = dataclasses.replace(request, graph_cache=graph_cache)

@@ -39,11 +39,16 @@ from bionemo_export.exporters.signature import (
     dynamic_axes,
     sample_arguments,
 )
+from bionemo_export.models.readers.mapped import page_out, return_freed_memory
 from bionemo_export.tensors import TensorSpec
 
-EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
-"""Weights above this are saved as external data: a protobuf file cannot exceed 2 GiB, and the
-graph itself needs some of that room (ESM-2 650M and larger cross it)."""
+EXTERNAL_DATA_THRESHOLD_BYTES = 256 << 20
+"""Weights above this are saved as external data (one `<name>.onnx.data` beside the graph). A
+protobuf file cannot exceed 2 GiB, but the reason to start far below that is memory: such a graph
+is written tensor by tensor, checked and optimized with its weights left on disk (ONNX Runtime maps
+the file; exporters/external_data.py), where an inline graph is serialized, parsed and copied
+whole at each step (ESM-2 150M, 0.59 GB of weights: 5.9 GB peak held in memory). Small models
+(AntiBERTy, ESM-2 35M) stay one file."""
 PROTOBUF_LIMIT_BYTES = 2**31
 DEFAULT_OPSET = 18
 """The lowest opset the dynamo exporter implements natively (ONNX Runtime runs it since 1.14); a
@@ -226,12 +231,18 @@ def _export_with_torch(
             "does something torch.export cannot capture (data-dependent Python control flow)."
         ) from err
     assert program is not None, "torch.onnx.export(dynamo=True) returns the exported program"
+    # The exporter's constant folding made each linear weight's transpose a new array: the program
+    # holds a copy of the weights. The module's mapped pages, which it read to make them, are not
+    # needed while the copy is written (models/readers/mapped.py).
+    page_out([*module.parameters(), *module.buffers()])
     # Drop the per-node debugging metadata (source stack traces with this machine's paths): it
     # serves nothing at run time and makes the file depend on where the code was installed.
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
     _remove_written(out_path)
     program.save(str(out_path), external_data=external)
+    del program
+    return_freed_memory()  # the program's copy of the weights, before the graph is checked
 
 
 def _dynamic_shapes(inputs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:

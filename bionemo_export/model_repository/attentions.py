@@ -12,6 +12,9 @@ For `--name N`, on top of the encoder models (encoder.py):
                                the answer's size, sends the rows to N_attention_graph through BLS asking
                                for the requested blocks only, picks the heads: serving/attentions.py)
 
+With `--backend python` the build folds the graph model into N_encoder, which serves the graph
+beside its own over one weights file, and the public model calls N_encoder (hosted_graphs.py).
+
 The encoder graph (and so N_embeddings, N_hiddens) is not changed. N_attentions' settings are its
 config `parameters`: num_layers, num_heads, max_attention_values (`--max-attention-values`),
 pair_budget, max_rows.

@@ -12,6 +12,12 @@ reports, one line each:
   an ONNX Runtime model whose default_model_filename is not its graph; TensorRT models whose
   `engine.json` profiles do not cover every shape the repository's other models can send them,
   disagree with the graph, or are not all listed in the instance group;
+- graphs whose external data (exporters/shared_weights.py) is missing, lies outside the graph's
+  folder (ONNX Runtime refuses it; Triton downloads each model folder of an s3:// repository on its
+  own) or reaches past the end of its file; a model whose SHARED_WEIGHTS parameter records another
+  size or sha256 than its weights file has (the file changed since the build: every graph over it
+  would answer wrong); graphs a model hosts (HOSTED_GRAPHS, hosted_graphs.py) that are missing, or
+  whose outputs are not the ones its config serves for them;
 - models of the manifest whose `source_sha256` parameter (parameters.py) is missing while others
   carry it, or differs from the one manifest.json's checkpoint digests and precision give: a client
   tells repositories apart by it, so it must say what the repository was built from. A repository
@@ -29,15 +35,18 @@ The build runs it before a repository is moved into place, and `engines build` b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from google.protobuf import text_format
 
+from bionemo_export.digests import file_digest
 from bionemo_export.tensors import TensorSpec
 
 from .backends import ServingBackend, graph_backend
-from .graph_io import GraphIO, graph_io
+from .graph_io import GraphIO, external_references, graph_io
+from .hosted_graphs import HOSTED_GRAPHS, SHARED_WEIGHTS
 from .manifest import MANIFEST_NAME, Manifest
 from .parameters import SOURCE_SHA256
 from .pbtxt import read_config
@@ -90,6 +99,73 @@ def check_repository(root: Path) -> list[str]:
         backend = graph_backend(plan)
         if backend is not None:
             findings += _check_graph_model(root / name, plan, backend, sizes[name])
+        findings += _check_external_data(root / name, plan) + _check_hosted_graphs(root / name, plan)
+    return findings
+
+
+def _check_external_data(folder: Path, plan: ModelPlan) -> list[str]:
+    """Every graph of the model's version folder: its external data inside its own folder, present,
+    long enough; the SHARED_WEIGHTS parameter's size and sha256 those of its file."""
+    findings = []
+    version = folder / "1"
+    for graph in sorted(version.rglob("*.onnx")) if version.is_dir() else []:
+        where = f"{plan.name}: {graph.relative_to(folder)}"
+        sizes: dict[str, int | None] = {}
+        for reference in external_references(graph):
+            location = PurePosixPath(reference.location)
+            if location.is_absolute() or ".." in location.parts or not location.parts:
+                findings.append(f"{where}: tensor {reference.tensor!r} has its data at {reference.location!r}, outside "
+                                "the graph's folder (ONNX Runtime refuses it, and Triton copies each model folder "
+                                "alone): rebuild the repository")
+                break
+            if reference.location not in sizes:
+                data = graph.parent / location
+                sizes[reference.location] = data.stat().st_size if data.is_file() else None
+            size = sizes[reference.location]
+            if size is None:
+                findings.append(f"{where}: its weights file {reference.location} is missing (tensor "
+                                f"{reference.tensor!r}): rebuild the repository")
+                break
+            end = reference.offset + (reference.length or 0)
+            if end > size:
+                findings.append(f"{where}: tensor {reference.tensor!r} reaches byte {end} of {reference.location}, "
+                                f"which has {size}: the file changed since the build; rebuild the repository")
+                break
+    recorded = plan.parameters.get(SHARED_WEIGHTS)
+    if recorded:
+        expected = json.loads(recorded)
+        weights = version / expected["file"]
+        if not weights.is_file():
+            findings.append(f"{plan.name}: its shared weights file 1/{expected['file']} is missing: rebuild the "
+                            "repository")
+        elif (weights.stat().st_size != expected["bytes"]
+              or file_digest(weights)["sha256"] != expected["sha256"]):
+            findings.append(f"{plan.name}: 1/{expected['file']} is not the file its graphs were built over "
+                            f"(config parameter {SHARED_WEIGHTS}: {expected['bytes']} bytes, sha256 "
+                            f"{expected['sha256'][:16]}...): it changed since the build; rebuild the repository")
+    return findings
+
+
+def _check_hosted_graphs(folder: Path, plan: ModelPlan) -> list[str]:
+    """The graphs a model hosts (HOSTED_GRAPHS): each file present, answering the outputs listed
+    for it, each of which the config serves with the graph's dims (the batch axis left out)."""
+    hosted = json.loads(plan.parameters.get(HOSTED_GRAPHS) or "{}")
+    findings = []
+    for name, entry in hosted.items():
+        graph = folder / "1" / entry["file"]
+        if not graph.is_file():
+            findings.append(f"{plan.name}: hosted graph {name}'s 1/{entry['file']} is missing: rebuild the repository")
+            continue
+        _, outputs = graph_io(graph)
+        listed = [tensor for tensor in outputs if tensor.name in entry["outputs"]]
+        missing = sorted(set(entry["outputs"]) - {tensor.name for tensor in listed})
+        if missing:
+            findings.append(f"{plan.name}: hosted graph {name} ({entry['file']}) has no outputs {missing}")
+        unserved = sorted(set(entry["outputs"]) - {tensor.name for tensor in plan.outputs})
+        if unserved:
+            findings.append(f"{plan.name}: the config has no outputs {unserved} of hosted graph {name}")
+        findings += _compare_io(plan, "output", [t for t in plan.outputs if t.name in entry["outputs"]], listed,
+                                check_names=False)
     return findings
 
 
@@ -131,14 +207,17 @@ def _check_graph_model(folder: Path, plan: ModelPlan, backend: type[ServingBacke
     return findings + backend.check_version(version, plan, inputs, sizes)
 
 
-def _compare_io(plan: ModelPlan, kind: str, tensors: Sequence[TensorSpec], graph: list[GraphIO]) -> list[str]:
+def _compare_io(plan: ModelPlan, kind: str, tensors: Sequence[TensorSpec], graph: list[GraphIO],
+                check_names: bool = True) -> list[str]:
     findings = []
     config_names, graph_names = [t.name for t in tensors], [g.name for g in graph]
-    if sorted(config_names) != sorted(graph_names):
+    if check_names and sorted(config_names) != sorted(graph_names):
         return [f"{plan.name}: config {kind}s {config_names} differ from the graph's {graph_names}"]
     by_name = {g.name: g for g in graph}
     for tensor in tensors:
-        have = by_name[tensor.name]
+        have = by_name.get(tensor.name)
+        if have is None:
+            continue
         if tensor.dtype != have.dtype:
             findings.append(f"{plan.name}: {kind} {tensor.name!r} is {tensor.dtype} in the config but "
                             f"{have.dtype} in the graph")

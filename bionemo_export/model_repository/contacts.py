@@ -11,6 +11,9 @@ For `--name N`, on top of the encoder models (encoder.py):
                              through BLS in calls bounded by a token-pair budget, cuts each map to
                              [L, L]: serving/contacts.py)
 
+With `--backend python` the build folds the graph model into N_encoder, which serves the graph
+beside its own over one weights file, and the public model calls N_encoder (hosted_graphs.py).
+
 The encoder graph (and so N_embeddings, N_hiddens) is not changed: only N_contact_graph computes the
 attention probabilities. The limits are N_contacts' config `parameters`: max_residues (default: the
 tokenizer's limit), pair_budget, max_rows.

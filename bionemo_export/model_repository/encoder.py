@@ -209,7 +209,8 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     parameters = {**role.batching_parameters(), "warmup": "true" if options.warmup else "false",
                   "graph_optimization_level": graph_optimization_level,
                   "tokenize": "true" if fused else "false"}
-    python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, *ENCODING)
+    # graph_model, hosted_graphs: the graphs a build may fold into it (hosted_graphs.py)
+    python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, *ENCODING, "graph_model", "hosted_graphs")
     if fused:
         parameters.update(truncate="true" if options.truncate else "false", public_prefix=name,
                           **tokenizer_parameters)

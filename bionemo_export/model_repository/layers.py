@@ -12,6 +12,9 @@ For `--name N`, on top of the encoder models (encoder.py):
                            choices, sends the rows to N_layer_graph through BLS asking for the requested
                            layers only, pools: serving/layers.py)
 
+With `--backend python` the build folds the graph model into N_encoder, which serves the graph
+beside its own over one weights file, and the public model calls N_encoder (hosted_graphs.py).
+
 The encoder graph (and so N_embeddings, N_hiddens) is not changed. N_layers' settings are its
 config `parameters`: num_layers (N), hidden_size, has_bos, token_budget, max_rows.
 """

@@ -30,6 +30,9 @@ Each role (the model it is, for `--name N`): what tunes it.
   batched by Triton): instances, threads.
 - `attentions` (`N_attentions`: Python, tokenizes, calls N_attention_graph and picks the heads):
   instances, dynamic batching.
+With `--backend python` there are no N_contact_graph, N_layer_graph, N_attention_graph: N_encoder
+hosts their graphs over its weights file (hosted_graphs.py), so they run on the encoder's
+instances and threads, and the `*_graph` roles' settings do not apply.
 
 Defaults and why (measured on 2-core CPU hosts; see docs/benchmarks.md):
 - `layout="auto"`: with `--backend python` the encoder model tokenizes and runs the graph itself

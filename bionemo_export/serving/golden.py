@@ -187,13 +187,22 @@ def check_mode(environ: Mapping[str, str] | None = None) -> str:
     return mode
 
 
+def golden_path(graph: str) -> str:
+    """Where the golden answers of the ONNX file `graph` are: GOLDEN_FILE beside a `model.onnx`;
+    `<stem>.golden.npz` beside another graph of the folder (the graphs N_encoder hosts:
+    model_repository/hosted_graphs.py)."""
+    folder, name = os.path.split(graph)
+    stem = name[:-len(".onnx")] if name.endswith(".onnx") else name
+    return os.path.join(folder, GOLDEN_FILE if stem == "model" else f"{stem}.{GOLDEN_FILE}")
+
+
 def check_at_load(session: Any, graph: str, model_name: str, warn: Any = None) -> list[GoldenCheck]:
     """Run the golden answers stored beside `graph` (an ONNX file) through `session`, as a served
     model does when it loads. Outside tolerance: RuntimeError naming the model, this host's CPU,
     the build host's, the tolerance and the figures, unless CHECK_ENV is "warn" (then `warn`, a
     callable taking the message, is called). No golden file (a repository built before golden
     answers): nothing to check, []."""
-    path = os.path.join(os.path.dirname(graph), GOLDEN_FILE)
+    path = golden_path(graph)
     if not os.path.exists(path):
         path = os.path.join(os.path.dirname(os.path.dirname(graph)), GOLDEN_FILE)  # a CPU variant's folder
         if not os.path.exists(path):

@@ -34,8 +34,9 @@ else:  # copied beside a generated model.py, where its siblings are top-level mo
 OPTIMIZATION_LEVELS = "ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, ORT_ENABLE_ALL"
 
 
-def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, str]]:
-    """(the ONNX Runtime session for `here`/model.onnx, the model's config parameters), its thread
+def create_session(args: Mapping[str, str], here: str, graph: str = "model.onnx", *, prepack: bool | None = None,
+                   level: str | None = None) -> tuple[Any, dict[str, str]]:
+    """(the ONNX Runtime session for `here`/`graph`, the model's config parameters), its thread
     pool sized for this host: the config's `intra_op_threads` when it is a number, else ("auto")
     from the cores this server process may use and this model's instance count (host.py; times
     `models_sharing_cores`, a checkpoint ensemble's K members running at once). Idle
@@ -54,7 +55,15 @@ def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, s
     whose 8-bit dot products accumulate in 32 bits (VNNI, AMX), and `no-vnni/model.onnx`, exact on
     every x86 CPU, which a host without VNNI opens instead. Before the session is handed out, the
     graph answers the build's golden inputs on this host (golden.py): outside its tolerance the
-    model refuses to load, naming the host's CPU and the figures."""
+    model refuses to load, naming the host's CPU and the figures.
+
+    Weights: ONNX Runtime memory-maps a graph's external data (weights.bin, which the graphs of
+    one folder share: exporters/shared_weights.py). `prepack` False keeps the session computing
+    from those mapped pages, shared by every session and process on the host; True (ONNX
+    Runtime's default) copies each MatMul weight into a private packed buffer, faster per call.
+    None: the config's `prepack_weights` parameter ("true" unless set), for the model's own
+    graph; the graphs it hosts pass False. `level`: the graph's optimization level (None: the
+    config's `graph_optimization_level`)."""
     config = model_config(args)
     parameters = model_parameters(args)
     instances = sum(group.get("count", 1) for group in config.get("instance_group", [])) or 1
@@ -70,10 +79,14 @@ def create_session(args: Mapping[str, str], here: str) -> tuple[Any, dict[str, s
     options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
     options.enable_cpu_mem_arena = flag_parameter(parameters, "memory_arena")
     # A graph stored optimized (the build records it) needs only the basic rewrites at load.
-    options.graph_optimization_level = optimization_level(args, parameters.get("graph_optimization_level",
-                                                                                "ORT_ENABLE_ALL"))
+    options.graph_optimization_level = optimization_level(
+        args, level or parameters.get("graph_optimization_level", "ORT_ENABLE_ALL"))
+    if prepack is None:
+        prepack = parameters.get("prepack_weights", "true") != "false"
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
     providers = execution_providers(args)
-    path = graph_for_this_host(here, providers)
+    path = graph_for_this_host(here, providers) if graph == "model.onnx" else os.path.join(here, graph)
     try:
         session = ort.InferenceSession(path, sess_options=options, providers=providers)
     except Exception as err:  # noqa: BLE001 - ONNX Runtime's own types (InvalidProtobuf, Fail, ...)

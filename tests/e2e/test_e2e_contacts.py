@@ -1,5 +1,7 @@
 """The contact-map task (issue 29, item 3) served by a real tritonserver: N_contacts of a tiny random
-ESM-2 with a contact head, built once with the Python backend (without graph optimization).
+ESM-2 with a contact head, built once with the Python backend (without graph optimization) and the
+default tasks: every task the checkpoint serves, contacts, layers and attentions among them, their
+graphs hosted by N_encoder over one weights.bin (issue 46, item 2).
 
 The reference is transformers' own `EsmForMaskedLM.predict_contacts` (eager attention) on the same
 files, each sequence alone. Bad requests sent together with good ones fail alone, with
@@ -48,7 +50,7 @@ def served(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("contacts")
     checkpoint = set_contact_head(save_random_checkpoint("esm2", work / "checkpoint", seed=41), seed=42)
     result = build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                           tasks=("embeddings", "contacts"), backend="python", optimize=False))
+                                           backend="python", optimize=False))
     reference = transformers.EsmForMaskedLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     with TritonServer(work / "repo", install=triton_install, log_file=work / "tritonserver.log") as server:
         url = f"grpc://{server.endpoints.grpc_url}"
@@ -58,8 +60,8 @@ def served(tmp_path_factory, triton_install):
 
 def test_served_contacts_equal_transformers_predict_contacts(served):
     result, _, reference, client, _, _ = served
-    assert {f"{NAME}_contact_graph", f"{NAME}_contacts"} <= set(result.models)
-    assert result.manifest.public_models == [f"{NAME}_embeddings", f"{NAME}_contacts"]
+    assert {"contacts", "layers", "attentions"} <= set(result.manifest.tasks)  # by default
+    assert f"{NAME}_contacts" in result.models and not [m for m in result.models if m.endswith("_graph")]
     maps = client.predict_contacts(SEQUENCES)
     assert [m.shape for m in maps] == [(len(s), len(s)) for s in SEQUENCES]
     errors = []

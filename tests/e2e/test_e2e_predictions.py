@@ -55,7 +55,7 @@ def reference(model, client_tokens):
 def test_a_fine_tuned_checkpoint_builds_the_predictions_models(served):
     results, _ = served
     assert {"seq_classifier", "seq_labels", "seq_predictions"} <= set(results["seq"].models)
-    assert results["seq"].manifest.tasks == ["embeddings", "hiddens", "predictions"]
+    assert results["seq"].manifest.tasks == ["embeddings", "hiddens", "predictions", "layers", "attentions"]
     assert "tok_predictions" in results["tok"].manifest.public_models
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from bionemo_export.build import BuildError, BuildRequest, build_repository, resolve_backend
 from bionemo_export.cli.main import app
 from bionemo_export.model_repository.encoder import ServingOptions
+from bionemo_export.model_repository.hosted_graphs import SHARED_WEIGHTS
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, source_sha256
 from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.pbtxt import read_config
@@ -77,13 +78,16 @@ def test_every_config_names_the_checkpoint_and_a_rebuild_writes_the_same_bytes(e
     assert _configs(again.repository) == _configs(esm2_repository)
 
     # Another checkpoint of the same architecture (test_ensemble_backends' second member: cached
-    # graphs in a full run) under the same name: nothing in the encoder's config but the stamp differs.
+    # graphs in a full run) under the same name: nothing in the encoder's config but the stamp and
+    # the digest of the weights file its graphs share (other weights) differs.
     other = save_random_checkpoint("esm2", tmp_path / "other", seed=41)
-    rebuilt = build_repository(_request(other, tmp_path / "rebuilt", backend="python", tasks=("embeddings",)))
+    rebuilt = build_repository(_request(other, tmp_path / "rebuilt", backend="python"))
     assert _stamps(rebuilt.repository) == {source_sha256([checkpoint_digest(other)], "fp32")} != {stamp}
     encoders = [read_config(repository / "esm2nv_encoder") for repository in (esm2_repository, rebuilt.repository)]
+    assert encoders[0].parameters[SHARED_WEIGHTS] != encoders[1].parameters[SHARED_WEIGHTS]
     for config in encoders:
         del config.parameters[SOURCE_SHA256]
+        del config.parameters[SHARED_WEIGHTS]
     assert encoders[0] == encoders[1]
 
 

@@ -1,5 +1,5 @@
 """Every layer's states (issue 29, item 1) for every encoder family: the layers graph a build exports
-(N_layer_graph's model.onnx, run by ONNX Runtime) against transformers' own
+(layers.onnx beside N_encoder's graph, run by ONNX Runtime) against transformers' own
 `output_hidden_states=True` on the same files (ESM-1, ESM C, SaProt, ProtT5; ESM-2 and the real BERTs are
 served and compared in tests/e2e/test_e2e_layers.py), MegaMolBART's encoder (the project's own
 transformer) against its blocks run by hand, the served logic over the graph for a model without a
@@ -58,7 +58,7 @@ def _build(family: str, folder, tasks=("layers",)):
 def _session(result):
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(result.repository / "g_layer_graph" / "1" / "model.onnx"),
+    return ort.InferenceSession(str(result.repository / "g_encoder" / "1" / "layers.onnx"),
                                 providers=["CPUExecutionProvider"])
 
 
@@ -146,9 +146,11 @@ def test_prott5_has_no_bos_and_the_served_logic_refuses_it(tmp_path, monkeypatch
         assert np.abs(answers[0]["embeddings_max"][row] - residues.max(1)).max() <= ATOL
 
 
-def test_graphs_on_request_are_built_only_when_named_and_leave_the_encoder_graph_as_it_was(esm2_checkpoint, tmp_path):
-    """A default build has no contacts, layers or attentions; one that names them adds their graph
-    models, and its encoder graph is the default build's, byte for byte.
+def test_the_hosted_graphs_leave_the_encoder_graph_as_it_was(esm2_checkpoint, tmp_path):
+    """A build of embeddings and hiddens has no contacts, layers or attentions; one that adds them
+    serves them from N_encoder (their graphs beside its own, over one weights.bin), and its encoder
+    graph is the first build's, node for node and weight for weight (the weights moved into the
+    shared file).
 
     The default build exports its encoder afresh (no graph cache). The named build takes its graphs
     from the run's cache, where the encoder may have come from any build of this checkpoint, one
@@ -164,11 +166,17 @@ def test_graphs_on_request_are_built_only_when_named_and_leave_the_encoder_graph
                                           optimize=False))
     assert not set(on_request) & set(default.manifest.tasks)
     assert not {"d_contacts", "d_layers", "d_attentions"} & set(default.models)
-    assert {"d_contact_graph", "d_contacts", "d_layer_graph", "d_layers", "d_attention_graph", "d_attentions"} \
-        <= set(named.models)
+    assert {"d_contacts", "d_layers", "d_attentions"} <= set(named.models)
+    assert not [model for model in named.models if model.endswith("_graph")]
 
     def digest(repository):
-        return hashlib.sha256((repository / "d_encoder" / "1" / "model.onnx").read_bytes()).hexdigest()
+        import onnx
+
+        graph = onnx.load(str(repository / "d_encoder" / "1" / "model.onnx"))  # its weights read in
+        for tensor in graph.graph.initializer:
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+        return hashlib.sha256(graph.SerializeToString()).hexdigest()
 
     assert digest(default.repository) == digest(named.repository)
     graphs = named.manifest.verification["graphs"]

@@ -1,5 +1,7 @@
-"""The build's memory check (build.check_build_memory): a checkpoint whose build would not fit in
-this host's memory is refused before anything is loaded, with the figures and the fix."""
+"""The build's memory check (build.check_build_memory): the memory a build needs is estimated by
+the path it will take (graph held in memory, or weights left on disk), before anything is loaded,
+and a checkpoint whose build would not fit in this host's memory is refused with the figures, the
+path and the fix; one that fits is not."""
 
 from __future__ import annotations
 
@@ -8,24 +10,63 @@ import struct
 
 import pytest
 
-from bionemo_export.build import BuildError, check_build_memory
+from bionemo_export.build import (
+    BUILD_BASELINE_BYTES,
+    BUILD_MEMORY_FACTORS,
+    IN_MEMORY,
+    QUANTIZE_MEMORY_FACTOR,
+    WEIGHTS_ON_DISK,
+    BuildError,
+    check_build_memory,
+    estimate_build_memory,
+)
 from bionemo_export.models.readers.base import fp32_weight_bytes
 
+GIB = 2**30
 
-def test_a_checkpoint_too_large_for_this_host_is_refused_before_it_is_loaded(tmp_path):
-    """check_build_memory reads the weights' sizes from the safetensors headers (elements x 4 bytes
-    in fp32, whatever the stored dtype) and refuses, naming the need and the fix, when 2.7x that
-    exceeds the memory available; nothing is loaded to find out."""
-    header = json.dumps({"a": {"dtype": "BF16", "shape": [1000, 1000], "data_offsets": [0, 2_000_000]},
-                         "__metadata__": {"format": "pt"}}).encode()
-    folder = tmp_path / "big"
+
+def _header_only(folder, elements: int, dtype: str = "BF16"):
+    """A Hugging Face folder whose model.safetensors is the header alone, claiming `elements` weights."""
+    width = 1000
+    header = json.dumps({"a": {"dtype": dtype, "shape": [elements // width, width],
+                               "data_offsets": [0, elements * 2]}, "__metadata__": {"format": "pt"}}).encode()
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)  # the header alone
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    return folder
+
+
+def test_a_small_checkpoint_is_estimated_on_the_in_memory_path_and_refused_when_it_does_not_fit(tmp_path):
+    """The weights' sizes come from the safetensors headers (elements x 4 bytes in fp32, whatever
+    the stored dtype; a .bin copy beside them not counted again); nothing is loaded to find out."""
+    folder = _header_only(tmp_path / "small", 1_000_000)
     assert fp32_weight_bytes(folder) == 4_000_000
     (folder / "pytorch_model.bin").write_bytes(bytes(2_000_000))  # the same weights again, as torch.save'd
-    assert fp32_weight_bytes(folder) == 4_000_000  # counted once: the reader reads the safetensors
-    check_build_memory(folder, available=int(4_000_000 * 2.7) + 1)
-    check_build_memory(folder, available=None)  # unknown: not checked
-    with pytest.raises(BuildError, match=r"needs about 0.0 GiB of memory \(2.7 x its 0.0 GiB of fp32 weights.*"
-                                         r"--no-memory-check"):
-        check_build_memory(folder, available=4_000_000)
+    assert fp32_weight_bytes(folder) == 4_000_000
+    estimate = estimate_build_memory(folder)
+    assert estimate.path == IN_MEMORY and estimate.factor == BUILD_MEMORY_FACTORS[IN_MEMORY]
+    assert estimate.needed == int(BUILD_BASELINE_BYTES + estimate.factor * 4_000_000)
+    assert check_build_memory(folder, available=estimate.needed) == estimate
+    assert check_build_memory(folder, available=None) == estimate  # unknown: not checked
+    with pytest.raises(BuildError, match=rf"building it in fp32 needs about 0.8 GiB \({estimate.factor} x its 0.0 "
+                                         r"GiB of fp32 weights.*held in memory: up to 256 MB.*"
+                                         r"0.5 GiB is available here.*--no-memory-check"):
+        check_build_memory(folder, available=GIB // 2)
+
+
+def test_esm2_3b_takes_the_weights_on_disk_path_and_fits_a_24_gb_host(tmp_path):
+    """ESM-2 3B's 2.84G weights (10.6 GiB in fp32) are over the external-data threshold: its build
+    keeps them on disk and needs 1.3x them, which the 21 GiB free on a 24 GB host holds (the check
+    refused it before, at 2.7x); quantizing them reads them in (1.5x), and where even that does not
+    fit, the message says to build fp32 here. ESM-2 150M's 0.59 GB take this path too."""
+    assert estimate_build_memory(_header_only(tmp_path / "esm2_150m", 148_000_000)).path == WEIGHTS_ON_DISK
+    folder = _header_only(tmp_path / "esm2_3b", 2_840_000_000)
+    estimate = check_build_memory(folder, available=21 * GIB)
+    assert estimate is not None and estimate.path == WEIGHTS_ON_DISK
+    assert estimate.factor == BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK] < 1.5
+    quantized = check_build_memory(folder, available=21 * GIB, precision="int4")
+    assert quantized is not None and quantized.factor == QUANTIZE_MEMORY_FACTOR
+    with pytest.raises(BuildError, match=r"in fp32 needs about .* weights left on disk: the checkpoint is mapped"):
+        check_build_memory(folder, available=10 * GIB)
+    with pytest.raises(BuildError, match=r"in int4 needs .* weights left on disk: the checkpoint is mapped, but int4 "
+                                         r"quantization reads every fp32 weight in.*Build it in fp32 here"):
+        check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4")

@@ -40,9 +40,9 @@ def test_a_hugging_face_directory(esm2_dir):
     result = runner.invoke(app, ["inspect", str(esm2_dir)])
     assert result.exit_code == 0, result.output
     assert "family      esm2" in result.output
-    assert "tasks       embeddings, hiddens, logits, scores" in result.output
-    # ESM's contact head is read (N_contacts, built when --tasks names it), not left out.
-    assert "and when --tasks names them: contacts" in result.output and "contact yes" in result.output
+    assert "tasks       embeddings, hiddens, logits, scores, contacts, layers, attentions" in result.output
+    # ESM's contact head is read (N_contacts, built by default), not left out.
+    assert "and when --tasks names them" not in result.output and "contact yes" in result.output
     assert "contact_head" not in result.output
     assert f"build with  bionemo-export build repo --checkpoint {esm2_dir} --model esm2" in result.output
     report = json.loads(runner.invoke(app, ["inspect", str(esm2_dir), "--json"]).output)
@@ -68,7 +68,7 @@ def test_a_tensor_parallel_esm2nv_archive_with_extra_state(esm2_dir, tmp_path):
                                            "core_attention._extra_state" for r in (0, 1)}
     assert "model.language_model.rotary_pos_emb.inv_freq" in report.keys["left_out"]
     assert "2 tensor x 1 pipeline ranks, merged on import" in report.render()
-    assert report.tasks == ["embeddings", "hiddens", "logits", "scores"]
+    assert report.tasks == ["embeddings", "hiddens", "logits", "scores", "layers", "attentions"]
 
 
 def test_a_megamolbart_archive_says_which_output_head(tmp_path):
@@ -80,7 +80,8 @@ def test_a_megamolbart_archive_says_which_output_head(tmp_path):
     report = inspect_checkpoint(archive)
     assert report.ok and report.family == "megamolbart"
     assert report.heads["output head"] == "bias, weight tied to the token embeddings"
-    assert report.heads["decoder"] == "yes" and report.tasks == ["embeddings", "hiddens", "decodes", "samplings"]
+    assert report.heads["decoder"] == "yes" and report.tasks == ["embeddings", "hiddens", "decodes", "samplings",
+                                                                  "layers"]
 
 
 def edited_copy(source: Path, out: Path, edit) -> Path:

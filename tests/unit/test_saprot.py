@@ -225,7 +225,7 @@ def test_the_family_is_inferred_and_reported(saprot):
     report = inspect_checkpoint(folder)
     assert report.ok and report.family == "saprot", report.problems
     assert report.tokenizer["kind"] == "StructureAwareTokenizer" and report.tokenizer["vocabulary"] == 446
-    assert report.tasks == ["embeddings", "hiddens", "logits", "scores"]
+    assert report.tasks == ["embeddings", "hiddens", "logits", "scores", "layers", "attentions"]
     assert "--model saprot" in (report.command or "")
     with pytest.raises(CheckpointError, match="whose vocab.txt pairs residues with Foldseek 3Di letters .SaProt's., "
                                               "which the saprot family reads, not esm2: use `family` saprot"):

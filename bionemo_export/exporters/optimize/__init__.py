@@ -13,6 +13,8 @@ One module per job:
   transformer fusions, reduced precision, ONNX Runtime's offline optimization, written to a file.
 - `attention.py`: `fuse_attention`, each attention subgraph as one MultiHeadAttention node.
 - `quantization.py`: int8 (dynamic quantization, for CPUs) and fp16 (for GPU hosts).
+- `weight_only.py`: int8w and int4 (weight-only blockwise quantization, ONNX Runtime's
+  MatMulNBits, for CPUs).
 - `graph.py`: the graph view the rewrites share.
 
 The session level a server opens a stored graph at is in model_repository/graph_files.py.
@@ -45,6 +47,7 @@ from .pipeline import (
     verified_int8_graphs,
 )
 from .quantization import FP16_METHOD, INT8_METHOD, Fp16Conversion, Int8Quantization
+from .weight_only import WeightOnlyQuantization, quantize_weight_only
 
 __all__ = [
     "ATTEMPTS",
@@ -69,10 +72,12 @@ __all__ = [
     "PrecisionError",
     "RejectedCandidate",
     "VerifiedGraph",
+    "WeightOnlyQuantization",
     "fuse_attention",
     "fuse_graph",
     "fused_operators",
     "optimize_and_verify",
     "optimize_onnx",
+    "quantize_weight_only",
     "verified_int8_graphs",
 ]

@@ -3,6 +3,8 @@ precision) with one set of options, written once at build time.
 
     result = optimize_onnx(src, dst, num_heads=8, hidden_size=512)                    # fp32
     result = optimize_onnx(src, dst, num_heads=8, hidden_size=512, precision="int8")  # CPU int8
+    result = optimize_onnx(src, dst, num_heads=8, hidden_size=512, precision="int4",  # CPU weight-only
+                           block_size=32, accuracy_level=4)
 
 The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBERTy and ESM-2):
 
@@ -12,7 +14,8 @@ The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBE
    optimizer misses on the dynamo graph (its Erf-based GELU stays 5 nodes). Its attention fusion is
    off (step 1 does it) and so is SkipLayerNormalization: its CPU kernel measured ~3x slower than
    Add + LayerNormalization here (onnxruntime 1.31).
-3. **Reduced precision**, when asked (quantization.py): int8 for CPUs, fp16 for GPU hosts.
+3. **Reduced precision**, when asked: int8 for CPUs (quantization.py), int8w and int4 weight-only
+   for CPUs (weight_only.py), fp16 for GPU hosts (quantization.py).
 4. **ONNX Runtime's offline graph optimization** at the extended level (constant folding,
    MatMul+scale/transpose -> FusedMatMul, the int8 MatMul fusions, redundant nodes), saved with
    `SessionOptions.optimized_model_filepath`. Extended, not "all": "all" adds layout
@@ -22,12 +25,20 @@ The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBE
 A server then opens the stored graph at `ORT_ENABLE_BASIC` (SERVING_GRAPH_OPTIMIZATION_LEVEL):
 the expensive rewrites are already in the file, and "all" measured no faster.
 
-Models with more than ~1.8 GB of weights are read and written with external data (one
-`<name>.onnx.data` file next to the graph, as the exporter writes them); step 2, which needs the
-whole graph in one protobuf, is skipped for them (recorded in `skipped`).
+Graphs exported with external data (one `<name>.onnx.data` file next to the graph: the exporter
+writes them over 256 MB of weights) keep their weights on disk while an fp32 graph is optimized
+(exporters/external_data.py): the fusions, steps 2 included, work on the nodes and small constants
+(a transformer fusion that needs a weight's values is skipped, with why), the weights are copied
+file to file chunk by chunk, and ONNX Runtime's offline optimization computes from the mapped file
+without prepacking a copy; the optimized graph is stored with external data too. Reduced
+precisions read every weight in (their quantizers rewrite them) and store their graph with
+external data over EXTERNAL_DATA_THRESHOLD_BYTES (1.8 GB, near protobuf's limit); step 2 is
+skipped for a graph over it whose weights are in memory.
 
-A graph whose weights times MEMORY_FACTOR exceed the free memory is not optimized (the step
-raises, the build keeps the plain export and says why).
+A graph whose optimization would not fit in the free memory is not optimized (the step raises, the
+build keeps the plain export and says why): one held in memory needs its weights times
+MEMORY_FACTOR; one whose weights stay on disk needs MAPPED_MEMORY_FACTOR of them for fp32, and
+QUANTIZE_MEMORY_FACTOR to be quantized.
 """
 
 from __future__ import annotations
@@ -45,11 +56,19 @@ from typing import Any, TypeVar
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from bionemo_export.choices import OptimizationLevel, Precision
 from bionemo_export.errors import UserError
+from bionemo_export.exporters.external_data import (
+    load_structure,
+    load_weights,
+    save_streamed,
+    tensor_bytes,
+    tensors,
+    unloaded,
+)
 from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.models.readers.mapped import return_freed_memory
 from bionemo_export.procfs import available_memory_bytes
 
 from .attention import fuse_attention
@@ -62,12 +81,25 @@ from .quantization import (
     quantize_all_but,
     quantize_int8,
 )
+from .weight_only import (
+    DEFAULT_ACCURACY_LEVEL,
+    DEFAULT_BLOCK_SIZE,
+    WEIGHT_ONLY_BITS,
+    WeightOnlyQuantization,
+    check_settings,
+    quantize_weight_only,
+)
 
 DEFAULT_LEVEL = OptimizationLevel.EXTENDED
 EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
 """Same rule as the exporter: weights above this are written as external data."""
 DISABLED_RUNTIME_FUSIONS = ("SkipLayerNormFusion",)
-"""ONNX Runtime optimizers left out of the offline optimization (see step 2 above)."""
+"""ONNX Runtime optimizers left out of the offline optimization of fp32 graphs (see step 2 above).
+Quantized graphs (int8, int8w, int4) keep SkipLayerNormalization: its kernel's residual sum and
+norm feed the next layer's quantized activations closer to fp32 than Add + LayerNormalization do
+(the real AntiBERTy, int8 u8u8, opened at the serving level: embeddings min cosine 0.99857 with
+it, 0.99790 without; int8w 0.999776 and 0.999768), which the runtime's own extended level used to
+give a build's check and not the served session (docs/building.md, "Margin")."""
 
 
 class OptimizationError(UserError, RuntimeError):
@@ -96,8 +128,9 @@ class OptimizationResult:
     seconds: float
     versions: dict[str, str]
     serving_graph_optimization_level: str
-    quantization: Int8Quantization | Fp16Conversion | None = None
-    """int8: the method and the MatMuls kept in fp32; fp16: the method; fp32: None."""
+    quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
+    """int8: the method and the MatMuls kept in fp32; int8w/int4: the bits, block size, accuracy
+    level, the MatMuls kept and the weight bytes; fp16: the method; fp32: None."""
 
     def to_dict(self) -> dict[str, Any]:
         """manifest.json's form: the file's name, lists, and the quantization as an object ({} for fp32)."""
@@ -161,7 +194,9 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
     skipped: list[str] = []
     _check_memory(src)
     try:
-        model = onnx.load(str(src))  # with its external data
+        # Weights over 1 MiB of a graph with external data stay in their file; the quantizers read
+        # them in (optimize_onnx). An inline graph is read whole.
+        model = load_structure(src)
     except Exception as err:
         raise OptimizationError(f"cannot load {src}: {err}") from err
     nodes_before = len(model.graph.node)
@@ -176,8 +211,19 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
         skipped.append("attention_fusion: number of heads unknown")
     remove_unused(model.graph)
     if fuse and num_heads and hidden_size:
-        if external:
+        on_disk = any(unloaded(tensor) for tensor in tensors(model))
+        if external and not on_disk:
             skipped.append("transformer_fusions: the graph needs external data (over 2 GiB in one protobuf)")
+        elif on_disk:  # the nodes and small constants only: one small protobuf
+            before = onnx.ModelProto()
+            before.CopyFrom(model)
+            try:
+                model, stats = _transformer_fusions(model, num_heads, hidden_size)
+            except Exception as err:  # a fusion that needed a weight's values: go on without them
+                model, stats = before, {}
+                skipped.append(f"transformer_fusions: {type(err).__name__}: {err}"[:300])
+            if stats:
+                applied.append("transformer_fusions(" + ", ".join(f"{op} x{n}" for op, n in stats.items()) + ")")
         else:
             model, stats = _step("transformer fusions", lambda: _transformer_fusions(model, num_heads, hidden_size))
             if stats:
@@ -208,24 +254,32 @@ def optimize_onnx(
     calibration: dict[str, np.ndarray] | None = None,
     external_data: bool | None = None,
     fused: FusedGraph | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    keep_int8: float = 0.0,
 ) -> OptimizationResult:
     """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
 
     `num_heads`/`hidden_size` (the model's attention heads and width) enable the attention and
-    transformer fusions; None skips them. `precision`: "fp32", "int8" or "fp16". `keep_fp32`
-    (int8): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
+    transformer fusions; None skips them. `precision`: "fp32", "int8", "int8w", "int4" or "fp16".
+    `keep_fp32` (int8, int8w): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
     to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
     inputs) is largest; without `calibration`, the last ones. `int8_weights`: "int8" (u8s8, exact on
     VNNI CPUs) or "uint8" (u8u8, exact on every x86 CPU): quantization.py. `external_data`: None decides by the
     weights' size. `fused`: `fuse_graph(src, ...)` made once for several candidates (it must have been
-    made from `src` with the same `fuse` and heads); None fuses here. Raises OptimizationError when a
-    step fails (dst is then not written).
+    made from `src` with the same `fuse` and heads); None fuses here. `block_size`, `accuracy_level`
+    (int8w, int4): MatMulNBits' (weight_only.py); `keep_int8` (int4): the fraction of the feed-forward
+    output MatMuls kept at 8 bits (int8w keeps `keep_fp32` of them in fp32). Raises
+    OptimizationError when a step fails (dst is then not written).
     """
     # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
     OptimizationLevel.parse(level, "level")
     Precision.parse(precision, "precision")
-    if not 0.0 <= keep_fp32 <= 1.0:
-        raise ValueError(f"keep_fp32 is a fraction between 0 and 1, not {keep_fp32}")
+    for name, share in (("keep_fp32", keep_fp32), ("keep_int8", keep_int8)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name} is a fraction between 0 and 1, not {share}")
+    if precision in WEIGHT_ONLY_BITS:
+        check_settings(precision, block_size, accuracy_level)
     import onnxruntime as ort
 
     src, dst = Path(src), Path(dst)
@@ -247,8 +301,12 @@ def optimize_onnx(
             model.CopyFrom(fused.model)
     applied = list(fused.applied)
     skipped = list(fused.skipped)
-    external = fused.external
-    quantization: Int8Quantization | Fp16Conversion | None = None
+    # An fp32 graph whose weights stayed on disk is stored with external data whatever its size.
+    external = fused.external or (precision == "fp32" and any(unloaded(tensor) for tensor in tensors(model)))
+    quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
+    if precision != "fp32" and any(unloaded(tensor) for tensor in tensors(model)):
+        _check_memory(src, QUANTIZE_MEMORY_FACTOR, f"{precision} quantization")
+        _step("loading the weights", lambda: load_weights(model, fused.src.parent))  # the quantizers read them all
     if precision == "int8":
         def quantize() -> tuple[onnx.ModelProto, Int8Quantization]:  # in the step: its failures are the step's
             ranking = fused.int8_ranking(calibration if keep_fp32 and not external else None, int8_weights)
@@ -258,6 +316,11 @@ def optimize_onnx(
 
         model, quantization = _step("int8 quantization", quantize)
         applied.append("quantize_dynamic(int8)")
+    elif precision in WEIGHT_ONLY_BITS:
+        keep = keep_int8 if precision == "int4" else keep_fp32
+        model, quantization = _step(f"{precision} quantization", lambda: quantize_weight_only(
+            model, precision, block_size=block_size, accuracy_level=accuracy_level, keep_share=keep))
+        applied.append(f"matmul_nbits({quantization.bits} bits, block {block_size}, accuracy_level {accuracy_level})")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
         applied.append("float16(keep_io_types)")
@@ -270,13 +333,16 @@ def optimize_onnx(
     _remove_file(dst)
     with tempfile.TemporaryDirectory(prefix=".bionemo-export-opt-", dir=dst.parent) as work:
         if level == "none":
-            _save(model, dst, external)
+            _save(model, dst, external, fused.src.parent)
         else:
             staged = Path(work) / "staged.onnx"
-            _save(model, staged, external)
+            _save(model, staged, external, fused.src.parent)
             del model
-            _step(f"ONNX Runtime {level} optimization", lambda: _runtime_optimize(staged, dst, level, external))
+            disabled = () if Precision(precision).quantized else DISABLED_RUNTIME_FUSIONS
+            _step(f"ONNX Runtime {level} optimization",
+                  lambda: _runtime_optimize(staged, dst, level, external, disabled))
             applied.append(f"onnxruntime_{level}")
+    return_freed_memory()  # the graph in memory and ONNX Runtime's session, before the candidate is checked
     written = onnx.load(str(dst), load_external_data=False)
     size = dst.stat().st_size + (_data_path(dst).stat().st_size if _data_path(dst).exists() else 0)
     return OptimizationResult(
@@ -299,20 +365,32 @@ def optimize_onnx(
 
 
 MEMORY_FACTOR = 2.5
-"""Free memory an optimization needs, in multiples of the graph's weights: the graph in memory,
+"""Free memory optimizing a graph held in memory needs, in multiples of its weights: the graph,
 ONNX Runtime's copy while it optimizes, and the quantizer's or converter's working copies."""
+MAPPED_MEMORY_FACTOR = 0.25
+"""The same for a graph whose weights stay on disk (over EXTERNAL_DATA_THRESHOLD_BYTES, fp32): the
+nodes, the constants fusion adds, ONNX Runtime's working tensors; the weights themselves are pages
+of the file, which the kernel reclaims as it needs."""
+QUANTIZE_MEMORY_FACTOR = 1.5
+"""The same for quantizing a graph whose weights stay on disk: every fp32 weight read in, and the
+quantized copy."""
 
 
-def _check_memory(src: Path) -> None:
+def _check_memory(src: Path, factor: float | None = None, what: str = "optimizing") -> None:
     """Refuse (OptimizationError, so the build keeps the plain graph) when the graph's weights
-    times MEMORY_FACTOR exceed the memory available: a 3B-parameter model (12 GB of fp32 weights)
-    would otherwise be killed mid-build on a 24 GB host that held the export."""
+    times `factor` exceed the memory available. By default the factor of the path the graph takes:
+    MEMORY_FACTOR held in memory, MAPPED_MEMORY_FACTOR with its weights left on disk (a
+    3B-parameter model's 11 GB of fp32 weights: 2.8 GB, where held in memory it would need 28 GB)."""
     weights = src.stat().st_size + (_data_path(src).stat().st_size if _data_path(src).exists() else 0)
+    mapped = _data_path(src).exists()
+    factor = factor or (MAPPED_MEMORY_FACTOR if mapped else MEMORY_FACTOR)
     available = available_memory_bytes()
-    if available is not None and weights * MEMORY_FACTOR > available:
+    if available is not None and weights * factor > available:
+        how = "its weights left on disk" if mapped else "held in memory"
         raise OptimizationError(
-            f"skipped: optimizing {weights / 2**30:.1f} GiB of weights needs about "
-            f"{weights * MEMORY_FACTOR / 2**30:.1f} GiB of free memory; {available / 2**30:.1f} GiB is available")
+            f"skipped: {what} {weights / 2**30:.1f} GiB of weights ({how}) needs about "
+            f"{weights * factor / 2**30:.1f} GiB of free memory ({factor} x); {available / 2**30:.1f} GiB is "
+            "available")
 
 
 _T = TypeVar("_T")
@@ -331,7 +409,7 @@ def _step(what: str, run: Callable[[], _T]) -> _T:
 FUSED_OPERATORS = ("MultiHeadAttention", "Attention", "SkipLayerNormalization", "LayerNormalization",
                    "BiasGelu", "FastGelu", "Gelu", "RotaryEmbedding", "FusedMatMul", "FusedGemm",
                    "EmbedLayerNormalization", "MatMulInteger", "DynamicQuantizeMatMul",
-                   "MatMulIntegerToFloat", "DynamicQuantizeLinear")
+                   "MatMulIntegerToFloat", "DynamicQuantizeLinear", "MatMulNBits")
 
 
 def fused_operators(model: onnx.ModelProto) -> dict[str, int]:
@@ -364,8 +442,10 @@ def _transformer_fusions(model: onnx.ModelProto, num_heads: int, hidden_size: in
     return optimized.model, stats
 
 
-def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
-    """ONNX Runtime's offline optimization of `src`, written to `dst` (+ its external data)."""
+def _runtime_optimize(src: Path, dst: Path, level: str, external: bool,
+                      disabled: tuple[str, ...] = DISABLED_RUNTIME_FUSIONS) -> None:
+    """ONNX Runtime's offline optimization of `src`, written to `dst` (+ its external data),
+    without the optimizers `disabled`."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -374,6 +454,8 @@ def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     }[level]
     options.log_severity_level = 3
+    if external:  # compute from the mapped weights file: no packed copy (nothing packed is saved anyway)
+        options.add_session_config_entry("session.disable_prepacking", "1")
     written = src.with_name("optimized.onnx")
     options.optimized_model_filepath = str(written)
     if external:
@@ -381,7 +463,7 @@ def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
                                          _data_path(dst).name)
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"],
-                         disabled_optimizers=list(DISABLED_RUNTIME_FUSIONS))
+                         disabled_optimizers=list(disabled))
     # ONNX Runtime stamps every domain it knows (ai.onnx.ml 5, com.microsoft.nchwc, training, ...):
     # keep those the nodes use, so an older runtime (a Triton container's) is not asked for more.
     graph = onnx.load(str(written), load_external_data=False)
@@ -399,8 +481,8 @@ def _runtime_optimize(src: Path, dst: Path, level: str, external: bool) -> None:
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
-    return sum(len(init.raw_data) if init.raw_data else numpy_helper.to_array(init).nbytes
-               for init in model.graph.initializer)
+    """The initializers' bytes, held in the proto or left in their file."""
+    return sum(tensor_bytes(init) for init in model.graph.initializer)
 
 
 def _data_path(path: Path) -> Path:
@@ -412,8 +494,13 @@ def _remove_file(path: Path) -> None:
     _data_path(path).unlink(missing_ok=True)
 
 
-def _save(model: onnx.ModelProto, path: Path, external: bool) -> None:
+def _save(model: onnx.ModelProto, path: Path, external: bool, source_dir: Path | None = None) -> None:
+    """Write `model` to `path` (`external`: its weights in `<path>.data`). Weights it still refers
+    to in their file (relative to `source_dir`) are copied there chunk by chunk."""
     _remove_file(path)
+    if source_dir is not None and any(unloaded(tensor) for tensor in tensors(model)):
+        save_streamed(model, path, source_dir=source_dir)
+        return
     onnx.save_model(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True,
                     location=_data_path(path).name, size_threshold=1024)
     if external:

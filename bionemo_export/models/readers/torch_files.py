@@ -17,6 +17,13 @@ Nothing in the file is run, and the bytes are judged before anything is unpickle
 - it is then loaded with `torch.load(weights_only=True)`, allowing besides tensors only the plain
   classes real checkpoints hold (`SAFE_CLASSES`): torch's restricted unpickler refuses any other
   global, any call of a function and any state set on a function or a class.
+
+A file named by its path in torch's zip format is memory-mapped (`torch.load(mmap=True)`): its
+tensors are views of the file's pages, which the kernel reads as they are used and may drop again,
+so loading a checkpoint does not copy its weights into the process (a 3B model's 11 GB among
+them). It is mapped through the descriptor the checks read (/proc/self/fd), so the bytes mapped are
+the bytes checked even if the path is replaced meanwhile. A buffer, a tar member or the legacy
+format is read into memory as before.
 """
 
 from __future__ import annotations
@@ -61,18 +68,39 @@ def open_torch_file(source: Path | IO[bytes], name: str) -> Any:
     byte 0), loaded as the module says: no code in it runs. `name` is the file as messages name it
     ("x.nemo:model_weights.ckpt"). CheckpointError naming it for a file in another format (a
     TorchScript archive, a plain pickle stream), a forged storage size, or what torch refuses."""
-    import torch
-
     if isinstance(source, (str, Path)):
         with open(source, "rb") as handle:
-            return open_torch_file(handle, name)
+            return _load(handle, name, mapped=True)
+    return _load(source, name, mapped=False)
+
+
+def _load(source: IO[bytes], name: str, *, mapped: bool) -> Any:
+    """`open_torch_file` of an open file; `mapped`: memory-map it when it is a real file in torch's
+    zip format (the module says why)."""
+    import torch
+
     _check_format(source, name)
+    source.seek(0)
+    where: IO[bytes] | str = source
+    if mapped and source.read(4) == b"PK\x03\x04" and os.path.exists(descriptor := _descriptor_path(source)):
+        where = descriptor  # the same open file, by a name torch can map
     source.seek(0)
     try:
         with torch.serialization.safe_globals(list(SAFE_CLASSES)):
-            return torch.load(source, map_location="cpu", weights_only=True)
+            if isinstance(where, str):
+                return torch.load(where, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(where, map_location="cpu", weights_only=True)
     except Exception as err:  # a refused pickle (refused_weights) or an unreadable file
         raise weights_error(name, err) from None
+
+
+def _descriptor_path(source: IO[bytes]) -> str:
+    """/proc/self/fd/N of an open file: a name for exactly that file (not whatever its path names
+    now); a path that does not exist where there is no /proc or no descriptor."""
+    try:
+        return f"/proc/self/fd/{source.fileno()}"
+    except (AttributeError, OSError, ValueError):  # io.BytesIO and friends have no descriptor
+        return "/nonexistent"
 
 
 def load_torch_weights(source: Path | IO[bytes], name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

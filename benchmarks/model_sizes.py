@@ -1,0 +1,268 @@
+"""Builds of the released models' real shapes (random weights: bionemo_export/testing/large_checkpoints.py)
+with default options: build time, peak resident memory (and its ratio to the fp32 weights), where
+in the build the peak was, repository bytes, and the served encoder graph's embeddings against
+transformers' own model on the same checkpoint (issue 46, items 1 and 5).
+
+    .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t30_150M esm2_t33_650M
+    .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t36_3B --work /tmp/sizes --shared
+
+Each build runs in a child process of its own (`--build`), which samples its own /proc/self/status
+every 50 ms (VmRSS, RssAnon, RssFile) and tags each sample with the build's progress line, so the
+JSON says which step peaked; the kernel's VmHWM is recorded too. The accuracy check runs in another
+child (`--check`): transformers' EsmModel (EsmcModel) from the same folder computes the hidden
+states, mean-pooled over the residues as the repository's embeddings are, then the repository's
+stored encoder graph runs under ONNX Runtime on the same batch.
+
+`--shared` records that other work ran on the machine at the same time (seconds then mean little;
+memory is the process's own either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "model_sizes.json"
+SAMPLE_SECONDS = 0.05
+CHECK_SEQUENCES = [
+    "MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQAPILSRVGDGTQDNLSGAEKAVQVKVKALPDAQFEVVHSLAKWKRQTLGQHDFSAGEGLYTHMKALRPDEDRLSP",
+    "MSLKRKNIALIPAAGIGVRFG",
+    "LAGVSERTIDPKQNFYMHWC",
+    "MQIFVKTLTGKTITLEVEPSDTIENVKAKIQDKEGIPPDQQRLIFAGKQLEDGRTLSDYNIQKESTLHLVLRLRGG",
+]
+"""The accuracy check's proteins: lengths 20-110, padded together in one batch."""
+
+
+def _status() -> dict[str, int]:
+    """This process's VmRSS, RssAnon, RssFile and VmHWM in bytes."""
+    values = {}
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+class Sampler:
+    """Samples this process's memory every SAMPLE_SECONDS in a thread, keeping each step's peak."""
+
+    def __init__(self) -> None:
+        self.step = "start"
+        self.steps: dict[str, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start = time.perf_counter()
+
+    def mark(self, step: str) -> None:
+        self.sample()
+        self.step = step
+        self.steps.setdefault(step, {"started_s": round(time.perf_counter() - self._start, 1)})
+        self.sample()
+
+    def sample(self) -> None:
+        now = _status()
+        peak = self.steps.setdefault(self.step, {"started_s": 0.0})
+        for key in ("VmRSS", "RssAnon", "RssFile"):
+            peak[key] = max(peak.get(key, 0), now[key])
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            self.sample()
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+def child_build(checkpoint: Path, family: str, out: Path, extra: dict[str, Any],
+                threshold: int | None = None) -> dict[str, Any]:
+    """Build `checkpoint` into `out` with default options in this process, sampling its memory.
+    `threshold` (a diagnosis, not a default build): the external-data threshold lowered, so a small
+    model takes the path with its weights left on disk."""
+    from bionemo_export.build import BuildRequest, build_repository
+
+    if threshold is not None:
+        from bionemo_export.exporters import onnx_export
+        from bionemo_export.exporters.optimize import candidates
+
+        onnx_export.EXTERNAL_DATA_THRESHOLD_BYTES = candidates.EXTERNAL_DATA_THRESHOLD_BYTES = threshold
+
+    sampler = Sampler()
+    baseline = _status()
+    start = time.perf_counter()
+    with sampler:
+        sampler.mark("imports and checks")
+        build_repository(BuildRequest(family=family, checkpoint=checkpoint, name="model", out=out, force=True,
+                                      graph_cache=None, **extra), progress=sampler.mark)
+    seconds = time.perf_counter() - start
+    final = _status()
+    peak_step = max(sampler.steps, key=lambda step: sampler.steps[step].get("VmRSS", 0))
+    return {"seconds": round(seconds, 1), "baseline_rss": baseline["VmRSS"], "vm_hwm": final["VmHWM"],
+            "peak_rss_sampled": max(s.get("VmRSS", 0) for s in sampler.steps.values()),
+            "peak_anon_sampled": max(s.get("RssAnon", 0) for s in sampler.steps.values()),
+            "peak_step": peak_step, "steps": sampler.steps}
+
+
+def child_check(checkpoint: Path, family: str, repository: Path) -> dict[str, Any]:
+    """Embeddings of CHECK_SEQUENCES from transformers' model on `checkpoint` against the
+    repository's stored encoder graph (fp32 reference; each freed before the next is opened)."""
+    import gc
+
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    from bionemo_export.models import get_family
+
+    loaded_tokenizer = get_family(family).build_tokenizer(checkpoint, None, None)  # type: ignore[attr-defined]
+    encoded = loaded_tokenizer.encode(CHECK_SEQUENCES, truncate=True)
+    ids = torch.from_numpy(np.asarray(encoded.input_ids))
+    mask = torch.from_numpy(np.asarray(encoded.attention_mask))
+    residues = torch.from_numpy(np.asarray(encoded.residue_mask)).bool()
+    model_class = transformers.EsmModel if family == "esm2" else transformers.EsmcModel
+    reference = model_class.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hiddens = reference(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+    weights = residues.unsqueeze(-1).float()
+    expected = ((hiddens * weights).sum(1) / weights.sum(1)).numpy()
+    del reference, hiddens
+    gc.collect()
+    graph = _encoder_graph(repository)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.asarray(encoded.input_ids), "attention_mask": np.asarray(encoded.attention_mask),
+             "residue_mask": np.asarray(encoded.residue_mask)}
+    names = [value.name for value in session.get_inputs()]
+    got = np.asarray(session.run(["embeddings"], {name: feeds[name] for name in names})[0])
+    cosine = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+    return {"graph": str(graph.relative_to(repository)), "sequences": len(CHECK_SEQUENCES),
+            "max_abs_error": float(np.abs(got - expected).max()), "min_cosine": float(cosine.min())}
+
+
+def _encoder_graph(repository: Path) -> Path:
+    """The model.onnx of the repository's encoder model (the folder named *_encoder)."""
+    graphs = sorted(repository.glob("*_encoder/1/model.onnx"))
+    if not graphs:
+        raise SystemExit(f"{repository} has no *_encoder/1/model.onnx")
+    return graphs[0]
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
+
+
+def _run_child(arguments: list[str]) -> dict[str, Any]:
+    process = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True, check=False)
+    if process.returncode:
+        raise SystemExit(f"{' '.join(arguments)} failed ({process.returncode}):\n{process.stderr[-4000:]}")
+    return json.loads(process.stdout.strip().splitlines()[-1])
+
+
+def measure(family: str, shape: str, work: Path, keep: bool) -> dict[str, Any]:
+    """Write the checkpoint (unless there), build it in a child, check it in another."""
+    from bionemo_export.models.readers.base import fp32_weight_bytes
+    from bionemo_export.testing.large_checkpoints import write_random_checkpoint
+
+    checkpoint = work / shape
+    if not (checkpoint / "model.safetensors").exists():
+        start = time.perf_counter()
+        write_random_checkpoint(family, checkpoint, shape)
+        print(f"{shape}: wrote {checkpoint} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    weights = fp32_weight_bytes(checkpoint)
+    repository = work / f"{shape}.repository"
+    build = _run_child(["--build", str(checkpoint), "--family", family, "--repository", str(repository)])
+    print(f"{shape}: built in {build['seconds']} s, VmHWM {build['vm_hwm'] / 2**30:.2f} GiB", file=sys.stderr)
+    check = _run_child(["--check", str(checkpoint), "--family", family, "--repository", str(repository)])
+    manifest = json.loads((repository / "manifest.json").read_text())
+    result = {
+        "family": family, "shape": shape, "checkpoint_bytes": _tree_bytes(checkpoint), "fp32_weight_bytes": weights,
+        "build_seconds": build["seconds"], "peak_rss_bytes": build["vm_hwm"],
+        "peak_rss_over_fp32_weights": round(build["vm_hwm"] / weights, 2),
+        "peak_anon_bytes": build["peak_anon_sampled"],
+        "peak_anon_over_fp32_weights": round(build["peak_anon_sampled"] / weights, 2),
+        "baseline_rss_bytes": build["baseline_rss"], "peak_step": build["peak_step"], "steps": build["steps"],
+        "repository_bytes": _tree_bytes(repository), "tasks": manifest.get("tasks"),
+        "precision": manifest.get("precision"),
+        "optimization": {name: graph.get("optimization", {}).get("applied") for name, graph in
+                         manifest.get("export", {}).items()},
+        "skipped": {name: graph.get("optimization", {}).get("skipped") for name, graph in
+                    manifest.get("export", {}).items()},
+        "embeddings_vs_transformers": check,
+    }
+    if not keep:
+        shutil.rmtree(repository)
+    return result
+
+
+def _versions() -> dict[str, str]:
+    names = ("bionemo-export", "torch", "onnx", "onnxruntime", "transformers", "safetensors", "numpy")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["esm2_t30_150M", "esm2_t33_650M"])
+    parser.add_argument("--family", default="esm2", choices=("esm2", "esmc"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bionemo-model-sizes"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--shared", action="store_true", help="other work ran on the machine meanwhile")
+    parser.add_argument("--keep", action="store_true", help="keep the repositories")
+    parser.add_argument("--build", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--check", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--repository", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--threshold", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.build:
+        print(json.dumps(child_build(args.build, args.family, args.repository, {}, args.threshold)))
+        return
+    if args.check:
+        print(json.dumps(child_check(args.check, args.family, args.repository)))
+        return
+    args.work.mkdir(parents=True, exist_ok=True)
+    from bionemo_export.procfs import cpu_model
+
+    results = []
+    for shape in args.shapes:
+        results.append(measure(args.family, shape, args.work, args.keep))
+        report = {
+            "command": " ".join([".venv/bin/python", "benchmarks/model_sizes.py", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE")
+                        * os.sysconf("SC_PHYS_PAGES"), "platform": platform.platform()},
+            "shared": args.shared, "versions": _versions(), "results": results,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps([{k: r[k] for k in ("shape", "build_seconds", "peak_rss_over_fp32_weights", "peak_step",
+                                         "embeddings_vs_transformers")} for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Which loaded weights are pages of a checkpoint file, and handing those pages back to the kernel.
+
+Readers map their weight files rather than copy them (safetensors' `safe_open`, torch's
+`mmap=True` in torch_files.py): a tensor's bytes are then a private, read-only-in-practice mapping of
+the file, which the kernel fills as the model computes and can drop and read again at any time.
+A build uses that to hold the model's weights and an ONNX Runtime session's copy of them one at a
+time rather than both (exporters/verification.py): once the PyTorch reference answers are computed,
+`page_out` asks the kernel to reclaim the model's pages (madvise MADV_PAGEOUT), which frees them
+without losing anything: the next forward pass reads them from the file again.
+
+Only pages of file mappings are advised, found in /proc/self/maps: anonymous memory (a tensor
+converted from bf16, a weight the family computed) is never touched, and MADV_PAGEOUT never
+discards data in any case (anonymous pages would go to swap, not away).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import mmap
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+MADV_PAGEOUT = 21
+"""Linux 5.4+: reclaim these pages now (file pages are dropped, anonymous ones swapped)."""
+PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One line of /proc/self/maps that maps a file."""
+
+    start: int
+    end: int
+    path: str
+
+
+def file_mappings() -> list[Mapping]:
+    """This process's mappings of files (not anonymous memory, not the heap or stack), by address."""
+    found = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or fields[4] == "0" or not fields[5].startswith("/"):
+                    continue  # no inode: anonymous, [heap], [stack], [vdso]
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                found.append(Mapping(start, end, fields[5].rstrip("\n").removesuffix(" (deleted)")))
+    except OSError:  # no /proc: nothing is known to be mapped
+        return []
+    return sorted(found, key=lambda mapping: mapping.start)
+
+
+def mapped_file(tensor: torch.Tensor, mappings: list[Mapping] | None = None) -> str | None:
+    """The file whose mapping holds `tensor`'s bytes, or None where they are anonymous memory."""
+    mappings = file_mappings() if mappings is None else mappings
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    index = bisect.bisect_right([m.start for m in mappings], start) - 1
+    if index >= 0 and mappings[index].start <= start and end <= mappings[index].end:
+        return mappings[index].path
+    return None
+
+
+def mapped_bytes(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """(bytes of `tensors` that are pages of a file, bytes that are anonymous memory)."""
+    mappings = file_mappings()
+    in_files = anonymous = 0
+    for tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if mapped_file(tensor, mappings) is not None:
+            in_files += size
+        else:
+            anonymous += size
+    return in_files, anonymous
+
+
+def page_out(tensors: Iterable[torch.Tensor]) -> int:
+    """Ask the kernel to reclaim the resident pages of those `tensors` that are pages of a file
+    (see the module); returns the bytes advised. Nothing is lost: the pages are read from the file
+    again when the tensors are next used. Does nothing where madvise or /proc is missing."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    mappings = file_mappings()
+    advised = 0
+    seen: set[int] = set()
+    for tensor in tensors:
+        if tensor.data_ptr() in seen or mapped_file(tensor, mappings) is None:
+            continue
+        seen.add(tensor.data_ptr())
+        start = -(-tensor.data_ptr() // PAGE) * PAGE  # whole pages inside the tensor only
+        end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+        if end > start and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT) == 0:
+            advised += end - start
+    return advised
+
+
+def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the whole pages inside `tensors` that this process has in memory now (the present
+    bit of /proc/self/pagemap), counting each tensor once: how much of a mapped model its resident
+    memory holds. 0 where /proc is missing."""
+    total = 0
+    seen: set[int] = set()
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            for tensor in tensors:
+                if tensor.data_ptr() in seen:
+                    continue
+                seen.add(tensor.data_ptr())
+                start = -(-tensor.data_ptr() // PAGE) * PAGE
+                end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+                if end <= start:
+                    continue
+                pagemap.seek(start // PAGE * 8)
+                entries = pagemap.read((end - start) // PAGE * 8)
+                present = sum(entries[index + 7] >> 7 for index in range(0, len(entries), 8))  # bit 63
+                total += present * PAGE
+    except OSError:
+        return 0
+    return total
+
+
+def return_freed_memory() -> None:
+    """Collect Python's garbage (an exported ONNX program is a graph of cycles that reference
+    counting never frees) and hand the C heap's free pages back to the kernel (glibc's
+    malloc_trim): arrays of a few MB freed by a step otherwise stay resident in the heap."""
+    import gc
+
+    gc.collect()
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not os.path.exists("/proc/self/maps"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc

@@ -1,0 +1,50 @@
+"""A build whose graphs keep their weights on disk (models over the external-data threshold, here
+lowered so a small model takes that path): the checkpoint is mapped, the graph fused without its
+weights (exporters/external_data.py), optimized and checked, and the stored graph answers what
+transformers' own model does on the checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import torch
+import transformers
+
+from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.exporters import onnx_export
+from bionemo_export.exporters.optimize import candidates
+from bionemo_export.models.esm2 import esm_tokenizer
+from bionemo_export.testing.large_checkpoints import write_random_checkpoint
+
+SIZES = {"hidden_size": 512, "num_layers": 2, "num_heads": 8, "intermediate_size": 2048}
+"""Its feed-forward weights (4 MiB each) are over external_data.SMALL_TENSOR_BYTES: left on disk."""
+
+
+def test_a_build_with_its_weights_on_disk_fuses_checks_and_matches_transformers(tmp_path, monkeypatch):
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1 << 20)
+    monkeypatch.setattr(candidates, "EXTERNAL_DATA_THRESHOLD_BYTES", 1 << 20)
+    checkpoint = write_random_checkpoint("esm2", tmp_path / "checkpoint", SIZES)
+    out = tmp_path / "repo"
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=out, backend="python",
+                                  tasks=("embeddings",), graph_cache=None))
+    optimization = json.loads((out / "manifest.json").read_text())["export"]["encoder"]["optimization"]
+    assert optimization["external_data"] and optimization["fallback"] is None
+    assert optimization["fused"]["MultiHeadAttention"] == 2
+    assert any(step.startswith("transformer_fusions(") for step in optimization["applied"]), optimization
+
+    graph = next(out.glob("*_encoder/1/model.onnx"))
+    sequences = ["MKTAYIAKQRQISFVKSHFSRQ", "LAGVSERTIDPK"]
+    encoded = esm_tokenizer(1024).encode(sequences, truncate=False)
+    feeds = {"input_ids": np.asarray(encoded.input_ids), "attention_mask": np.asarray(encoded.attention_mask),
+             "residue_mask": np.asarray(encoded.residue_mask)}
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    got = np.asarray(session.run(["embeddings"], {value.name: feeds[value.name] for value in session.get_inputs()})[0])
+    reference = transformers.EsmModel.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hiddens = reference(input_ids=torch.as_tensor(feeds["input_ids"]),
+                            attention_mask=torch.as_tensor(feeds["attention_mask"])).last_hidden_state
+    residues = torch.as_tensor(feeds["residue_mask"]).unsqueeze(-1).float()
+    expected = ((hiddens * residues).sum(1) / residues.sum(1)).numpy()
+    assert np.abs(got - expected).max() < 1e-4

@@ -1,0 +1,38 @@
+"""`inspect CHECKPOINT` says what a build of it needs in memory here (checkpoint_report.build_memory,
+build.estimate_build_memory): the path the build takes and whether it fits this host."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from typer.testing import CliRunner
+
+from bionemo_export.build import BUILD_MEMORY_FACTORS, IN_MEMORY, QUANTIZE_MEMORY_FACTOR, WEIGHTS_ON_DISK
+from bionemo_export.checkpoint_report import build_memory
+from bionemo_export.cli.main import app
+from bionemo_export.testing.checkpoints import save_random_checkpoint
+
+
+def test_inspect_reports_the_memory_a_build_needs_here(tmp_path):
+    folder = save_random_checkpoint("esm2", tmp_path / "esm2")
+    result = CliRunner().invoke(app, ["inspect", str(folder)])
+    assert result.exit_code == 0, result.output
+    factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
+    line = f"memory      fp32: about 0.8 GiB ({factor} x 0.0 GiB of fp32 weights, {IN_MEMORY}); fits the"
+    assert line in result.output
+    memory = json.loads(CliRunner().invoke(app, ["inspect", str(folder), "--json"]).output)["memory"]
+    assert list(memory["builds"]) == ["fp32"]  # a quantized build takes the same path: not repeated
+    assert memory["builds"]["fp32"]["fits"] and memory["available_bytes"] > memory["builds"]["fp32"]["needed_bytes"]
+
+
+def test_a_large_checkpoint_has_a_quantized_estimate_of_its_own(tmp_path):
+    """Over the external-data threshold the weights stay on disk in fp32; quantizing reads them in."""
+    header = json.dumps({"a": {"dtype": "BF16", "shape": [2_840_000, 1000], "data_offsets": [0, 5_680_000_000]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    folder = tmp_path / "esm2_3b"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    builds = build_memory(folder)["builds"]
+    assert builds["fp32"]["path"] == builds["quantized"]["path"] == WEIGHTS_ON_DISK
+    assert builds["quantized"]["factor"] == QUANTIZE_MEMORY_FACTOR > builds["fp32"]["factor"]

@@ -1,0 +1,59 @@
+"""Loaded weights are pages of the checkpoint file, not copies (models/readers/mapped.py,
+torch_files.py): a safetensors folder and a torch zip file named by path are memory-mapped, and a
+build can hand a mapped model's pages back to the kernel without changing a value."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from bionemo_export.models import load_checkpoint
+from bionemo_export.models.readers.mapped import mapped_bytes, mapped_file, page_out, resident_bytes
+from bionemo_export.models.readers.torch_files import load_torch_weights
+from bionemo_export.testing.large_checkpoints import write_random_checkpoint
+
+TINY = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "intermediate_size": 64}
+
+
+def test_a_safetensors_checkpoint_is_loaded_as_pages_of_its_file(tmp_path):
+    """Every encoder weight of a loaded fp32 ESM-2 is a view of model.safetensors' mapping: the
+    model holds no copy of the weights (EsmModel's own contact head, which the encoder does not use,
+    is zeroed memory; the contact predictor reads the checkpoint's)."""
+    folder = write_random_checkpoint("esm2", tmp_path / "esm2", TINY)
+    loaded = load_checkpoint(folder, "esm2")
+    parameters = [p for name, p in loaded.encoder.named_parameters() if ".contact_head." not in name]
+    in_files, anonymous = mapped_bytes(parameters)
+    assert anonymous == 0 and in_files == sum(p.numel() * 4 for p in parameters)
+    assert {mapped_file(p) for p in parameters} == {str((folder / "model.safetensors").resolve())}
+
+
+def test_a_torch_file_named_by_path_is_mapped_and_a_buffer_is_read(tmp_path):
+    """torch's zip format through open_torch_file's checks: by path, the tensors are pages of the
+    file (mapped through the descriptor the checks read); from a buffer, ordinary memory."""
+    weights = {"a": torch.randn(256, 256), "b": torch.randn(64)}
+    path = tmp_path / "weights.pt"
+    torch.save(weights, path)
+    loaded, _ = load_torch_weights(path, str(path))
+    assert all(torch.equal(loaded[key], weights[key]) for key in weights)
+    assert mapped_file(loaded["a"]) == str(path.resolve())
+    from_buffer, _ = load_torch_weights(io.BytesIO(path.read_bytes()), "buffer")
+    assert mapped_file(from_buffer["a"]) is None and torch.equal(from_buffer["a"], weights["a"])
+
+
+def test_paging_out_a_mapped_model_frees_its_pages_and_keeps_its_values(tmp_path):
+    """page_out takes the mapped weights' pages out of the process (pagemap's present bit) and the
+    next use reads the same values from the file; anonymous tensors are left alone."""
+    path = tmp_path / "big.pt"
+    torch.save({"w": torch.randn(2048, 2048)}, path)  # 16 MiB
+    loaded, _ = load_torch_weights(path, str(path))
+    tensor = loaded["w"]
+    total = float(tensor.sum())
+    before = resident_bytes([tensor])
+    assert before >= 15 << 20
+    assert page_out([tensor]) >= 15 << 20
+    # The kernel may keep a few pages (ones it is still writing back); most must go.
+    assert resident_bytes([tensor]) < before // 4
+    assert float(tensor.sum()) == total
+    anonymous = torch.randn(1024, 1024)
+    assert page_out([anonymous]) == 0 and float(anonymous.sum()) == float(anonymous.sum())
