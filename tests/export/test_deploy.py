@@ -135,9 +135,11 @@ def test_the_models_triton_loads_are_the_repository_model_folders(repository, tm
     isvc = _one(documents, "InferenceService")
     assert _loaded(isvc["spec"]["predictor"]["model"]["args"]) == folders
     assert _loaded(_container(_one(documents, "Deployment"))["args"]) == folders
-    # The public models are loaded, and so is what they call (the encoder graph's model).
+    # The public models are loaded (a default build: every task the checkpoint serves), and so is
+    # what they call (the encoder graph's model, which hosts the layers, contacts and attentions graphs).
     assert set(manifest["public_models"]) == {"esm2nv_embeddings", "esm2nv_hiddens", "esm2nv_logits",
-                                              "esm2nv_scores"} < set(folders)
+                                              "esm2nv_scores", "esm2nv_layers", "esm2nv_contacts",
+                                              "esm2nv_attentions"} < set(folders)
     assert "esm2nv_encoder" in folders
     # The header names the public models for the reader; the python backend needs onnxruntime in the image.
     header = (tmp_path / "k8s" / KSERVE_FILE).read_text().split("---")[0]
@@ -374,9 +376,20 @@ def test_the_embedding_job_is_an_indexed_job_against_the_servers_written_beside_
      "--embed-shards 0"),
     (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-include",
       "bos"], "--embed-include bos: esm2nv_embeddings answers mean-pooled embeddings only"),
-    (["--embed-input", "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-include",
-      "mean,contacts"], "--embed-include mean,contacts: contacts asks esm2nv_contacts, which repo does not have: "
-                        "build it with --tasks ...,contacts"),
 ])
 def test_bad_embedding_job_options_are_named(repository, options, message):
     _refused([str(repository), "--storage-uri", "s3://b/p", *options], message)
+
+
+def test_an_embedding_job_asking_contacts_of_a_repository_without_them_is_named(tmp_path):
+    """A default build serves contacts (the checkpoint has the head); one built with --tasks
+    embeddings does not, and a job that includes contacts is refused naming the build option."""
+    checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=0)
+    repo = tmp_path / "repo"
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm2nv", out=repo, backend="python",
+                                  tasks=("embeddings",), serving=ServingOptions(max_batch_size=4), optimize=False))
+    _refused([str(repo), "--storage-uri", "s3://b/p", "--out", str(tmp_path / "k8s"), "--embed-input",
+              "s3://d/in.fasta", "--embed-output", "s3://d/o", "--client-image", "c", "--embed-include",
+              "mean,contacts"], "--embed-include mean,contacts: contacts asks esm2nv_contacts, which repo does not "
+                                "have: build it with --tasks ...,contacts")
+    assert not (tmp_path / "k8s").exists()
