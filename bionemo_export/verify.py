@@ -591,20 +591,25 @@ def verify_golden(repository: Path, check_files: bool = True) -> list[TaskCheck]
     if check_files:
         require_intact(repository)
     found = sorted(repository.glob(f"*/*/{GOLDEN_FILE}")) + sorted(repository.glob(f"*/*/*/{GOLDEN_FILE}"))
-    if not found:
+    # The graphs N_encoder hosts beside its own (layers, contacts, attentions: one weights file)
+    # keep theirs as <stem>.golden.npz (serving/golden.golden_path).
+    hosted = sorted(repository.glob(f"*/*/*.{GOLDEN_FILE}"))
+    if not found + hosted:
         raise InvalidInputError(f"{repository} has no golden answers ({GOLDEN_FILE} beside its graphs): it was "
                                 "built before they were stored; pass --checkpoint to verify it against PyTorch, "
                                 "or rebuild it")
     vnni = "VNNI" if cpu_description()["vnni"] else "no VNNI"
     checks = []
-    for path in found:
-        graph = graph_for_this_host(str(path.parent), ["CPUExecutionProvider"])
+    graphs = [(path, graph_for_this_host(str(path.parent), ["CPUExecutionProvider"])) for path in found]
+    graphs += [(path, str(path.parent / f"{path.name.removesuffix('.' + GOLDEN_FILE)}.onnx")) for path in hosted]
+    for path, graph in graphs:
         session = ort.InferenceSession(graph, session_options(), providers=["CPUExecutionProvider"])
         golden = read_golden(str(path))
         shape = next(iter(golden.inputs.values())).shape
+        model = path.relative_to(repository).parts[0] + ("" if path in found else f" ({Path(graph).stem})")
         for check in golden.run(session):
             checks.append(TaskCheck(
-                model=f"{path.relative_to(repository).parts[0]}:{check.name}", batch=f"golden inputs {list(shape)}",
+                model=f"{model}:{check.name}", batch=f"golden inputs {list(shape)}",
                 max_abs_error=check.figures.max_abs_error, min_cosine=check.figures.min_cosine, mask_exact=None,
                 passed=check.passed, problem=check.figures.problem,
                 note=f"{Path(graph).relative_to(path.parent)} on this host ({vnni}); cosine >= {check.min_cosine:g}"

@@ -19,9 +19,11 @@ from typing import Any
 
 if __package__:  # imported from the bionemo_export package
     from bionemo_export.serving.graph_model import GraphInputs, GraphModel
+    from bionemo_export.serving.parameters import tensor_names
     from bionemo_export.serving.responses import RequestError, Responder
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from graph_model import GraphInputs, GraphModel
+    from parameters import tensor_names
     from responses import RequestError, Responder
 
 HOSTED_GRAPHS = "hosted_graphs"
@@ -34,9 +36,11 @@ Execute = Callable[[Sequence[Any]], tuple[list, int]]
 class HostedGraphs:
     """Each hosted graph's GraphModel, by the outputs it answers."""
 
-    def __init__(self, graphs: Mapping[str, GraphModel]) -> None:
+    def __init__(self, graphs: Mapping[str, GraphModel], served: Sequence[str] = ()) -> None:
         self.graphs = dict(graphs)
         self.by_output = {output: name for name, graph in self.graphs.items() for output in graph.outputs}
+        self.served = frozenset(served)
+        """Every output of the model's config (a request naming none is asked all of them)."""
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -54,15 +58,17 @@ class HostedGraphs:
         graphs = {name: GraphModel(open_session(entry["file"], entry["graph_optimization_level"]), TOKEN_INPUTS,
                                    entry["outputs"], checks, responder)
                   for name, entry in listed.items()}
-        return cls(graphs)
+        return cls(graphs, tensor_names(args, "output"))
 
     def graph_of(self, request: Any) -> str | None:
         """The hosted graph answering what `request` asks for; None: the encoder's request. A
-        request asking outputs of two hosted graphs, or of a hosted graph and the encoder, is an
-        error naming them."""
+        request naming no outputs is the encoder's, as before N_encoder hosted graphs: Triton
+        then lists every output of the config, and it gets the encoder's (found by the tests of
+        internal models' errors, whose requests name none). A request asking outputs of two hosted
+        graphs, or of a hosted graph and the encoder, is an error naming them."""
         requested = list(request.requested_output_names())
         mine = {self.by_output[name] for name in requested if name in self.by_output}
-        if not mine:
+        if not mine or (self.served and self.served <= set(requested)):
             return None
         if len(mine) > 1 or len(mine) < len({self.by_output.get(name) for name in requested}):
             raise RequestError(f"outputs {', '.join(requested)} come from different graphs ({', '.join(sorted(mine))} "

@@ -77,8 +77,9 @@ def servers(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("dev-server")
     family = get_family("megamolbart")
     checkpoint = save_random_checkpoint(family.name, work / "checkpoint", seed=5)
+    # The tasks the dev server serves (a default build adds layers, which it does not).
     build_repository(BuildRequest(family="megamolbart", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", max_decode_length=MAX_DECODE,
+                                  backend="python", tasks=TASKS, max_decode_length=MAX_DECODE,
                                   serving=ServingOptions(max_batch_size=16), optimize=False))
     http, grpc, metrics = free_ports(3)
     dev = start_dev_server([*CLI, "dev-server", "--model", "megamolbart", "--checkpoint", str(checkpoint),

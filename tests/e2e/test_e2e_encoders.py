@@ -154,9 +154,11 @@ def test_verify_against_the_running_server_passes(served):
     assert manifest.verification["passed"]
     checks = verify_repository(repository, checkpoint, url=f"grpc://{server.endpoints.grpc_url}")
     assert checks and all(check.passed for check in checks)
-    # Random ESM-2 and BERT checkpoints are *ForMaskedLM: their log-probabilities and scores are checked too.
-    assert {check.model for check in checks} == {f"{name}_{task}" for task in ("embeddings", "hiddens", "logits",
-                                                                                  "scores")}
+    # Random ESM-2 and BERT checkpoints are *ForMaskedLM: their log-probabilities and scores are checked too,
+    # and the default tasks' layers and attentions (and ESM-2's contacts: its checkpoint carries the head).
+    tasks = ["embeddings", "hiddens", "logits", "scores", "layers", "attentions"]
+    tasks += ["contacts"] if manifest.family == "esm2" else []
+    assert {check.model for check in checks} == {f"{name}_{task}" for task in tasks}
 
 
 def test_verify_cli_passes_for_the_checkpoint_and_fails_for_another(served, tmp_path):

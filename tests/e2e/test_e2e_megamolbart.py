@@ -144,6 +144,6 @@ def test_verify_covers_decodes_and_samplings(served, trained):
     _, server = served
     checks = verify_repository(server.model_repository, trained[0], url=f"grpc://{server.endpoints.grpc_url}")
     assert {check.model for check in checks} == {f"{NAME}_{task}" for task in
-                                                 ("embeddings", "hiddens", "decodes", "samplings")}
+                                                 ("embeddings", "hiddens", "decodes", "samplings", "layers")}
     failed = [check for check in checks if not check.passed]
     assert not failed, failed

@@ -134,21 +134,33 @@ def test_pooled_and_per_residue_outputs_come_from_one_pass_of_the_hiddens_model(
                (["-m", "esm2nv_hiddens", "--output", str(tmp_path / "b.parquet")], "Parquet holds pooled rows"),
                (["-m", "esm2nv_hiddens", "--include", "mean,per_tok", "--output", str(tmp_path / "c.parquet")],
                 "Parquet holds pooled rows"),
-               # This repository was built without contacts (not built by default): the missing model and the fix.
+               # The server does not serve contacts (unloaded below): the missing model and the fix.
                (["-m", "esm2nv_embeddings", "--include", "mean,contacts", "--output", str(tmp_path / "d.h5")],
                 "--include contacts asks esm2nv_contacts, which the server does not serve"),
                (["-m", "esm2nv_hiddens", "--include", "contacts", "--output", str(tmp_path / "e")],
                 "build the repository with --tasks ...,contacts")]
-    for arguments, message in refused:
-        bad = runner.invoke(app, ["client", "encode", "-i", str(tmp_path / "in.fasta.gz"), *arguments,
-                                  "--triton-url", _url(server)])
-        assert bad.exit_code == 1 and message in " ".join(bad.output.split()), bad.output
+    # The default build serves contacts; a server without them (a repository built with --tasks
+    # embeddings,hiddens) is this one with its contacts model unloaded for the while.
+    with TritonClient(_url(server)) as control:
+        control.unload_model("esm2nv_contacts")
+        try:
+            deadline = time.monotonic() + 60
+            while any(entry["name"] == "esm2nv_contacts" and entry.get("state") != "UNAVAILABLE"
+                      for entry in control.repository_index()):
+                assert time.monotonic() < deadline, control.repository_index()
+                time.sleep(0.2)
+            for arguments, message in refused:
+                bad = runner.invoke(app, ["client", "encode", "-i", str(tmp_path / "in.fasta.gz"), *arguments,
+                                          "--triton-url", _url(server)])
+                assert bad.exit_code == 1 and message in " ".join(bad.output.split()), bad.output
+            # Sequences asked at once: the same refusal, before anything is sent.
+            at_once = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "--include", "contacts",
+                                          "-s", "MKT", "--triton-url", _url(server)])
+        finally:
+            control.load_model("esm2nv_contacts")
     written = {p.name for p in tmp_path.iterdir()}
     assert not written & {"a.h5", "a.h5.parts", "b.parquet", "b.parquet.parts", "c.parquet", "c.parquet.parts",
                           "d.h5", "d.h5.parts", "e"}
-    # Sequences asked at once: the same refusal, before anything is sent.
-    at_once = runner.invoke(app, ["client", "encode", "-m", "esm2nv_embeddings", "--include", "contacts", "-s", "MKT",
-                                  "--triton-url", _url(server)])
     assert at_once.exit_code == 1 and "--include contacts asks esm2nv_contacts, which the server does not serve" \
         in " ".join(at_once.output.split()), at_once.output
 

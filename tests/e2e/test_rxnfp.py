@@ -76,5 +76,6 @@ def test_verify_against_the_running_server_passes_with_smiles_samples(served):
                                url=f"grpc://{server.endpoints.grpc_url}")
     assert checks and all(check.passed for check in checks), checks
     # bert_pretrained carries its masked-LM head, so N_logits is built and verified too (no N_scores:
-    # its alphabet is SMILES tokens, not one character each)
-    assert {check.model for check in checks} == {f"{NAME}_embeddings", f"{NAME}_hiddens", f"{NAME}_logits"}
+    # its alphabet is SMILES tokens, not one character each); layers and attentions are default tasks
+    assert {check.model for check in checks} == {f"{NAME}_{task}" for task in ("embeddings", "hiddens", "logits",
+                                                                                "layers", "attentions")}

@@ -14,8 +14,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from typing import cast
 
 import numpy as np
@@ -29,14 +27,6 @@ from tests.helpers import serve_process as sp
 def _affine(http: int) -> list[float]:
     with TritonClient(f"http://127.0.0.1:{http}", timeout_s=10) as client:
         return client.infer("affine", {"x": np.array([[1.0, 2.0]], dtype=np.float32)})["y"][0].tolist()
-
-
-def _ready(http: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _send_deeply_nested_json(http: int) -> None:
@@ -65,7 +55,7 @@ def test_a_crashed_tritonserver_is_started_again_on_the_same_ports(tiny_repo, tm
         while sp.alive(first):
             assert time.monotonic() < deadline, "the hostile request no longer crashes Triton: pick another crash"
             time.sleep(0.05)
-        not_ready = not _ready(serve.http)
+        not_ready = not sp.server_ready(serve.http)
         serve.wait_for("serve: tritonserver is ready again", timeout=120)
         assert not_ready, "health said ready with the server dead"
         assert serve.process.poll() is None

@@ -160,6 +160,9 @@ def test_bad_sequences_are_the_clients_error_through_ensembles(esm, protocol, mo
                                                  protocol)
     assert np.isfinite(infer(esm, "esm_embeddings", {"sequences": strings_to_tensor(["MKT"])}, protocol)
                        ["embeddings"]).all()
+    if model == "esm_encoder":  # a request naming no outputs: the encoder graph's (not the graphs it hosts)
+        answered = infer(esm, model, {"sequences": strings_to_tensor(["MKT"])}, protocol)
+        assert {"embeddings", "hiddens", "mask"} <= set(answered) and "contacts" not in answered, sorted(answered)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

@@ -151,6 +151,26 @@ def test_the_hosted_graphs_answer_through_n_encoder_as_pytorch_does(built, tmp_p
 
 
 # ---------------------------------------------------------------------------- consistency of the shared file
+def test_verify_without_a_checkpoint_runs_the_hosted_graphs_golden_answers(repository):
+    """`verify REPO` (no checkpoint) runs every stored graph's golden answers here: the graphs
+    N_encoder hosts too (<stem>.golden.npz beside <stem>.onnx), each named; one whose references
+    are wrong fails alone."""
+    from bionemo_export.serving.golden import read_golden, write_golden
+    from bionemo_export.verify import verify_golden
+
+    checks = verify_golden(repository)
+    assert all(check.passed for check in checks), [check.to_dict() for check in checks]
+    encoder = f"{NAME}_encoder"
+    models = {check.model.split(":")[0] for check in checks}
+    assert {encoder, *(f"{encoder} ({graph})" for graph in ("layers", "contacts", "attentions"))} <= models
+    path = repository / encoder / "1" / "layers.golden.npz"
+    golden = read_golden(str(path))
+    write_golden(str(path), golden.inputs, {name: -value for name, value in golden.references.items()},
+                 mask_input=golden.mask_input, tolerances=golden.tolerances)
+    failed = {check.model.split(":")[0] for check in verify_golden(repository, check_files=False) if not check.passed}
+    assert failed == {f"{encoder} (layers)"}
+
+
 def _finding(repository: Path, words: str) -> list[str]:
     found = [line for line in check_repository(repository) if words in line]
     assert found, check_repository(repository)

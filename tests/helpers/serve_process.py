@@ -64,8 +64,17 @@ def shm_prefix(server_pid: int) -> str:
 
 def model_ready(http: int, model: str) -> bool:
     """Whether the model's ready endpoint answers 200."""
+    return _answers_ok(f"http://127.0.0.1:{http}/v2/models/{model}/ready")
+
+
+def server_ready(http: int) -> bool:
+    """Whether the server's readiness endpoint answers 200 (every model it loads is ready)."""
+    return _answers_ok(f"http://127.0.0.1:{http}/v2/health/ready")
+
+
+def _answers_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/{model}/ready", timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=5) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
