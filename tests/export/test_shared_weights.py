@@ -86,14 +86,7 @@ def test_default_tasks_leave_the_hosted_graphs_out_where_each_would_copy_the_wei
 
 
 SERVE = """
-import importlib.util, json, os, sys
 import numpy as np
-sys.path.insert(0, {helpers!r})
-import fake_pb_utils as pb
-sys.modules["triton_python_backend_utils"] = pb
-spec = importlib.util.spec_from_file_location("model", {path!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
 model = module.TritonPythonModel()
 model.initialize({{"model_config": open({config!r}).read(), "model_name": {name!r}, "model_instance_kind": "CPU"}})
 feeds = np.load({feeds!r})
@@ -127,9 +120,9 @@ def test_the_hosted_graphs_answer_through_n_encoder_as_pytorch_does(built, tmp_p
     folder = result.repository / f"{NAME}_encoder"
     (tmp_path / "config.json").write_text(json.dumps(MessageToDict(read_config(folder),
                                                                    preserving_proto_field_name=True)))
-    code = SERVE.format(helpers=str(Path(fake_pb_utils.__file__).parent), path=str(folder / "1" / "model.py"),
-                        config=str(tmp_path / "config.json"), name=f"{NAME}_encoder",
-                        feeds=str(tmp_path / "feeds.npz"), out=str(tmp_path / "out.npz"), proteins=PROTEINS)
+    code = fake_pb_utils.standalone_import(folder / "1" / "model.py") + SERVE.format(
+        config=str(tmp_path / "config.json"), name=f"{NAME}_encoder", feeds=str(tmp_path / "feeds.npz"),
+        out=str(tmp_path / "out.npz"), proteins=PROTEINS)
     run = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=folder / "1")
     assert run.returncode == 0, run.stderr[-3000:]
     served = dict(np.load(tmp_path / "out.npz", allow_pickle=False))

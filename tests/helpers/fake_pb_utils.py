@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -126,3 +127,13 @@ def install(monkeypatch) -> types.ModuleType:
     monkeypatch.setattr(Logger, "lines", [])
     monkeypatch.setattr(module, "BLS_MODELS", {})
     return module
+
+
+def standalone_import(model_py: str | Path) -> str:
+    """Python source that a fresh interpreter (`python -I -c`, in the model's version folder) runs
+    first: it makes this module `triton_python_backend_utils` (bound as `pb`) and imports the
+    generated `model_py` as `module`, as the Python backend's stub does."""
+    return (f"import importlib.util, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+            "import fake_pb_utils as pb\nsys.modules['triton_python_backend_utils'] = pb\n"
+            f"spec = importlib.util.spec_from_file_location('model', {str(model_py)!r})\n"
+            "module = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(module)\n")

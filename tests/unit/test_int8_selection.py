@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from bionemo_export.exporters.optimize.quantization import ffn_outputs_by_error, quantize_all_but, quantize_int8
+from tests.helpers.onnx_graphs import feed_forward_graph
 
 
 def _graph(kind: str) -> onnx.ModelProto:
@@ -39,25 +40,7 @@ def test_swiglu_products_are_feed_forward_outputs_and_a_plain_product_is_not():
 
 def _two_blocks() -> onnx.ModelProto:
     """x [n, 8] -> two feed-forward blocks (up MatMul, erf GELU, down MatMul named down0/down1) -> y."""
-    rng = np.random.default_rng(3)
-    nodes, weights, value = [], [], "x"
-    for block in range(2):
-        up, down = f"up{block}", f"down{block}"
-        weights += [numpy_helper.from_array(rng.standard_normal((8, 16)).astype(np.float32), f"w_{up}"),
-                    numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), f"w_{down}")]
-        nodes += [helper.make_node("MatMul", [value, f"w_{up}"], [up], name=up),
-                  helper.make_node("Div", [up, "sqrt2"], [f"{up}_scaled"]),
-                  helper.make_node("Erf", [f"{up}_scaled"], [f"{up}_erf"]),
-                  helper.make_node("Add", [f"{up}_erf", "one"], [f"{up}_erf1"]),
-                  helper.make_node("Mul", [up, f"{up}_erf1"], [f"{up}_x"]),
-                  helper.make_node("Mul", [f"{up}_x", "half"], [f"{up}_gelu"]),
-                  helper.make_node("MatMul", [f"{up}_gelu", f"w_{down}"], [down], name=down)]
-        value = down
-    constants = [numpy_helper.from_array(np.array(v, np.float32), name)
-                 for name, v in (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
-    graph = helper.make_graph(nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
-                              [helper.make_tensor_value_info(value, TensorProto.FLOAT, ["n", 8])], weights + constants)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return feed_forward_graph(8, 16, 2, seed=3, scaled=False, residual=False)
 
 
 @pytest.mark.parametrize("weights", ["int8", "uint8"])

@@ -342,13 +342,6 @@ def test_every_limit_is_a_decode_setting():
 
 # ------------------------------------------------------------------------------ generated folders
 IMPORT_MODEL = """
-import importlib.util, sys
-sys.path.insert(0, {helpers!r})
-import fake_pb_utils
-sys.modules["triton_python_backend_utils"] = fake_pb_utils
-spec = importlib.util.spec_from_file_location("model", {path!r})
-module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
 assert hasattr(module, "TritonPythonModel")
 assert not [name for name in sys.modules if name.startswith("bionemo_export")], "imports the package"
 """
@@ -358,9 +351,8 @@ def _imports_from_its_folder(model_py) -> None:
     """model.py imports (not initialize) with only its own version folder and the fake pb_utils."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    code = IMPORT_MODEL.format(helpers=str(Path(fake_pb_utils.__file__).parent), path=str(model_py))
+    code = fake_pb_utils.standalone_import(model_py) + IMPORT_MODEL
     result = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=model_py.parent)
     assert result.returncode == 0, f"{model_py}: {result.stderr[-2000:]}"
 

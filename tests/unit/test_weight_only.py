@@ -9,9 +9,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper
 
 from bionemo_export.exporters.optimize.weight_only import check_settings, quantize_weight_only
+from tests.helpers.onnx_graphs import feed_forward_graph
 
 WIDTH, INNER = 64, 256
 
@@ -19,29 +20,7 @@ WIDTH, INNER = 64, 256
 def _feed_forward(blocks: int = 2) -> onnx.ModelProto:
     """x [n, 64] -> `blocks` feed-forward blocks (up MatMul "upB", erf GELU, down MatMul "downB"), each
     added to its input -> y. Weights drawn like a trained layer's (normal, 1/sqrt(K))."""
-    rng = np.random.default_rng(7)
-    nodes, weights, value = [], [], "x"
-    for block in range(blocks):
-        up, down = f"up{block}", f"down{block}"
-        weights += [numpy_helper.from_array((rng.standard_normal((WIDTH, INNER)) / WIDTH ** 0.5).astype(np.float32),
-                                            f"w_{up}"),
-                    numpy_helper.from_array((rng.standard_normal((INNER, WIDTH)) / INNER ** 0.5).astype(np.float32),
-                                            f"w_{down}")]
-        nodes += [helper.make_node("MatMul", [value, f"w_{up}"], [up], name=up),
-                  helper.make_node("Div", [up, "sqrt2"], [f"{up}_scaled"]),
-                  helper.make_node("Erf", [f"{up}_scaled"], [f"{up}_erf"]),
-                  helper.make_node("Add", [f"{up}_erf", "one"], [f"{up}_erf1"]),
-                  helper.make_node("Mul", [up, f"{up}_erf1"], [f"{up}_x"]),
-                  helper.make_node("Mul", [f"{up}_x", "half"], [f"{up}_gelu"]),
-                  helper.make_node("MatMul", [f"{up}_gelu", f"w_{down}"], [down], name=down),
-                  helper.make_node("Add", [value, down], [f"sum{block}"])]
-        value = f"sum{block}"
-    constants = [numpy_helper.from_array(np.array(v, np.float32), name)
-                 for name, v in (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
-    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", WIDTH])],
-                              [helper.make_tensor_value_info(value, TensorProto.FLOAT, ["n", WIDTH])],
-                              weights + constants)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return feed_forward_graph(WIDTH, INNER, blocks, seed=7, scaled=True, residual=True)
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
