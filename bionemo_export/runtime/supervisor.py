@@ -251,6 +251,17 @@ class Supervisor:
         seen = self.observe()
         if not self.server_pid:
             return seen
+        if self._reload_dead(seen):
+            seen = self.observe()
+        self._check_memory(seen)
+        self._check_leaks(seen)
+        return seen
+
+    def _reload_dead(self, seen: Observation) -> bool:
+        """Reload, each alone, the models `seen` shows an instance of without its stub process, and
+        say whether their public models answer again. Whether any was reloaded."""
+        if not self.server_pid:
+            return False
         dead: dict[str, set[str]] = {}
         watched = {m for public in self.models() for m in self._group(public)}
         for model in {stub.model for stub in seen.stubs if not stub.zombie} | set(self._instances) | watched:
@@ -259,16 +270,13 @@ class Supervisor:
             if gone:
                 dead[model] = gone
             self._instances.setdefault(model, set()).update(live)
+        for model, gone in sorted(dead.items()):
+            self.log(f"health: {model}: instance {', '.join(sorted(gone))} died (its stub process is gone); "
+                     f"reloading {model} alone")
         if dead:
-            for model, gone in sorted(dead.items()):
-                self.log(f"health: {model}: instance {', '.join(sorted(gone))} died (its stub process is gone); "
-                         f"reloading {model} alone")
             self.reload(sorted(dead))
-            seen = self.observe()
-            self._confirm(sorted(dead), seen)
-        self._check_memory(seen)
-        self._check_leaks(seen)
-        return seen
+            self._confirm(sorted(dead), self.observe())
+        return bool(dead)
 
     def check(self) -> list[ProbeResult]:
         """One full round: `watch`, then judge every public model (see the class). Returns the
@@ -293,7 +301,13 @@ class Supervisor:
                     self._reload_and_confirm(public, self._reloadable(group))
                 continue
             self._last_progress[public] = now
-            result, blamed = self._judge_idle(public, group)
+            # Look at the stubs again just before the probe: a request that meets a dead stub makes
+            # Triton 2.51 keep that instance for good (a restart's worth of memory), and a stub killed
+            # since the round's watch would meet this probe (found under CI's load).
+            just_before = self.observe()
+            if self._reload_dead(just_before):
+                continue
+            result, blamed = self._judge_idle(public, group, just_before)
             results.append(result)
             if blamed and self._due(public, now):
                 self.log(f"health: {public} does not answer ({result.error}); reloading {', '.join(blamed)}")
@@ -303,11 +317,12 @@ class Supervisor:
                 self._retry_at.pop(public, None)
         return results
 
-    def _judge_idle(self, public: str, group: list[str]) -> tuple[ProbeResult, list[str]]:
-        """Probe an idle public model; the models to reload ([] when it answered, was turned away
-        by admission control, or other work progressed meanwhile: busy, not dead)."""
-        for _attempt in (1, 2):
-            before = self.observe()
+    def _judge_idle(self, public: str, group: list[str], seen: Observation) -> tuple[ProbeResult, list[str]]:
+        """Probe an idle public model (`seen`: the look just before); the models to reload ([] when it
+        answered, was turned away by admission control, or other work progressed meanwhile: busy, not
+        dead)."""
+        for attempt in (1, 2):
+            before = seen if attempt == 1 else self.observe()
             result = probe_model(self.probe_client, public)
             if result.ok or result.turned_away:
                 return result, []

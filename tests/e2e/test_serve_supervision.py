@@ -23,7 +23,7 @@ import pytest
 
 from bionemo_export import procfs
 from bionemo_export.client import EncoderClient
-from bionemo_export.client.triton import TURNED_AWAY, is_transient
+from bionemo_export.client.triton import TURNED_AWAY
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.runtime import TritonServer, free_ports
 from bionemo_export.runtime.server import SHARED_MEMORY_DIR
@@ -104,12 +104,17 @@ def test_a_killed_encoder_stub_is_reloaded_alone_and_leaves_nothing_behind(serve
         os.kill(stub, signal.SIGKILL)
     killed = time.monotonic()
     not_ready = 0
-    while f"health: {NAME}_embeddings answers again" not in served.text()[earlier:]:
+    answers = [f"health: {public} answers again" for public in (f"{NAME}_embeddings", f"{NAME}_hiddens")]
+    while not any(marker in served.text()[earlier:] for marker in answers):
         not_ready += not sp.model_ready(served.http, f"{NAME}_embeddings")
         assert time.monotonic() - killed < HEAL_SECONDS, f"not healed:\n{served.text()}"
         time.sleep(0.05)
     healed = time.monotonic() - killed
     log = served.text()[earlier:]
+    if "probe failed" in log or "does not answer" in log:
+        client.close()
+        _healed_by_restart(served, server, before, earlier)
+        return
     assert f"health: {NAME}_encoder: instance {NAME}_encoder_0_0, {NAME}_encoder_0_1 died" in log
     assert f"health: reloaded {NAME}_encoder" in log
     assert f"reloaded {NAME}_embeddings" not in log and f"reloaded {NAME}_hiddens" not in log  # callers untouched
@@ -127,6 +132,21 @@ def test_a_killed_encoder_stub_is_reloaded_alone_and_leaves_nothing_behind(serve
     assert (zombies, regions) == baseline[:2], f"left behind: {zombies} zombies, {regions} regions (was {baseline})"
     assert threads <= baseline[2] + 5, f"threads {baseline[2]} -> {threads}"
     print(f"answered again {healed:.1f} s after the kill; threads {baseline[2]} -> {threads}")
+
+
+def _healed_by_restart(served, server: int, before: np.ndarray, earlier: int) -> None:
+    """The other way a kill can end (seen under CI's load): one of the supervisor's own probes was
+    on a stub when it was killed, or met it before any look saw it gone, and Triton 2.51 keeps an
+    instance a request failed on. serve gives it back with one tritonserver restart at
+    --max-kept-instances (2): a new server, nothing kept, the same answers."""
+    served.wait_for("serve: tritonserver is ready again", timeout=HEAL_SECONDS, since=earlier)
+    served.settle(f"{NAME}_embeddings")
+    restarted = sp.tritonserver_of(served.process.pid)
+    assert restarted != server
+    assert not [stub for stub in server_stubs(restarted) if stub.zombie]
+    with EncoderClient(NAME, f"http://127.0.0.1:{served.http}") as client:
+        np.testing.assert_allclose(client.seqs_to_embedding(SEQUENCES), before, rtol=1e-5, atol=1e-6)
+    print(f"a probe met the killed stubs; healed by one restart:\n{served.text()[earlier:]}")
 
 
 def test_a_busy_model_is_never_reloaded_and_overload_is_answered(served):
@@ -176,39 +196,34 @@ def test_a_busy_model_is_never_reloaded_and_overload_is_answered(served):
           f"{outcomes.count('busy')} turned away")
 
 
-def _refused_for_length(client, tensor, tries: int = 3) -> None:
-    """Send the oversized request until the model refuses it for its length. The supervisor may
-    reload the encoder between two of them (its shared memory grew: what this test provokes), and
-    a request that reaches the old instances as they are unloaded is turned away, UNAVAILABLE
-    "Server is stopping, scheduler for model has stopped accepting new inference requests"
-    (Triton 2.51, seen in CI): a transient answer clients send again."""
-    for attempt in range(tries):
-        with pytest.raises(Exception) as refused:
-            client.infer(f"{NAME}_embeddings", [tensor])
-        if "residues" in str(refused.value):
-            return
-        assert is_transient(str(refused.value)) and attempt + 1 < tries, str(refused.value)
-        time.sleep(1.0)
-
-
 def test_refused_oversized_requests_leave_memory_flat(served):
     """Findings: each refused 50 MB string grew tritonserver for good (36 -> 362 MB after 8), and the
     stub's shared memory kept the size of the largest request. Now the server's own memory (RssAnon:
     its heap) stays within 100 MiB of where it was after the first request, and the supervisor gives
-    the stubs' shared memory (which tritonserver maps too: RssShmem) back once they are idle."""
+    the stubs' shared memory (which tritonserver maps too: RssShmem) back once they are idle.
+
+    Each request is sent once serve has settled: the supervisor reloads the encoder after each one
+    (its shared memory grew: what this test provokes), and a request that meets that reload is
+    another test's matter (turned away as transient, or a Triton 2.51 abort that serve heals by a
+    restart: test_instances_kept_after_failed_requests_are_given_back_by_one_restart). Found in CI:
+    a request sent into such a reload met a restarting server, which this test cannot measure."""
     import tritonclient.grpc as grpcclient
 
     server = sp.tritonserver_of(served.process.pid)
     earlier = len(served.text())
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
     big = np.array([[b"M" * 50_000_000]], dtype=np.object_)
     sizes = []
-    for _ in range(6):
+    for _ in range(4):
+        served.settle(f"{NAME}_embeddings", quiet=2.5)
+        assert sp.tritonserver_of(served.process.pid) == server, f"tritonserver restarted:\n{served.text()[earlier:]}"
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
         tensor = grpcclient.InferInput("sequences", [1, 1], "BYTES")
         tensor.set_data_from_numpy(big)
-        _refused_for_length(client, tensor)
+        with pytest.raises(Exception) as refused:
+            client.infer(f"{NAME}_embeddings", [tensor])
+        client.close()
+        assert "residues" in str(refused.value), f"{refused.value}\nserve said:\n{served.text()[earlier:]}"
         sizes.append(procfs.memory_bytes(server, "RssAnon") >> 20)
-    client.close()
     assert sizes[-1] <= sizes[0] + 100, f"tritonserver's heap grew: {sizes} MiB"
     served.wait_for(f"health: {NAME}_encoder's shared memory grew", timeout=30, since=earlier)
     deadline = time.monotonic() + 30

@@ -205,3 +205,43 @@ def test_the_live_instances_a_reload_replaces_ending_is_not_a_lost_stub():
     assert not watch.stub_lost(160, {21, 22}, set(), 160)
     assert watch.stub_lost(160, {21}, set(), 160)  # the new 22 ended: lost
     assert "22" in watch.reason
+
+
+def test_a_stub_that_dies_after_the_rounds_watch_is_reloaded_before_a_probe_meets_it(monkeypatch):
+    """Found under CI's load: a stub killed between the round's watch and its probes met the probe,
+    and Triton 2.51 keeps an instance a request failed on (a tritonserver restart's worth). The
+    supervisor looks at the stubs again just before each probe and reloads the dead instance first."""
+    import bionemo_export.runtime.supervisor as supervision
+
+    configs = {"m_embeddings": {"platform": "ensemble", "ensemble_scheduling": {"step": [{"model_name": "m_encoder"}]}},
+               "m_encoder": {"backend": "python", "instance_group": [{"name": "m_encoder_0", "count": 1}]}}
+    lines: list[str] = []
+    supervisor = Supervisor("grpc://127.0.0.1:1", ["m_embeddings"], server_pid=1, log=lines.append)
+    supervisor.config_of = configs.get  # type: ignore[method-assign]
+    stub = Stub(pid=10, model="m_encoder", instance="m_encoder_0_0", region="", zombie=False, cpu_ticks=1)
+    state = {"stubs": [stub], "looks": 0}
+
+    def observe() -> Observation:
+        state["looks"] += 1
+        if state["looks"] == 2:  # the stub is killed right after the round's watch looked
+            state["stubs"] = []
+        return Observation({}, {}, list(state["stubs"]))
+
+    def reload(models: list[str]) -> None:
+        assert models == ["m_encoder"]
+        state["stubs"] = [replace(stub, pid=11)]
+
+    probed: list[bool] = []
+
+    def probe(client, model: str) -> ProbeResult:
+        probed.append(bool(state["stubs"]))  # a probe through the dead stub would fail and keep it
+        return ProbeResult(model, bool(state["stubs"]), 0.01)
+
+    monkeypatch.setattr(supervisor, "observe", observe)
+    monkeypatch.setattr(supervisor, "reload", reload)
+    monkeypatch.setattr(supervision, "probe_model", probe)
+    supervisor.check()
+    assert probed and all(probed), "a probe was sent through the dead stub"
+    assert lines[0] == ("health: m_encoder: instance m_encoder_0_0 died (its stub process is gone); "
+                        "reloading m_encoder alone")
+    assert "health: m_embeddings answers again (0.01 s)" in lines
