@@ -202,11 +202,11 @@ def test_refused_oversized_requests_leave_memory_flat(served):
     its heap) stays within 100 MiB of where it was after the first request, and the supervisor gives
     the stubs' shared memory (which tritonserver maps too: RssShmem) back once they are idle.
 
-    Each request is sent once serve has settled: the supervisor reloads the encoder after each one
-    (its shared memory grew: what this test provokes), and a request that meets that reload is
-    another test's matter (turned away as transient, or a Triton 2.51 abort that serve heals by a
-    restart: test_instances_kept_after_failed_requests_are_given_back_by_one_restart). Found in CI:
-    a request sent into such a reload met a restarting server, which this test cannot measure."""
+    Each request grows the encoder's shared memory past the limit, and the supervisor reloads it once
+    it is idle: the next request is sent once that reload is over and serve has settled. A request
+    that meets such a reload is another test's matter (turned away as transient, or a Triton 2.51
+    abort that serve heals by a restart: test_instances_kept_after_failed_requests_are_given_back_by_one_restart).
+    Found in CI: a request sent into the reload met a restarting server, which this test cannot measure."""
     import tritonclient.grpc as grpcclient
 
     server = sp.tritonserver_of(served.process.pid)
@@ -224,6 +224,10 @@ def test_refused_oversized_requests_leave_memory_flat(served):
         client.close()
         assert "residues" in str(refused.value), f"{refused.value}\nserve said:\n{served.text()[earlier:]}"
         sizes.append(procfs.memory_bytes(server, "RssAnon") >> 20)
+        deadline = time.monotonic() + HEAL_SECONDS
+        while served.text()[earlier:].count(f"health: reloaded {NAME}_encoder") < len(sizes):
+            assert time.monotonic() < deadline, f"the grown encoder was not reloaded:\n{served.text()[earlier:]}"
+            time.sleep(0.2)
     assert sizes[-1] <= sizes[0] + 100, f"tritonserver's heap grew: {sizes} MiB"
     served.wait_for(f"health: {NAME}_encoder's shared memory grew", timeout=30, since=earlier)
     deadline = time.monotonic() + 30
