@@ -104,7 +104,7 @@ def child_build(checkpoint: Path, family: str, out: Path, extra: dict[str, Any],
         from bionemo_export.exporters import onnx_export
         from bionemo_export.exporters.optimize import candidates
 
-        onnx_export.EXTERNAL_DATA_THRESHOLD_BYTES = candidates.EXTERNAL_DATA_THRESHOLD_BYTES = threshold
+        onnx_export.EXTERNAL_DATA_THRESHOLD_BYTES = candidates.INLINE_LIMIT_BYTES = threshold
 
     sampler = Sampler()
     baseline = _status()

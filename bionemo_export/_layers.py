@@ -43,9 +43,9 @@ class Layer:
 
 LAYERS: tuple[Layer, ...] = (
     Layer("foundation", (ROOT, "_layers", "errors", "choices", "tensors", "tasks", "numerics", "procfs",
-                         "digests", "templates"),
+                         "digests", "templates", "memory_plan"),
           "the exception base, the choices, the tensor spec, the task table, numerics, /proc, file digests, "
-          "template rendering: the standard library, numpy and jinja2 only", independent=False),
+          "template rendering, memory estimates: the standard library, numpy and jinja2 only", independent=False),
     Layer("tokenizers", ("tokenizers",), "the families' tokenizers (also copied into served repositories)"),
     Layer("models", ("models",), "checkpoint readers and PyTorch models of each family (torch)"),
     Layer("generation", ("generation",), "decoding and search; the PyTorch reference decoder"),

@@ -35,6 +35,7 @@ from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from bionemo_export.exporters.shared_weights import WEIGHTS_FILE
 from bionemo_export.generation.reference import decoder_check_batches
+from bionemo_export.memory_plan import WEIGHTS_ON_DISK, BuildMemory, build_memory
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
 from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
@@ -523,63 +524,10 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
 """How each graph a task entry names is exported, in the order a build exports them."""
 
 
-IN_MEMORY = "held in memory"
-WEIGHTS_ON_DISK = "weights left on disk"
-BUILD_MEMORY_FACTORS: dict[str, float] = {IN_MEMORY: 9.5, WEIGHTS_ON_DISK: 1.3}
-"""A build's peak resident memory beyond BUILD_BASELINE_BYTES, in multiples of the model's fp32
-weights, per path (`estimate_build_memory`). Held in memory (graphs up to the exporter's
-EXTERNAL_DATA_THRESHOLD_BYTES, 256 MB): the graph is serialized, parsed, fused and checked whole at
-each step (measured when 150M took this path: 5.9 GB for 0.59 GB of weights, 9.3x beyond the
-libraries; under 256 MB that is at most 3.2 GB). Weights left on disk (larger graphs): the
-checkpoint is memory-mapped, the export and the optimizer write and copy the weights file chunk by
-chunk, ONNX Runtime computes from the mapped file, and PyTorch's answers are computed before each
-session opens, its pages handed back to the kernel meanwhile (models/readers/mapped.py), so the
-model's weights and a session's are resident one at a time (benchmarks/results/model_sizes.json)."""
-QUANTIZE_MEMORY_FACTOR = 1.5
-"""A quantized build (int8, int8w, int4) of a graph with its weights on disk: the quantizers read
-every fp32 weight in and write the quantized copy (exporters/optimize/candidates.py)."""
-BUILD_BASELINE_BYTES = 800 << 20
-"""What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
-
-
-@dataclass(frozen=True)
-class BuildMemory:
-    """What a build of one checkpoint is expected to hold at its peak, and why."""
-
-    path: str
-    """IN_MEMORY or WEIGHTS_ON_DISK: how the build handles the weights (`estimate_build_memory`)."""
-    weights: int
-    """The checkpoint's weights in fp32 bytes (fp32_weight_bytes)."""
-    factor: float
-    needed: int
-    """BUILD_BASELINE_BYTES + factor x weights."""
-    why: str
-
-    def text(self) -> str:
-        return (f"about {self.needed / 2**30:.1f} GiB ({self.factor} x its {self.weights / 2**30:.1f} GiB of fp32 "
-                f"weights + {BUILD_BASELINE_BYTES / 2**30:.1f} GiB, {self.path}: {self.why})")
-
-
 def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32) -> BuildMemory:
-    """The memory a build of `checkpoint` in `precision` needs, by the path it will take: graphs
-    whose weights exceed the exporter's external-data threshold keep their weights on disk
-    (BUILD_MEMORY_FACTORS says what each path holds), and quantizing those reads them in."""
-    from bionemo_export.exporters.onnx_export import EXTERNAL_DATA_THRESHOLD_BYTES
-
-    weights = fp32_weight_bytes(Path(checkpoint))
-    if weights <= EXTERNAL_DATA_THRESHOLD_BYTES:
-        path, why = IN_MEMORY, (f"up to {EXTERNAL_DATA_THRESHOLD_BYTES >> 20} MB of weights the graph is exported, "
-                                "fused and checked whole, beside the PyTorch model")
-        factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
-    elif precision != Precision.FP32:
-        path, why = WEIGHTS_ON_DISK, (f"the checkpoint is mapped, but {precision} quantization reads every fp32 "
-                                      "weight in and writes the quantized copy")
-        factor = QUANTIZE_MEMORY_FACTOR
-    else:
-        path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data, the "
-                                      "PyTorch model and an ONNX Runtime session resident one at a time")
-        factor = BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK]
-    return BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
+    """The memory a build of `checkpoint` in `precision` needs (memory_plan.build_memory), read
+    from the checkpoint's headers before anything is loaded."""
+    return build_memory(fp32_weight_bytes(Path(checkpoint)), precision)
 
 
 def check_build_memory(checkpoint: Path, available: int | None, precision: str = Precision.FP32

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bionemo_export.build import estimate_build_memory, servable_tasks, unserved_tasks
+from bionemo_export.memory_plan import serve_memory
 from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, get_family, infer_family
 from bionemo_export.models.readers import READERS, Checkpoint, CheckpointError, read_checkpoint
 from bionemo_export.models.readers.base import KeyMismatchError
@@ -49,7 +50,8 @@ class CheckpointReport:
     command: str | None = None
     memory: dict[str, Any] = field(default_factory=dict)
     """What a build needs at its peak, per precision ("fp32", and "quantized" where that differs),
-    and the memory available here (`build_memory`)."""
+    what serving the built repository needs (fp32 and int4, one encoder instance), and the memory
+    available here (`memory_report`)."""
 
     @property
     def ok(self) -> bool:
@@ -98,6 +100,10 @@ class CheckpointReport:
             lines.append(f"memory      {precision}: about {estimate['needed_bytes'] / 2**30:.1f} GiB "
                          f"({estimate['factor']} x {estimate['weights_bytes'] / 2**30:.1f} GiB of fp32 weights, "
                          f"{estimate['path']}){here}")
+        for precision, estimate in self.memory.get("serves", {}).items():
+            fits = "fits" if estimate["fits"] else "does NOT fit"
+            here = "" if available is None else f"; {fits} here"
+            lines.append(f"serving     {precision}: {estimate['text']}{here}")
         for problem in self.problems:
             lines.append(f"problem     {problem}")
         if self.command:
@@ -105,9 +111,10 @@ class CheckpointReport:
         return "\n".join(lines)
 
 
-def build_memory(path: Path) -> dict[str, Any]:
+def memory_report(path: Path) -> dict[str, Any]:
     """The memory a build of `path` needs (build.estimate_build_memory) in fp32 and, where it
-    differs, quantized (int8, int8w, int4), each with whether it fits the memory available here."""
+    differs, quantized (int8, int8w, int4), and what serving it needs built in fp32 and in int4
+    (memory_plan.serve_memory), each with whether it fits the memory available here."""
     from bionemo_export.procfs import available_memory_bytes
 
     available = available_memory_bytes()
@@ -120,7 +127,12 @@ def build_memory(path: Path) -> dict[str, Any]:
         if builds and entry == builds["fp32"]:
             continue
         builds[label] = entry
-    return {"available_bytes": available, "builds": builds}
+    serves: dict[str, Any] = {}
+    for precision in ("fp32", "int4"):
+        served = serve_memory(builds["fp32"]["weights_bytes"], precision)
+        serves[precision] = {"needed_bytes": served.needed, "weights_bytes": served.weights, "text": served.text(),
+                             "fits": available is None or served.needed <= available}
+    return {"available_bytes": available, "builds": builds, "serves": serves}
 
 
 def _listed(title: str, entries: dict[str, str]) -> list[str]:
@@ -221,7 +233,7 @@ def _inspect(path: Path, family: str | None, max_length: int | None) -> tuple[Ch
     report = CheckpointReport(checkpoint=str(path), form=checkpoint.form,
                               form_description=READERS[checkpoint.form].description,
                               model_class=checkpoint.model_class, family=None, parallel=dict(checkpoint.parallel),
-                              memory=build_memory(path))
+                              memory=memory_report(path))
     try:
         name = family or _family_of(checkpoint)
     except CheckpointError as err:

@@ -39,16 +39,10 @@ from bionemo_export.exporters.signature import (
     dynamic_axes,
     sample_arguments,
 )
+from bionemo_export.memory_plan import EXTERNAL_DATA_THRESHOLD_BYTES
 from bionemo_export.models.readers.mapped import page_out, return_freed_memory
 from bionemo_export.tensors import TensorSpec
 
-EXTERNAL_DATA_THRESHOLD_BYTES = 256 << 20
-"""Weights above this are saved as external data (one `<name>.onnx.data` beside the graph). A
-protobuf file cannot exceed 2 GiB, but the reason to start far below that is memory: such a graph
-is written tensor by tensor, checked and optimized with its weights left on disk (ONNX Runtime maps
-the file; exporters/external_data.py), where an inline graph is serialized, parsed and copied
-whole at each step (ESM-2 150M, 0.59 GB of weights: 5.9 GB peak held in memory). Small models
-(AntiBERTy, ESM-2 35M) stay one file."""
 PROTOBUF_LIMIT_BYTES = 2**31
 DEFAULT_OPSET = 18
 """The lowest opset the dynamo exporter implements natively (ONNX Runtime runs it since 1.14); a

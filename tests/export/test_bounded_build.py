@@ -24,7 +24,7 @@ SIZES = {"hidden_size": 512, "num_layers": 2, "num_heads": 8, "intermediate_size
 
 def test_a_build_with_its_weights_on_disk_fuses_checks_and_matches_transformers(tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1 << 20)
-    monkeypatch.setattr(candidates, "EXTERNAL_DATA_THRESHOLD_BYTES", 1 << 20)
+    monkeypatch.setattr(candidates, "INLINE_LIMIT_BYTES", 1 << 20)
     checkpoint = write_random_checkpoint("esm2", tmp_path / "checkpoint", SIZES)
     out = tmp_path / "repo"
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=out, backend="python",

@@ -211,7 +211,7 @@ def test_a_build_with_external_data_stores_the_optimized_graph_and_one_weights_f
     from bionemo_export.exporters import onnx_export
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
-    monkeypatch.setattr(candidates, "EXTERNAL_DATA_THRESHOLD_BYTES", 1000)
+    monkeypatch.setattr(candidates, "INLINE_LIMIT_BYTES", 1000)
     checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", tasks=("embeddings",)))

@@ -10,15 +10,13 @@ import struct
 
 import pytest
 
-from bionemo_export.build import (
+from bionemo_export.build import BuildError, check_build_memory, estimate_build_memory
+from bionemo_export.memory_plan import (
     BUILD_BASELINE_BYTES,
     BUILD_MEMORY_FACTORS,
     IN_MEMORY,
     QUANTIZE_MEMORY_FACTOR,
     WEIGHTS_ON_DISK,
-    BuildError,
-    check_build_memory,
-    estimate_build_memory,
 )
 from bionemo_export.models.readers.base import fp32_weight_bytes
 

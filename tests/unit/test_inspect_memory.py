@@ -1,5 +1,6 @@
-"""`inspect CHECKPOINT` says what a build of it needs in memory here (checkpoint_report.build_memory,
-build.estimate_build_memory): the path the build takes and whether it fits this host."""
+"""`inspect CHECKPOINT` says what a build of it needs in memory here (checkpoint_report.memory_report,
+build.estimate_build_memory): the path the build takes and whether it fits this host; and what
+serving it needs, in fp32 and int4 (memory_plan.serve_memory)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import struct
 
 from typer.testing import CliRunner
 
-from bionemo_export.build import BUILD_MEMORY_FACTORS, IN_MEMORY, QUANTIZE_MEMORY_FACTOR, WEIGHTS_ON_DISK
-from bionemo_export.checkpoint_report import build_memory
+from bionemo_export.checkpoint_report import memory_report
 from bionemo_export.cli.main import app
+from bionemo_export.memory_plan import (
+    BUILD_MEMORY_FACTORS,
+    IN_MEMORY,
+    QUANTIZE_MEMORY_FACTOR,
+    SERVE_BASELINE_BYTES,
+    STORED_WEIGHT_SHARE,
+    WEIGHTS_ON_DISK,
+)
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 
@@ -21,6 +29,7 @@ def test_inspect_reports_the_memory_a_build_needs_here(tmp_path):
     factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
     line = f"memory      fp32: about 0.8 GiB ({factor} x 0.0 GiB of fp32 weights, {IN_MEMORY}); fits the"
     assert line in result.output
+    assert "serving     fp32: about 1.0 GiB (its 0.00 GiB of fp32 weights + 1.0 GiB); fits here" in result.output
     memory = json.loads(CliRunner().invoke(app, ["inspect", str(folder), "--json"]).output)["memory"]
     assert list(memory["builds"]) == ["fp32"]  # a quantized build takes the same path: not repeated
     assert memory["builds"]["fp32"]["fits"] and memory["available_bytes"] > memory["builds"]["fp32"]["needed_bytes"]
@@ -33,6 +42,21 @@ def test_a_large_checkpoint_has_a_quantized_estimate_of_its_own(tmp_path):
     folder = tmp_path / "esm2_3b"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    builds = build_memory(folder)["builds"]
+    builds = memory_report(folder)["builds"]
     assert builds["fp32"]["path"] == builds["quantized"]["path"] == WEIGHTS_ON_DISK
     assert builds["quantized"]["factor"] == QUANTIZE_MEMORY_FACTOR > builds["fp32"]["factor"]
+
+
+def test_inspect_reports_what_serving_it_needs_in_fp32_and_int4(tmp_path):
+    """A 3B-sized checkpoint (the header alone): served in fp32 it holds its 11.4 GB of weights, in
+    int4 about a fifth of them, each beside the server's own GiB."""
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2_839_005_634], "data_offsets": [0, 11_356_022_536]},
+                         "__metadata__": {"format": "pt"}}).encode()
+    folder = tmp_path / "esm2_3b"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    serves = memory_report(folder)["serves"]
+    assert serves["fp32"]["weights_bytes"] == 11_356_022_536
+    assert serves["int4"]["weights_bytes"] == int(11_356_022_536 * STORED_WEIGHT_SHARE["int4"])
+    assert serves["fp32"]["needed_bytes"] == SERVE_BASELINE_BYTES + 11_356_022_536
+    assert serves["int4"]["text"] == "about 3.0 GiB (its 2.01 GiB of int4 weights + 1.0 GiB)"

@@ -32,13 +32,13 @@ writes them over 256 MB of weights) keep their weights on disk while an fp32 gra
 file to file chunk by chunk, and ONNX Runtime's offline optimization computes from the mapped file
 without prepacking a copy; the optimized graph is stored with external data too. Reduced
 precisions read every weight in (their quantizers rewrite them) and store their graph with
-external data over EXTERNAL_DATA_THRESHOLD_BYTES (1.8 GB, near protobuf's limit); step 2 is
+external data over INLINE_LIMIT_BYTES (1.8 GB, near protobuf's limit); step 2 is
 skipped for a graph over it whose weights are in memory.
 
 A graph whose optimization would not fit in the free memory is not optimized (the step raises, the
 build keeps the plain export and says why): one held in memory needs its weights times
 MEMORY_FACTOR; one whose weights stay on disk needs MAPPED_MEMORY_FACTOR of them for fp32, and
-QUANTIZE_MEMORY_FACTOR to be quantized.
+QUANTIZE_MEMORY_FACTOR (memory_plan.py, which the build's estimate uses too) to be quantized.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from bionemo_export.exporters.external_data import (
     tensors,
     unloaded,
 )
+from bionemo_export.memory_plan import QUANTIZE_MEMORY_FACTOR
 from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.models.readers.mapped import return_freed_memory
 from bionemo_export.procfs import available_memory_bytes
@@ -91,8 +92,10 @@ from .weight_only import (
 )
 
 DEFAULT_LEVEL = OptimizationLevel.EXTENDED
-EXTERNAL_DATA_THRESHOLD_BYTES = 1_800_000_000
-"""Same rule as the exporter: weights above this are written as external data."""
+INLINE_LIMIT_BYTES = 1_800_000_000
+"""A graph this step rewrites in memory (a quantized one) is written with external data above this
+many bytes of weights: near protobuf's 2 GiB limit, where the exporter's threshold (memory_plan.py,
+256 MB) is about build memory, which these steps spend anyway."""
 DISABLED_RUNTIME_FUSIONS = ("SkipLayerNormFusion",)
 """ONNX Runtime optimizers left out of the offline optimization of fp32 graphs (see step 2 above).
 Quantized graphs (int8, int8w, int4) keep SkipLayerNormalization: its kernel's residual sum and
@@ -160,7 +163,7 @@ class FusedGraph:
     skipped: tuple[str, ...]
     nodes_before: int
     external: bool
-    """Written with external data (weights over EXTERNAL_DATA_THRESHOLD_BYTES): such a graph is not
+    """Written with external data (weights over INLINE_LIMIT_BYTES): such a graph is not
     worth keeping in memory between candidates."""
     _rankings: dict[tuple[str, str | None], tuple[list[str], str]] = field(default_factory=dict, repr=False)
     _rest_quantized: dict[tuple[str, tuple[str, ...]], onnx.ModelProto] = field(default_factory=dict, repr=False)
@@ -200,7 +203,7 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
     except Exception as err:
         raise OptimizationError(f"cannot load {src}: {err}") from err
     nodes_before = len(model.graph.node)
-    external = _weight_bytes(model) > EXTERNAL_DATA_THRESHOLD_BYTES if external_data is None else external_data
+    external = _weight_bytes(model) > INLINE_LIMIT_BYTES if external_data is None else external_data
     if fuse and num_heads:
         fused = _step("attention fusion", lambda: fuse_attention(model, num_heads))
         if fused:
@@ -368,12 +371,10 @@ MEMORY_FACTOR = 2.5
 """Free memory optimizing a graph held in memory needs, in multiples of its weights: the graph,
 ONNX Runtime's copy while it optimizes, and the quantizer's or converter's working copies."""
 MAPPED_MEMORY_FACTOR = 0.25
-"""The same for a graph whose weights stay on disk (over EXTERNAL_DATA_THRESHOLD_BYTES, fp32): the
+"""The same for a graph whose weights stay on disk (exported with external data, over
+memory_plan.EXTERNAL_DATA_THRESHOLD_BYTES; fp32): the
 nodes, the constants fusion adds, ONNX Runtime's working tensors; the weights themselves are pages
 of the file, which the kernel reclaims as it needs."""
-QUANTIZE_MEMORY_FACTOR = 1.5
-"""The same for quantizing a graph whose weights stay on disk: every fp32 weight read in, and the
-quantized copy."""
 
 
 def _check_memory(src: Path, factor: float | None = None, what: str = "optimizing") -> None:

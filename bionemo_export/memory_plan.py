@@ -1,0 +1,167 @@
+"""What building and serving a model needs in memory, from its fp32 weight bytes alone.
+
+One set of figures for three readers: `build` checks its estimate before it loads anything,
+`inspect CHECKPOINT` reports both for the checkpoint at hand, and `doctor` tabulates them for the
+released models against the memory of the host it runs on. Standard library only: `doctor` runs
+on hosts that only serve (no torch).
+
+The factors are measurements (benchmarks/results/model_sizes.json for builds,
+benchmarks/results/weight_only.json and shared_weights.json for served weights), not bounds: a
+prediction says "about".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXTERNAL_DATA_THRESHOLD_BYTES = 256 << 20
+"""Weights above this are saved as external data (one `<name>.onnx.data` beside the graph) and the
+build keeps them on disk. A protobuf file cannot exceed 2 GiB, but the reason to start far below
+that is memory: such a graph is written tensor by tensor, checked and optimized with its weights
+left on disk (ONNX Runtime maps the file; exporters/external_data.py), where an inline graph is
+serialized, parsed and copied whole at each step (ESM-2 150M, 0.59 GB of weights: 5.9 GB peak held
+in memory). Small models (AntiBERTy, ESM-2 35M) stay one file."""
+
+IN_MEMORY = "held in memory"
+WEIGHTS_ON_DISK = "weights left on disk"
+BUILD_MEMORY_FACTORS: dict[str, float] = {IN_MEMORY: 9.5, WEIGHTS_ON_DISK: 1.3}
+"""A build's peak resident memory beyond BUILD_BASELINE_BYTES, in multiples of the model's fp32
+weights, per path (`build_memory`). Held in memory (graphs up to EXTERNAL_DATA_THRESHOLD_BYTES):
+the graph is serialized, parsed, fused and checked whole at each step (measured when 150M took this
+path: 5.9 GB for 0.59 GB of weights, 9.3x beyond the libraries; under 256 MB that is at most
+3.2 GB). Weights left on disk (larger graphs): the checkpoint is memory-mapped, the export and the
+optimizer write and copy the weights file chunk by chunk, ONNX Runtime computes from the mapped
+file, and PyTorch's answers are computed before each session opens, its pages handed back to the
+kernel meanwhile (models/readers/mapped.py), so the model's weights and a session's are resident
+one at a time (benchmarks/results/model_sizes.json)."""
+QUANTIZE_MEMORY_FACTOR = 1.5
+"""A quantized build (int8, int8w, int4) of a graph with its weights on disk: the quantizers read
+every fp32 weight in and write the quantized copy (exporters/optimize/candidates.py)."""
+BUILD_BASELINE_BYTES = 800 << 20
+"""What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
+
+STORED_WEIGHT_SHARE: dict[str, float] = {"fp32": 1.0, "fp16": 0.5, "int8": 0.51, "int8w": 0.30, "int4": 0.19}
+"""A built graph's weight bytes per fp32 weight byte, by precision: measured on the real AntiBERTy
+(benchmarks/results/weight_only.json: int8 0.508, int8w 0.299, int4 0.193; its embeddings and
+kept-precision products weigh more there than in a larger model, so larger models come in under
+these)."""
+SERVE_BASELINE_BYTES = 1 << 30
+"""What a served repository holds beyond its weights: tritonserver, each stub's Python with ONNX
+Runtime (about 70 MB), each session's arena, and the activations of one token-budget batch."""
+
+
+@dataclass(frozen=True)
+class BuildMemory:
+    """What a build of one checkpoint is expected to hold at its peak, and why."""
+
+    path: str
+    """IN_MEMORY or WEIGHTS_ON_DISK: how the build handles the weights (`build_memory`)."""
+    weights: int
+    """The checkpoint's weights in fp32 bytes."""
+    factor: float
+    needed: int
+    """BUILD_BASELINE_BYTES + factor x weights."""
+    why: str
+
+    def text(self) -> str:
+        return (f"about {self.needed / 2**30:.1f} GiB ({self.factor} x its {self.weights / 2**30:.1f} GiB of fp32 "
+                f"weights + {BUILD_BASELINE_BYTES / 2**30:.1f} GiB, {self.path}: {self.why})")
+
+
+def build_memory(weights: int, precision: str = "fp32") -> BuildMemory:
+    """The memory a build of a model with `weights` fp32 bytes needs in `precision`, by the path it
+    will take: graphs whose weights exceed EXTERNAL_DATA_THRESHOLD_BYTES keep their weights on disk
+    (BUILD_MEMORY_FACTORS says what each path holds), and quantizing those reads them in."""
+    if weights <= EXTERNAL_DATA_THRESHOLD_BYTES:
+        path, why = IN_MEMORY, (f"up to {EXTERNAL_DATA_THRESHOLD_BYTES >> 20} MB of weights the graph is exported, "
+                                "fused and checked whole, beside the PyTorch model")
+        factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
+    elif precision != "fp32":
+        path, why = WEIGHTS_ON_DISK, (f"the checkpoint is mapped, but {precision} quantization reads every fp32 "
+                                      "weight in and writes the quantized copy")
+        factor = QUANTIZE_MEMORY_FACTOR
+    else:
+        path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data, the "
+                                      "PyTorch model and an ONNX Runtime session resident one at a time")
+        factor = BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK]
+    return BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
+
+
+@dataclass(frozen=True)
+class ServeMemory:
+    """What serving one built repository is expected to hold."""
+
+    precision: str
+    instances: int
+    weights: int
+    """The built graph's weight bytes (fp32 weights x STORED_WEIGHT_SHARE)."""
+    needed: int
+    """SERVE_BASELINE_BYTES + instances x weights."""
+
+    def text(self) -> str:
+        copies = "its" if self.instances == 1 else f"{self.instances} instances x its"
+        return (f"about {self.needed / 2**30:.1f} GiB ({copies} {self.weights / 2**30:.2f} GiB of {self.precision} "
+                f"weights + {SERVE_BASELINE_BYTES / 2**30:.1f} GiB)")
+
+
+def serve_memory(weights: int, precision: str = "fp32", instances: int = 1) -> ServeMemory:
+    """The memory serving a model with `weights` fp32 bytes built in `precision` needs with
+    `instances` encoder instances. Each instance holds the encoder's weights once (ONNX Runtime
+    prepacks them: resident, not shared); the other graphs of a repository map one weights file
+    that every instance shares, pages the kernel may drop (benchmarks/results/shared_weights.md)."""
+    stored = int(weights * STORED_WEIGHT_SHARE[precision])
+    return ServeMemory(precision, instances, stored, SERVE_BASELINE_BYTES + instances * stored)
+
+
+@dataclass(frozen=True)
+class ReleasedModel:
+    """A released model's name and size, for `doctor`'s table of what a host builds and serves."""
+
+    name: str
+    family: str
+    shape: str
+    """Its key in testing/large_checkpoints.SHAPES (which writes random checkpoints of it)."""
+    parameters: int
+    """Every tensor of its masked-LM checkpoint, heads included (checked against transformers'
+    module in tests/unit/test_memory_plan.py)."""
+
+    @property
+    def fp32_bytes(self) -> int:
+        return 4 * self.parameters
+
+
+RELEASED_MODELS: tuple[ReleasedModel, ...] = (
+    ReleasedModel("ESM-2 8M", "esm2", "esm2_t6_8M", 7_512_474),
+    ReleasedModel("ESM-2 35M", "esm2", "esm2_t12_35M", 33_501_394),
+    ReleasedModel("ESM-2 150M", "esm2", "esm2_t30_150M", 148_140_154),
+    ReleasedModel("ESM-2 650M", "esm2", "esm2_t33_650M", 651_043_254),
+    ReleasedModel("ESM-2 3B", "esm2", "esm2_t36_3B", 2_839_005_634),
+    ReleasedModel("ESM-2 15B", "esm2", "esm2_t48_15B", 15_129_100_194),
+    ReleasedModel("ESM C 300M", "esmc", "esmc_300m", 332_997_184),
+    ReleasedModel("ESM C 600M", "esmc", "esmc_600m", 575_036_992),
+    ReleasedModel("ESM C 6B", "esmc", "esmc_6b", 6_352_005_184),
+)
+"""The sizes people serve, smallest first per family."""
+
+
+@dataclass(frozen=True)
+class HostCapacity:
+    """What one released model needs on a host: its builds (fp32, int4) and its serving (fp32,
+    int4; one encoder instance), each against the memory available there."""
+
+    model: ReleasedModel
+    builds: dict[str, BuildMemory]
+    serves: dict[str, ServeMemory]
+    available: int | None
+    """MemAvailable when the table was made; None where unknown (everything is said to fit)."""
+
+    def fits(self, needed: int) -> bool:
+        return self.available is None or needed <= self.available
+
+
+def host_capacity(available: int | None, precisions: tuple[str, ...] = ("fp32", "int4")) -> list[HostCapacity]:
+    """`doctor`'s table: every released model's build and serving estimates in `precisions` against
+    `available` bytes."""
+    return [HostCapacity(model, {p: build_memory(model.fp32_bytes, p) for p in precisions},
+                         {p: serve_memory(model.fp32_bytes, p) for p in precisions}, available)
+            for model in RELEASED_MODELS]
