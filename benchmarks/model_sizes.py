@@ -5,6 +5,8 @@ transformers' own model on the same checkpoint (issue 46, items 1 and 5).
 
     .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t30_150M esm2_t33_650M
     .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t36_3B --work /tmp/sizes --shared
+    .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t30_150M --precision int4 \
+        --out benchmarks/results/model_sizes_int4.json
 
 Each build runs in a child process of its own (`--build`), which samples its own /proc/self/status
 every 50 ms (VmRSS, RssAnon, RssFile) and tags each sample with the build's progress line, so the
@@ -179,7 +181,7 @@ def _run_child(arguments: list[str]) -> dict[str, Any]:
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def measure(family: str, shape: str, work: Path, keep: bool) -> dict[str, Any]:
+def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "fp32") -> dict[str, Any]:
     """Write the checkpoint (unless there), build it in a child, check it in another."""
     from bionemo_export.models.readers.base import fp32_weight_bytes
     from bionemo_export.testing.large_checkpoints import write_random_checkpoint
@@ -190,8 +192,9 @@ def measure(family: str, shape: str, work: Path, keep: bool) -> dict[str, Any]:
         write_random_checkpoint(family, checkpoint, shape)
         print(f"{shape}: wrote {checkpoint} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     weights = fp32_weight_bytes(checkpoint)
-    repository = work / f"{shape}.repository"
-    build = _run_child(["--build", str(checkpoint), "--family", family, "--repository", str(repository)])
+    repository = work / f"{shape}.{precision}.repository"
+    build = _run_child(["--build", str(checkpoint), "--family", family, "--repository", str(repository),
+                        "--precision", precision])
     print(f"{shape}: built in {build['seconds']} s, VmHWM {build['vm_hwm'] / 2**30:.2f} GiB", file=sys.stderr)
     check = _run_child(["--check", str(checkpoint), "--family", family, "--repository", str(repository)])
     manifest = json.loads((repository / "manifest.json").read_text())
@@ -232,6 +235,8 @@ def main() -> None:
     parser.add_argument("--family", default="esm2", choices=("esm2", "esmc"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/bionemo-model-sizes"))
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "int8", "int8w", "int4"),
+                        help="the build's --precision (the check compares its graph with fp32 transformers)")
     parser.add_argument("--shared", action="store_true", help="other work ran on the machine meanwhile")
     parser.add_argument("--keep", action="store_true", help="keep the repositories")
     parser.add_argument("--build", type=Path, help=argparse.SUPPRESS)
@@ -240,7 +245,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
-        print(json.dumps(child_build(args.build, args.family, args.repository, {}, args.threshold)))
+        print(json.dumps(child_build(args.build, args.family, args.repository, {"precision": args.precision},
+                                     args.threshold)))
         return
     if args.check:
         print(json.dumps(child_check(args.check, args.family, args.repository)))
@@ -250,7 +256,7 @@ def main() -> None:
 
     results = []
     for shape in args.shapes:
-        results.append(measure(args.family, shape, args.work, args.keep))
+        results.append(measure(args.family, shape, args.work, args.keep, args.precision))
         report = {
             "command": " ".join([".venv/bin/python", "benchmarks/model_sizes.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -48,3 +48,28 @@ def test_a_build_with_its_weights_on_disk_fuses_checks_and_matches_transformers(
     residues = torch.as_tensor(feeds["residue_mask"]).unsqueeze(-1).float()
     expected = ((hiddens * residues).sum(1) / residues.sum(1)).numpy()
     assert np.abs(got - expected).max() < 1e-4
+
+
+def test_an_int4_build_with_its_weights_on_disk_quantizes_them_one_at_a_time(tmp_path, monkeypatch):
+    """int4 (and int8w) on the same path never read the fp32 weights in together (the int8 path's
+    `load_weights` is not called): each MatMul's weights are read from the mapped file as it is
+    quantized (exporters/optimize/weight_only.py). The stored graph is MatMulNBits over external
+    data and answers near transformers' model."""
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD_BYTES", 1 << 20)
+    monkeypatch.setattr(candidates, "INLINE_LIMIT_BYTES", 1 << 20)
+
+    def whole(*args, **kwargs):
+        raise AssertionError("every fp32 weight was read in at once")
+
+    monkeypatch.setattr(candidates, "load_weights", whole)
+    checkpoint = write_random_checkpoint("esm2", tmp_path / "checkpoint", SIZES)
+    out = tmp_path / "repo"
+    build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=out, backend="python",
+                                  tasks=("embeddings",), graph_cache=None, precision="int4"))
+    optimization = json.loads((out / "manifest.json").read_text())["export"]["encoder"]["optimization"]
+    assert optimization["fallback"] is None and optimization["quantization"]["bits"] == 4, optimization
+    graph = next(out.glob("*_encoder/1/model.onnx"))
+    import onnx
+
+    structure = onnx.load(str(graph), load_external_data=False)
+    assert sum(node.op_type == "MatMulNBits" for node in structure.graph.node) >= 4 * SIZES["num_layers"]

@@ -97,3 +97,49 @@ def test_settings_outside_the_choices_are_refused_with_the_choices():
     with pytest.raises(ValueError, match="`precision` 'int8' is not weight-only: choose one of int8w, int4"):
         check_settings("int8", 32, 4)
     assert check_settings("int4", 16, 0) == 4
+
+
+@pytest.mark.parametrize("precision, keep", [("int4", 0.5), ("int8w", 0.0)])
+def test_weights_left_on_disk_are_read_one_at_a_time_into_the_same_bytes(tmp_path, monkeypatch, precision, keep):
+    """A graph whose weights stay in their file (what a large model's build quantizes) is quantized
+    one MatMul's weights at a time, with the int4 kept products' 8-bit pass too: never two fp32
+    weights in memory at once, none left loaded, and the quantized graph the same bytes as with every
+    weight in memory."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    import bionemo_export.exporters.optimize.weight_only as weight_only
+    from bionemo_export.exporters.external_data import save_streamed, tensors, unloaded
+
+    in_memory = feed_forward_graph(64, 128, 3, seed=5, scaled=True, residual=True)
+    on_disk = onnx.ModelProto()
+    on_disk.CopyFrom(in_memory)
+    convert_model_to_external_data(on_disk, all_tensors_to_one_file=True, location="weights.data", size_threshold=0)
+    onnx.save_model(on_disk, str(tmp_path / "model.onnx"))
+    structure = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    assert all(unloaded(tensor) for tensor in structure.graph.initializer)
+
+    loaded, most = [], [0]
+    original = weight_only.load_external_data_for_tensor
+    fp32 = {t.name for t in in_memory.graph.initializer if t.name.startswith("w_")}
+
+    def counting(tensor, base_dir):
+        original(tensor, base_dir)
+        loaded.append(tensor)
+        most[0] = max(most[0], sum(t.HasField("raw_data") and t.name in fp32 for t in structure.graph.initializer))
+
+    monkeypatch.setattr(weight_only, "load_external_data_for_tensor", counting)
+    streamed, record = quantize_weight_only(structure, precision, keep_share=keep, source_dir=tmp_path)
+    expected, expected_record = quantize_weight_only(in_memory, precision, keep_share=keep)
+    assert len(loaded) == 6 and most[0] == 1  # every MatMul's weights, each alone
+    assert record == expected_record and (record.kept_as, len(record.kept)) == (
+        ("8 bits", 2) if precision == "int4" else ("fp32", 0))
+    assert not fp32 & {t.name for t in streamed.graph.initializer}  # the fp32 weights are gone
+    assert not [t.name for t in tensors(streamed) if t.HasField("raw_data") and unloaded(t)]
+    mine = {t.name: t.raw_data for t in streamed.graph.initializer if t.HasField("raw_data")}
+    assert mine and mine == {t.name: t.raw_data for t in expected.graph.initializer if t.name in mine}
+    save_streamed(streamed, tmp_path / "quantized.onnx", source_dir=tmp_path)
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    options = ort.SessionOptions()
+    got = np.asarray(ort.InferenceSession(str(tmp_path / "quantized.onnx"), options).run(None, {"x": x})[0])
+    want = np.asarray(ort.InferenceSession(expected.SerializeToString(), options).run(None, {"x": x})[0])
+    np.testing.assert_array_equal(got, want)

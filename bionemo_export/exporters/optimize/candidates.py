@@ -37,8 +37,10 @@ skipped for a graph over it whose weights are in memory.
 
 A graph whose optimization would not fit in the free memory is not optimized (the step raises, the
 build keeps the plain export and says why): one held in memory needs its weights times
-MEMORY_FACTOR; one whose weights stay on disk needs MAPPED_MEMORY_FACTOR of them for fp32, and
-QUANTIZE_MEMORY_FACTOR (memory_plan.py, which the build's estimate uses too) to be quantized.
+MEMORY_FACTOR; one whose weights stay on disk needs MAPPED_MEMORY_FACTOR of them for fp32,
+QUANTIZE_MEMORY_FACTOR to be quantized to int8 (its quantizer reads every weight in), and
+WEIGHT_ONLY_MEMORY_FACTOR for int8w and int4, whose quantizer reads one MatMul's weights at a time
+(both in memory_plan.py, which the build's estimate uses too).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from bionemo_export.exporters.external_data import (
     tensors,
     unloaded,
 )
-from bionemo_export.memory_plan import QUANTIZE_MEMORY_FACTOR
+from bionemo_export.memory_plan import QUANTIZE_MEMORY_FACTOR, WEIGHT_ONLY_MEMORY_FACTOR
 from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.models.readers.mapped import return_freed_memory
 from bionemo_export.procfs import available_memory_bytes
@@ -307,7 +309,10 @@ def optimize_onnx(
     # An fp32 graph whose weights stayed on disk is stored with external data whatever its size.
     external = fused.external or (precision == "fp32" and any(unloaded(tensor) for tensor in tensors(model)))
     quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
-    if precision != "fp32" and any(unloaded(tensor) for tensor in tensors(model)):
+    on_disk = any(unloaded(tensor) for tensor in tensors(model))
+    if precision in WEIGHT_ONLY_BITS and on_disk:  # read one MatMul's weights at a time (weight_only.py)
+        _check_memory(src, WEIGHT_ONLY_MEMORY_FACTOR, f"{precision} quantization")
+    elif precision != "fp32" and on_disk:
         _check_memory(src, QUANTIZE_MEMORY_FACTOR, f"{precision} quantization")
         _step("loading the weights", lambda: load_weights(model, fused.src.parent))  # the quantizers read them all
     if precision == "int8":
@@ -322,7 +327,8 @@ def optimize_onnx(
     elif precision in WEIGHT_ONLY_BITS:
         keep = keep_int8 if precision == "int4" else keep_fp32
         model, quantization = _step(f"{precision} quantization", lambda: quantize_weight_only(
-            model, precision, block_size=block_size, accuracy_level=accuracy_level, keep_share=keep))
+            model, precision, block_size=block_size, accuracy_level=accuracy_level, keep_share=keep,
+            source_dir=fused.src.parent if on_disk else None))
         applied.append(f"matmul_nbits({quantization.bits} bits, block {block_size}, accuracy_level {accuracy_level})")
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))

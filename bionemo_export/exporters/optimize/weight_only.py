@@ -31,14 +31,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_tensor
 
 from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, WEIGHT_BLOCK_SIZES
+from bionemo_export.exporters.external_data import unloaded
 
 from .quantization import ffn_outputs_by_error
 
@@ -58,6 +62,8 @@ METHOD = ("onnxruntime.quantization.matmul_nbits_quantizer: MatMulNBits, {bits}-
           "{block_size} along K, asymmetric (scale and zero point per block), round to nearest; accuracy_level "
           "{accuracy_level}")
 LOG = logging.getLogger(__name__)
+NodeQuantizer = Callable[[onnx.NodeProto, list[onnx.GraphProto]], list[onnx.NodeProto]]
+"""onnxruntime's per-node quantization step: a node and its graph stack -> the nodes replacing it."""
 
 
 @dataclass(frozen=True)
@@ -106,10 +112,16 @@ def check_settings(precision: str, block_size: int, accuracy_level: int) -> int:
 
 def quantize_weight_only(model: onnx.ModelProto, precision: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
                          accuracy_level: int = DEFAULT_ACCURACY_LEVEL, keep_share: float = 0.0,
-                         ) -> tuple[onnx.ModelProto, WeightOnlyQuantization]:
-    """`model` (with its weights in memory; changed in place and returned) with every MatMul of
-    constant 2-D weights as MatMulNBits of `precision`'s bits, a share `keep_share` of its
-    feed-forward output MatMuls kept at the higher precision (the module's docstring), and how."""
+                         source_dir: Path | None = None) -> tuple[onnx.ModelProto, WeightOnlyQuantization]:
+    """`model` (changed in place and returned) with every MatMul of constant 2-D weights as
+    MatMulNBits of `precision`'s bits, a share `keep_share` of its feed-forward output MatMuls kept
+    at the higher precision (the module's docstring), and how.
+
+    Weights `model` references in files (a graph loaded with external_data.load_structure) are read
+    from `source_dir` one MatMul at a time, just before it is quantized, and let go after: the fp32
+    weights are never in memory together, only their quantized copies (0.16x at 4 bits), so a graph
+    whose fp32 weights exceed the host's memory is quantized all the same. The bytes are the same
+    as with every weight in memory (tests/unit/test_weight_only.py)."""
     bits = check_settings(precision, block_size, accuracy_level)
     if not 0.0 <= keep_share <= 1.0:
         raise ValueError(f"keep_share is a fraction between 0 and 1, not {keep_share}")
@@ -117,9 +129,9 @@ def quantize_weight_only(model: onnx.ModelProto, precision: str, *, block_size: 
     weights = _matmul_weights(model)
     ranked, _ = ffn_outputs_by_error(model, None)
     kept = [name for name in ranked[:math.ceil(keep_share * len(ranked))] if name in weights]
-    model = _quantize(model, bits, block_size, accuracy_level, exclude=kept)
+    model = _quantize(model, bits, block_size, accuracy_level, exclude=kept, source_dir=source_dir)
     if kept and bits == 4:  # the kept products at 8 bits: the only MatMuls with constant weights left
-        model = _quantize(model, 8, block_size, accuracy_level, exclude=[])
+        model = _quantize(model, 8, block_size, accuracy_level, exclude=[], source_dir=source_dir)
     nbits = [node for node in model.graph.node if node.op_type == "MatMulNBits"]
     initializers = {init.name: init for init in model.graph.initializer}
     stored = sum(_nbytes(initializers[name]) for node in nbits for name in node.input[1:4] if name in initializers)
@@ -133,7 +145,7 @@ def quantize_weight_only(model: onnx.ModelProto, precision: str, *, block_size: 
 
 
 def _quantize(model: onnx.ModelProto, bits: int, block_size: int, accuracy_level: int, *,
-              exclude: list[str]) -> onnx.ModelProto:
+              exclude: list[str], source_dir: Path | None) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quiet = logging.getLogger("onnxruntime.quantization")  # one info line per MatMul otherwise
@@ -143,11 +155,39 @@ def _quantize(model: onnx.ModelProto, bits: int, block_size: int, accuracy_level
         quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False,
                                          accuracy_level=accuracy_level or None, nodes_to_exclude=exclude,
                                          op_types_to_quantize=("MatMul",))
+        if source_dir is not None:
+            quantizer.node_quantizer.quantize = _weights_read_in_turn(  # type: ignore[union-attr]
+                quantizer.node_quantizer.quantize, model, Path(source_dir))  # type: ignore[union-attr]
         quantizer.process()
     finally:
         quiet.setLevel(previous)
     result = quantizer.model  # an ONNXModel wrapping the graph, for the DEFAULT algorithm
     return result if isinstance(result, onnx.ModelProto) else result.model
+
+
+def _weights_read_in_turn(quantize: NodeQuantizer, model: onnx.ModelProto, source_dir: Path) -> NodeQuantizer:
+    """The quantizer's per-node step with the node's weights read from their file just before and
+    made a reference again just after: the quantizer's own `clean_initializers` then drops the
+    fp32 tensors no node uses any more, which were never all in memory."""
+    def in_turn(node: onnx.NodeProto, graph_stack: list[onnx.GraphProto]) -> list[onnx.NodeProto]:
+        tensor = None
+        if node.op_type == "MatMul" and len(node.input) > 1:
+            tensor = next((init for init in model.graph.initializer if init.name == node.input[1]), None)
+        if tensor is None or not unloaded(tensor):
+            return quantize(node, graph_stack)
+        reference = [(entry.key, entry.value) for entry in tensor.external_data]
+        load_external_data_for_tensor(tensor, str(source_dir))
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+        try:
+            return quantize(node, graph_stack)
+        finally:
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in reference:
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+    return in_turn
 
 
 def _name_nodes(model: onnx.ModelProto) -> None:
