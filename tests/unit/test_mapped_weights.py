@@ -57,3 +57,28 @@ def test_paging_out_a_mapped_model_frees_its_pages_and_keeps_its_values(tmp_path
     assert float(tensor.sum()) == total
     anonymous = torch.randn(1024, 1024)
     assert page_out([anonymous]) == 0 and float(anonymous.sum()) == float(anonymous.sum())
+
+
+def test_a_bf16_checkpoints_fp32_weights_are_pages_of_a_file_too(tmp_path, monkeypatch):
+    """ESM C's released checkpoints are bf16 and compute in fp32: widened in memory, ESM C 6B's
+    weights would be 25 GB of anonymous memory. Over the threshold they are widened into an unlinked
+    file and mapped (readers/mapped.widened): pages a build can hand back, the same values as
+    widening in memory; under it, plain memory."""
+    from bionemo_export.models.readers import mapped
+
+    weights = {"w": torch.randn(512, 512).bfloat16(), "b": torch.randn(512).bfloat16(), "n": torch.ones(3)}
+    small = mapped.widened(weights)
+    assert all(mapped_file(t) is None and t.dtype == torch.float32 for t in small.values())
+    on_disk = mapped.widened(weights, directory=str(tmp_path), threshold=1 << 10)
+    assert {key: t.dtype for key, t in on_disk.items()} == dict.fromkeys(weights, torch.float32)
+    assert all(torch.equal(on_disk[key], weights[key].float()) for key in weights)
+    assert mapped_file(on_disk["w"]) is not None and mapped_file(on_disk["b"]) is not None
+    assert mapped_file(on_disk["n"]) is None  # fp32 already: left as it was
+    assert not list(tmp_path.iterdir())  # unlinked: the disk is given back with the last tensor
+    assert page_out([on_disk["w"]]) > 0 and torch.equal(on_disk["w"], weights["w"].float())
+
+    folder = write_random_checkpoint("esmc", tmp_path / "esmc", TINY)  # bf16, as released
+    monkeypatch.setattr(mapped, "WIDEN_ON_DISK_BYTES", 1 << 10)
+    loaded = load_checkpoint(folder, "esmc")
+    parameters = [p for name, p in loaded.encoder.named_parameters() if p.numel() > 64]
+    assert parameters and all(mapped_file(p) is not None for p in parameters)

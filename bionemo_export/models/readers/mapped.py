@@ -8,9 +8,14 @@ time rather than both (exporters/verification.py): once the PyTorch reference an
 `page_out` asks the kernel to reclaim the model's pages (madvise MADV_PAGEOUT), which frees them
 without losing anything: the next forward pass reads them from the file again.
 
-Only pages of file mappings are advised, found in /proc/self/maps: anonymous memory (a tensor
-converted from bf16, a weight the family computed) is never touched, and MADV_PAGEOUT never
-discards data in any case (anonymous pages would go to swap, not away).
+Only pages of file mappings are advised, found in /proc/self/maps: anonymous memory (a weight the
+family computed) is never touched, and MADV_PAGEOUT never discards data in any case (anonymous
+pages would go to swap, not away).
+
+A half-precision checkpoint (ESM C's bf16) computes in fp32, and widening its weights in memory
+would make them anonymous: 25 GB for ESM C 6B, more than a 24 GB host has. `widened` writes the
+fp32 copies into one unlinked file instead and maps it, so they are pages of a file like an fp32
+checkpoint's (WIDEN_ON_DISK_BYTES decides when).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import tempfile
+from collections import abc
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,6 +37,9 @@ if TYPE_CHECKING:
 MADV_PAGEOUT = 21
 """Linux 5.4+: reclaim these pages now (file pages are dropped, anonymous ones swapped)."""
 PAGE = mmap.PAGESIZE
+WIDEN_ON_DISK_BYTES = 256 << 20
+"""Half-precision weights whose fp32 copies would exceed this are widened into a file (`widened`):
+the external-data threshold (memory_plan.py), above which a build keeps weights on disk."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,47 @@ def resident_bytes(tensors: Iterable[torch.Tensor]) -> int:
     except OSError:
         return 0
     return total
+
+
+def widened(weights: abc.Mapping[str, torch.Tensor], directory: str | None = None,
+            threshold: int | None = None) -> dict[str, torch.Tensor]:
+    """`weights` in fp32. Where the half-precision ones' fp32 copies exceed `threshold` bytes, they
+    are written, one tensor at a time, into a file in `directory` (the temporary directory: TMPDIR)
+    that is mapped and unlinked at once: the copies are then pages of a file the kernel can drop and
+    read again (page_out), and the disk space is given back when the last tensor is freed. Under
+    the threshold (None: WIDEN_ON_DISK_BYTES), or where no file can be written, they are widened in
+    memory."""
+    import torch
+
+    half = {key: t for key, t in weights.items() if t.is_floating_point() and t.dtype != torch.float32}
+    sizes = {key: t.numel() * 4 for key, t in half.items()}
+    if sum(sizes.values()) <= (WIDEN_ON_DISK_BYTES if threshold is None else threshold):
+        return {key: t.float() for key, t in weights.items()}
+    offsets, end = {}, 0
+    for key, size in sizes.items():
+        offsets[key] = end
+        end = -(-(end + size) // 64) * 64  # each tensor 64-byte aligned
+    try:
+        handle = tempfile.TemporaryFile(prefix=".bionemo-export-fp32-", dir=directory)
+    except OSError:
+        return {key: t.float() for key, t in weights.items()}
+    with handle:
+        for key, tensor in half.items():
+            handle.seek(offsets[key])
+            handle.write(tensor.float().contiguous().numpy().data)  # one tensor in memory at a time
+        handle.truncate(max(end, 1))
+        handle.flush()
+        # A private mapping: the tensors are writable as torch expects, and stay pages of the file
+        # (clean, droppable) as long as nothing writes them.
+        mapping = mmap.mmap(handle.fileno(), max(end, 1), access=mmap.ACCESS_COPY)
+    out = {}
+    for key, tensor in weights.items():
+        if key in half:
+            out[key] = torch.frombuffer(mapping, dtype=torch.float32, count=tensor.numel(),
+                                        offset=offsets[key]).view(tensor.shape)
+        else:
+            out[key] = tensor.float()
+    return out
 
 
 def return_freed_memory() -> None:
