@@ -540,7 +540,7 @@ def check_build_memory(checkpoint: Path, available: int | None, precision: str =
     estimate = estimate_build_memory(Path(checkpoint), precision)
     if available is not None and estimate.needed > available:
         advice = ("build it in fp32 here (its weights stay on disk) and quantize on a host with more memory"
-                  if precision == Precision.INT8 and estimate.path == WEIGHTS_ON_DISK else
+                  if precision != Precision.FP32 and estimate.path == WEIGHTS_ON_DISK else
                   "build on a host with more memory (the repository then serves anywhere the graph fits)")
         raise BuildError(f"{checkpoint}: building it in {precision} needs {estimate.text()}; "
                          f"{available / 2**30:.1f} GiB is available here. {advice[0].upper()}{advice[1:]}, or pass "

@@ -49,7 +49,7 @@ class CheckpointReport:
     problems: list[str] = field(default_factory=list)
     command: str | None = None
     memory: dict[str, Any] = field(default_factory=dict)
-    """What a build needs at its peak, per precision (fp32, and each that needs another figure),
+    """What a build needs at its peak, per precision ("fp32", and "quantized" where that differs),
     what serving the built repository needs (fp32 and int4, one encoder instance), and the memory
     available here (`memory_report`)."""
 
@@ -112,21 +112,21 @@ class CheckpointReport:
 
 
 def memory_report(path: Path) -> dict[str, Any]:
-    """The memory a build of `path` needs (build.estimate_build_memory) in fp32 and in each
-    quantized precision whose figure differs (int8 on the weights-on-disk path), and what serving
-    it needs built in fp32 and in int4 (memory_plan.serve_memory), each with whether it fits the
-    memory available here."""
+    """The memory a build of `path` needs (build.estimate_build_memory) in fp32 and, where it
+    differs, quantized (int8, int8w, int4), and what serving it needs built in fp32 and in int4
+    (memory_plan.serve_memory), each with whether it fits the memory available here."""
     from bionemo_export.procfs import available_memory_bytes
 
     available = available_memory_bytes()
     builds: dict[str, Any] = {}
-    for precision in ("fp32", "int8", "int8w", "int4"):
+    for label, precision in (("fp32", "fp32"), ("quantized", "int4")):
         estimate = estimate_build_memory(path, precision)
-        if builds and estimate.needed == builds["fp32"]["needed_bytes"]:
-            continue  # the same figure: said once
-        builds[precision] = {"path": estimate.path, "factor": estimate.factor, "weights_bytes": estimate.weights,
-                             "needed_bytes": estimate.needed, "why": estimate.why,
-                             "fits": available is None or estimate.needed <= available}
+        entry = {"path": estimate.path, "factor": estimate.factor, "weights_bytes": estimate.weights,
+                 "needed_bytes": estimate.needed, "why": estimate.why,
+                 "fits": available is None or estimate.needed <= available}
+        if builds and entry == builds["fp32"]:
+            continue
+        builds[label] = entry
     serves: dict[str, Any] = {}
     for precision in ("fp32", "int4"):
         served = serve_memory(builds["fp32"]["weights_bytes"], precision)

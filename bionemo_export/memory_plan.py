@@ -35,13 +35,16 @@ file, and PyTorch's answers are computed before each session opens, its pages ha
 kernel meanwhile (models/readers/mapped.py), so the model's weights and a session's are resident
 one at a time (benchmarks/results/model_sizes.json)."""
 QUANTIZE_MEMORY_FACTOR = 1.5
-"""An int8 build of a graph with its weights on disk: ONNX Runtime's dynamic quantizer reads every
-fp32 weight in and writes the quantized copy (exporters/optimize/candidates.py)."""
+"""A quantized build (int8, int8w, int4) of a graph with its weights on disk. int8's quantizer
+reads every fp32 weight in and writes the quantized copy; int8w and int4 read one weight at a time
+(WEIGHT_ONLY_MEMORY_FACTOR), but ESM-2 150M int8w peaked all the same (1.8 GB anonymous, 3.1x its
+fp32 weights, before and after that change) in the quantized graph's optimization and checks
+(benchmarks/results/model_sizes_int8w.json), so every quantized build keeps this estimate until a
+larger build is measured."""
 WEIGHT_ONLY_MEMORY_FACTOR = 0.5
-"""The free memory int8w and int4 quantization of a graph with its weights on disk needs: one
-MatMul's fp32 weights at a time and the quantized copies (0.30x at 8 bits, 0.19x at 4;
-exporters/optimize/weight_only.py), under the fp32 path's BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK],
-so such a build is estimated as an fp32 one."""
+"""The free memory int8w and int4 quantization itself needs for a graph with its weights on disk,
+in multiples of its fp32 weights: one MatMul's weights at a time and the quantized copies (0.30x
+at 8 bits, 0.19x at 4; exporters/optimize/weight_only.py)."""
 BUILD_BASELINE_BYTES = 800 << 20
 """What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
 
@@ -81,14 +84,10 @@ def build_memory(weights: int, precision: str = "fp32") -> BuildMemory:
         path, why = IN_MEMORY, (f"up to {EXTERNAL_DATA_THRESHOLD_BYTES >> 20} MB of weights the graph is exported, "
                                 "fused and checked whole, beside the PyTorch model")
         factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
-    elif precision == "int8":
-        path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped, but int8 quantization reads every fp32 weight in "
-                                      "and writes the quantized copy")
-        factor = QUANTIZE_MEMORY_FACTOR
     elif precision != "fp32":
-        path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data; "
-                                      f"{precision} quantization reads one weight at a time")
-        factor = BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK]
+        path, why = WEIGHTS_ON_DISK, (f"the checkpoint is mapped, but {precision} quantization reads every fp32 "
+                                      "weight in and writes the quantized copy")
+        factor = QUANTIZE_MEMORY_FACTOR
     else:
         path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data, the "
                                       "PyTorch model and an ONNX Runtime session resident one at a time")

@@ -54,21 +54,17 @@ def test_a_small_checkpoint_is_estimated_on_the_in_memory_path_and_refused_when_
 def test_esm2_3b_takes_the_weights_on_disk_path_and_fits_a_24_gb_host(tmp_path):
     """ESM-2 3B's 2.84G weights (10.6 GiB in fp32) are over the external-data threshold: its build
     keeps them on disk and needs 1.3x them, which the 21 GiB free on a 24 GB host holds (the check
-    refused it before, at 2.7x); int8 quantization reads them in (1.5x), and where even that does not
-    fit, the message says to build fp32 here; int8w and int4 read one weight at a time (as fp32).
-    ESM-2 150M's 0.59 GB take this path too."""
+    refused it before, at 2.7x); quantizing them reads them in (1.5x), and where even that does not
+    fit, the message says to build fp32 here. ESM-2 150M's 0.59 GB take this path too."""
     assert estimate_build_memory(_header_only(tmp_path / "esm2_150m", 148_000_000)).path == WEIGHTS_ON_DISK
     folder = _header_only(tmp_path / "esm2_3b", 2_840_000_000)
     estimate = check_build_memory(folder, available=21 * GIB)
     assert estimate is not None and estimate.path == WEIGHTS_ON_DISK
     assert estimate.factor == BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK] < 1.5
-    quantized = check_build_memory(folder, available=21 * GIB, precision="int8")
+    quantized = check_build_memory(folder, available=21 * GIB, precision="int4")
     assert quantized is not None and quantized.factor == QUANTIZE_MEMORY_FACTOR
-    weight_only = check_build_memory(folder, available=21 * GIB, precision="int4")
-    assert weight_only is not None and weight_only.needed == estimate.needed
-    assert "int4 quantization reads one weight at a time" in weight_only.why
     with pytest.raises(BuildError, match=r"in fp32 needs about .* weights left on disk: the checkpoint is mapped"):
         check_build_memory(folder, available=10 * GIB)
-    with pytest.raises(BuildError, match=r"in int8 needs .* weights left on disk: the checkpoint is mapped, but int8 "
+    with pytest.raises(BuildError, match=r"in int4 needs .* weights left on disk: the checkpoint is mapped, but int4 "
                                          r"quantization reads every fp32 weight in.*Build it in fp32 here"):
-        check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int8")
+        check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4")

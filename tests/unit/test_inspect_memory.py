@@ -31,21 +31,20 @@ def test_inspect_reports_the_memory_a_build_needs_here(tmp_path):
     assert line in result.output
     assert "serving     fp32: about 1.0 GiB (its 0.00 GiB of fp32 weights + 1.0 GiB); fits here" in result.output
     memory = json.loads(CliRunner().invoke(app, ["inspect", str(folder), "--json"]).output)["memory"]
-    assert list(memory["builds"]) == ["fp32"]  # quantized builds take the same path: not repeated
+    assert list(memory["builds"]) == ["fp32"]  # a quantized build takes the same path: not repeated
     assert memory["builds"]["fp32"]["fits"] and memory["available_bytes"] > memory["builds"]["fp32"]["needed_bytes"]
 
 
-def test_a_large_checkpoint_has_an_int8_estimate_of_its_own(tmp_path):
-    """Over the external-data threshold the weights stay on disk in fp32; int8 quantization reads them in."""
+def test_a_large_checkpoint_has_a_quantized_estimate_of_its_own(tmp_path):
+    """Over the external-data threshold the weights stay on disk in fp32; quantizing reads them in."""
     header = json.dumps({"a": {"dtype": "BF16", "shape": [2_840_000, 1000], "data_offsets": [0, 5_680_000_000]},
                          "__metadata__": {"format": "pt"}}).encode()
     folder = tmp_path / "esm2_3b"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
     builds = memory_report(folder)["builds"]
-    assert list(builds) == ["fp32", "int8"]  # int8w and int4 read one weight at a time: fp32's figure
-    assert builds["fp32"]["path"] == builds["int8"]["path"] == WEIGHTS_ON_DISK
-    assert builds["int8"]["factor"] == QUANTIZE_MEMORY_FACTOR > builds["fp32"]["factor"]
+    assert builds["fp32"]["path"] == builds["quantized"]["path"] == WEIGHTS_ON_DISK
+    assert builds["quantized"]["factor"] == QUANTIZE_MEMORY_FACTOR > builds["fp32"]["factor"]
 
 
 def test_inspect_reports_what_serving_it_needs_in_fp32_and_int4(tmp_path):
