@@ -30,9 +30,10 @@ writes them over 256 MB of weights) keep their weights on disk while an fp32 gra
 (exporters/external_data.py): the fusions, steps 2 included, work on the nodes and small constants
 (a transformer fusion that needs a weight's values is skipped, with why), the weights are copied
 file to file chunk by chunk, and ONNX Runtime's offline optimization computes from the mapped file
-without prepacking a copy; the optimized graph is stored with external data too. Reduced
-precisions read every weight in (their quantizers rewrite them) and store their graph with
-external data over INLINE_LIMIT_BYTES (1.8 GB, near protobuf's limit); step 2 is
+without prepacking a copy; the optimized graph is stored with external data too. int8 and fp16
+read every weight in (their quantizers rewrite them; int8w and int4 read one MatMul's weights at a
+time) and store their graph with external data over INLINE_LIMIT_BYTES (1.8 GB, near protobuf's
+limit); step 2 is
 skipped for a graph over it whose weights are in memory.
 
 A graph whose optimization would not fit in the free memory is not optimized (the step raises, the

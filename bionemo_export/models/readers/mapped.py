@@ -31,15 +31,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bionemo_export.memory_plan import EXTERNAL_DATA_THRESHOLD_BYTES
+
 if TYPE_CHECKING:
     import torch
 
 MADV_PAGEOUT = 21
 """Linux 5.4+: reclaim these pages now (file pages are dropped, anonymous ones swapped)."""
 PAGE = mmap.PAGESIZE
-WIDEN_ON_DISK_BYTES = 256 << 20
+WIDEN_ON_DISK_BYTES = EXTERNAL_DATA_THRESHOLD_BYTES
 """Half-precision weights whose fp32 copies would exceed this are widened into a file (`widened`):
-the external-data threshold (memory_plan.py), above which a build keeps weights on disk."""
+the threshold above which a build keeps weights on disk."""
 
 
 @dataclass(frozen=True)
