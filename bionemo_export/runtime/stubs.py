@@ -55,17 +55,6 @@ class Stub:
             return 0
 
 
-def reaped_children(server_pid: int) -> int:
-    """What the kernel has added to `server_pid` from children it reaped (/proc/PID/stat's cminflt,
-    cmajflt, cutime, cstime): it grows whenever a child process that ran at all ends and is waited
-    for. A stub killed and reaped between two looks at /proc is seen only this way. 0 when the
-    server is gone."""
-    server = procfs.process_stat(server_pid)
-    if server is None:
-        return 0
-    return server.cminflt + server.cmajflt + server.cutime + server.cstime  # stat fields 11, 13, 16, 17
-
-
 def server_stubs(server_pid: int, model: str | None = None) -> list[Stub]:
     """The stub processes of a tritonserver (of `model` only, if given), zombies included."""
     stubs = []

@@ -27,8 +27,9 @@ and asks `serve` to restart tritonserver, at an idle moment, when it passes `lea
 so memory stays flat over any number of heals. It also reloads an idle model whose stubs'
 shared-memory regions grew past `stub_memory_limit` (one oversized request grows them for good).
 A load is watched while it runs: when a stub of the new instances dies before the load returns, the
-Python backend waits for it for good (measured: a load still pending after 90 s), so that, or a
-load past `load_timeout`, asks for a tritonserver restart instead of waiting.
+Python backend waits for it for good (measured: a load still pending after 90 s), so that
+(runtime/load_watch.py tells it from what a load starts and ends by design), or a load past
+`load_timeout`, asks for a tritonserver restart instead of waiting.
 
 The probe is runtime/probes.py's (the `health` command runs it once per model); the call graph is
 the repository reader's (model_repository/reader.py); `Supervisor` runs the checks beside `serve`
@@ -47,8 +48,9 @@ from dataclasses import dataclass, field
 from bionemo_export.client.triton import TritonClient
 from bionemo_export.model_repository.reader import dependencies
 
+from .load_watch import LoadWatch, instance_names
 from .probes import ProbeResult, instance_model, one_line, probe_model, public_models
-from .stubs import Stub, reaped_children, server_stubs
+from .stubs import Stub, server_stubs
 
 # The config parameter whose new value makes Triton's load API build fresh instances of a model
 # whose files did not change (a load of an unchanged model is otherwise a no-op).
@@ -62,49 +64,6 @@ LOST_STUB_GRACE_S = 5.0
 PENDING_METRIC = re.compile(r'^nv_inference_pending_request_count\{model="(?P<model>[^"]+)",[^}]*\}\s+(?P<value>\S+)$')
 
 Log = Callable[[str], None]
-
-
-@dataclass
-class LoadWatch:
-    """Whether a stub died while a load ran, from successive looks at the server's children: a new
-    instance's stub seen alive and then gone, a stub newly turned zombie, or a child reaped by the
-    server that no look explains (a stub killed within milliseconds of starting, before any look
-    saw it: found by CI).
-
-    The model's stubs when the load began (`old`: its live instances, and every zombie stub of the
-    server) belong to the instances the load replaces or to ones Triton already keeps: Triton ends the
-    live ones once the new instances are in (a reload that gives back shared memory: found in CI, where
-    their exit restarted tritonserver), and reaps them, and the dead ones when no request failed on
-    them, which moves the reaped count. That is the reload working, not a stub lost: an old stub may
-    turn zombie, and once a look sees one reaped the count is taken afresh. (Found under a CPU quota:
-    the reap of the two killed stubs, and a load that then took over LOST_STUB_GRACE_S to return,
-    restarted tritonserver instead of finishing the reload.)"""
-
-    old: set[int]
-    """The model's live stubs and every zombie stub of the server when the load began."""
-    reaped_before: int
-    """reaped_children when the load began (taken afresh when an old stub is reaped)."""
-    new: set[int] = field(default_factory=set)
-    """Stubs of the model seen alive since the load began."""
-    reason: str = ""
-    """What the look that found a stub lost saw."""
-
-    def stub_lost(self, reaped_then: int, live: set[int], dead: set[int], reaped_now: int) -> bool:
-        """One look: the reaped count read before the stubs (`reaped_then`), the model's live stubs
-        and the server's zombie stubs, and the count read after (`reaped_now`)."""
-        old_reaped = self.old - live - dead
-        if old_reaped:  # old instances' stubs reaped: their count is the new baseline
-            self.old -= old_reaped
-            self.reaped_before = reaped_now
-        self.new |= live - self.old
-        if old_reaped:
-            return False
-        gone, turned_zombie = self.new - live - dead, dead - self.old
-        if gone or turned_zombie:
-            self.reason = f"stub {min(gone | turned_zombie)} of the new instances ended"
-        elif reaped_then != self.reaped_before:
-            self.reason = "the server reaped a child no look saw (a stub killed as it started)"
-        return bool(self.reason)
 
 
 def pending_requests(metrics_url: str, timeout: float = 5.0) -> dict[str, int]:
@@ -235,15 +194,8 @@ class Supervisor:
     # -- the checks ----------------------------------------------------------------------------
 
     def expected_instances(self, model: str) -> set[str]:
-        """The instances a Python-backend model runs, by Triton's names (<group name>_<index>, the
-        group named <model>_<group> unless the config names it), from the configuration Triton
-        serves; empty for models without stubs (ensembles, Triton's own runtimes)."""
-        config = self.config_of(model) or {}
-        if config.get("backend") != "python":
-            return set()
-        groups = config.get("instance_group") or []
-        return {f"{group.get('name') or f'{model}_{g}'}_{i}"
-                for g, group in enumerate(groups) for i in range(int(group.get("count", 1)))}
+        """The instances a model runs, by Triton's names, from the configuration Triton serves."""
+        return instance_names(model, self.config_of(model) or {})
 
     def watch(self) -> Observation:
         """The quick check: reload every model one of whose instances lost its stub process; ask
@@ -391,17 +343,10 @@ class Supervisor:
         the load returned (its error is raised); False, with `recycle_reason` set, when it never
         will: a stub died while the load ran (`LoadWatch`) and the load did not return within
         LOST_STUB_GRACE_S, or `load_timeout` passed."""
-        def stubs() -> tuple[set[int], set[int]]:
-            """(live stubs of `model`, dead stubs of any model) by pid."""
-            found = server_stubs(self.server_pid) if self.server_pid else []
-            return ({stub.pid for stub in found if stub.model == model and not stub.zombie},
-                    {stub.pid for stub in found if stub.zombie})
+        def stubs() -> list[Stub]:
+            return server_stubs(self.server_pid) if self.server_pid else []
 
-        def reaped() -> int:
-            return reaped_children(self.server_pid) if self.server_pid else 0
-
-        live, dead = stubs()
-        watch = LoadWatch(live | dead, reaped())
+        watch = LoadWatch.begin(model, len(instance_names(model, config)), stubs(), time.monotonic())
         outcome: list[BaseException | None] = []
 
         def load() -> None:
@@ -423,11 +368,8 @@ class Supervisor:
                     raise outcome[0]
                 return True
             now = time.monotonic()
-            if lost_at is None:
-                reaped_then = reaped()  # before the look at the stubs, so a reap it misses waits for the next look
-                live, dead = stubs()
-                if watch.stub_lost(reaped_then, live, dead, reaped()):
-                    lost_at = now
+            if lost_at is None and watch.stub_lost(stubs(), now):
+                lost_at = now
             if lost_at is not None and now - lost_at > LOST_STUB_GRACE_S:
                 self.recycle_reason = (f"a stub died while {model} loaded ({watch.reason}); Triton 2.51 never "
                                        "finishes such a load, restarting tritonserver does")

@@ -3,7 +3,8 @@
 Two models, small enough to load in a second on the embedded CPU server:
 - `affine`:  x FP32 [-1] -> y = 2 x + 1, dynamic batching (max_batch_size 8);
 - `reverse`: sequences BYTES [1] -> reversed BYTES [1] (UTF-8 strings reversed per item).
-`broken_repository()` writes a model whose initialize() raises, for load-failure tests.
+`broken_repository()` writes a model whose initialize() raises, for load-failure tests;
+`slow_repository()` one whose instances take seconds to initialize, as a real model's weights do.
 """
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ class TritonPythonModel:
 '''
 
 
+SLOW_MODEL_PY = '''\
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """y = x, once initialize() has taken {seconds} s (a real model reading its weights)."""
+
+    def initialize(self, args):
+        time.sleep({seconds})
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "x")]) for r in requests]
+'''
+
+
 def _tensor(name: str, dtype: int, dims: list[int]) -> mc.ModelInput:
     return mc.ModelInput(name=name, data_type=dtype, dims=dims)
 
@@ -121,13 +139,13 @@ def _output(name: str, dtype: int, dims: list[int]) -> mc.ModelOutput:
     return mc.ModelOutput(name=name, data_type=dtype, dims=dims)
 
 
-def _python_model(repo: Path, name: str, code: str, config: mc.ModelConfig) -> None:
+def _python_model(repo: Path, name: str, code: str, config: mc.ModelConfig, instances: int = 1) -> None:
     model_dir = repo / name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "1" / "model.py").write_text(textwrap.dedent(code))
     config.name = name
     config.backend = "python"
-    config.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=1))
+    config.instance_group.append(mc.ModelInstanceGroup(kind=mc.ModelInstanceGroup.KIND_CPU, count=instances))
     write_config(model_dir, config)
 
 
@@ -154,6 +172,17 @@ def broken_repository(repo: Path) -> Path:
         input=[_tensor("x", mc.TYPE_FP32, [1])],
         output=[_output("y", mc.TYPE_FP32, [1])],
     ))
+    return repo
+
+
+def slow_repository(repo: Path, seconds: float, instances: int = 2) -> Path:
+    """Write a repository whose only model, `slow`, runs `instances` instances that each take
+    `seconds` to initialize."""
+    _python_model(repo, "slow", SLOW_MODEL_PY.format(seconds=seconds), mc.ModelConfig(
+        max_batch_size=1,
+        input=[_tensor("x", mc.TYPE_FP32, [1])],
+        output=[_output("x", mc.TYPE_FP32, [1])],
+    ), instances=instances)
     return repo
 
 
