@@ -8,6 +8,8 @@ with a NaN or an infinity agrees with nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -22,15 +24,39 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.shape != b.shape:
         raise ValueError(f"cosine_rows: shapes differ ({a.shape} and {b.shape})")
-    finite = np.isfinite(a).all(-1) & np.isfinite(b).all(-1)
-    a, b = np.where(finite[..., None], a, 0.0), np.where(finite[..., None], b, 0.0)
-    norm_a, norm_b = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
-    dots = (a * b).sum(-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cosines = np.clip(dots / (norm_a * norm_b), -1.0, 1.0)
-    zero_a, zero_b = norm_a == 0, norm_b == 0
-    cosines = np.where(zero_a | zero_b, np.where(zero_a & zero_b, 1.0, 0.0), cosines)
-    return np.where(finite, cosines, 0.0)
+    return RowSums.of(a, b).cosines()
+
+
+@dataclass
+class RowSums:
+    """What cosine_rows needs of corresponding rows, summed over their entries: a row's sums can
+    be added up piece by piece (`add`), so a row too long to hold in float64 at once is compared
+    in slices of its columns (serving/golden.py's compare)."""
+
+    finite: np.ndarray
+    dots: np.ndarray
+    squares_a: np.ndarray
+    squares_b: np.ndarray
+
+    @classmethod
+    def of(cls, a: np.ndarray, b: np.ndarray) -> RowSums:
+        """The sums over the last axis of float64 `a` and `b` (a row with NaN or Inf sums as zeros)."""
+        finite = np.isfinite(a).all(-1) & np.isfinite(b).all(-1)
+        a, b = np.where(finite[..., None], a, 0.0), np.where(finite[..., None], b, 0.0)
+        return cls(finite, (a * b).sum(-1), (a * a).sum(-1), (b * b).sum(-1))
+
+    def add(self, other: RowSums) -> RowSums:
+        """The sums of the rows' two pieces together."""
+        return RowSums(self.finite & other.finite, self.dots + other.dots, self.squares_a + other.squares_a,
+                       self.squares_b + other.squares_b)
+
+    def cosines(self) -> np.ndarray:
+        norm_a, norm_b = np.sqrt(self.squares_a), np.sqrt(self.squares_b)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cosines = np.clip(self.dots / (norm_a * norm_b), -1.0, 1.0)
+        zero_a, zero_b = norm_a == 0, norm_b == 0
+        cosines = np.where(zero_a | zero_b, np.where(zero_a & zero_b, 1.0, 0.0), cosines)
+        return np.where(self.finite, cosines, 0.0)
 
 
 def degenerate_rows(values: np.ndarray, reference: np.ndarray | None = None) -> str | None:

@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 
 if __package__:  # imported from the bionemo_export package
-    from bionemo_export.numerics import cosine_rows
+    from bionemo_export.numerics import RowSums
     from bionemo_export.serving.host import cpu_description, describe_cpu
 else:  # copied beside a generated model.py, where its siblings are top-level modules
     from host import cpu_description, describe_cpu
-    from numerics import cosine_rows
+    from numerics import RowSums
 
 GOLDEN_FILE = "golden.npz"
 CHECK_ENV = "BIONEMO_EXPORT_GOLDEN_CHECK"
@@ -67,23 +67,61 @@ class Figures:
 def compare(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None = None) -> Figures:
     """Max abs error and min cosine of `actual` against `expected`, over one vector per valid
     position for [batch, length, ...] outputs when `valid` ([batch, length] booleans) is given
-    (padded positions are don't-care), else one vector per item. NaN propagates, and fails."""
+    (padded positions are don't-care), else one vector per item. NaN propagates, and fails.
+
+    Computed in float64 a slice of rows (of a row's columns, for rows longer than that) at a time
+    (COMPARE_CHUNK_BYTES), so that comparing large outputs costs a slice's temporaries, not ten
+    times the output (measured: two 150 MB attention
+    maps compared at once peaked 1.5 GB above them; a build's attentions check set its peak so)."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape:
         return Figures(actual.shape, math.inf, -1.0,
                        f"shape {actual.shape} differs from the reference's {expected.shape}")
-    rows_actual, rows_expected = _rows(actual, valid), _rows(expected, valid)
-    if rows_actual.size == 0:
+    largest: list[float] = []
+    smallest: list[float] = []
+    for rows_actual, rows_expected in zip(_row_slices(actual, valid), _row_slices(expected, valid)):
+        if rows_actual.size:
+            sums, step = None, _columns_at_once(rows_actual)  # a row longer than the chunk, in pieces
+            for start in range(0, rows_actual.shape[1], step):
+                piece_actual = rows_actual[:, start:start + step].astype(np.float64)
+                piece_expected = rows_expected[:, start:start + step].astype(np.float64)
+                largest.append(float(np.max(np.abs(piece_actual - piece_expected))))
+                piece = RowSums.of(piece_actual, piece_expected)
+                sums = piece if sums is None else sums.add(piece)
+            assert sums is not None  # a slice with entries has columns
+            smallest.append(float(np.min(sums.cosines())))
+    if not largest:
         return Figures(actual.shape, 0.0, 1.0)
-    max_abs = float(np.max(np.abs(rows_actual - rows_expected)))
-    return Figures(actual.shape, max_abs, float(np.min(cosine_rows(rows_actual, rows_expected))))
+    return Figures(actual.shape, float(np.max(largest)), float(np.min(smallest)))  # np: NaN propagates
 
 
-def _rows(values: np.ndarray, valid: np.ndarray | None) -> np.ndarray:
-    values = values.astype(np.float64)
-    if valid is not None and values.ndim >= 2 and values.shape[:2] == valid.shape:
-        return values[valid].reshape(int(valid.sum()), -1)
-    return values.reshape(values.shape[0], -1) if values.ndim >= 2 else values.reshape(1, -1)
+COMPARE_CHUNK_BYTES = 16 << 20
+"""How many bytes of an output `compare` turns into float64 rows at once (at least one row)."""
+
+
+def _row_slices(values: np.ndarray, valid: np.ndarray | None):
+    """The vectors `compare` compares, [rows, width] slices in order: one per valid position of
+    [batch, length, ...] outputs (item by item), else one per item; a vector, one row."""
+    if values.ndim < 2:
+        yield values.reshape(1, -1)
+        return
+    if valid is not None and values.shape[:2] == valid.shape:
+        width = int(np.prod(values.shape[2:], dtype=np.int64))
+        for item, keep in zip(values, valid):
+            yield from _in_slices(item[keep].reshape(int(keep.sum()), width))
+        return
+    yield from _in_slices(values.reshape(values.shape[0], int(np.prod(values.shape[1:], dtype=np.int64))))
+
+
+def _in_slices(rows: np.ndarray):
+    step = max(1, COMPARE_CHUNK_BYTES // max(1, 8 * rows.shape[1]))
+    for start in range(0, len(rows), step):
+        yield rows[start:start + step]
+
+
+def _columns_at_once(rows: np.ndarray) -> int:
+    """Columns of `rows` whose float64 copy fits COMPARE_CHUNK_BYTES (at least one)."""
+    return max(1, COMPARE_CHUNK_BYTES // max(1, 8 * len(rows)))
 
 
 @dataclass(frozen=True)
