@@ -305,7 +305,9 @@ def test_a_stub_dying_while_its_model_loads_asks_for_a_restart_at_once(esm2_repo
     (Triton 2.51's Python backend waits for the new stub; measured: still pending after 90 s), and
     the supervisor, waiting on it, healed nothing more. Now it watches the new stubs while a load
     runs and asks serve for a tritonserver restart within seconds, whichever stub of the load died:
-    the auto-complete stub (named after the model; it ends by design once done) or an instance's."""
+    the auto-complete stub (named after the model; it ends by design once done) or an instance's.
+    An instance's stub killed after it connected makes Triton fail the load itself: that answer,
+    within the same seconds, is the other way the supervisor may not wait for good."""
     with TritonServer(esm2_repo, install=triton_install, log_file=tmp_path / "server.log") as server:
         server_pid = server.pid
         assert server_pid is not None  # a started server has a process
@@ -334,9 +336,15 @@ def test_a_stub_dying_while_its_model_loads_asks_for_a_restart_at_once(esm2_repo
         took = time.monotonic() - start
         killer.join()
         assert killed, f"no new {role} stub was seen while the model loaded"
-        assert supervisor.recycle_reason and "a stub died while" in supervisor.recycle_reason, lines
         assert took < 30, f"the supervisor waited {took:.0f} s on a load that never ends"
-        assert any("restarting tritonserver does" in line for line in lines)
+        if supervisor.recycle_reason is None:
+            # Found in CI: an instance's stub killed once it had connected is noticed by Triton itself,
+            # which fails the load at once (no hang, nothing to restart); killed earlier, the load hangs.
+            assert role == "instance" and any(f"loading {model} failed" in line and "is not healthy" in line
+                                              for line in lines), lines
+        else:
+            assert "a stub died while" in supervisor.recycle_reason, lines
+            assert any("restarting tritonserver does" in line for line in lines)
 
 
 def test_a_reload_of_a_model_slow_to_initialize_is_waited_for(tmp_path, triton_install):
