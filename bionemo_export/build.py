@@ -35,7 +35,13 @@ from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from bionemo_export.exporters.shared_weights import WEIGHTS_FILE
 from bionemo_export.generation.reference import decoder_check_batches
-from bionemo_export.memory_plan import WEIGHTS_ON_DISK, BuildMemory, build_memory
+from bionemo_export.memory_plan import (
+    STREAMED,
+    WEIGHT_ONLY_PRECISIONS,
+    WEIGHTS_ON_DISK,
+    BuildMemory,
+    build_memory,
+)
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
 from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
@@ -107,6 +113,10 @@ class BuildRequest:
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
     check_memory: bool = True
     """Refuse before loading a checkpoint this host's memory cannot build (check_build_memory)."""
+    streamed: bool | None = None
+    """int8w, int4: write the encoder's graph weight by weight from the checkpoint (exporters/streamed.py),
+    for checkpoints whose fp32 weights do not fit in memory. None: when the memory check finds that
+    the weights-on-disk build does not fit here (memory_plan.build_memory)."""
     graph_cache: Path | None = field(default_factory=default_graph_cache)
     """A folder of exported graphs to reuse and fill (exporters/graph_cache.py); by default the one
     $BIONEMO_EXPORT_GRAPH_CACHE names, else none."""
@@ -166,6 +176,16 @@ def _check_request(request: BuildRequest) -> None:
                          "(weights per quantization block of int8w and int4)")
     if request.exporter not in tuple(Exporter):
         raise BuildError(f"`exporter` {request.exporter!r}: choose one of {', '.join(Exporter)}")
+    if request.streamed and request.precision not in WEIGHT_ONLY_PRECISIONS:
+        raise BuildError(f"`stream-weights` writes {' or '.join(WEIGHT_ONLY_PRECISIONS)} graphs (weight-only "
+                         "quantization as the weights stream); pass `precision` int4 or int8w, not "
+                         f"{request.precision}")
+    if request.streamed and request.members:
+        raise BuildError("`stream-weights` builds one checkpoint; an ensemble's members are built in memory or "
+                         "with their weights on disk")
+    if request.streamed and request.exporter != Exporter.TORCH:
+        raise BuildError("`stream-weights` exports with torch.onnx (`exporter` torch): Model Navigator writes "
+                         "every weight of the graph at once")
 
 
 def _check_out(out: Path) -> None:
@@ -230,16 +250,21 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                   family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
                   optimize: bool = True, num_heads: int | None = None,
                   hidden_size: int | None = None, picks_cpu_graph: bool = True,
-                  cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> ExportedGraph:
+                  cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                  streamed: bool = False) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
     graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
-    exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden answers."""
+    exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden answers.
+    `streamed` (int8w, int4): written weight by weight and checked once (`_export_streamed`)."""
     from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
     from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
     from bionemo_export.exporters.verification import write_golden_answers
 
+    if streamed:
+        return _export_streamed(name, module, inputs, outputs, batches, export_dir, family, progress, mask_input,
+                                precision=precision, block_size=block_size)
     progress(f"exporting the {name} graph to ONNX ({exporter})")
     folder = export_dir / name
     folder.mkdir()
@@ -295,6 +320,40 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     files[golden.name] = golden
     return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None,
                                                   speed), verification)
+
+
+def _export_streamed(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, family,
+                     progress: Progress, mask_input: str, *, precision: str, block_size: int) -> ExportedGraph:
+    """The graph written weight by weight in `precision` (exporters/streamed.py), checked against
+    PyTorch in its served sessions with the precision's margin (pipeline.verify_streamed)."""
+    from bionemo_export.exporters.optimize.pipeline import verify_streamed
+    from bionemo_export.exporters.streamed import export_streamed
+    from bionemo_export.exporters.verification import write_golden_answers
+
+    progress(f"writing the {name} graph weight by weight ({precision}, streamed from the checkpoint)")
+    folder = export_dir / name
+    folder.mkdir()
+    streamed = export_streamed(module, inputs, outputs, batches[0], folder / "model.onnx", precision=precision,
+                               block_size=block_size)
+    progress(f"checking the {name} graph ({precision}) against PyTorch")
+    chosen = verify_streamed(module, streamed.result, batches, atol=family.atol, min_cosine=family.min_cosine,
+                             output_names=[t.name for t in outputs], mask_input=mask_input)
+    verification = GraphVerification(chosen.report, streamed.export.path, chosen.record.precision)
+    files = {p.name: p for p in folder.iterdir() if p.is_file()}
+    golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
+                                  mask_input=mask_input)
+    files[golden.name] = golden
+    return ExportedGraph(name, files, GraphRecord(streamed.export, chosen.record, None, None), verification)
+
+
+def _check_streamed_tasks(tasks: tuple[str, ...]) -> None:
+    """A streamed build writes the encoder's graph once: tasks whose graphs are the encoder again
+    (layers, contacts, attentions: each another copy of the weights, in fp32) are refused."""
+    again = [task for task in tasks if set(get_task(task).graphs) & set(HOSTED_GRAPHS)]
+    if again:
+        raise BuildError(f"a streamed build (`stream-weights`) serves the encoder's graph and its heads; "
+                         f"{', '.join(again)} need the encoder again in another graph, in fp32: leave them out of "
+                         "`tasks`, or build them on a host whose memory holds the fp32 weights")
 
 
 def _log_tail(workspace: Path | None, lines: int = 20) -> str:
@@ -382,19 +441,21 @@ def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> Masked
 
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
                 progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = "",
-                share_weights: bool = False) -> dict[str, ExportedGraph]:
+                share_weights: bool = False, streamed: bool = False) -> dict[str, ExportedGraph]:
     """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
     every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
     they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse).
     `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`). `share_weights`: the
     graphs that are the encoder again (tasks.HOSTED_GRAPHS) are rewritten over one weights file
-    with the encoder's (`_share_encoder_weights`), for a backend whose encoder model hosts them."""
+    with the encoder's (`_share_encoder_weights`), for a backend whose encoder model hosts them.
+    `streamed`: the encoder's graph is written weight by weight (exporters/streamed.py)."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
     def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
-               precision: str = "fp32", optimize: bool = False) -> ExportedGraph:
+               precision: str = "fp32", optimize: bool = False, streamed: bool = False) -> ExportedGraph:
         return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
+                             streamed=streamed,
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                              picks_cpu_graph=picks_cpu_graph,
                              cache=GraphCache(request.graph_cache) if request.graph_cache else None,
@@ -412,6 +473,7 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                 settings["optimize"] = request.optimize and cpu_optimized
             if how.encoder:
                 settings["precision"] = request.precision
+                settings["streamed"] = streamed
             graphs[prefix + graph.value] = export(prefix + graph.value, module, inputs, outputs, graph_batches,
                                                   mask_input=how.mask_input, **settings)
     if share_weights and not prefix:
@@ -524,23 +586,30 @@ GRAPH_EXPORTS: dict[Graph, GraphExport] = {
 """How each graph a task entry names is exported, in the order a build exports them."""
 
 
-def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32) -> BuildMemory:
-    """The memory a build of `checkpoint` in `precision` needs (memory_plan.build_memory), read
-    from the checkpoint's headers before anything is loaded."""
-    return build_memory(fp32_weight_bytes(Path(checkpoint)), precision)
+def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32, available: int | None = None,
+                          streamed: bool | None = None) -> BuildMemory:
+    """The memory a build of `checkpoint` in `precision` needs (memory_plan.build_memory: by the
+    path it will take with `available` bytes free and `streamed` as asked), read from the
+    checkpoint's headers before anything is loaded."""
+    return build_memory(fp32_weight_bytes(Path(checkpoint)), precision, available, streamed)
 
 
-def check_build_memory(checkpoint: Path, available: int | None, precision: str = Precision.FP32
-                       ) -> BuildMemory | None:
+def check_build_memory(checkpoint: Path, available: int | None, precision: str = Precision.FP32,
+                       streamed: bool | None = None) -> BuildMemory | None:
     """The build's memory estimate (`estimate_build_memory`); BuildError before anything is loaded
-    when it exceeds `available` bytes (None: unknown, not checked): an ESM C 6B quantized (24 GB of
-    fp32 weights read in) would otherwise be killed by the kernel mid-build on a 24 GB host."""
+    when it exceeds `available` bytes (None: unknown, not checked): an ESM C 6B in fp32 (25 GB of
+    weights) would otherwise be killed by the kernel mid-build on a 24 GB host. An int8w or int4
+    build that does not fit with its weights on disk is estimated streamed (memory_plan.STREAMED)."""
     if not Path(checkpoint).exists():
         return None
-    estimate = estimate_build_memory(Path(checkpoint), precision)
+    estimate = estimate_build_memory(Path(checkpoint), precision, available, streamed)
     if available is not None and estimate.needed > available:
         advice = ("build it in fp32 here (its weights stay on disk) and quantize on a host with more memory"
-                  if precision != Precision.FP32 and estimate.path == WEIGHTS_ON_DISK else
+                  if precision not in WEIGHT_ONLY_PRECISIONS and precision != Precision.FP32
+                  and estimate.path == WEIGHTS_ON_DISK else
+                  "build it in int4 (`precision` int4: its weights stream, quantized as they are written)"
+                  if precision == Precision.FP32 and estimate.path == WEIGHTS_ON_DISK
+                  and build_memory(estimate.weights, "int4", streamed=True).needed <= available else
                   "build on a host with more memory (the repository then serves anywhere the graph fits)")
         raise BuildError(f"{checkpoint}: building it in {precision} needs {estimate.text()}; "
                          f"{available / 2**30:.1f} GiB is available here. {advice[0].upper()}{advice[1:]}, or pass "
@@ -571,10 +640,13 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
 
     if request.members:
         return _build_ensemble(request, backend, serving, progress)
+    memory = None
     if request.check_memory:
-        memory = check_build_memory(request.checkpoint, available_memory_bytes(), request.precision)
+        memory = check_build_memory(request.checkpoint, available_memory_bytes(), request.precision,
+                                    request.streamed)
         if memory is not None:
             progress(f"memory: this build needs {memory.text()}")
+    streamed = request.streamed if request.streamed is not None else memory is not None and memory.path == STREAMED
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     loaded = _load(request.checkpoint, request)
     # The hosted graphs share the encoder's weights when both are fp32 (they are exported in fp32:
@@ -582,6 +654,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
     hosts_graphs = serving.serving_backend.runs_python and request.precision == Precision.FP32
     tasks = servable_tasks(loaded, _check_tasks(loaded.family, request.tasks, hosts_graphs=hosts_graphs),
                            asked=request.tasks is not None)
+    if streamed:
+        _check_streamed_tasks(tasks)
 
     try:
         # Published at request.out when the block ends normally; removed however it ends.
@@ -593,7 +667,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                     graphs = _export_all(loaded, tasks, export_dir, request, progress,
                                          cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
                                          picks_cpu_graph=serving.serving_backend.runs_python,
-                                         share_weights=serving.serving_backend.runs_python)
+                                         share_weights=serving.serving_backend.runs_python, streamed=streamed)
                 except PrecisionError as err:
                     raise BuildError(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")

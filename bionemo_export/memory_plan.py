@@ -24,6 +24,11 @@ in memory). Small models (AntiBERTy, ESM-2 35M) stay one file."""
 
 IN_MEMORY = "held in memory"
 WEIGHTS_ON_DISK = "weights left on disk"
+STREAMED = "weights streamed"
+"""int8w and int4 of a checkpoint whose weights-on-disk build exceeds the host's memory: the graph
+is written weight by weight, quantized as it goes (exporters/streamed.py)."""
+WEIGHT_ONLY_PRECISIONS = ("int8w", "int4")
+"""The precisions a streamed build writes."""
 BUILD_MEMORY_FACTORS: dict[str, float] = {IN_MEMORY: 9.5, WEIGHTS_ON_DISK: 1.3}
 """A build's peak resident memory beyond BUILD_BASELINE_BYTES, in multiples of the model's fp32
 weights, per path (`build_memory`). Held in memory (graphs up to EXTERNAL_DATA_THRESHOLD_BYTES):
@@ -45,6 +50,12 @@ WEIGHT_ONLY_MEMORY_FACTOR = 0.5
 """The free memory int8w and int4 quantization itself needs for a graph with its weights on disk,
 in multiples of its fp32 weights: one MatMul's weights at a time and the quantized copies (0.30x
 at 8 bits, 0.19x at 4; exporters/optimize/weight_only.py)."""
+STREAMED_MEMORY_FACTOR = 2.0
+"""A streamed build's peak beyond BUILD_BASELINE_BYTES, in multiples of its quantized weights
+(STORED_WEIGHT_SHARE): the check's ONNX Runtime session holds the quantized graph's weights and
+the packed copies its MatMulNBits kernels compute from; the fp32 weights are pages of the mapped
+checkpoint, read one at a time (one layer's during the PyTorch reference) and dropped when memory
+is short."""
 BUILD_BASELINE_BYTES = 800 << 20
 """What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
 
@@ -76,10 +87,17 @@ class BuildMemory:
                 f"weights + {BUILD_BASELINE_BYTES / 2**30:.1f} GiB, {self.path}: {self.why})")
 
 
-def build_memory(weights: int, precision: str = "fp32") -> BuildMemory:
+def build_memory(weights: int, precision: str = "fp32", available: int | None = None,
+                 streamed: bool | None = None) -> BuildMemory:
     """The memory a build of a model with `weights` fp32 bytes needs in `precision`, by the path it
     will take: graphs whose weights exceed EXTERNAL_DATA_THRESHOLD_BYTES keep their weights on disk
-    (BUILD_MEMORY_FACTORS says what each path holds), and quantizing those reads them in."""
+    (BUILD_MEMORY_FACTORS says what each path holds), and quantizing those reads them in. int8w and
+    int4 builds are streamed (STREAMED) when `streamed`, or, where `streamed` is None, when the
+    weights-on-disk build needs more than `available` bytes (None: unknown, never)."""
+    if streamed and precision not in WEIGHT_ONLY_PRECISIONS:
+        raise ValueError(f"a streamed build writes {' or '.join(WEIGHT_ONLY_PRECISIONS)} graphs, not {precision}")
+    if streamed:
+        return _streamed(weights, precision)
     if weights <= EXTERNAL_DATA_THRESHOLD_BYTES:
         path, why = IN_MEMORY, (f"up to {EXTERNAL_DATA_THRESHOLD_BYTES >> 20} MB of weights the graph is exported, "
                                 "fused and checked whole, beside the PyTorch model")
@@ -92,7 +110,18 @@ def build_memory(weights: int, precision: str = "fp32") -> BuildMemory:
         path, why = WEIGHTS_ON_DISK, ("the checkpoint is mapped and the graph written with external data, the "
                                       "PyTorch model and an ONNX Runtime session resident one at a time")
         factor = BUILD_MEMORY_FACTORS[WEIGHTS_ON_DISK]
-    return BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
+    estimate = BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
+    if (streamed is None and precision in WEIGHT_ONLY_PRECISIONS and available is not None
+            and estimate.needed > available):
+        return _streamed(weights, precision, f"the {path} build needs {estimate.needed / 2**30:.1f} GiB; ")
+    return estimate
+
+
+def _streamed(weights: int, precision: str, reason: str = "") -> BuildMemory:
+    factor = round(STREAMED_MEMORY_FACTOR * STORED_WEIGHT_SHARE[precision], 2)
+    why = (f"{reason}the graph is written weight by weight from the mapped checkpoint, quantized as it goes, "
+           f"and only the {precision} graph is opened in ONNX Runtime")
+    return BuildMemory(STREAMED, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
 
 
 @dataclass(frozen=True)
@@ -170,6 +199,6 @@ class HostCapacity:
 def host_capacity(available: int | None, precisions: tuple[str, ...] = ("fp32", "int4")) -> list[HostCapacity]:
     """`doctor`'s table: every released model's build and serving estimates in `precisions` against
     `available` bytes."""
-    return [HostCapacity(model, {p: build_memory(model.fp32_bytes, p) for p in precisions},
+    return [HostCapacity(model, {p: build_memory(model.fp32_bytes, p, available) for p in precisions},
                          {p: serve_memory(model.fp32_bytes, p) for p in precisions}, available)
             for model in RELEASED_MODELS]

@@ -55,6 +55,12 @@ def repo(
                                       "host has, instead of being killed mid-build: about 1.3x its fp32 weights "
                                       "for models over 256 MB (their weights stay on disk; 1.5x to quantize), 9.5x "
                                       "below, plus 0.8 GiB; the build says which path it takes."),
+    stream_weights: bool | None = typer.Option(None, "--stream-weights/--no-stream-weights", help="int8w, int4: "
+                                               "write the encoder's graph weight by weight from the checkpoint, "
+                                               "quantized as it goes, for checkpoints whose fp32 weights do not "
+                                               "fit in memory (ESM C 6B, ESM-2 15B); serves embeddings, hiddens "
+                                               "and the heads. Default: when the memory check finds the other "
+                                               "path does not fit here."),
     max_batch_size: int = typer.Option(ServingOptions.max_batch_size, help="Largest batch any model accepts "
                                        "(requests and dynamic batches)."),
     max_length: int | None = typer.Option(None, help="Maximum tokens per sequence, specials included "
@@ -140,6 +146,7 @@ def repo(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize, check_memory=memory_check,
+            streamed=stream_weights,
             block_size=block_size,
         )
         if graph_cache is not None:  # else the request's default: $BIONEMO_EXPORT_GRAPH_CACHE

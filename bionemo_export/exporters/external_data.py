@@ -19,8 +19,9 @@ at a time; the graph file keeps the references.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import onnx
 from onnx import TensorProto
@@ -94,6 +95,27 @@ def load_weights(model: onnx.ModelProto, source_dir: Path) -> None:
             del tensor.external_data[:]
 
 
+class DataFileWriter:
+    """Appends tensors' bytes to one external data file, each at a multiple of ALIGNMENT, and points
+    each tensor at its bytes: what `save_streamed` and the streamed export (exporters/streamed.py)
+    write their weights with."""
+
+    def __init__(self, out: BinaryIO, location: str) -> None:
+        self.out, self.location, self.written = out, location, 0
+
+    def append(self, tensor: TensorProto, chunks: Iterable[Any]) -> None:
+        """Write `chunks` (the tensor's bytes, in order: bytes, or arrays of uint8) and refer
+        `tensor` to them."""
+        offset = -(-self.written // ALIGNMENT) * ALIGNMENT
+        self.out.seek(offset)
+        size = 0
+        for chunk in chunks:
+            self.out.write(chunk)
+            size += len(chunk)
+        _refer(tensor, self.location, offset, size)
+        self.written = offset + size
+
+
 def save_streamed(model: onnx.ModelProto, path: Path, *, source_dir: Path) -> int:
     """Write `model` to `path`, every tensor of MIN_EXTERNAL_BYTES or more in `<path>.data`: those
     it references (files relative to `source_dir`) copied CHUNK_BYTES at a time, those it holds
@@ -101,42 +123,35 @@ def save_streamed(model: onnx.ModelProto, path: Path, *, source_dir: Path) -> in
     path = Path(path)
     data_path = path.with_name(path.name + ".data")
     sources: dict[Path, int] = {}
-    written = 0
     try:
         with data_path.open("wb") as out:
+            writer = DataFileWriter(out, data_path.name)
             for tensor in tensors(model):
                 if unloaded(tensor):
                     info = ExternalDataInfo(tensor)
-                    size = tensor_bytes(tensor)
-                    out.seek(written := -(-written // ALIGNMENT) * ALIGNMENT)
                     source = (Path(source_dir) / info.location).resolve()
                     if source not in sources:
                         sources[source] = os.open(source, os.O_RDONLY)
-                    _copy(sources[source], int(info.offset or 0), size, out)
+                    writer.append(tensor, _chunks(sources[source], int(info.offset or 0), tensor_bytes(tensor)))
                 elif tensor.HasField("raw_data") and len(tensor.raw_data) >= MIN_EXTERNAL_BYTES:
-                    size = len(tensor.raw_data)
-                    out.seek(written := -(-written // ALIGNMENT) * ALIGNMENT)
-                    out.write(tensor.raw_data)
+                    data = tensor.raw_data
                     tensor.ClearField("raw_data")
-                else:
-                    continue
-                _refer(tensor, data_path.name, written, size)
-                written += size
+                    writer.append(tensor, [data])
     finally:
         for descriptor in sources.values():
             os.close(descriptor)
     onnx.save_model(model, str(path))
     data_path.chmod(path.stat().st_mode & 0o777)  # as the graph: a server running as another user reads both
-    return written
+    return writer.written
 
 
-def _copy(source: int, offset: int, size: int, out) -> None:
-    """`size` bytes of the file `source` from `offset` appended to `out`, a chunk at a time."""
+def _chunks(source: int, offset: int, size: int) -> Iterator[bytes]:
+    """`size` bytes of the file `source` from `offset`, CHUNK_BYTES at a time."""
     while size:
         chunk = os.pread(source, min(size, CHUNK_BYTES), offset)
         if not chunk:
             raise OSError(f"external data ends {size} bytes early")
-        out.write(chunk)
+        yield chunk
         offset += len(chunk)
         size -= len(chunk)
 

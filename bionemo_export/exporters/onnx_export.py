@@ -147,7 +147,7 @@ def export_onnx(
         stored = entry.restore(out_path)
         if stored is not None:
             try:
-                _check_written(out_path, inputs, outputs)
+                check_written(out_path, inputs, outputs)
             except ExportError:  # a damaged entry: export afresh below
                 _remove_written(out_path)
             else:
@@ -165,7 +165,7 @@ def _export(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequ
     """Export with `exporter` and check the written file."""
     parameters, weight_bytes = _weights(module)
     start = time.perf_counter()
-    with _eval_mode(module), _collected_warnings() as caught:
+    with eval_mode(module), collected_warnings() as caught:
         if exporter == "torch":
             _export_with_torch(module, inputs, outputs, arguments, out_path, opset, external)
         else:
@@ -173,7 +173,7 @@ def _export(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequ
                 module, inputs, outputs, arguments, out_path, opset, external, workspace
             )
     seconds = time.perf_counter() - start
-    _check_written(out_path, inputs, outputs)
+    check_written(out_path, inputs, outputs)
     data_path = _data_path(out_path) if external else None
     versions = {"torch": torch.__version__, "onnx": onnx.__version__}
     if exporter == "navigator":
@@ -195,16 +195,13 @@ def _export(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequ
     )
 
 
-def _export_with_torch(
-    module: torch.nn.Module,
-    inputs: Sequence[TensorSpec],
-    outputs: Sequence[TensorSpec],
-    arguments: tuple[torch.Tensor, ...],
-    out_path: Path,
-    opset: int,
-    external: bool,
-) -> None:
-    """torch.onnx's dynamo exporter, dynamic axes from the specs, saved straight to out_path."""
+def torch_program(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+                  arguments: tuple[torch.Tensor, ...], opset: int, *, fold: bool = True) -> Any:
+    """torch.onnx's dynamo export of `module` (an ONNXProgram), dynamic axes from the specs, without
+    the per-node debugging metadata. `fold`: the exporter's optimizer, whose constant folding makes
+    each linear weight's transpose a new array (a copy of the weights); without it the graph keeps
+    `MatMul(x, Transpose(W))` and every initializer is the module's own tensor, read only when the
+    program is saved (exporters/streamed.py)."""
     try:
         program = torch.onnx.export(
             module,
@@ -214,6 +211,7 @@ def _export_with_torch(
             output_names=[spec.name for spec in outputs],
             dynamic_shapes=_dynamic_shapes(inputs),
             opset_version=opset,
+            optimize=fold,
             verbose=False,  # otherwise it prints its progress on stdout
         )
     except Exception as err:  # torch.export raises many types; all mean the same to the user
@@ -225,14 +223,28 @@ def _export_with_torch(
             "does something torch.export cannot capture (data-dependent Python control flow)."
         ) from err
     assert program is not None, "torch.onnx.export(dynamo=True) returns the exported program"
-    # The exporter's constant folding made each linear weight's transpose a new array: the program
-    # holds a copy of the weights. The module's mapped pages, which it read to make them, are not
-    # needed while the copy is written (models/readers/mapped.py).
-    page_out([*module.parameters(), *module.buffers()])
     # Drop the per-node debugging metadata (source stack traces with this machine's paths): it
     # serves nothing at run time and makes the file depend on where the code was installed.
     for node in program.model.graph.all_nodes():
         node.metadata_props.clear()
+    return program
+
+
+def _export_with_torch(
+    module: torch.nn.Module,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    arguments: tuple[torch.Tensor, ...],
+    out_path: Path,
+    opset: int,
+    external: bool,
+) -> None:
+    """torch.onnx's dynamo exporter (`torch_program`), saved straight to out_path."""
+    program = torch_program(module, inputs, outputs, arguments, opset)
+    # The exporter's constant folding made each linear weight's transpose a new array: the program
+    # holds a copy of the weights. The module's mapped pages, which it read to make them, are not
+    # needed while the copy is written (models/readers/mapped.py).
+    page_out([*module.parameters(), *module.buffers()])
     _remove_written(out_path)
     program.save(str(out_path), external_data=external)
     del program
@@ -281,7 +293,7 @@ def _export_with_navigator(
         _data_path(out_path).chmod(out_path.stat().st_mode & 0o777)
 
 
-def _check_written(out_path: Path, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> None:
+def check_written(out_path: Path, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> None:
     """onnx.checker (by path, so external data and >2 GiB models work) plus the signature."""
     try:
         onnx.checker.check_model(str(out_path))
@@ -322,7 +334,7 @@ def _remove_written(out_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     """Export in eval mode (no dropout), restoring the caller's mode afterwards."""
     was_training = module.training
     module.eval()
@@ -333,7 +345,7 @@ def _eval_mode(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _collected_warnings() -> Iterator[list[str]]:
+def collected_warnings() -> Iterator[list[str]]:
     """Collect warnings and torch.onnx's logged warnings into a list of distinct messages, so
     that an export keeps the console quiet but its result still records them."""
     messages: list[str] = []

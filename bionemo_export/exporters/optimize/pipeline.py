@@ -273,10 +273,9 @@ def optimize_and_verify(
             failures.append(RejectedCandidate(_options_record(options), error=f"{type(err).__name__}: {err}"))
             log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} does not run: {err}")
             continue
-        if report.passed and all(check.min_cosine >= required[check.name] for check in report.outputs):
+        if _accepted(report, required):
             return VerifiedGraph(result.path, report, OptimizationRecord(result, rejected=tuple(failures)))
-        figures = {check.name: CandidateFigures(check.max_abs_error, check.min_cosine, required[check.name])
-                   for check in report.outputs}
+        figures = _figures(report, required)
         failures.append(RejectedCandidate(_options_record(options), applied=result.applied, figures=figures))
         below = "below its margin" if report.passed else "outside tolerance"
         log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} is {below}: "
@@ -292,6 +291,39 @@ def optimize_and_verify(
         + ", ".join(f"{name} min cosine {required[name]:.6g}" for name in tolerances) + "): "
         + "; ".join(failure.text() for failure in failures)
         + f". {_instead(precision)}")
+
+
+def verify_streamed(module: Any, result: OptimizationResult, batches: Sequence[Any], *, atol: float,
+                    min_cosine: float, output_names: Sequence[str], mask_input: str) -> VerifiedGraph:
+    """A streamed graph (exporters/streamed.py: quantized once, no candidates) checked against
+    `module` as the ladder checks a quantized candidate: in its served sessions, with the
+    precision's tolerance and its margin; PrecisionError with the figures when it falls short."""
+    from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
+
+    tolerances = precision_tolerances(result.precision, output_names, atol, min_cosine)
+    required = {name: margin_min_cosine(t.min_cosine) for name, t in tolerances.items()}
+    report = verify_onnx(module, result.path, batches, atol=atol, min_cosine=min_cosine, output_names=output_names,
+                         mask_input=mask_input, tolerances=tolerances,
+                         sessions=served_sessions(result.serving_graph_optimization_level))
+    if _accepted(report, required):
+        return VerifiedGraph(result.path, report, OptimizationRecord(result, rejected=()))
+    figures = _figures(report, required)
+    raise PrecisionError(
+        f"the streamed {result.precision} graph of {result.path.parent.name} is "
+        + ("below its margin" if report.passed else "outside tolerance") + " against PyTorch fp32: "
+        + "; ".join(f"{name} min cosine {f.min_cosine:.6f} (required {_required_text(tolerances[name], f)}), max abs "
+                    f"error {f.max_abs_error:.3g}" for name, f in figures.items())
+        + f". A streamed graph is quantized once, every product alike. {_instead(result.precision)}")
+
+
+def _accepted(report: VerificationReport, required: dict[str, float]) -> bool:
+    """Within tolerance, and each output's min cosine at least its `required` (the margin)."""
+    return report.passed and all(check.min_cosine >= required[check.name] for check in report.outputs)
+
+
+def _figures(report: VerificationReport, required: dict[str, float]) -> dict[str, CandidateFigures]:
+    return {check.name: CandidateFigures(check.max_abs_error, check.min_cosine, required[check.name])
+            for check in report.outputs}
 
 
 def _required_text(tolerance: Tolerance, figures: CandidateFigures) -> str:

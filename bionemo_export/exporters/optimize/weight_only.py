@@ -144,6 +144,30 @@ def quantize_weight_only(model: onnx.ModelProto, precision: str, *, block_size: 
         weight_bytes=stored)
 
 
+def quantize_linear(name: str, weight: np.ndarray, bits: int, block_size: int, accuracy_level: int
+                    ) -> tuple[onnx.NodeProto, list[onnx.TensorProto]]:
+    """One linear layer's weight (`weight`: [out N, in K], as torch stores it) as MatMulNBits: the
+    node (inputs `x` and its initializers, output `y`) and its initializers (packed weights, scales,
+    zero points, named after `name`), in memory. The quantizer of `quantize_weight_only`, run on a
+    graph of this one MatMul: what the streamed export (exporters/streamed.py) writes weight by
+    weight, the same bytes a whole graph's quantization gives the same weight."""
+    if weight.ndim != 2:
+        raise ValueError(f"{name}: a linear weight is [out, in], not {list(weight.shape)}")
+    rows, width = weight.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", name], ["y"], name=f"{name}_matmul")], "linear",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["rows", width])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["rows", rows])],
+        [numpy_helper.from_array(np.ascontiguousarray(weight.T, dtype=np.float32), name)])
+    model = _quantize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), bits, block_size,
+                      accuracy_level, exclude=[], source_dir=None)
+    (node,) = model.graph.node
+    if node.op_type != "MatMulNBits":
+        raise ValueError(f"{name}: onnxruntime's quantizer left the MatMul of a {list(weight.shape)} weight as "
+                         f"{node.op_type}")
+    return node, list(model.graph.initializer)
+
+
 def _quantize(model: onnx.ModelProto, bits: int, block_size: int, accuracy_level: int, *,
               exclude: list[str], source_dir: Path | None) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
