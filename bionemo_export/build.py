@@ -109,6 +109,11 @@ class BuildRequest:
     CPU: exporters/optimize/weight_only.py); fp16 (GPU hosts)."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """int8w, int4: weights per quantization block along the reduction axis (weight_only.BLOCK_SIZES)."""
+    min_cosine: float | None = None
+    """Reduced precisions: the least cosine against PyTorch fp32 every output of the encoder's graph
+    must keep (with the margin above it), in place of the precision's own tolerance
+    (verification.PRECISION_MIN_COSINE). Recorded in manifest.json and golden.npz: `verify` and
+    the served model's load-time check hold the graph to it."""
     optimize: bool = True
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
     check_memory: bool = True
@@ -176,6 +181,13 @@ def _check_request(request: BuildRequest) -> None:
                          "(weights per quantization block of int8w and int4)")
     if request.exporter not in tuple(Exporter):
         raise BuildError(f"`exporter` {request.exporter!r}: choose one of {', '.join(Exporter)}")
+    if request.min_cosine is not None and (request.precision == Precision.FP32
+                                           or not 0.0 < request.min_cosine < 1.0):
+        raise BuildError(f"`min-cosine` {request.min_cosine}: a reduced precision's tolerance against fp32, between 0 "
+                         "and 1 (fp32 graphs are held to the family's own tolerance)"
+                         if request.precision != Precision.FP32 else
+                         "`min-cosine` sets a reduced precision's tolerance (int8, int8w, int4, fp16); fp32 graphs "
+                         "are held to the family's own")
     if request.streamed and request.precision not in WEIGHT_ONLY_PRECISIONS:
         raise BuildError(f"`stream-weights` writes {' or '.join(WEIGHT_ONLY_PRECISIONS)} graphs (weight-only "
                          "quantization as the weights stream); pass `precision` int4 or int8w, not "
@@ -251,20 +263,21 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                   optimize: bool = True, num_heads: int | None = None,
                   hidden_size: int | None = None, picks_cpu_graph: bool = True,
                   cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                  streamed: bool = False) -> ExportedGraph:
+                  streamed: bool = False, min_cosine: float | None = None) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
     graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
     exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden answers.
-    `streamed` (int8w, int4): written weight by weight and checked once (`_export_streamed`)."""
+    `streamed` (int8w, int4): written weight by weight and checked once (`_export_streamed`).
+    `min_cosine`: a reduced precision's tolerance asked for (BuildRequest.min_cosine)."""
     from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
     from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
     from bionemo_export.exporters.verification import write_golden_answers
 
     if streamed:
         return _export_streamed(name, module, inputs, outputs, batches, export_dir, family, progress, mask_input,
-                                precision=precision, block_size=block_size)
+                                precision=precision, block_size=block_size, min_cosine=min_cosine)
     progress(f"exporting the {name} graph to ONNX ({exporter})")
     folder = export_dir / name
     folder.mkdir()
@@ -298,7 +311,7 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
 
     settings: dict[str, Any] = dict(num_heads=num_heads, hidden_size=hidden_size, atol=family.atol,
                                     min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
-                                    optimize=optimize)
+                                    optimize=optimize, asked_min_cosine=min_cosine)
     work = export_dir / f"{name}.optimized"
     no_vnni, speed = None, None
     if precision == "int8":
@@ -323,7 +336,8 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
 
 
 def _export_streamed(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, family,
-                     progress: Progress, mask_input: str, *, precision: str, block_size: int) -> ExportedGraph:
+                     progress: Progress, mask_input: str, *, precision: str, block_size: int,
+                     min_cosine: float | None) -> ExportedGraph:
     """The graph written weight by weight in `precision` (exporters/streamed.py), checked against
     PyTorch in its served sessions with the precision's margin (pipeline.verify_streamed)."""
     from bionemo_export.exporters.optimize.pipeline import verify_streamed
@@ -337,7 +351,8 @@ def _export_streamed(name: str, module, inputs, outputs, batches: list[dict], ex
                                block_size=block_size)
     progress(f"checking the {name} graph ({precision}) against PyTorch")
     chosen = verify_streamed(module, streamed.result, batches, atol=family.atol, min_cosine=family.min_cosine,
-                             output_names=[t.name for t in outputs], mask_input=mask_input)
+                             output_names=[t.name for t in outputs], mask_input=mask_input,
+                             asked_min_cosine=min_cosine)
     verification = GraphVerification(chosen.report, streamed.export.path, chosen.record.precision)
     files = {p.name: p for p in folder.iterdir() if p.is_file()}
     golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
@@ -452,10 +467,11 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
     def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
-               precision: str = "fp32", optimize: bool = False, streamed: bool = False) -> ExportedGraph:
+               precision: str = "fp32", optimize: bool = False, streamed: bool = False,
+               min_cosine: float | None = None) -> ExportedGraph:
         return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
-                             streamed=streamed,
+                             streamed=streamed, min_cosine=min_cosine,
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                              picks_cpu_graph=picks_cpu_graph,
                              cache=GraphCache(request.graph_cache) if request.graph_cache else None,
@@ -474,6 +490,7 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
             if how.encoder:
                 settings["precision"] = request.precision
                 settings["streamed"] = streamed
+                settings["min_cosine"] = request.min_cosine
             graphs[prefix + graph.value] = export(prefix + graph.value, module, inputs, outputs, graph_batches,
                                                   mask_input=how.mask_input, **settings)
     if share_weights and not prefix:

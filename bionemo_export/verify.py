@@ -557,15 +557,20 @@ CHECKS: dict[str, Check] = {
 
 def precision_checks(manifest: Manifest, family) -> tuple[dict, dict[str, str]]:
     """(task -> Tolerance, task -> note) for the repository's precision: the family's tolerance for
-    fp32; for int8/fp16 the precision's minimum cosine, and a note with the accuracy cost the build
-    measured (manifest.json's `accuracy`)."""
-    from bionemo_export.exporters.verification import precision_tolerances
+    fp32; for the reduced precisions the minimum cosine the build held the graph to (manifest.json's
+    `accuracy`: the precision's, or the build's `min-cosine`), and a note with the accuracy cost
+    the build measured."""
+    from bionemo_export.exporters.verification import Tolerance, precision_tolerances
 
     precision = manifest.precision
     tolerances = precision_tolerances(precision, ["embeddings", "hiddens"], family.atol, family.min_cosine)
     if precision == "fp32":
         return tolerances, {}
     measured = manifest.accuracy.get("outputs", {})
+    for task in tolerances:
+        held = measured.get(task, {}).get("tolerance", {}).get("min_cosine")
+        if isinstance(held, float):
+            tolerances[task] = Tolerance(tolerances[task].atol, held)
     notes = {}
     for task, tolerance in tolerances.items():
         built = measured.get(task)

@@ -55,6 +55,11 @@ def repo(
                                       "host has, instead of being killed mid-build: about 1.3x its fp32 weights "
                                       "for models over 256 MB (their weights stay on disk; 1.5x to quantize), 9.5x "
                                       "below, plus 0.8 GiB; the build says which path it takes."),
+    min_cosine: float | None = typer.Option(None, help="int8, int8w, int4, fp16: the least cosine against "
+                                            "PyTorch fp32 the encoder's outputs must keep, in place of the "
+                                            "precision's own tolerance (int4: embeddings 0.97); a lower value "
+                                            "accepts a graph further from fp32, recorded in manifest.json and held "
+                                            "by `verify` and the served model's load-time check."),
     stream_weights: bool | None = typer.Option(None, "--stream-weights/--no-stream-weights", help="int8w, int4: "
                                                "write the encoder's graph weight by weight from the checkpoint, "
                                                "quantized as it goes, for checkpoints whose fp32 weights do not "
@@ -146,7 +151,7 @@ def repo(
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
             max_decode_length=max_decode_length, precision=precision, optimize=optimize, check_memory=memory_check,
-            streamed=stream_weights,
+            streamed=stream_weights, min_cosine=min_cosine,
             block_size=block_size,
         )
         if graph_cache is not None:  # else the request's default: $BIONEMO_EXPORT_GRAPH_CACHE

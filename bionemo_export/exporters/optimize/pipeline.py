@@ -218,6 +218,7 @@ def optimize_and_verify(
     fused_graphs: FusedGraphs | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    asked_min_cosine: float | None = None,
 ) -> VerifiedGraph:
     """Optimize the verified plain export `plain` (and convert it to `precision`), check each
     candidate against `module` on `batches` with the precision's tolerance (fp32: the family's
@@ -229,11 +230,13 @@ def optimize_and_verify(
     `int8_weights` (int8): "int8" or "uint8" weights (quantization.py: which CPUs compute them exactly).
     `fused_graphs` (int8): the fused graphs the candidates start from, shared with other ladders of
     `plain`; None makes them here. `block_size`, `accuracy_level` (int8w, int4): weight_only.py's.
+    `asked_min_cosine`: a reduced precision's tolerance for every output, in place of its own
+    (verification.precision_tolerances); the margin applies to it as to the precision's.
     """
     from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
 
     log = log or LOG.warning
-    tolerances = precision_tolerances(precision, output_names, atol, min_cosine)
+    tolerances = precision_tolerances(precision, output_names, atol, min_cosine, asked_min_cosine)
     quantized = Precision(precision).quantized
     required = {name: margin_min_cosine(t.min_cosine) if quantized else t.min_cosine for name, t in tolerances.items()}
     if precision == "fp32" and not optimize:
@@ -294,13 +297,15 @@ def optimize_and_verify(
 
 
 def verify_streamed(module: Any, result: OptimizationResult, batches: Sequence[Any], *, atol: float,
-                    min_cosine: float, output_names: Sequence[str], mask_input: str) -> VerifiedGraph:
+                    min_cosine: float, output_names: Sequence[str], mask_input: str,
+                    asked_min_cosine: float | None = None) -> VerifiedGraph:
     """A streamed graph (exporters/streamed.py: quantized once, no candidates) checked against
     `module` as the ladder checks a quantized candidate: in its served sessions, with the
-    precision's tolerance and its margin; PrecisionError with the figures when it falls short."""
+    precision's tolerance (or `asked_min_cosine`) and its margin; PrecisionError with the figures
+    when it falls short."""
     from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
 
-    tolerances = precision_tolerances(result.precision, output_names, atol, min_cosine)
+    tolerances = precision_tolerances(result.precision, output_names, atol, min_cosine, asked_min_cosine)
     required = {name: margin_min_cosine(t.min_cosine) for name, t in tolerances.items()}
     report = verify_onnx(module, result.path, batches, atol=atol, min_cosine=min_cosine, output_names=output_names,
                          mask_input=mask_input, tolerances=tolerances,
