@@ -15,6 +15,19 @@ child (`--check`): transformers' EsmModel (EsmcModel) from the same folder compu
 states, mean-pooled over the residues as the repository's embeddings are, then the repository's
 stored encoder graph runs under ONNX Runtime on the same batch.
 
+A checkpoint whose fp32 weights exceed half the host's memory (ESM C 6B) is checked against
+transformers' model run one layer's weights at a time (testing/streamed_reference.py), and for the
+weight-only precisions also against that model computing with the graph's own rounded weights (the
+graph's implementation, apart from what rounding costs). `--serve` then serves the repository with
+a real `bionemo-export serve` and measures the resident memory of tritonserver and its stubs and the
+embeddings throughput of CHECK_SEQUENCES sent through gRPC.
+
+    .venv/bin/python benchmarks/model_sizes.py --family esmc --shapes esmc_6b --precision int4 \
+        --min-cosine 0.1 --serve --work /tmp/sizes6b --out benchmarks/results/model_sizes_esmc_6b_int4.json
+
+`--min-cosine` is the build's option (a random checkpoint keeps far less of itself at 4 bits than a
+trained one: docs/building.md); the figures against both references are what the JSON reports.
+
 `--shared` records that other work ran on the machine at the same time (seconds then mean little;
 memory is the process's own either way).
 """
@@ -124,9 +137,11 @@ def child_build(checkpoint: Path, family: str, out: Path, extra: dict[str, Any],
             "peak_step": peak_step, "steps": sampler.steps}
 
 
-def child_check(checkpoint: Path, family: str, repository: Path) -> dict[str, Any]:
+def child_check(checkpoint: Path, family: str, repository: Path, precision: str = "fp32") -> dict[str, Any]:
     """Embeddings of CHECK_SEQUENCES from transformers' model on `checkpoint` against the
-    repository's stored encoder graph (fp32 reference; each freed before the next is opened)."""
+    repository's stored encoder graph (fp32 reference; each freed before the next is opened).
+    Weights over half the host's memory: the model run one layer's weights at a time, and for
+    int8w/int4 also with the weights rounded as the graph stores them (`rounded_weights`)."""
     import gc
 
     import numpy as np
@@ -135,6 +150,9 @@ def child_check(checkpoint: Path, family: str, repository: Path) -> dict[str, An
     import transformers
 
     from bionemo_export.models import get_family
+    from bionemo_export.models.readers.base import fp32_weight_bytes
+    from bionemo_export.procfs import available_memory_bytes
+    from bionemo_export.testing.streamed_reference import streamed_hidden_states
 
     loaded_tokenizer = get_family(family).build_tokenizer(checkpoint, None, None)  # type: ignore[attr-defined]
     encoded = loaded_tokenizer.encode(CHECK_SEQUENCES, truncate=True)
@@ -142,12 +160,25 @@ def child_check(checkpoint: Path, family: str, repository: Path) -> dict[str, An
     mask = torch.from_numpy(np.asarray(encoded.attention_mask))
     residues = torch.from_numpy(np.asarray(encoded.residue_mask)).bool()
     model_class = transformers.EsmModel if family == "esm2" else transformers.EsmcModel
-    reference = model_class.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        hiddens = reference(input_ids=ids, attention_mask=mask).last_hidden_state.float()
     weights = residues.unsqueeze(-1).float()
-    expected = ((hiddens * weights).sum(1) / weights.sum(1)).numpy()
-    del reference, hiddens
+    streamed = fp32_weight_bytes(checkpoint) > (available_memory_bytes() or 0) / 2
+    references = {}
+    if streamed:
+        start = time.perf_counter()
+        hiddens = streamed_hidden_states(model_class, checkpoint, ids, mask)
+        references["transformers"] = ((hiddens * weights).sum(1) / weights.sum(1)).numpy()
+        print(f"layer-by-layer reference: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        if precision in ("int8w", "int4"):
+            hiddens = streamed_hidden_states(model_class, checkpoint, ids, mask,
+                                             weight_bits={"int8w": 8, "int4": 4}[precision])
+            references["rounded_weights"] = ((hiddens * weights).sum(1) / weights.sum(1)).numpy()
+    else:
+        reference = model_class.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        with torch.inference_mode():
+            hiddens = reference(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        references["transformers"] = ((hiddens * weights).sum(1) / weights.sum(1)).numpy()
+        del reference
+    del hiddens
     gc.collect()
     graph = _encoder_graph(repository)
     options = ort.SessionOptions()
@@ -157,9 +188,66 @@ def child_check(checkpoint: Path, family: str, repository: Path) -> dict[str, An
              "residue_mask": np.asarray(encoded.residue_mask)}
     names = [value.name for value in session.get_inputs()]
     got = np.asarray(session.run(["embeddings"], {name: feeds[name] for name in names})[0])
-    cosine = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
-    return {"graph": str(graph.relative_to(repository)), "sequences": len(CHECK_SEQUENCES),
-            "max_abs_error": float(np.abs(got - expected).max()), "min_cosine": float(cosine.min())}
+    result: dict[str, Any] = {"graph": str(graph.relative_to(repository)), "sequences": len(CHECK_SEQUENCES),
+                              "reference": "layer by layer" if streamed else "whole model"}
+    for label, expected in references.items():
+        cosine = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+        figures = {"max_abs_error": float(np.abs(got - expected).max()), "min_cosine": float(cosine.min())}
+        result.update(figures) if label == "transformers" else result.update({label: figures})
+    return result
+
+
+def child_serve(repository: Path, rounds: int = 5) -> dict[str, Any]:
+    """Serve `repository` with `bionemo-export serve` (real tritonserver), then: seconds to ready,
+    resident memory of the server and its stubs once the encoder answered, and embeddings of
+    CHECK_SEQUENCES sent `rounds` times (sequences per second, the median round)."""
+    import signal
+    import statistics
+    import urllib.request
+
+    from bionemo_export import procfs
+    from bionemo_export.client.triton import TritonClient, strings_to_tensor
+    from bionemo_export.runtime.server import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    log = repository.parent / f"{repository.name}.serve.log"
+    command = [str(Path(sys.executable).parent / "bionemo-export"), "serve", str(repository), "--http-port", str(http),
+               "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--timeout", "3600"]
+    start = time.perf_counter()
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"serve ended ({process.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(2)
+        ready = time.perf_counter() - start
+        name = next(path.name.removesuffix("_embeddings") for path in repository.glob("*_embeddings"))
+        client = TritonClient(f"grpc://127.0.0.1:{grpc}", timeout_s=3600)
+        rounds_s = []
+        for _ in range(rounds):
+            begin = time.perf_counter()
+            client.infer(f"{name}_embeddings", {"sequences": strings_to_tensor(CHECK_SEQUENCES)})
+            rounds_s.append(time.perf_counter() - begin)
+        processes = [stat.pid for stat in procfs.children(process.pid)]
+        processes += [stat.pid for pid in list(processes) for stat in procfs.children(pid)]
+        memory = {part: sum(procfs.memory_bytes(pid, part) for pid in processes) for part in ("VmRSS", "RssAnon")}
+        return {"seconds_to_ready": round(ready, 1), "processes": len(processes), "rss_bytes": memory["VmRSS"],
+                "rss_anon_bytes": memory["RssAnon"], "sequences": len(CHECK_SEQUENCES),
+                "sequences_per_second": round(len(CHECK_SEQUENCES) / statistics.median(rounds_s), 3),
+                "rounds_s": [round(value, 3) for value in rounds_s]}
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _encoder_graph(repository: Path) -> Path:
@@ -181,8 +269,10 @@ def _run_child(arguments: list[str]) -> dict[str, Any]:
     return json.loads(process.stdout.strip().splitlines()[-1])
 
 
-def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "fp32") -> dict[str, Any]:
+def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "fp32", min_cosine: float | None = None,
+            serve: bool = False) -> dict[str, Any]:
     """Write the checkpoint (unless there), build it in a child, check it in another."""
+    from bionemo_export.memory_plan import IN_MEMORY, STREAMED, WEIGHTS_ON_DISK
     from bionemo_export.models.readers.base import fp32_weight_bytes
     from bionemo_export.testing.large_checkpoints import write_random_checkpoint
 
@@ -194,9 +284,12 @@ def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "f
     weights = fp32_weight_bytes(checkpoint)
     repository = work / f"{shape}.{precision}.repository"
     build = _run_child(["--build", str(checkpoint), "--family", family, "--repository", str(repository),
-                        "--precision", precision])
+                        "--precision", precision, *(["--min-cosine", str(min_cosine)] if min_cosine else [])])
     print(f"{shape}: built in {build['seconds']} s, VmHWM {build['vm_hwm'] / 2**30:.2f} GiB", file=sys.stderr)
-    check = _run_child(["--check", str(checkpoint), "--family", family, "--repository", str(repository)])
+    check = _run_child(["--check", str(checkpoint), "--family", family, "--repository", str(repository),
+                        "--precision", precision])
+    print(f"{shape}: checked {check}", file=sys.stderr)
+    served = _run_child(["--serve", str(repository)]) if serve else None
     manifest = json.loads((repository / "manifest.json").read_text())
     result = {
         "family": family, "shape": shape, "checkpoint_bytes": _tree_bytes(checkpoint), "fp32_weight_bytes": weights,
@@ -212,7 +305,13 @@ def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "f
         "skipped": {name: graph.get("optimization", {}).get("skipped") for name, graph in
                     manifest.get("export", {}).items()},
         "embeddings_vs_transformers": check,
+        "build_path": next((path for path in (IN_MEMORY, WEIGHTS_ON_DISK, STREAMED)
+                            if any(step.startswith("memory:") and f", {path}" in step for step in build["steps"])),
+                           None),
+        "min_cosine_asked": min_cosine,
     }
+    if served is not None:
+        result["served"] = served
     if not keep:
         shutil.rmtree(repository)
     return result
@@ -243,20 +342,26 @@ def main() -> None:
     parser.add_argument("--check", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--repository", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--threshold", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--min-cosine", type=float, help="the build's --min-cosine (reduced precisions)")
+    parser.add_argument("--serve", nargs="?", const=True, default=False, help="serve each repository and measure it")
     args = parser.parse_args()
     if args.build:
-        print(json.dumps(child_build(args.build, args.family, args.repository, {"precision": args.precision},
-                                     args.threshold)))
+        extra = {"precision": args.precision, **({"min_cosine": args.min_cosine} if args.min_cosine else {})}
+        print(json.dumps(child_build(args.build, args.family, args.repository, extra, args.threshold)))
         return
     if args.check:
-        print(json.dumps(child_check(args.check, args.family, args.repository)))
+        print(json.dumps(child_check(args.check, args.family, args.repository, args.precision)))
+        return
+    if isinstance(args.serve, str):
+        print(json.dumps(child_serve(Path(args.serve))))
         return
     args.work.mkdir(parents=True, exist_ok=True)
     from bionemo_export.procfs import cpu_model
 
     results = []
     for shape in args.shapes:
-        results.append(measure(args.family, shape, args.work, args.keep, args.precision))
+        results.append(measure(args.family, shape, args.work, args.keep, args.precision, args.min_cosine,
+                               bool(args.serve)))
         report = {
             "command": " ".join([".venv/bin/python", "benchmarks/model_sizes.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

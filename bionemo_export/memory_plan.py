@@ -113,7 +113,7 @@ def build_memory(weights: int, precision: str = "fp32", available: int | None = 
     estimate = BuildMemory(path, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
     if (streamed is None and precision in WEIGHT_ONLY_PRECISIONS and available is not None
             and estimate.needed > available):
-        return _streamed(weights, precision, f"the {path} build needs {estimate.needed / 2**30:.1f} GiB; ")
+        return _streamed(weights, precision, f"the build with its {path} needs {estimate.needed / 2**30:.1f} GiB; ")
     return estimate
 
 

@@ -16,6 +16,7 @@ from bionemo_export.memory_plan import (
     BUILD_MEMORY_FACTORS,
     IN_MEMORY,
     QUANTIZE_MEMORY_FACTOR,
+    STREAMED,
     WEIGHTS_ON_DISK,
 )
 from bionemo_export.models.readers.base import fp32_weight_bytes
@@ -65,6 +66,23 @@ def test_esm2_3b_takes_the_weights_on_disk_path_and_fits_a_24_gb_host(tmp_path):
     assert quantized is not None and quantized.factor == QUANTIZE_MEMORY_FACTOR
     with pytest.raises(BuildError, match=r"in fp32 needs about .* weights left on disk: the checkpoint is mapped"):
         check_build_memory(folder, available=10 * GIB)
-    with pytest.raises(BuildError, match=r"in int4 needs .* weights left on disk: the checkpoint is mapped, but int4 "
+    with pytest.raises(BuildError, match=r"in int8 needs .* weights left on disk: the checkpoint is mapped, but int8 "
                                          r"quantization reads every fp32 weight in.*Build it in fp32 here"):
-        check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4")
+        check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int8")
+    # int4 (and int8w) stream instead, in a fraction of the memory; asked not to, they are refused.
+    streamed = check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4")
+    assert streamed is not None and streamed.path == STREAMED and streamed.needed < estimate.needed
+    assert "the build with its weights left on disk needs 16.7 GiB; the graph is written weight by weight" in streamed.why
+    with pytest.raises(BuildError, match=r"in int4 needs .* weights left on disk"):
+        check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4", streamed=False)
+
+
+def test_an_fp32_build_that_does_not_fit_names_the_int4_path_that_does(tmp_path):
+    """ESM C 6B's 6.35G weights (25.4 GB in fp32) on a 24 GB host: fp32 is refused, naming int4,
+    whose streamed build needs about 0.4x them."""
+    folder = _header_only(tmp_path / "esmc_6b", 6_352_005_184)
+    with pytest.raises(BuildError, match=r"in fp32 needs about 31.5 GiB.*Build it in int4 \(`precision` int4: its "
+                                         r"weights stream"):
+        check_build_memory(folder, available=21 * GIB)
+    streamed = check_build_memory(folder, available=21 * GIB, precision="int4")
+    assert streamed is not None and streamed.path == STREAMED and streamed.needed < 11 * GIB
