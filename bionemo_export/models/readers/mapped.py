@@ -167,9 +167,11 @@ def widened(weights: abc.Mapping[str, torch.Tensor], directory: str | None = Non
             handle.write(tensor.float().contiguous().numpy().data)  # one tensor in memory at a time
         handle.truncate(max(end, 1))
         handle.flush()
-        # A private mapping: the tensors are writable as torch expects, and stay pages of the file
-        # (clean, droppable) as long as nothing writes them.
-        mapping = mmap.mmap(handle.fileno(), max(end, 1), access=mmap.ACCESS_COPY)
+        # A shared mapping: the tensors are writable as torch expects and are pages of the file (clean,
+        # droppable: nothing writes them, and a write would only change this unlinked file). Not a
+        # private one: the kernel charges a private writable mapping against its commit limit, and
+        # refused ESM C 6B's 25 GB that way (ENOMEM) on a 24 GB host without swap.
+        mapping = mmap.mmap(handle.fileno(), max(end, 1), access=mmap.ACCESS_WRITE)
     out = {}
     for key, tensor in weights.items():
         if key in half:
