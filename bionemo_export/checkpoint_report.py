@@ -111,16 +111,18 @@ class CheckpointReport:
         return "\n".join(lines)
 
 
-def memory_report(path: Path) -> dict[str, Any]:
+def memory_report(path: Path, available: int | None = -1) -> dict[str, Any]:
     """The memory a build of `path` needs (build.estimate_build_memory) in fp32 and, where it
-    differs, quantized (int8, int8w, int4), and what serving it needs built in fp32 and in int4
-    (memory_plan.serve_memory), each with whether it fits the memory available here."""
+    differs, in int4 (streamed where the other path does not fit), and what serving it needs built
+    in fp32 and in int4 (memory_plan.serve_memory), each with whether it fits `available` bytes
+    (-1: the memory available here; None: unknown)."""
     from bionemo_export.procfs import available_memory_bytes
 
-    available = available_memory_bytes()
+    if available == -1:
+        available = available_memory_bytes()
     builds: dict[str, Any] = {}
     for label, precision in (("fp32", "fp32"), ("quantized", "int4")):
-        estimate = estimate_build_memory(path, precision)
+        estimate = estimate_build_memory(path, precision, available)  # by the path a build here takes
         entry = {"path": estimate.path, "factor": estimate.factor, "weights_bytes": estimate.weights,
                  "needed_bytes": estimate.needed, "why": estimate.why,
                  "fits": available is None or estimate.needed <= available}
@@ -267,6 +269,9 @@ def _inspect(path: Path, family: str | None, max_length: int | None) -> tuple[Ch
     report.not_served = unserved_tasks(loaded, reader.tasks)
     command = ["bionemo-export", "build", "repo", "--checkpoint", str(path), "--model", name,
                "--name", name, "--out", f"{name}_repository"]
+    builds = report.memory["builds"]
+    if not builds["fp32"]["fits"] and builds.get("quantized", {}).get("fits"):
+        command += ["--precision", "int4"]  # what builds here: fp32 would be refused
     report.command = shlex.join(command)
     return report, loaded
 

@@ -17,6 +17,7 @@ from bionemo_export.memory_plan import (
     QUANTIZE_MEMORY_FACTOR,
     SERVE_BASELINE_BYTES,
     STORED_WEIGHT_SHARE,
+    STREAMED,
     WEIGHTS_ON_DISK,
 )
 from bionemo_export.testing.checkpoints import save_random_checkpoint
@@ -42,9 +43,29 @@ def test_a_large_checkpoint_has_a_quantized_estimate_of_its_own(tmp_path):
     folder = tmp_path / "esm2_3b"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-    builds = memory_report(folder)["builds"]
+    builds = memory_report(folder, available=21 * 2**30)["builds"]
     assert builds["fp32"]["path"] == builds["quantized"]["path"] == WEIGHTS_ON_DISK
     assert builds["quantized"]["factor"] == QUANTIZE_MEMORY_FACTOR > builds["fp32"]["factor"]
+    # Where that does not fit, int4 streams (exporters/streamed.py) in a fraction of it.
+    builds = memory_report(folder, available=12 * 2**30)["builds"]
+    assert not builds["fp32"]["fits"] and builds["quantized"]["path"] == STREAMED and builds["quantized"]["fits"]
+
+
+def test_inspect_names_the_precision_that_builds_here(tmp_path, monkeypatch):
+    """fp32 over the memory available and int4 streamed within it: the command inspect prints asks
+    for int4, which builds here."""
+    from bionemo_export import procfs
+    from bionemo_export.memory_plan import build_memory
+    from bionemo_export.models.readers.base import fp32_weight_bytes
+
+    folder = save_random_checkpoint("esm2", tmp_path / "esm2")
+    weights = fp32_weight_bytes(folder)
+    between = (build_memory(weights, "int4", streamed=True).needed + build_memory(weights).needed) // 2
+    monkeypatch.setattr(procfs, "available_memory_bytes", lambda: between)
+    result = CliRunner().invoke(app, ["inspect", str(folder)])
+    assert result.exit_code == 0, result.output
+    command = next(line for line in result.output.splitlines() if line.startswith("build with"))
+    assert command.endswith("--precision int4"), result.output
 
 
 def test_inspect_reports_what_serving_it_needs_in_fp32_and_int4(tmp_path):
