@@ -72,7 +72,7 @@ def test_esm2_3b_takes_the_weights_on_disk_path_and_fits_a_24_gb_host(tmp_path):
     # int4 (and int8w) stream instead, in a fraction of the memory; asked not to, they are refused.
     streamed = check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4")
     assert streamed is not None and streamed.path == STREAMED and streamed.needed < estimate.needed
-    assert "the build with its weights left on disk needs 16.7 GiB; the graph is written weight by weight" in streamed.why
+    assert "the build with its weights left on disk needs 16.7 GiB; the graph is written weight by" in streamed.why
     with pytest.raises(BuildError, match=r"in int4 needs .* weights left on disk"):
         check_build_memory(folder, available=int(estimate.needed) + GIB, precision="int4", streamed=False)
 
