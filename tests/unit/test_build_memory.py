@@ -79,10 +79,10 @@ def test_esm2_3b_takes_the_weights_on_disk_path_and_fits_a_24_gb_host(tmp_path):
 
 def test_an_fp32_build_that_does_not_fit_names_the_int4_path_that_does(tmp_path):
     """ESM C 6B's 6.35G weights (25.4 GB in fp32) on a 24 GB host: fp32 is refused, naming int4,
-    whose streamed build needs about 0.4x them."""
+    whose streamed build needs about 0.3x them."""
     folder = _header_only(tmp_path / "esmc_6b", 6_352_005_184)
     with pytest.raises(BuildError, match=r"in fp32 needs about 31.5 GiB.*Build it in int4 \(`precision` int4: its "
                                          r"weights stream"):
         check_build_memory(folder, available=21 * GIB)
     streamed = check_build_memory(folder, available=21 * GIB, precision="int4")
-    assert streamed is not None and streamed.path == STREAMED and streamed.needed < 11 * GIB
+    assert streamed is not None and streamed.path == STREAMED and streamed.needed < 8 * GIB
