@@ -357,6 +357,12 @@ def test_verify_holds_a_repository_to_its_precisions_tolerance():
     int8, notes = precision_checks(manifest, family)
     assert int8["embeddings"].min_cosine == 0.999 and int8["embeddings"].atol == float("inf")
     assert "int8 vs fp32 PyTorch" in notes["embeddings"] and "0.999510" in notes["embeddings"]
+    # A build asked for its own tolerance (`--min-cosine`): verify holds the graph to what the build did.
+    asked = Manifest(name="m", family="bert", tasks=["embeddings"], precision="int4", accuracy={"outputs": {
+        "embeddings": {"min_cosine": 0.93, "max_abs_error": 0.5, "tolerance": {"atol": "inf", "min_cosine": 0.9}}}})
+    int4, _ = precision_checks(asked, family)
+    assert int4["embeddings"].min_cosine == 0.9 and int4["hiddens"].min_cosine == 0.96  # hiddens: int4's own
+    assert precision_tolerances("int4", ["hiddens"], 1e-4, 0.9999, asked=0.8)["hiddens"].min_cosine == 0.8
     assert precision_tolerances("fp16", ["hiddens"], 1e-4, 0.9999)["hiddens"].min_cosine == 0.999
     with pytest.raises(ValueError, match="unknown precision"):
         precision_tolerances("int2", ["hiddens"], 1e-4, 0.9999)
