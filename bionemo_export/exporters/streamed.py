@@ -74,6 +74,8 @@ class StreamedGraph:
 
     export: ExportResult
     result: OptimizationResult
+    quantization: WeightOnlyQuantization
+    """`result.quantization`, typed."""
 
 
 def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
@@ -115,7 +117,7 @@ def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outpu
                                 external_data=True, bytes=size, seconds=seconds, versions=versions,
                                 serving_graph_optimization_level=UNOPTIMIZED_SERVING_LEVEL,
                                 quantization=quantization)
-    return StreamedGraph(export, result)
+    return StreamedGraph(export, result, quantization)
 
 
 def write_weights(model: onnx.ModelProto, weights: Mapping[str, Any], path: Path, *, bits: int, block_size: int,
