@@ -103,18 +103,17 @@ def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outpu
     seconds = round(time.perf_counter() - start, 3)
     data_path = out_path.with_name(out_path.name + ".data")
     versions = {"torch": torch.__version__, "onnx": onnx.__version__}
-    size = out_path.stat().st_size + data_path.stat().st_size
+    onnx_bytes, data_bytes = out_path.stat().st_size, data_path.stat().st_size
     parameters = sum(p.numel() for p in module.parameters())
     export = ExportResult(path=out_path, exporter="torch", torch_exporter="dynamo (streamed)", opset=opset,
-                          external_data=True, data_path=data_path, onnx_bytes=out_path.stat().st_size,
-                          data_bytes=data_path.stat().st_size, parameters=parameters,
+                          external_data=True, data_path=data_path, onnx_bytes=onnx_bytes,
+                          data_bytes=data_bytes, parameters=parameters,
                           weight_bytes=quantization.weight_bytes_fp32, seconds=seconds, versions=versions,
                           warnings=tuple(caught))
     result = OptimizationResult(path=out_path, precision=precision, level="none", applied=(STREAMED_STEP,),
                                 fused={"MatMulNBits": quantization.matmuls_quantized}, skipped=(NOT_FUSED,),
-                                nodes_before=nodes_before, nodes_after=len(onnx.load(str(out_path),
-                                                                               load_external_data=False).graph.node),
-                                external_data=True, bytes=size, seconds=seconds, versions=versions,
+                                nodes_before=nodes_before, nodes_after=len(model.graph.node),  # as written
+                                external_data=True, bytes=onnx_bytes + data_bytes, seconds=seconds, versions=versions,
                                 serving_graph_optimization_level=UNOPTIMIZED_SERVING_LEVEL,
                                 quantization=quantization)
     return StreamedGraph(export, result, quantization)
