@@ -8,9 +8,11 @@ through typed records (build_records.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +35,7 @@ from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
-from bionemo_export.exporters.shared_weights import WEIGHTS_FILE
+from bionemo_export.exporters.shared_weights import WEIGHTS_FILE, SharedWeightsWriter, describe
 from bionemo_export.generation.reference import decoder_check_batches
 from bionemo_export.memory_plan import (
     STREAMED,
@@ -331,6 +333,13 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
                                   mask_input=mask_input)
     files[golden.name] = golden
+    # What is not stored gives its disk back before the next graph is exported (ESM-2 3B: 11 GB a
+    # graph): the plain export when an optimized graph is stored (its file name is recorded), and
+    # Model Navigator's workspace (its logs matter only when the export fails).
+    if folder not in {chosen.path.parent, *([no_vnni.path.parent] if no_vnni else [])}:
+        shutil.rmtree(folder)
+    if workspace is not None:
+        shutil.rmtree(workspace, ignore_errors=True)
     return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None,
                                                   speed), verification)
 
@@ -480,9 +489,13 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
     # Reduced precision applies to the encoder's graph, graph optimization to it and the layers
     # graph; the others are stored as exported in fp32 (see GRAPH_EXPORTS).
     needed = {Graph.ENCODER} | {graph for task in tasks for graph in get_task(task).graphs}
+    sharing = share_weights and not prefix and bool(needed & set(HOSTED_GRAPHS))
     graphs = {}
-    for graph, how in GRAPH_EXPORTS.items():  # in a fixed order: the manifest records them so
-        if graph in needed:
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(SharedWeightsWriter(export_dir / "shared")) if sharing else None
+        for graph, how in GRAPH_EXPORTS.items():  # in a fixed order: the manifest records them so
+            if graph not in needed:
+                continue
             module, inputs, outputs, graph_batches = how.source(loaded, batches)
             settings: dict[str, Any] = {}
             if how.encoder or how.optimized:
@@ -491,46 +504,45 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                 settings["precision"] = request.precision
                 settings["streamed"] = streamed
                 settings["min_cosine"] = request.min_cosine
-            graphs[prefix + graph.value] = export(prefix + graph.value, module, inputs, outputs, graph_batches,
-                                                  mask_input=how.mask_input, **settings)
-    if share_weights and not prefix:
-        _share_encoder_weights(graphs, export_dir / "shared", progress)
+            exported = export(prefix + graph.value, module, inputs, outputs, graph_batches,
+                              mask_input=how.mask_input, **settings)
+            if writer is not None and (graph == Graph.ENCODER or graph in HOSTED_GRAPHS):
+                exported = _share_graph(writer, exported)
+            graphs[prefix + graph.value] = exported
+    if writer is not None:
+        progress(describe(writer.result))
     return graphs
 
 
-def _share_encoder_weights(graphs: dict[str, ExportedGraph], folder: Path, progress: Progress) -> None:
-    """Rewrite the encoder's graph and those of `graphs` that are the encoder again (layers,
-    contacts, attentions) into `folder` over one weights file, each distinct tensor once
-    (exporters/shared_weights.py), and check that each rewritten graph answers its golden inputs
-    as the exported one does (the rewrite moves bytes, nothing else). Their `files` then
-    name the rewritten graphs, and the encoder's the weights file (its own external data file, if
-    any, left out)."""
-    from bionemo_export.exporters.shared_weights import describe, external_references, share_weights
+def _share_graph(writer: SharedWeightsWriter, exported: ExportedGraph) -> ExportedGraph:
+    """Rewrite the encoder's graph, or one that is the encoder again (tasks.HOSTED_GRAPHS: layers,
+    contacts, attentions), over the repository's one weights file (exporters/shared_weights.py:
+    each distinct tensor once), check that the rewritten graph answers its golden inputs as the
+    exported one does (the rewrite moves bytes, nothing else), then delete the exported graph's
+    own external data: the build's disk holds the shared file and one graph's data at a time.
+    The returned graph's `files` name the rewritten graph (the encoder's, the weights file too)."""
+    from bionemo_export.exporters.shared_weights import external_references
     from bionemo_export.serving.golden import GOLDEN_FILE, read_golden
 
-    hosted = [graph for graph in HOSTED_GRAPHS if graph.value in graphs]
-    if not hosted:
-        return
-    names = ["encoder", *(graph.value for graph in hosted)]
-    sources = {name: graphs[name].files["model.onnx"] for name in names}
-    own_data = {name: {ref.location for ref in external_references(sources[name])} for name in names}
-    shared = share_weights(sources, folder, {name: HOSTED_FILES.get(name, "model.onnx") for name in names})
-    for name in names:
-        exported = graphs[name]
-        files = {key: path for key, path in exported.files.items() if key not in own_data[name]}
-        files["model.onnx"] = shared.graphs[name]
-        if name == "encoder":
-            files[shared.weights.name] = shared.weights
-        graphs[name] = dataclasses.replace(exported, files=files)
-        if GOLDEN_FILE in files:
-            inputs = read_golden(str(files[GOLDEN_FILE])).inputs
-            before, after = (_answers(path, inputs) for path in (sources[name], shared.graphs[name]))
-            # (equal up to float noise: the same kernels over the same bytes, only their addresses differ)
-            if not all(np.allclose(b, a, rtol=1e-5, atol=1e-6, equal_nan=True) for b, a in zip(before, after)):
-                raise BuildError(f"the {name} graph rewritten over the shared {shared.weights.name} answers its "
-                                 "golden inputs otherwise than the exported graph: a bug in "
-                                 "exporters/shared_weights.py; build with `--backend native` meanwhile")
-    progress(describe(shared))
+    name = exported.name
+    source = exported.files["model.onnx"]
+    own_data = {ref.location for ref in external_references(source)}
+    rewritten = writer.add(name, source, HOSTED_FILES.get(name, "model.onnx"))
+    files = {key: path for key, path in exported.files.items() if key not in own_data}
+    files["model.onnx"] = rewritten
+    if name == "encoder":
+        files[writer.result.weights.name] = writer.result.weights
+    if GOLDEN_FILE in files:
+        inputs = read_golden(str(files[GOLDEN_FILE])).inputs
+        before, after = (_answers(path, inputs) for path in (source, rewritten))
+        # (equal up to float noise: the same kernels over the same bytes, only their addresses differ)
+        if not all(np.allclose(b, a, rtol=1e-5, atol=1e-6, equal_nan=True) for b, a in zip(before, after)):
+            raise BuildError(f"the {name} graph rewritten over the shared {writer.result.weights.name} answers its "
+                             "golden inputs otherwise than the exported graph: a bug in "
+                             "exporters/shared_weights.py; build with `--backend native` meanwhile")
+    for location in own_data:
+        (source.parent / location).unlink(missing_ok=True)
+    return dataclasses.replace(exported, files=files)
 
 
 def _answers(graph: Path, inputs: dict) -> list:
@@ -691,7 +703,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                 plan = _plan(request, loaded, tasks, serving, graphs)
                 checkpoint = _checkpoint_record(request.checkpoint, loaded)
                 _stamp_source(plan, [checkpoint], request.precision)
-                plan.write(stage.repository)
+                plan.write(stage.repository, link_from=temporary)
             manifest = _manifest(request, loaded, tasks, backend, serving, graphs, plan, stage.repository,
                                  checkpoint)
             findings = check_repository(stage.repository)
@@ -843,7 +855,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                     head=_head(first), tasks=tasks, options=serving))
                 plan.validate()
                 _stamp_source(plan, records, request.precision)
-                plan.write(stage.repository)
+                plan.write(stage.repository, link_from=temporary)
             manifest = _manifest(request, first, tasks, backend, serving, graphs, plan, stage.repository,
                                  records[0], members=records)
             findings = check_repository(stage.repository)

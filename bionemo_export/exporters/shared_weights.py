@@ -36,7 +36,8 @@ from bionemo_export.model_repository.graph_io import (
     initializers,
 )
 
-__all__ = ["ExternalReference", "SharedWeights", "external_references", "initializer_bytes", "share_weights"]
+__all__ = ["ExternalReference", "SharedWeights", "SharedWeightsWriter", "external_references", "initializer_bytes",
+           "share_weights"]
 
 WEIGHTS_FILE = "weights.bin"
 """The shared external-data file's name, in the folder of the graphs that use it."""
@@ -85,48 +86,85 @@ def _raw(tensor, folder: Path) -> bytes | None:
     return tensor.raw_data if tensor.HasField("raw_data") else None
 
 
+class SharedWeightsWriter:
+    """One weights file that graphs are written over as they come: `add` appends the tensors the
+    file does not hold yet and writes the graph pointing at them, so a build can drop each graph's
+    own external data as soon as the graph is rewritten (the disk then holds the shared file and
+    one graph's data at a time, not every graph's: ESM-2 3B's four graphs are 45 GB apart).
+
+        with SharedWeightsWriter(folder) as writer:
+            writer.add("encoder", exported_encoder, "model.onnx")
+            writer.add("layers", exported_layers, "layers.onnx")
+        writer.result                         # SharedWeights: the file, the graphs, what was saved
+    """
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.result = SharedWeights(folder / WEIGHTS_FILE, {})
+        self._offsets: dict[bytes, tuple[int, int]] = {}  # digest -> (offset, length)
+        self._out = open(self.result.weights, "wb")
+
+    def __enter__(self) -> SharedWeightsWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def add(self, name: str, source: Path, file_name: str) -> Path:
+        """Write graph `source` (its external data beside it, if any) as `file_name` beside the
+        weights file, its initializers of SMALL_TENSOR_BYTES or more in that file, each distinct
+        (data type, bytes) once; the written graph's path. The weights file is flushed: a session
+        may open the graph at once. `source` must not be in the weights file's folder."""
+        import onnx  # the build's dependency; the module imports without it
+
+        out, result = self._out, self.result
+        # The graph without its external data: each tensor's bytes are read when it is written.
+        model = onnx.load(str(source), load_external_data=False)
+        inline = 0
+        for tensor in initializers(model.graph):
+            raw = _raw(tensor, Path(source).parent)
+            if raw is None or len(raw) < SMALL_TENSOR_BYTES:
+                inline += len(raw) if raw is not None else tensor.ByteSize()
+                continue
+            key = hashlib.sha256(tensor.data_type.to_bytes(4, "little") + raw).digest()
+            if key not in self._offsets:
+                out.write(b"\0" * (-out.tell() % ALIGNMENT))
+                self._offsets[key] = (out.tell(), len(raw))
+                out.write(raw)
+                result.tensors += 1
+            result.referenced_bytes += len(raw)
+            offset, length = self._offsets[key]
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            for key_name, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key_name, value
+        out.flush()
+        result.stored_bytes = out.tell()
+        destination = result.weights.parent / file_name
+        onnx.save_model(model, str(destination))
+        result.graphs[name] = destination
+        result.inline_bytes[name] = inline
+        return destination
+
+    def close(self) -> SharedWeights:
+        """Close the weights file; what was written."""
+        if not self._out.closed:
+            self.result.stored_bytes = self._out.tell()
+            self._out.close()
+        return self.result
+
+
 def share_weights(graphs: dict[str, Path], folder: Path, files: dict[str, str]) -> SharedWeights:
     """Write every graph of `graphs` (name -> .onnx path, its external data beside it if any) into
-    `folder` as `files[name]`, their initializers of SMALL_TENSOR_BYTES or more in one
-    `folder`/WEIGHTS_FILE, each distinct (data type, bytes) once. `folder` must not hold the
-    inputs: the graphs are read from where they are and written anew."""
-    import onnx  # the build's dependency; the module imports without it
-
-    folder.mkdir(parents=True, exist_ok=True)
-    weights = folder / WEIGHTS_FILE
-    result = SharedWeights(weights, {})
-    offsets: dict[bytes, tuple[int, int]] = {}  # digest -> (offset, length)
-    with open(weights, "wb") as out:
+    `folder` as `files[name]` over one `folder`/WEIGHTS_FILE (`SharedWeightsWriter.add`, in the
+    order given). `folder` must not hold the inputs: the graphs are read from where they are and
+    written anew."""
+    with SharedWeightsWriter(folder) as writer:
         for name, source in graphs.items():
-            # The graph without its external data: each tensor's bytes are read when it is written.
-            model = onnx.load(str(source), load_external_data=False)
-            inline = 0
-            for tensor in initializers(model.graph):
-                raw = _raw(tensor, Path(source).parent)
-                if raw is None or len(raw) < SMALL_TENSOR_BYTES:
-                    inline += len(raw) if raw is not None else tensor.ByteSize()
-                    continue
-                key = hashlib.sha256(tensor.data_type.to_bytes(4, "little") + raw).digest()
-                if key not in offsets:
-                    out.write(b"\0" * (-out.tell() % ALIGNMENT))
-                    offsets[key] = (out.tell(), len(raw))
-                    out.write(raw)
-                    result.tensors += 1
-                result.referenced_bytes += len(raw)
-                offset, length = offsets[key]
-                tensor.ClearField("raw_data")
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                del tensor.external_data[:]
-                for key_name, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = key_name, value
-            destination = folder / files[name]
-            onnx.save_model(model, str(destination))
-            result.graphs[name] = destination
-            result.inline_bytes[name] = inline
-            del model
-        result.stored_bytes = out.tell()
-    return result
+            writer.add(name, source, files[name])
+    return writer.result
 
 
 def describe(shared: SharedWeights) -> str:

@@ -9,6 +9,7 @@ steps, an ensemble allowing larger batches than a model it calls.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,8 +258,11 @@ class RepositoryPlan:
         if not _dims_compatible(have.dims, wanted.dims):
             raise PlanError(f"{where}: tensor {name!r} has dims {list(have.dims)} but {list(wanted.dims)} is expected")
 
-    def write(self, root: Path) -> None:
-        """Validate, then write every model folder under `root` (which must exist and be empty)."""
+    def write(self, root: Path, link_from: Path | None = None) -> None:
+        """Validate, then write every model folder under `root` (which must exist and be empty).
+        Files under `link_from` (a build's own temporary files, on the same file system) are
+        hard-linked rather than copied: a graph's weights are then on disk once while the build
+        ends (ESM-2 3B: 11 GB not written again); any other file is copied."""
         self.validate()
         for model in self.models:
             model_dir = root / model.name
@@ -269,8 +273,20 @@ class RepositoryPlan:
                 destination = version_dir / relative
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 if isinstance(source, Path):
-                    shutil.copy2(source, destination)
+                    _place(source, destination, link_from)
                 elif isinstance(source, bytes):
                     destination.write_bytes(source)
                 else:
                     destination.write_text(source)
+
+
+def _place(source: Path, destination: Path, link_from: Path | None) -> None:
+    """Hard-link `source` to `destination` when it lies under `link_from`, else copy it (also when
+    the file system refuses the link)."""
+    if link_from is not None and source.resolve().is_relative_to(link_from.resolve()):
+        try:
+            os.link(source, destination)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, destination)

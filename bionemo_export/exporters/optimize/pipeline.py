@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,6 +263,7 @@ def optimize_and_verify(
         except OptimizationError as err:
             failures.append(RejectedCandidate(_options_record(options), error=str(err)))
             log(f"{plain.parent.name}: {precision} optimization {_options_text(options)} failed: {err}")
+            _discard(destination)
             continue
         try:
             checked = _as_vnni_hosts_compute(result.path) if precision == "int8" and int8_weights == "int8" \
@@ -275,11 +277,13 @@ def optimize_and_verify(
         except Exception as err:  # ONNX Runtime refusing to run the rewritten graph
             failures.append(RejectedCandidate(_options_record(options), error=f"{type(err).__name__}: {err}"))
             log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} does not run: {err}")
+            _discard(destination)
             continue
         if _accepted(report, required):
             return VerifiedGraph(result.path, report, OptimizationRecord(result, rejected=tuple(failures)))
         figures = _figures(report, required)
         failures.append(RejectedCandidate(_options_record(options), applied=result.applied, figures=figures))
+        _discard(destination)
         below = "below its margin" if report.passed else "outside tolerance"
         log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} is {below}: "
             + "; ".join(f"{name} min cosine {f.min_cosine:.6f} (required {_required_text(tolerances[name], f)}), "
@@ -319,6 +323,11 @@ def verify_streamed(module: Any, result: OptimizationResult, batches: Sequence[A
         + "; ".join(f"{name} min cosine {f.min_cosine:.6f} (required {_required_text(tolerances[name], f)}), max abs "
                     f"error {f.max_abs_error:.3g}" for name, f in figures.items())
         + f". A streamed graph is quantized once, every product alike. {_instead(result.precision)}")
+
+
+def _discard(candidate: Path) -> None:
+    """Remove a rejected candidate's folder (its graph and weights: the next candidate's disk)."""
+    shutil.rmtree(candidate.parent, ignore_errors=True)
 
 
 def _accepted(report: VerificationReport, required: dict[str, float]) -> bool:
