@@ -21,7 +21,7 @@ import torch
 from google.protobuf.json_format import MessageToDict
 
 from bionemo_export.build import BuildRequest, _check_tasks, build_repository
-from bionemo_export.exporters.shared_weights import SMALL_TENSOR_BYTES, share_weights
+from bionemo_export.exporters.shared_weights import SMALL_TENSOR_BYTES, SharedWeightsWriter, share_weights
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.graph_io import external_references, initializer_bytes, repository_weight_bytes
 from bionemo_export.model_repository.hosted_graphs import HOSTED_GRAPHS, SHARED_WEIGHTS
@@ -268,6 +268,12 @@ def test_share_weights_stores_each_distinct_tensor_once_and_the_graphs_answer_as
             onnx.save_model(model, str(tmp_path / f"{name}.onnx"))
         sources[name] = tmp_path / f"{name}.onnx"
     shared = share_weights(sources, tmp_path / "out", {name: f"{name}.onnx" for name in graphs})
+    with SharedWeightsWriter(tmp_path / "one_at_a_time") as writer:  # as a build adds them
+        for name, source in sources.items():
+            written = writer.add(name, source, f"{name}.onnx")
+            ort.InferenceSession(str(written), providers=["CPUExecutionProvider"])  # opens before close
+    assert (writer.result.weights.read_bytes() == shared.weights.read_bytes()
+            and writer.result.stored_bytes == shared.stored_bytes and writer.result.tensors == shared.tensors)
     assert shared.tensors == 2 and shared.stored_bytes < 2 * big.nbytes + 64
     assert shared.referenced_bytes == 3 * big.nbytes and small.nbytes < SMALL_TENSOR_BYTES
     offsets = {ref.offset for graph in shared.graphs.values() for ref in external_references(graph)}

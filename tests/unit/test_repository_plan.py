@@ -138,6 +138,26 @@ def test_write_creates_folders_configs_and_files(tmp_path):
     assert (root / "esm2nv_encoder" / "1" / "batching.py").is_file()
 
 
+def test_write_links_the_builds_own_files_and_copies_the_others(tmp_path):
+    build_files = tmp_path / "build"
+    build_files.mkdir()
+    plan = _plan(build_files)  # its model.onnx is a file of the build's folder
+    root = tmp_path / "repo"
+    root.mkdir()
+    plan.write(root, link_from=build_files)
+    written = root / "esm2nv_encoder" / "1" / "model.onnx"
+    assert written.stat().st_ino == (build_files / "model.onnx").stat().st_ino  # on disk once
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    plan = _plan(other)  # the user's file, say: never linked, so the repository never changes with it
+    again = tmp_path / "repo2"
+    again.mkdir()
+    plan.write(again, link_from=build_files)
+    copied = again / "esm2nv_encoder" / "1" / "model.onnx"
+    assert copied.stat().st_ino != (other / "model.onnx").stat().st_ino
+    assert copied.read_bytes() == b"not really onnx"
+
+
 def _two_step(out_dtype: str = "FP32", mapped: str = "y", ensemble_batch: int = 4) -> RepositoryPlan:
     first = ModelPlan("first", [TensorSpec("x", DType.BYTES, (1,))], [TensorSpec("y", DType.FP32, (-1,))], 8,
                       backend="python")
