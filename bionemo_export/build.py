@@ -41,7 +41,9 @@ from bionemo_export.memory_plan import (
     STREAMED,
     WEIGHT_ONLY_PRECISIONS,
     WEIGHTS_ON_DISK,
+    BuildDisk,
     BuildMemory,
+    build_disk,
     build_memory,
 )
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
@@ -69,7 +71,8 @@ from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, LAYER_INPUTS, seq2seq_graph_specs
 from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMismatch, check_member, member_label
-from bionemo_export.models.readers.base import fp32_weight_bytes
+from bionemo_export.models.readers.base import fp32_weight_bytes, widened_weight_bytes
+from bionemo_export.models.readers.mapped import WIDEN_ON_DISK_BYTES
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
 from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task, planned_by
@@ -646,6 +649,26 @@ def check_build_memory(checkpoint: Path, available: int | None, precision: str =
     return estimate
 
 
+def check_build_disk(checkpoint: Path, out: Path, memory: BuildMemory, precision: str = Precision.FP32,
+                     free: int | None = None) -> BuildDisk:
+    """What the build writes beside `out` at its peak (memory_plan.build_disk, by the path `memory`
+    estimated); BuildError before anything is loaded when the file system there has less free
+    (`free`; None: asked of it): ESM-2 3B writes about 45 GB, and running out an hour into the
+    build helps nobody."""
+    widened = widened_weight_bytes(checkpoint)  # a half-precision checkpoint's fp32 copy: a temporary file
+    estimate = build_disk(memory, precision, widened if widened > WIDEN_ON_DISK_BYTES else 0)
+    folder = out.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if free is None:
+        free = shutil.disk_usage(folder).free
+    if estimate.needed > free:
+        raise BuildError(f"{checkpoint}: building it in {precision} writes {estimate.text()} beside {out}; "
+                         f"{free / 2**30:.1f} GiB is free on {folder}'s file system. Free space there, build into "
+                         "a folder on another file system (`out`), or pass --no-memory-check to try anyway")
+    return estimate
+
+
 def build_repository(request: BuildRequest, progress: Progress = lambda message: None) -> BuildResult:
     """Build the repository described by `request`; raises BuildError (or the exporter's
     verification error, or BuildInterrupted on SIGTERM, SIGINT or SIGHUP) and leaves nothing on
@@ -675,6 +698,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                                     request.streamed)
         if memory is not None:
             progress(f"memory: this build needs {memory.text()}")
+            disk = check_build_disk(Path(request.checkpoint), request.out, memory, request.precision)
+            progress(f"disk: this build writes {disk.text()} beside {request.out}")
     streamed = request.streamed if request.streamed is not None else memory is not None and memory.path == STREAMED
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
     loaded = _load(request.checkpoint, request)

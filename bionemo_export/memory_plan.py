@@ -126,6 +126,46 @@ def _streamed(weights: int, precision: str, reason: str = "") -> BuildMemory:
     return BuildMemory(STREAMED, weights, factor, int(BUILD_BASELINE_BYTES + factor * weights), why)
 
 
+BUILD_DISK_COPIES: dict[str, float] = {"fp32": 4.0, "quantized": 2.0}
+"""The most a build writes beside its output at once, in copies of the model's fp32 weights. fp32:
+the repository's shared weights file, the graph at hand's export, the fused graph and the
+optimized candidate written from it (each graph's own data is deleted once it is rewritten over
+the shared file: build.py `_share_graph`; measured at most 1.98 copies between steps,
+tests/export/test_bounded_build.py). Quantized (int8, int8w, int4 on the weights-on-disk path): the
+export and the fused graph, beside the quantized candidates (STORED_WEIGHT_SHARE). A streamed build
+writes its quantized graph alone. A half-precision checkpoint adds its fp32 copy (a temporary file
+of the build: models/readers/mapped.widened)."""
+
+
+@dataclass(frozen=True)
+class BuildDisk:
+    """What a build writes beside its output at its peak (its temporary files and the repository)."""
+
+    needed: int
+    weights: int
+    widened: int
+    """The fp32 copy of a half-precision checkpoint's weights, written to a temporary file."""
+    copies: float
+
+    def text(self) -> str:
+        widened = f" + {self.widened / 2**30:.1f} GiB for the fp32 copy of its half-precision weights" \
+            if self.widened else ""
+        return (f"about {self.needed / 2**30:.1f} GiB ({self.copies:g} x its {self.weights / 2**30:.1f} GiB of fp32 "
+                f"weights{widened})")
+
+
+def build_disk(memory: BuildMemory, precision: str = "fp32", widened: int = 0) -> BuildDisk:
+    """The disk a build by the path `memory` estimated writes at its peak (BUILD_DISK_COPIES), with
+    `widened` bytes of fp32 copies of half-precision weights."""
+    if memory.path == STREAMED:
+        copies = STORED_WEIGHT_SHARE[precision]
+    elif precision == "fp32":
+        copies = BUILD_DISK_COPIES["fp32"]
+    else:
+        copies = BUILD_DISK_COPIES["quantized"] + STORED_WEIGHT_SHARE[precision]
+    return BuildDisk(int(copies * memory.weights + widened), memory.weights, widened, round(copies, 2))
+
+
 @dataclass(frozen=True)
 class ServeMemory:
     """What serving one built repository is expected to hold."""

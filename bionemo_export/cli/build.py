@@ -54,7 +54,8 @@ def repo(
     memory_check: bool = typer.Option(True, help="Refuse at once a checkpoint whose build needs more memory than this "
                                       "host has, instead of being killed mid-build: about 1.3x its fp32 weights "
                                       "for models over 256 MB (their weights stay on disk; 1.5x to quantize), 9.5x "
-                                      "below, plus 0.8 GiB; the build says which path it takes."),
+                                      "below, plus 0.8 GiB; the build says which path it takes. The disk it "
+                                      "writes beside --out is checked too (about 4x the fp32 weights in fp32)."),
     min_cosine: float | None = typer.Option(None, help="int8, int8w, int4, fp16: the least cosine against "
                                             "PyTorch fp32 the encoder's outputs must keep, in place of the "
                                             "precision's own tolerance (int4: embeddings 0.97); a lower value "

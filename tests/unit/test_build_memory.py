@@ -86,3 +86,31 @@ def test_an_fp32_build_that_does_not_fit_names_the_int4_path_that_does(tmp_path)
         check_build_memory(folder, available=21 * GIB)
     streamed = check_build_memory(folder, available=21 * GIB, precision="int4")
     assert streamed is not None and streamed.path == STREAMED and streamed.needed < 8 * GIB
+
+
+def test_the_disk_a_build_writes_is_checked_before_anything_is_loaded(tmp_path):
+    """ESM-2 3B in fp32 writes about 4 copies of its fp32 weights beside the output at its peak
+    (memory_plan.BUILD_DISK_COPIES), a streamed int4 ESM C 6B its int4 graph and the fp32 copy of
+    its bf16 weights; a build the file system cannot hold is refused naming the folder, the figures
+    and the fix."""
+    from bionemo_export.build import check_build_disk
+    from bionemo_export.memory_plan import BUILD_DISK_COPIES, STORED_WEIGHT_SHARE
+
+    folder = _header_only(tmp_path / "esm2_3b", 2_840_000_000, dtype="F32")  # the header claims fp32
+    memory = estimate_build_memory(folder, available=21 * GIB)
+    out = tmp_path / "deep" / "repo"  # its folder need not exist yet
+    disk = check_build_disk(folder, out, memory, free=100 * GIB)
+    assert disk.needed == int(BUILD_DISK_COPIES["fp32"] * 4 * 2_840_000_000)
+    assert disk.widened == 0  # fp32 weights: nothing to widen
+    with pytest.raises(BuildError, match=rf"esm2_3b: building it in fp32 writes about 42.3 GiB \(4 x its 10.6 GiB "
+                                         rf"of fp32 weights\) beside {out}; 20.0 GiB is free on {tmp_path}'s file "
+                                         r"system.*another file system.*--no-memory-check"):
+        check_build_disk(folder, out, memory, free=20 * GIB)
+
+    esmc = _header_only(tmp_path / "esmc_6b", 6_300_000_000)  # bf16, stored in half the fp32 bytes
+    streamed = estimate_build_memory(esmc, "int4", available=21 * GIB)
+    assert streamed.path == STREAMED
+    disk = check_build_disk(esmc, out, streamed, "int4", free=100 * GIB)
+    assert disk.widened == 4 * 6_300_000_000
+    assert disk.needed == int(STORED_WEIGHT_SHARE["int4"] * 4 * 6_300_000_000) + disk.widened
+    assert "for the fp32 copy of its half-precision weights" in disk.text()

@@ -229,6 +229,18 @@ def fp32_weight_bytes(path: Path) -> int:
     safetensors files by their headers (elements x 4, whatever their stored dtype; a folder's .bin
     copies of them are not counted again), other weight files by their size (a half-precision torch
     file is under-counted by half)."""
+    return sum(_weight_elements(path).values())
+
+
+def widened_weight_bytes(path: Path) -> int:
+    """The fp32 bytes of the checkpoint's half-precision (F16, BF16) safetensors tensors, by their
+    headers: what a build widens (models/readers/mapped.widened). 0 for other weight files."""
+    return sum(size for dtype, size in _weight_elements(path).items() if dtype in ("F16", "BF16"))
+
+
+def _weight_elements(path: Path) -> dict[str, int]:
+    """fp32 bytes (elements x 4) per stored dtype of the checkpoint at `path` ("file": the sizes of
+    weight files whose headers say nothing), for `fp32_weight_bytes`."""
     import json
     import struct
 
@@ -236,23 +248,24 @@ def fp32_weight_bytes(path: Path) -> int:
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES]
     if any(f.suffix == ".safetensors" for f in files):  # Hugging Face folders often hold a .bin copy too: one is read
         files = [f for f in files if f.suffix == ".safetensors"]
-    total = 0
+    totals: dict[str, int] = {}
     for file in files:
         if file.suffix != ".safetensors":
-            total += file.stat().st_size
+            totals["file"] = totals.get("file", 0) + file.stat().st_size
             continue
         try:
             with file.open("rb") as handle:
                 (length,) = struct.unpack("<Q", handle.read(8))
                 header = json.loads(handle.read(min(length, 100 << 20)))
-            elements = 0
+            counted: dict[str, int] = {}
             for name, entry in header.items():
                 if name != "__metadata__":
                     count = 1
                     for size in entry["shape"]:
                         count *= int(size)
-                    elements += count
-            total += 4 * elements
+                    counted[str(entry["dtype"])] = counted.get(str(entry["dtype"]), 0) + 4 * count
         except (OSError, ValueError, KeyError, TypeError, struct.error):  # the reader will say what is wrong
-            total += file.stat().st_size
-    return total
+            counted = {"file": file.stat().st_size}
+        for dtype, size in counted.items():
+            totals[dtype] = totals.get(dtype, 0) + size
+    return totals
