@@ -649,14 +649,21 @@ def check_build_memory(checkpoint: Path, available: int | None, precision: str =
     return estimate
 
 
+def estimate_build_disk(checkpoint: Path, memory: BuildMemory, precision: str = Precision.FP32) -> BuildDisk:
+    """The disk a build of `checkpoint` writes beside its output at its peak, by the path `memory`
+    estimated (memory_plan.build_disk), with the fp32 copy of its half-precision weights (read from
+    the safetensors headers) where the build widens them into a file."""
+    widened = widened_weight_bytes(Path(checkpoint))
+    return build_disk(memory, precision, widened if widened > WIDEN_ON_DISK_BYTES else 0)
+
+
 def check_build_disk(checkpoint: Path, out: Path, memory: BuildMemory, precision: str = Precision.FP32,
                      free: int | None = None) -> BuildDisk:
     """What the build writes beside `out` at its peak (memory_plan.build_disk, by the path `memory`
     estimated); BuildError before anything is loaded when the file system there has less free
     (`free`; None: asked of it): ESM-2 3B writes about 45 GB, and running out an hour into the
     build helps nobody."""
-    widened = widened_weight_bytes(checkpoint)  # a half-precision checkpoint's fp32 copy: a temporary file
-    estimate = build_disk(memory, precision, widened if widened > WIDEN_ON_DISK_BYTES else 0)
+    estimate = estimate_build_disk(checkpoint, memory, precision)
     folder = out.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent

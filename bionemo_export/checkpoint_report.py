@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bionemo_export.build import estimate_build_memory, servable_tasks, unserved_tasks
+from bionemo_export.build import estimate_build_disk, estimate_build_memory, servable_tasks, unserved_tasks
 from bionemo_export.memory_plan import serve_memory
 from bionemo_export.models.base import REGISTRY, LoadedModel, ModelDescription, get_family, infer_family
 from bionemo_export.models.readers import READERS, Checkpoint, CheckpointError, read_checkpoint
@@ -99,7 +99,8 @@ class CheckpointReport:
             here = "" if available is None else f"; {fits} the {available / 2**30:.1f} GiB available here"
             lines.append(f"memory      {precision}: about {estimate['needed_bytes'] / 2**30:.1f} GiB "
                          f"({estimate['factor']} x {estimate['weights_bytes'] / 2**30:.1f} GiB of fp32 weights, "
-                         f"{estimate['path']}){here}")
+                         f"{estimate['path']}){here}; writes about {estimate['disk_bytes'] / 2**30:.1f} GiB of "
+                         "disk beside its --out")
         for precision, estimate in self.memory.get("serves", {}).items():
             fits = "fits" if estimate["fits"] else "does NOT fit"
             here = "" if available is None else f"; {fits} here"
@@ -112,10 +113,11 @@ class CheckpointReport:
 
 
 def memory_report(path: Path, available: int | None = -1) -> dict[str, Any]:
-    """The memory a build of `path` needs (build.estimate_build_memory) in fp32 and, where it
-    differs, in int4 (streamed where the other path does not fit), and what serving it needs built
-    in fp32 and in int4 (memory_plan.serve_memory), each with whether it fits `available` bytes
-    (-1: the memory available here; None: unknown)."""
+    """The memory a build of `path` needs (build.estimate_build_memory; with the disk it writes,
+    build.estimate_build_disk) in fp32 and, where it differs, in int4 (streamed where the other
+    path does not fit), and what serving it needs built in fp32 and in int4
+    (memory_plan.serve_memory), each with whether it fits `available` bytes (-1: the memory
+    available here; None: unknown)."""
     from bionemo_export.procfs import available_memory_bytes
 
     if available == -1:
@@ -125,9 +127,11 @@ def memory_report(path: Path, available: int | None = -1) -> dict[str, Any]:
         estimate = estimate_build_memory(path, precision, available)  # by the path a build here takes
         entry = {"path": estimate.path, "factor": estimate.factor, "weights_bytes": estimate.weights,
                  "needed_bytes": estimate.needed, "why": estimate.why,
-                 "fits": available is None or estimate.needed <= available}
-        if builds and entry == builds["fp32"]:
-            continue
+                 "fits": available is None or estimate.needed <= available,
+                 "disk_bytes": estimate_build_disk(path, estimate, precision).needed}
+        fp32 = builds.get("fp32")
+        if fp32 and (entry["needed_bytes"], entry["path"]) == (fp32["needed_bytes"], fp32["path"]):
+            continue  # the same memory by the same path: one line says it
         builds[label] = entry
     serves: dict[str, Any] = {}
     for precision in ("fp32", "int4"):

@@ -29,7 +29,7 @@ def test_inspect_reports_the_memory_a_build_needs_here(tmp_path):
     assert result.exit_code == 0, result.output
     factor = BUILD_MEMORY_FACTORS[IN_MEMORY]
     line = f"memory      fp32: about 0.8 GiB ({factor} x 0.0 GiB of fp32 weights, {IN_MEMORY}); fits the"
-    assert line in result.output
+    assert line in result.output and "; writes about 0.0 GiB of disk beside its --out" in result.output
     assert "serving     fp32: about 1.0 GiB (its 0.00 GiB of fp32 weights + 1.0 GiB); fits here" in result.output
     memory = json.loads(CliRunner().invoke(app, ["inspect", str(folder), "--json"]).output)["memory"]
     assert list(memory["builds"]) == ["fp32"]  # a quantized build takes the same path: not repeated
@@ -49,6 +49,11 @@ def test_a_large_checkpoint_has_a_quantized_estimate_of_its_own(tmp_path):
     # Where that does not fit, int4 streams (exporters/streamed.py) in a fraction of it.
     builds = memory_report(folder, available=12 * 2**30)["builds"]
     assert not builds["fp32"]["fits"] and builds["quantized"]["path"] == STREAMED and builds["quantized"]["fits"]
+    # The disk each writes beside its --out (build.estimate_build_disk): 4 fp32 copies; the int4
+    # graph and the fp32 copy of the bf16 weights, streamed.
+    weights = builds["fp32"]["weights_bytes"]
+    assert builds["fp32"]["disk_bytes"] == 4 * weights + weights
+    assert builds["quantized"]["disk_bytes"] == int(STORED_WEIGHT_SHARE["int4"] * weights) + weights
 
 
 def test_inspect_names_the_precision_that_builds_here(tmp_path, monkeypatch):
