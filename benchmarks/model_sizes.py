@@ -191,10 +191,24 @@ def child_check(checkpoint: Path, family: str, repository: Path, precision: str 
     result: dict[str, Any] = {"graph": str(graph.relative_to(repository)), "sequences": len(CHECK_SEQUENCES),
                               "reference": "layer by layer" if streamed else "whole model"}
     for label, expected in references.items():
-        cosine = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
-        figures = {"max_abs_error": float(np.abs(got - expected).max()), "min_cosine": float(cosine.min())}
+        figures = _compared(got, expected)
         result.update(figures) if label == "transformers" else result.update({label: figures})
+    np.save(_reference_file(repository), references["transformers"])  # what the served answers are held to
     return result
+
+
+def _compared(got: Any, expected: Any) -> dict[str, float]:
+    """Max abs error and the least cosine of `got`'s rows against `expected`'s."""
+    import numpy as np
+
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    cosine = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+    return {"max_abs_error": float(np.abs(got - expected).max()), "min_cosine": float(cosine.min())}
+
+
+def _reference_file(repository: Path) -> Path:
+    """transformers' embeddings of CHECK_SEQUENCES, written by the check beside the repository."""
+    return repository.with_name(repository.name + ".reference.npy")
 
 
 def child_serve(repository: Path, rounds: int = 5) -> dict[str, Any]:
@@ -204,6 +218,8 @@ def child_serve(repository: Path, rounds: int = 5) -> dict[str, Any]:
     import signal
     import statistics
     import urllib.request
+
+    import numpy as np
 
     from bionemo_export import procfs
     from bionemo_export.client.triton import TritonClient, strings_to_tensor
@@ -230,18 +246,24 @@ def child_serve(repository: Path, rounds: int = 5) -> dict[str, Any]:
         ready = time.perf_counter() - start
         name = next(path.name.removesuffix("_embeddings") for path in repository.glob("*_embeddings"))
         client = TritonClient(f"grpc://127.0.0.1:{grpc}", timeout_s=3600)
-        rounds_s = []
+        rounds_s, answers = [], []
         for _ in range(rounds):
             begin = time.perf_counter()
-            client.infer(f"{name}_embeddings", {"sequences": strings_to_tensor(CHECK_SEQUENCES)})
+            answers.append(client.infer(f"{name}_embeddings", {"sequences": strings_to_tensor(CHECK_SEQUENCES)}))
             rounds_s.append(time.perf_counter() - begin)
+        accuracy = {}
+        if _reference_file(repository).exists():  # the served answers against transformers' (the check's)
+            expected = np.load(_reference_file(repository))
+            accuracy = {"embeddings_vs_transformers": _compared(answers[0]["embeddings"], expected),
+                        "rounds_identical": all(np.array_equal(a["embeddings"], answers[0]["embeddings"])
+                                                for a in answers)}
         processes = [stat.pid for stat in procfs.children(process.pid)]
         processes += [stat.pid for pid in list(processes) for stat in procfs.children(pid)]
         memory = {part: sum(procfs.memory_bytes(pid, part) for pid in processes) for part in ("VmRSS", "RssAnon")}
         return {"seconds_to_ready": round(ready, 1), "processes": len(processes), "rss_bytes": memory["VmRSS"],
                 "rss_anon_bytes": memory["RssAnon"], "sequences": len(CHECK_SEQUENCES),
                 "sequences_per_second": round(len(CHECK_SEQUENCES) / statistics.median(rounds_s), 3),
-                "rounds_s": [round(value, 3) for value in rounds_s]}
+                "rounds_s": [round(value, 3) for value in rounds_s], **accuracy}
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
