@@ -72,7 +72,7 @@ from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, LAYER_INPUTS, seq2seq_graph_specs
 from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMismatch, check_member, member_label
 from bionemo_export.models.readers.base import fp32_weight_bytes, widened_weight_bytes
-from bionemo_export.models.readers.mapped import WIDEN_ON_DISK_BYTES
+from bionemo_export.models.readers.mapped import WIDEN_ON_DISK_BYTES, widening_deferred
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
 from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task, planned_by
@@ -652,8 +652,9 @@ def check_build_memory(checkpoint: Path, available: int | None, precision: str =
 def estimate_build_disk(checkpoint: Path, memory: BuildMemory, precision: str = Precision.FP32) -> BuildDisk:
     """The disk a build of `checkpoint` writes beside its output at its peak, by the path `memory`
     estimated (memory_plan.build_disk), with the fp32 copy of its half-precision weights (read from
-    the safetensors headers) where the build widens them into a file."""
-    widened = widened_weight_bytes(Path(checkpoint))
+    the safetensors headers) where the build widens them into a file. A streamed build widens its
+    blocks' weights in memory while each is used (readers/mapped.widening_deferred): no such file."""
+    widened = 0 if memory.path == STREAMED else widened_weight_bytes(Path(checkpoint))
     return build_disk(memory, precision, widened if widened > WIDEN_ON_DISK_BYTES else 0)
 
 
@@ -709,7 +710,8 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
             progress(f"disk: this build writes {disk.text()} beside {request.out}")
     streamed = request.streamed if request.streamed is not None else memory is not None and memory.path == STREAMED
     progress(f"loading {request.family or 'the'} checkpoint {request.checkpoint}")
-    loaded = _load(request.checkpoint, request)
+    with widening_deferred(streamed):  # a streamed build reads each weight once: no fp32 copy on disk
+        loaded = _load(request.checkpoint, request)
     # The hosted graphs share the encoder's weights when both are fp32 (they are exported in fp32:
     # a reduced-precision encoder's weights are other bytes), and the Python backend hosts them.
     hosts_graphs = serving.serving_backend.runs_python and request.precision == Precision.FP32

@@ -56,8 +56,9 @@ STREAMED_MEMORY_FACTOR = 1.5
 copies MatMulNBits computes from. Measured on ESM C 6B int4 (random weights, bf16): 5.7 GiB of
 anonymous memory at that check for 4.5 GiB of int4 weights (1.22x beyond the libraries;
 benchmarks/results/model_sizes_esmc_6b_int4.json); the fp32 weights are pages of the mapped
-checkpoint (and of the widened fp32 file of a bf16 one), read one weight (one layer, in the
-PyTorch reference) at a time and dropped by the kernel when memory is short."""
+checkpoint, read one weight (one layer, in the PyTorch reference) at a time and dropped by the
+kernel when memory is short; a half-precision checkpoint's are widened in memory one weight (one
+layer) at a time (models/readers/mapped.widening_deferred)."""
 BUILD_BASELINE_BYTES = 800 << 20
 """What a build holds whatever the model: Python with torch, transformers, onnx and ONNX Runtime loaded."""
 
@@ -134,7 +135,8 @@ the shared file: build.py `_share_graph`; measured at most 1.98 copies between s
 tests/export/test_bounded_build.py). Quantized (int8, int8w, int4 on the weights-on-disk path): the
 export and the fused graph, beside the quantized candidates (STORED_WEIGHT_SHARE). A streamed build
 writes its quantized graph alone. A half-precision checkpoint adds its fp32 copy (a temporary file
-of the build: models/readers/mapped.widened)."""
+of the build: models/readers/mapped.widened), except streamed: its layers are widened in memory,
+one at a time (mapped.widening_deferred)."""
 
 
 @dataclass(frozen=True)

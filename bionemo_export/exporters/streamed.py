@@ -60,6 +60,7 @@ from bionemo_export.exporters.optimize.weight_only import (
 )
 from bionemo_export.exporters.signature import sample_arguments
 from bionemo_export.model_repository.graph_files import UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.models.readers.mapped import deferred_widening_paused, widened_while_used
 from bionemo_export.tensors import TensorSpec
 
 STREAMED_STEP = "streamed weight-only quantization"
@@ -89,9 +90,13 @@ def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outpu
     out_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     structure = out_path.with_name(out_path.name + ".structure")
-    with eval_mode(module), collected_warnings() as caught:
+    parameters = dict(module.named_parameters())
+    with eval_mode(module), collected_warnings() as caught, deferred_widening_paused():
         program = torch_program(module, inputs, outputs, sample_arguments(inputs, sample_inputs), opset, fold=False)
-        weights = {name: value.const_value for name, value in program.model.graph.initializers.items()}
+        # A parameter is read from the module itself: one whose widening is deferred holds its
+        # values only while it is read (models/readers/mapped.widened_while_used).
+        weights = {name: parameters.get(name, value.const_value)
+                   for name, value in program.model.graph.initializers.items()}
         program.save(str(structure), include_initializers=False, keep_initializers_as_inputs=True)
     del program
     model = onnx.load(str(structure))
@@ -124,7 +129,8 @@ def write_weights(model: onnx.ModelProto, weights: Mapping[str, Any], path: Path
     """Write `model` (its weights graph inputs named as in `weights`: name -> an array-like with
     `.numpy()`, the exporter's tensors) to `path` with every weight an initializer in
     `<path>.data`, the linear layers' quantized into MatMulNBits of `bits`, one weight in memory
-    at a time; how it was quantized."""
+    at a time; how it was quantized. A weight that is a torch tensor is read inside
+    `widened_while_used` (a deferred one holds its values only there)."""
     graph = model.graph
     names = [value.name for value in graph.input if value.name in weights]
     users: dict[str, list[onnx.NodeProto]] = defaultdict(list)
@@ -138,17 +144,20 @@ def write_weights(model: onnx.ModelProto, weights: Mapping[str, Any], path: Path
     with data_path.open("wb") as out:
         writer = DataFileWriter(out, data_path.name)
         for name in names:
-            array = np.asarray(weights[name].numpy())
-            linear = _linear_matmuls(name, array, users)
-            if linear is None:
-                tensor = _tensor(name, array)
-                writer.append(tensor, [np.ascontiguousarray(array).reshape(-1).view(np.uint8)])
-                graph.initializer.append(tensor)
-                left += sum(node.op_type == "Transpose" and bool(_matmul_users(node, users)) for node in users[name])
-                continue
+            source = weights[name]
+            with widened_while_used([source] if isinstance(source, torch.Tensor) else []):
+                array = np.asarray(source.detach().numpy() if isinstance(source, torch.Tensor) else source.numpy())
+                linear = _linear_matmuls(name, array, users)
+                if linear is None:
+                    tensor = _tensor(name, array)
+                    writer.append(tensor, [np.ascontiguousarray(array).reshape(-1).view(np.uint8)])
+                    graph.initializer.append(tensor)
+                    left += sum(node.op_type == "Transpose" and bool(_matmul_users(node, users))
+                                for node in users[name])
+                    continue
+                node, initializers = quantize_linear(name, array.astype(np.float32, copy=False), bits, block_size,
+                                                     accuracy_level)
             transpose, matmuls = linear
-            node, initializers = quantize_linear(name, array.astype(np.float32, copy=False), bits, block_size,
-                                                 accuracy_level)
             for initializer in initializers:
                 data = initializer.raw_data
                 initializer.ClearField("raw_data")

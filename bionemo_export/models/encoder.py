@@ -36,7 +36,7 @@ from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_he
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.base import KeyMismatchError, describe_checkpoint
 from bionemo_export.models.readers.base import some as _some
-from bionemo_export.models.readers.mapped import widened
+from bionemo_export.models.readers.mapped import assign_widened
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
 from bionemo_export.models.transformer import TransformerConfig
 from bionemo_export.tokenizers.protocol import Tokenizer
@@ -307,7 +307,7 @@ def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
     if problems:
         raise KeyMismatchError(f"{source} does not match the {type(module).__name__} its configuration describes: "
                                + "; ".join(problems), missing, unexpected, shapes)
-    module.load_state_dict(widened(weights), strict=False, assign=True)  # a bf16 checkpoint's fp32: a mapped file
+    assign_widened(module, weights)  # a bf16 checkpoint's fp32: a mapped file (readers/mapped.py)
     with torch.no_grad():  # unused heads were never initialised: make their memory defined
         for name, parameter in module.named_parameters():
             if name not in expected:

@@ -187,6 +187,45 @@ def test_a_streamed_build_records_its_path_and_holds_its_graph_to_the_tolerance(
     assert checks and all(check.passed for check in checks), [check.text() for check in checks]
 
 
+def test_a_streamed_build_of_a_large_half_precision_checkpoint_widens_one_layer_at_a_time(
+        streamed_repository, checkpoints, tmp_path, monkeypatch):
+    """Over the widening threshold (here lowered to 1 KB), a streamed build does not write the bf16
+    model's fp32 copy to disk (60 GB for ESM-2 15B): each layer's weights are widened in memory while
+    the layer computes or its weights are written (models/readers/mapped.widening_deferred). The
+    graph it writes is the same bytes as the build widening in memory, checked to the same figures."""
+    from bionemo_export.models.readers import mapped
+
+    monkeypatch.setattr(mapped, "WIDEN_ON_DISK_BYTES", 1 << 10)
+    held = {"now": 0, "most": 0}  # fp32 elements widened at once
+    hold, release = mapped._Deferred.hold, mapped._Deferred.release
+
+    def holding(self):
+        if self.users == 0:
+            held["now"] += self.half.numel()
+            held["most"] = max(held["most"], held["now"])
+        hold(self)
+
+    def releasing(self):
+        release(self)
+        if self.users == 0:
+            held["now"] -= self.half.numel()
+
+    monkeypatch.setattr(mapped._Deferred, "hold", holding)
+    monkeypatch.setattr(mapped._Deferred, "release", releasing)
+    out = tmp_path / "repo"
+    build_repository(BuildRequest(family="esmc", checkpoint=checkpoints["esmc"], name="esmc", out=out,
+                                  backend="python", precision="int4", streamed=True, graph_cache=None,
+                                  min_cosine=ASKED_MIN_COSINE))
+    encoder = get_family("esmc").load(checkpoints["esmc"]).encoder
+    layer = sum(p.numel() for name, p in encoder.named_parameters() if name.startswith("backbone.layers.0."))
+    assert 0 < held["most"] <= layer and held["now"] == 0  # one layer at most, and nothing left widened
+    graph = "esmc_encoder/1/model.onnx.data"
+    assert (out / graph).read_bytes() == (streamed_repository / graph).read_bytes()
+    accuracy = [json.loads((repository / "manifest.json").read_text())["accuracy"]["outputs"]
+                for repository in (out, streamed_repository)]
+    assert accuracy[0] == accuracy[1]
+
+
 def test_a_streamed_build_refuses_what_it_cannot_build(checkpoints, tmp_path):
     def request(**changes):
         settings = dict(family="esmc", checkpoint=checkpoints["esmc"], name="m", out=tmp_path / "repo",

@@ -90,9 +90,9 @@ def test_an_fp32_build_that_does_not_fit_names_the_int4_path_that_does(tmp_path)
 
 def test_the_disk_a_build_writes_is_checked_before_anything_is_loaded(tmp_path):
     """ESM-2 3B in fp32 writes about 4 copies of its fp32 weights beside the output at its peak
-    (memory_plan.BUILD_DISK_COPIES), a streamed int4 ESM C 6B its int4 graph and the fp32 copy of
-    its bf16 weights; a build the file system cannot hold is refused naming the folder, the figures
-    and the fix."""
+    (memory_plan.BUILD_DISK_COPIES), an int8w ESM C 6B with its weights on disk the fp32 copy of its
+    bf16 weights too, a streamed int4 one its int4 graph alone; a build the file system cannot hold
+    is refused naming the folder, the figures and the fix."""
     from bionemo_export.build import check_build_disk
     from bionemo_export.memory_plan import BUILD_DISK_COPIES, STORED_WEIGHT_SHARE
 
@@ -108,9 +108,13 @@ def test_the_disk_a_build_writes_is_checked_before_anything_is_loaded(tmp_path):
         check_build_disk(folder, out, memory, free=20 * GIB)
 
     esmc = _header_only(tmp_path / "esmc_6b", 6_300_000_000)  # bf16, stored in half the fp32 bytes
+    on_disk = estimate_build_memory(esmc, "int8w", available=100 * GIB)
+    assert on_disk.path != STREAMED
+    disk = check_build_disk(esmc, out, on_disk, "int8w", free=200 * GIB)
+    assert disk.widened == 4 * 6_300_000_000  # the fp32 copy of its bf16 weights, a temporary file
+    assert "for the fp32 copy of its half-precision weights" in disk.text()
+    # Streamed, its layers are widened in memory one at a time (readers/mapped.widening_deferred).
     streamed = estimate_build_memory(esmc, "int4", available=21 * GIB)
     assert streamed.path == STREAMED
     disk = check_build_disk(esmc, out, streamed, "int4", free=100 * GIB)
-    assert disk.widened == 4 * 6_300_000_000
-    assert disk.needed == int(STORED_WEIGHT_SHARE["int4"] * 4 * 6_300_000_000) + disk.widened
-    assert "for the fp32 copy of its half-precision weights" in disk.text()
+    assert disk.widened == 0 and disk.needed == int(STORED_WEIGHT_SHARE["int4"] * 4 * 6_300_000_000)

@@ -82,3 +82,37 @@ def test_a_bf16_checkpoints_fp32_weights_are_pages_of_a_file_too(tmp_path, monke
     loaded = load_checkpoint(folder, "esmc")
     parameters = [p for name, p in loaded.encoder.named_parameters() if p.numel() > 64]
     assert parameters and all(mapped_file(p) is not None for p in parameters)
+
+
+def test_a_deferred_widening_holds_each_blocks_fp32_weights_only_while_it_is_used(tmp_path, monkeypatch):
+    """Under widening_deferred (a streamed build), a bf16 model's layer weights are not written to
+    the widened file (ESM-2 15B's would need 60 GB of disk): each layer widens its own in memory
+    while it computes, a weight read inside widened_while_used holds its values, and the answers
+    are those of the model widened whole. The rest (embeddings, heads) is widened as before."""
+    from bionemo_export.models.readers import mapped
+
+    folder = write_random_checkpoint("esmc", tmp_path / "esmc", TINY)  # bf16, as released
+    monkeypatch.setattr(mapped, "WIDEN_ON_DISK_BYTES", 1 << 10)
+    whole = load_checkpoint(folder, "esmc")
+    with mapped.widening_deferred():
+        deferred = load_checkpoint(folder, "esmc")
+    parameters = dict(deferred.encoder.named_parameters())
+    blocks = mapped.block_parameter_names(deferred.encoder)
+    assert blocks and all(name.startswith("backbone.layers.") for name in blocks)
+    assert {name for name, p in parameters.items() if mapped.is_deferred(p)} == blocks
+    expected = dict(whole.encoder.named_parameters())
+    weight = parameters["backbone.layers.1.mlp.down_proj.weight"]
+    assert weight.dtype == torch.float32 and not weight.detach().any()  # a placeholder: zeros, no disk
+    with mapped.widened_while_used([weight]):
+        assert torch.equal(weight, expected["backbone.layers.1.mlp.down_proj.weight"])
+    assert not weight.detach().any()
+    outside = [name for name in parameters if name not in blocks]
+    assert outside and all(torch.equal(parameters[name], expected[name]) for name in outside)
+
+    encoded = deferred.tokenizer.encode(["MKTAYIAKQRQISFVKSHF", "GSHM"])
+    arguments = [torch.from_numpy(getattr(encoded, spec.name)) for spec in deferred.inputs]
+    with torch.inference_mode():
+        assert torch.equal(deferred.encoder(*arguments)[0], whole.encoder(*arguments)[0])
+        with mapped.deferred_widening_paused():  # tracing: nothing widened, the placeholders answer
+            assert not torch.equal(deferred.encoder(*arguments)[0], whole.encoder(*arguments)[0])
+    assert not weight.detach().any()

@@ -16,6 +16,15 @@ A half-precision checkpoint (ESM C's bf16) computes in fp32, and widening its we
 would make them anonymous: 25 GB for ESM C 6B, more than a 24 GB host has. `widened` writes the
 fp32 copies into one unlinked file instead and maps it, so they are pages of a file like an fp32
 checkpoint's (WIDEN_ON_DISK_BYTES decides when).
+
+That file is as large as the fp32 weights, and beside the checkpoint it is more disk than a host
+has for the largest models (ESM-2 15B in fp16: 30 GB read, 60 GB widened, on ~75 GB). A streamed
+build reads each weight once and the model's blocks one at a time, so under `widening_deferred`
+(`assign_widened`) the weights of the model's repeated blocks (each child of its outermost
+ModuleLists: the transformer layers) are not written: their fp32 tensors are views of a hole of
+the file (zeros, no disk), and a block's fp32 copies are made in memory only while it computes
+(forward hooks) or while a weight is read (`widened_while_used`), then dropped again. The rest
+(embeddings, final norm, heads: a few hundred MB at most) is widened into the file as before.
 """
 
 from __future__ import annotations
@@ -27,8 +36,10 @@ import mmap
 import os
 import tempfile
 from collections import abc
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bionemo_export.memory_plan import EXTERNAL_DATA_THRESHOLD_BYTES
@@ -147,12 +158,159 @@ def widened(weights: abc.Mapping[str, torch.Tensor], directory: str | None = Non
     read again (page_out), and the disk space is given back when the last tensor is freed. Under
     the threshold (None: WIDEN_ON_DISK_BYTES), or where no file can be written, they are widened in
     memory."""
+    return _widened(weights, directory, threshold)[0]
+
+
+def assign_widened(module: torch.nn.Module, weights: abc.Mapping[str, torch.Tensor]) -> None:
+    """Give `module` `weights` (its parameter names) widened to fp32 (`widened`), the tensors
+    themselves rather than copies (load_state_dict's `assign`). Under `widening_deferred`, the
+    weights of its repeated blocks are widened only while used (the module's docstring)."""
+    defer = block_parameter_names(module) if _DEFERRING.get() else frozenset()
+    fp32, holes = _widened(weights, defer=defer)
+    module.load_state_dict(fp32, strict=False, assign=True)
+    if holes:
+        _defer(module, {name: weights[name] for name in holes})
+
+
+@contextmanager
+def widening_deferred(deferred: bool = True) -> Iterator[None]:
+    """Within this block, `assign_widened` widens a half-precision model's block weights only while
+    they are used: what a build that reads each weight once (a streamed build) loads its model under."""
+    token = _DEFERRING.set(deferred)
+    try:
+        yield
+    finally:
+        _DEFERRING.reset(token)
+
+
+@contextmanager
+def widened_while_used(parameters: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Within this block, those of `parameters` whose widening was deferred hold their fp32 values
+    (in memory); after it, their placeholders again. Other tensors are left as they are."""
+    held = [deferred for p in parameters if (deferred := _deferred(p)) is not None]
+    for deferred in held:
+        deferred.hold()
+    try:
+        yield
+    finally:
+        for deferred in held:
+            deferred.release()
+
+
+@contextmanager
+def deferred_widening_paused() -> Iterator[None]:
+    """Within this block the blocks' hooks widen nothing: for tracing (torch.export reads the
+    weights' dtypes and shapes, never their values)."""
+    token = _PAUSED.set(True)
+    try:
+        yield
+    finally:
+        _PAUSED.reset(token)
+
+
+def is_deferred(parameter: torch.Tensor) -> bool:
+    """Whether `parameter`'s widening is deferred (its values are zeros outside `widened_while_used`)."""
+    return _deferred(parameter) is not None
+
+
+def block_parameter_names(module: torch.nn.Module) -> frozenset[str]:
+    """The names of the parameters of `module`'s repeated blocks: the children of its outermost
+    ModuleLists (the layers of a transformer)."""
+    return frozenset(f"{prefix}.{name}" for prefix, block in _blocks(module)
+                     for name, _ in block.named_parameters())
+
+
+_DEFERRING: ContextVar[bool] = ContextVar("bionemo_export_widening_deferred", default=False)
+_PAUSED: ContextVar[bool] = ContextVar("bionemo_export_deferred_widening_paused", default=False)
+
+
+@dataclass(eq=False)
+class _Deferred:
+    """One parameter widened only while used: its half-precision source (pages of the checkpoint)
+    and its placeholder (an fp32 view of a hole in the widened file)."""
+
+    parameter: torch.nn.Parameter
+    half: torch.Tensor
+    placeholder: torch.Tensor
+    users: int = field(default=0)
+
+    def hold(self) -> None:
+        import torch
+
+        if self.users == 0:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the caller is in
+                self.parameter.data = self.half.float()
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self.parameter.data = self.placeholder
+
+
+_DEFERRED_ATTRIBUTE = "_bionemo_export_deferred_widening"
+"""The attribute of a parameter whose widening is deferred: its `_Deferred`."""
+
+
+def _deferred(parameter: torch.Tensor) -> _Deferred | None:
+    return getattr(parameter, _DEFERRED_ATTRIBUTE, None)
+
+
+def _blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, block) for each child of `module`'s outermost ModuleLists."""
+    import torch
+
+    lists: list[str] = []
+    blocks = []
+    for name, child in module.named_modules():
+        if isinstance(child, torch.nn.ModuleList) and not any(name.startswith(f"{outer}.") for outer in lists):
+            lists.append(name)
+            blocks.extend((f"{name}.{index}" if name else str(index), block) for index, block in enumerate(child))
+    return blocks
+
+
+def _defer(module: torch.nn.Module, halves: abc.Mapping[str, torch.Tensor]) -> None:
+    """Record `module`'s parameters named in `halves` (now placeholders) as deferred, and hook each
+    block to widen its own while it computes."""
+    for name, half in halves.items():
+        parameter = module.get_parameter(name)
+        setattr(parameter, _DEFERRED_ATTRIBUTE, _Deferred(parameter, half, parameter.data))
+    for prefix, block in _blocks(module):
+        parameters = [p for name, p in block.named_parameters() if f"{prefix}.{name}" in halves]
+        if not parameters:
+            continue
+        block.register_forward_pre_hook(_holding(parameters))
+        block.register_forward_hook(_releasing(parameters), always_call=True)
+
+
+def _holding(parameters: abc.Sequence[torch.Tensor]) -> abc.Callable[[object, object], None]:
+    """A block's forward pre-hook: widen its deferred `parameters`."""
+    def hook(_module: object, _args: object) -> None:
+        if not _PAUSED.get():
+            for parameter in parameters:
+                getattr(parameter, _DEFERRED_ATTRIBUTE).hold()
+    return hook
+
+
+def _releasing(parameters: abc.Sequence[torch.Tensor]) -> abc.Callable[[object, object, object], None]:
+    """A block's forward hook (run however the forward ends): drop its widened `parameters`."""
+    def hook(_module: object, _args: object, _output: object) -> None:
+        if not _PAUSED.get():
+            for parameter in parameters:
+                getattr(parameter, _DEFERRED_ATTRIBUTE).release()
+    return hook
+
+
+def _widened(weights: abc.Mapping[str, torch.Tensor], directory: str | None = None, threshold: int | None = None,
+             defer: Collection[str] = ()) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """`widened`, and the names of the half-precision weights in `defer` left as holes of the file
+    (their fp32 tensors read zeros; empty where the weights were widened in memory)."""
     import torch
 
     half = {key: t for key, t in weights.items() if t.is_floating_point() and t.dtype != torch.float32}
     sizes = {key: t.numel() * 4 for key, t in half.items()}
     if sum(sizes.values()) <= (WIDEN_ON_DISK_BYTES if threshold is None else threshold):
-        return {key: t.float() for key, t in weights.items()}
+        return {key: t.float() for key, t in weights.items()}, []
     offsets, end = {}, 0
     for key, size in sizes.items():
         offsets[key] = end
@@ -160,9 +318,12 @@ def widened(weights: abc.Mapping[str, torch.Tensor], directory: str | None = Non
     try:
         handle = tempfile.TemporaryFile(prefix=".bionemo-export-fp32-", dir=directory)
     except OSError:
-        return {key: t.float() for key, t in weights.items()}
+        return {key: t.float() for key, t in weights.items()}, []
+    holes = [key for key in half if key in defer]
     with handle:
         for key, tensor in half.items():
+            if key in defer:
+                continue  # a hole: no disk until written, and it never is
             handle.seek(offsets[key])
             handle.write(tensor.float().contiguous().numpy().data)  # one tensor in memory at a time
         handle.truncate(max(end, 1))
@@ -179,7 +340,7 @@ def widened(weights: abc.Mapping[str, torch.Tensor], directory: str | None = Non
                                         offset=offsets[key]).view(tensor.shape)
         else:
             out[key] = tensor.float()
-    return out
+    return out, holes
 
 
 def return_freed_memory() -> None:
