@@ -7,6 +7,8 @@ transformers' own model on the same checkpoint (issue 46, items 1 and 5).
     .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t36_3B --work /tmp/sizes --shared
     .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t30_150M --precision int4 \
         --out benchmarks/results/model_sizes_int4.json
+    .venv/bin/python benchmarks/model_sizes.py --shapes esm2_t48_15B --dtype fp16 --precision int4 \
+        --min-cosine 0.001 --serve --work /tmp/sizes15b --out benchmarks/results/model_sizes_esm2_15b_int4.json
 
 Each build runs in a child process of its own (`--build`), which samples its own /proc/self/status
 every 50 ms (VmRSS, RssAnon, RssFile) and tags each sample with the build's progress line, so the
@@ -292,16 +294,21 @@ def _run_child(arguments: list[str]) -> dict[str, Any]:
 
 
 def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "fp32", min_cosine: float | None = None,
-            serve: bool = False) -> dict[str, Any]:
-    """Write the checkpoint (unless there), build it in a child, check it in another."""
+            serve: bool = False, dtype: str | None = None) -> dict[str, Any]:
+    """Write the checkpoint (unless there) in `dtype` (None: as the family's released weights), build it
+    in a child, check it in another."""
+    import torch
+
     from bionemo_export.memory_plan import IN_MEMORY, STREAMED, WEIGHTS_ON_DISK
     from bionemo_export.models.readers.base import fp32_weight_bytes
-    from bionemo_export.testing.large_checkpoints import write_random_checkpoint
+    from bionemo_export.testing.large_checkpoints import DEFAULT_DTYPES, write_random_checkpoint
 
-    checkpoint = work / shape
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+    checkpoint = work / (shape if dtype is None else f"{shape}.{dtype}")
     if not (checkpoint / "model.safetensors").exists():
         start = time.perf_counter()
-        write_random_checkpoint(family, checkpoint, shape)
+        write_random_checkpoint(family, checkpoint, shape, dtype=dtypes[dtype] if dtype else None)
         print(f"{shape}: wrote {checkpoint} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     weights = fp32_weight_bytes(checkpoint)
     repository = work / f"{shape}.{precision}.repository"
@@ -314,7 +321,9 @@ def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "f
     served = _run_child(["--serve", str(repository)]) if serve else None
     manifest = json.loads((repository / "manifest.json").read_text())
     result = {
-        "family": family, "shape": shape, "checkpoint_bytes": _tree_bytes(checkpoint), "fp32_weight_bytes": weights,
+        "family": family, "shape": shape, "checkpoint_dtype": str(dtypes[dtype] if dtype else
+                                                                 DEFAULT_DTYPES[family]).removeprefix("torch."),
+        "checkpoint_bytes": _tree_bytes(checkpoint), "fp32_weight_bytes": weights,
         "build_seconds": build["seconds"], "peak_rss_bytes": build["vm_hwm"],
         "peak_rss_over_fp32_weights": round(build["vm_hwm"] / weights, 2),
         "peak_anon_bytes": build["peak_anon_sampled"],
@@ -366,6 +375,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--min-cosine", type=float, help="the build's --min-cosine (reduced precisions)")
     parser.add_argument("--serve", nargs="?", const=True, default=False, help="serve each repository and measure it")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                        help="the checkpoint's dtype (default: the family's released one, ESM-2 fp32, ESM C bf16)")
     args = parser.parse_args()
     if args.build:
         extra = {"precision": args.precision, **({"min_cosine": args.min_cosine} if args.min_cosine else {})}
@@ -383,7 +394,7 @@ def main() -> None:
     results = []
     for shape in args.shapes:
         results.append(measure(args.family, shape, args.work, args.keep, args.precision, args.min_cosine,
-                               bool(args.serve)))
+                               bool(args.serve), args.dtype))
         report = {
             "command": " ".join([".venv/bin/python", "benchmarks/model_sizes.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
