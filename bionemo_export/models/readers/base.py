@@ -241,8 +241,7 @@ def widened_weight_bytes(path: Path) -> int:
 def _weight_elements(path: Path) -> dict[str, int]:
     """fp32 bytes (elements x 4) per stored dtype of the checkpoint at `path` ("file": the sizes of
     weight files whose headers say nothing), for `fp32_weight_bytes`."""
-    import json
-    import struct
+    from .safetensors_files import read_header
 
     path = Path(path)
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES]
@@ -255,8 +254,7 @@ def _weight_elements(path: Path) -> dict[str, int]:
             continue
         try:
             with file.open("rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(min(length, 100 << 20)))
+                header, _ = read_header(handle, file.stat().st_size)
             counted: dict[str, int] = {}
             for name, entry in header.items():
                 if name != "__metadata__":
@@ -264,7 +262,7 @@ def _weight_elements(path: Path) -> dict[str, int]:
                     for size in entry["shape"]:
                         count *= int(size)
                     counted[str(entry["dtype"])] = counted.get(str(entry["dtype"]), 0) + 4 * count
-        except (OSError, ValueError, KeyError, TypeError, struct.error):  # the reader will say what is wrong
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the reader will say what is wrong
             counted = {"file": file.stat().st_size}
         for dtype, size in counted.items():
             totals[dtype] = totals.get(dtype, 0) + size

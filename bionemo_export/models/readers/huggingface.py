@@ -16,6 +16,7 @@ from .base import (
     register_reader,
     weights_error,
 )
+from .safetensors_files import load_safetensors
 from .torch_files import load_torch_weights
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -71,11 +72,9 @@ def read_weight_file(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     torch_files.py (zip format only, weights_only=True), so no pickled code ever runs."""
     if path.suffix != ".safetensors":
         return load_torch_weights(path, str(path))
-    from safetensors.torch import load_file
-
     try:
-        weights = load_file(path, device="cpu")
-    except Exception as err:  # safetensors' own errors; name the file either way
+        weights = load_safetensors(path)
+    except (OSError, ValueError) as err:
         raise weights_error(str(path), err) from None
     return check_state_dict(weights, str(path))
 

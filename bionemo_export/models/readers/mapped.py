@@ -1,8 +1,9 @@
 """Which loaded weights are pages of a checkpoint file, and handing those pages back to the kernel.
 
-Readers map their weight files rather than copy them (safetensors' `safe_open`, torch's
-`mmap=True` in torch_files.py): a tensor's bytes are then a private, read-only-in-practice mapping of
-the file, which the kernel fills as the model computes and can drop and read again at any time.
+Readers map their weight files rather than copy them (safetensors_files.py: a read-only shared
+mapping; torch's `mmap=True` in torch_files.py: a private, read-only-in-practice one): a tensor's
+bytes are then pages of the file, which the kernel fills as the model computes and can drop and
+read again at any time.
 A build uses that to hold the model's weights and an ONNX Runtime session's copy of them one at a
 time rather than both (exporters/verification.py): once the PyTorch reference answers are computed,
 `page_out` asks the kernel to reclaim the model's pages (madvise MADV_PAGEOUT), which frees them
