@@ -294,9 +294,9 @@ def _run_child(arguments: list[str]) -> dict[str, Any]:
 
 
 def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "fp32", min_cosine: float | None = None,
-            serve: bool = False, dtype: str | None = None) -> dict[str, Any]:
+            serve: bool = False, dtype: str | None = None, reuse_build: bool = False) -> dict[str, Any]:
     """Write the checkpoint (unless there) in `dtype` (None: as the family's released weights), build it
-    in a child, check it in another."""
+    in a child (or, `reuse_build`, take the build recorded beside the repository), check it in another."""
     import torch
 
     from bionemo_export.memory_plan import IN_MEMORY, STREAMED, WEIGHTS_ON_DISK
@@ -312,8 +312,14 @@ def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "f
         print(f"{shape}: wrote {checkpoint} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     weights = fp32_weight_bytes(checkpoint)
     repository = work / f"{shape}.{precision}.repository"
-    build = _run_child(["--build", str(checkpoint), "--family", family, "--repository", str(repository),
-                        "--precision", precision, *(["--min-cosine", str(min_cosine)] if min_cosine else [])])
+    record = work / f"{shape}.{precision}.build.json"  # kept: a check or serve that fails need not build again
+    if reuse_build and record.exists() and (repository / "manifest.json").exists():
+        build = json.loads(record.read_text())
+        print(f"{shape}: the build recorded in {record} is reused", file=sys.stderr)
+    else:
+        build = _run_child(["--build", str(checkpoint), "--family", family, "--repository", str(repository),
+                            "--precision", precision, *(["--min-cosine", str(min_cosine)] if min_cosine else [])])
+        record.write_text(json.dumps(build, indent=1) + "\n")
     print(f"{shape}: built in {build['seconds']} s, VmHWM {build['vm_hwm'] / 2**30:.2f} GiB", file=sys.stderr)
     check = _run_child(["--check", str(checkpoint), "--family", family, "--repository", str(repository),
                         "--precision", precision])
@@ -324,6 +330,7 @@ def measure(family: str, shape: str, work: Path, keep: bool, precision: str = "f
         "family": family, "shape": shape, "checkpoint_dtype": str(dtypes[dtype] if dtype else
                                                                  DEFAULT_DTYPES[family]).removeprefix("torch."),
         "checkpoint_bytes": _tree_bytes(checkpoint), "fp32_weight_bytes": weights,
+        **({"build_record": build["source"]} if "source" in build else {}),
         "build_seconds": build["seconds"], "peak_rss_bytes": build["vm_hwm"],
         "peak_rss_over_fp32_weights": round(build["vm_hwm"] / weights, 2),
         "peak_anon_bytes": build["peak_anon_sampled"],
@@ -375,6 +382,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--min-cosine", type=float, help="the build's --min-cosine (reduced precisions)")
     parser.add_argument("--serve", nargs="?", const=True, default=False, help="serve each repository and measure it")
+    parser.add_argument("--reuse-build", action="store_true",
+                        help="take a build recorded in WORK (SHAPE.PRECISION.build.json) with its repository")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
                         help="the checkpoint's dtype (default: the family's released one, ESM-2 fp32, ESM C bf16)")
     args = parser.parse_args()
@@ -394,7 +403,7 @@ def main() -> None:
     results = []
     for shape in args.shapes:
         results.append(measure(args.family, shape, args.work, args.keep, args.precision, args.min_cosine,
-                               bool(args.serve), args.dtype))
+                               bool(args.serve), args.dtype, args.reuse_build))
         report = {
             "command": " ".join([".venv/bin/python", "benchmarks/model_sizes.py", *sys.argv[1:]]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -66,7 +66,9 @@ def streamed_hidden_states(model_class: Any, checkpoint: Path | str, input_ids: 
         pooler = "add_pooling_layer" in inspect.signature(model_class.__init__).parameters
         model = (model_class(config, add_pooling_layer=False) if pooler else model_class(config)).eval()
     layers = _layers(model, config.num_hidden_layers)
-    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as weights:
+    # pread: each tensor read when asked. safetensors' default maps the whole file private and
+    # writable, which Linux refuses beyond memory plus swap (ESM-2 15B's 30 GB on a 24 GB host).
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt", backend="pread") as weights:
         keys = set(weights.keys())
 
         def key(name: str) -> str:
