@@ -131,3 +131,22 @@ class TuneObjective(Choice):
 
     THROUGHPUT = "throughput"
     LATENCY = "latency"
+
+
+class MemoryArena(Choice):
+    """How a served graph's ONNX Runtime session allocates its intermediate tensors (config
+    parameter `memory_arena` of the models that run a graph; serving/onnx_session.py)."""
+
+    RUN = "run"
+    """ONNX Runtime's CPU arena during a run, shrunk to its first chunk at the run's end: a layer
+    reuses the previous layer's pages instead of mapping fresh ones (glibc maps every allocation
+    over 32 MB anew, and the kernel zeroes each page on first touch), and the memory still goes
+    back to the system after every run. Measured on an ESM-2 150M graph at 8 x 256 tokens (2 AVX-512
+    cores): 1.22x fp32 and 1.4x int8 the speed of `false`, within 5 % of `true`
+    (benchmarks/results/esm_cpp.md)."""
+    OFF = "false"
+    """No arena: every tensor from malloc, freed as soon as it is used (what repositories built
+    before `run` existed say)."""
+    KEPT = "true"
+    """The arena kept at the peak of the largest run for good: the fastest, but a server keeps the
+    memory of its largest request."""

@@ -416,7 +416,8 @@ def stub_memory_mb(server, model: str) -> dict[str, dict[str, float]]:
 
 def test_stub_memory_returns_after_large_requests(mmb):
     """32 sequences of 510 tokens sampled four times, then four times more: no stub keeps the peak
-    of those requests on its heap (ONNX Runtime's arena kept ~170 MiB per encoder instance for good),
+    of those requests on its heap (ONNX Runtime's arena kept for good, memory_arena "true", held
+~170 MiB per encoder instance),
     and the second round adds nothing to the first."""
     models = ("mmb_samplings", "mmb_decoder_step", "mmb_cross_kv", "mmb_encoder")
     for _ in range(2):
@@ -437,8 +438,10 @@ def test_stub_memory_returns_after_large_requests(mmb):
     for model in models:
         for pid in second[model]:
             # The first large requests warm ONNX Runtime up once (some tens of MiB, up to ~41 on a
-            # loaded host); a kept peak is four times that.
+            # loaded host without an arena; the per-run arena (memory_arena "run") keeps ~20 MiB
+            # more of its first large run: 22 against 5 MiB in process, tiny MegaMolBART encoder);
+            # a kept peak is ten times that (751 MiB in process with memory_arena "true").
             heap, total = growth(before, first, model, pid)
-            assert heap < 60 and total < 80, (model, rounds)
+            assert heap < 100 and total < 120, (model, rounds)
             heap, total = growth(first, second, model, pid)  # nothing more after the warm-up
             assert heap < 15 and total < 20, (model, rounds)

@@ -225,7 +225,7 @@ def test_fused_decode_loops_run_the_decoder_graphs_themselves(tmp_path, megamolb
     for name in ("mmb_decodes", "mmb_samplings"):
         model = models[name]
         assert {"cross_kv/model.onnx", "decoder_step/model.onnx", "host.py"} <= set(model.files)
-        assert model.parameters["intra_op_threads"] == "auto" and model.parameters["memory_arena"] == "false"
+        assert model.parameters["intra_op_threads"] == "auto" and model.parameters["memory_arena"] == "run"
         assert model.parameters["decoder_graphs"] == "in_process" and "cross_kv_model" not in model.parameters
     assert "bls_models" not in models["mmb_decodes"].parameters  # it calls no other model
     assert models["mmb_samplings"].parameters["bls_models"] == "mmb_encoder"
