@@ -1,8 +1,8 @@
 """What `tune` may change in a served model, read from and written to its config.pbtxt.
 
 A tunable model is a batched model that runs a graph: the encoder of the fused layout (instances,
-ONNX Runtime threads, token budget, largest sub-batch, queue delay, length bucket: everything its
-config's `parameters` carry), or any other dynamically batched model (instances, queue delay, and
+ONNX Runtime threads, token budget, largest sub-batch, queue delay, length bucket, memory arena:
+everything its config's `parameters` carry), or any other dynamically batched model (instances, queue delay, and
 its thread count when it has one). `Settings` is one point of that space; `axes` the values each
 setting may take on this host, in order, so that the search can step to a neighbour.
 
@@ -17,11 +17,11 @@ from typing import Any
 
 from bionemo_export.model_repository.pbtxt import ModelConfig
 
-AXES = ("max_sub_batch", "instances", "threads", "token_budget", "queue_delay_us", "length_bucket")
+AXES = ("max_sub_batch", "instances", "threads", "token_budget", "queue_delay_us", "length_bucket", "memory_arena")
 """Every setting, in the order the search tries them: the largest sub-batch first (what closes the
 gap to in-process ONNX Runtime on a CPU), then how the cores are split, then the rest."""
 PARAMETER_OF = {"threads": "intra_op_threads", "token_budget": "token_budget", "max_sub_batch": "max_sub_batch",
-                "length_bucket": "length_bucket"}
+                "length_bucket": "length_bucket", "memory_arena": "memory_arena"}
 """Settings kept in the config's `parameters` (the Python-backend models read them at load)."""
 TOKEN_BUDGETS = (2048, 4096, 8192, 16384, 32768)
 SUB_BATCHES = (1, 2, 4, 8, 0)
@@ -30,6 +30,10 @@ two steps each way, so from "no limit" it reaches 8 and 4 (a CPU's best is often
 the batcher hands over ~11 under load)."""
 QUEUE_DELAYS_US = (0, 500, 2000, 10000)
 LENGTH_BUCKETS = (8, 16, 32, 64)
+MEMORY_ARENAS = ("false", "run", "true")
+"""The config parameter `memory_arena`'s values (choices.MemoryArena) by the memory each keeps
+after a run, none to the largest run's peak: a setting holds the index (0, 1, 2), so that the
+search steps between neighbours as along the other axes."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class Settings:
     token_budget: int | None = None
     max_sub_batch: int | None = None
     length_bucket: int | None = None
+    memory_arena: int | None = None
+    """Index into MEMORY_ARENAS: 0 no arena, 1 an arena per run, 2 an arena kept."""
 
     def values(self) -> dict[str, int]:
         """The settings the model has, by name."""
@@ -59,6 +65,8 @@ def shown(name: str, value: int) -> str:
         return "auto"
     if name == "max_sub_batch" and value == 0:
         return "any"
+    if name == "memory_arena":
+        return MEMORY_ARENAS[value]
     return str(value)
 
 
@@ -74,7 +82,10 @@ def read_settings(config: ModelConfig) -> Settings:
     for name, parameter in PARAMETER_OF.items():
         if parameter in parameters:
             text = parameters[parameter]
-            found[name] = 0 if text in ("auto", "") else int(text)
+            if name == "memory_arena":
+                found[name] = MEMORY_ARENAS.index(text) if text in MEMORY_ARENAS else None
+            else:
+                found[name] = 0 if text in ("auto", "") else int(text)
     return Settings(instances=int(config.instance_group[0].count) or 1,
                     queue_delay_us=int(config.dynamic_batching.max_queue_delay_microseconds), **found)
 
@@ -87,7 +98,11 @@ def write_settings(config: ModelConfig, settings: Settings) -> ModelConfig:
     changed.dynamic_batching.max_queue_delay_microseconds = settings.queue_delay_us
     for name, parameter in PARAMETER_OF.items():
         value = getattr(settings, name)
-        if value is not None:
+        if value is None:
+            continue
+        if name == "memory_arena":
+            changed.parameters[parameter].string_value = MEMORY_ARENAS[value]
+        else:
             changed.parameters[parameter].string_value = "auto" if name == "threads" and value == 0 else str(value)
     return changed
 
@@ -103,6 +118,7 @@ def axes(settings: Settings, cores: int) -> dict[str, tuple[int, ...]]:
         "max_sub_batch": SUB_BATCHES,
         "queue_delay_us": QUEUE_DELAYS_US,
         "length_bucket": LENGTH_BUCKETS,
+        "memory_arena": tuple(range(len(MEMORY_ARENAS))),
     }
     out = {}
     for name in AXES:

@@ -34,12 +34,13 @@ def test_settings_round_trip_through_the_encoder_config(esm2_repository):
     config = read_config(esm2_repository / "esm2nv_encoder")
     settings = read_settings(config)
     assert settings == Settings(instances=1, queue_delay_us=0, threads=0, token_budget=8192, max_sub_batch=0,
-                                length_bucket=16)
+                                length_bucket=16, memory_arena=1)  # memory_arena "run"
     changed = Settings(instances=2, queue_delay_us=500, threads=1, token_budget=4096, max_sub_batch=4,
-                       length_bucket=32)
+                       length_bucket=32, memory_arena=0)
     written = write_settings(config, changed)
     assert read_settings(written) == changed
     assert written.parameters["intra_op_threads"].string_value == "1"
+    assert written.parameters["memory_arena"].string_value == "false"
     assert read_settings(write_settings(config, settings)) == settings
     assert write_settings(config, settings).parameters["intra_op_threads"].string_value == "auto"
     assert read_settings(config) == settings  # the original is not modified

@@ -140,3 +140,23 @@ def test_a_unit_of_members_side_by_side_steps_through_its_share_of_the_cores():
     assert max(s.instances for s in seen) == 3 and max(s.threads or 0 for s in seen) == 3
     assert result.winner.candidate["ens_m*_encoder"].instances == 3
     assert QuickSearch({"x": start}, measure, SearchSettings(), cores=2, shares={"x": 4}).cores_of("x") == 1
+
+
+def test_the_memory_arena_is_a_setting_read_and_written_by_name():
+    from bionemo_export.model_repository.pbtxt import ModelConfig
+    from bionemo_export.tune.space import read_settings, shown, write_settings
+
+    config = ModelConfig(name="esm2_encoder", backend="python", max_batch_size=32)
+    config.instance_group.add(count=1)
+    config.dynamic_batching.SetInParent()
+    config.parameters["memory_arena"].string_value = "run"
+    config.parameters["token_budget"].string_value = "8192"
+    settings = read_settings(config)
+    assert settings.memory_arena == 1 and shown("memory_arena", 2) == "true"
+    assert axes(settings, 2)["memory_arena"] == (0, 1, 2)
+    assert [s.memory_arena for s in around(settings, 2, "memory_arena", radius=1)] == [2, 0]
+    kept = write_settings(config, step(settings, 2, "memory_arena", +1))  # type: ignore[arg-type]
+    assert kept.parameters["memory_arena"].string_value == "true"
+    assert read_settings(kept).memory_arena == 2 and "memory_arena true" in read_settings(kept).describe()
+    config.parameters["memory_arena"].string_value = "sometimes"  # not a value it knows: not searched
+    assert read_settings(config).memory_arena is None

@@ -8,7 +8,9 @@ precision) with one set of options, written once at build time.
 
 The steps, in order (each measured in benchmarks/graph_optimization.py on AntiBERTy and ESM-2):
 
-1. **Attention fusion** (attention.py): each attention subgraph becomes one MultiHeadAttention node.
+1. **Attention fusion** (attention.py): each attention subgraph becomes one MultiHeadAttention node,
+   after the rotary fusion (rotary.py): each rotary position embedding (ESM-2's, ESM C's) becomes
+   one RotaryEmbedding node.
 2. **ONNX Runtime's transformer fusions** (`onnxruntime.transformers.optimizer.optimize_model`,
    model_type "bert", opt_level 0): Gelu/BiasGelu and LayerNormalization, which the runtime's own
    optimizer misses on the dynamo graph (its Erf-based GELU stays 5 nodes). Its attention fusion is
@@ -85,6 +87,7 @@ from .quantization import (
     quantize_all_but,
     quantize_int8,
 )
+from .rotary import fuse_rotary
 from .weight_only import (
     DEFAULT_ACCURACY_LEVEL,
     DEFAULT_BLOCK_SIZE,
@@ -207,6 +210,11 @@ def fuse_graph(src: Path, *, num_heads: int | None, hidden_size: int | None, fus
         raise OptimizationError(f"cannot load {src}: {err}") from err
     nodes_before = len(model.graph.node)
     external = _weight_bytes(model) > INLINE_LIMIT_BYTES if external_data is None else external_data
+    # The rotary fusion first: the query scale it moves after the rotation then becomes
+    # MultiHeadAttention's, and the Transposes it rebuilds cancel the attention fusion's (rotary.py).
+    rotated = _step("rotary fusion", lambda: fuse_rotary(model)) if fuse else 0
+    if rotated:
+        applied.append(f"rotary_fusion(RotaryEmbedding x{rotated})")
     if fuse and num_heads:
         fused = _step("attention fusion", lambda: fuse_attention(model, num_heads))
         if fused:
@@ -445,8 +453,9 @@ def _transformer_fusions(model: onnx.ModelProto, num_heads: int, hidden_size: in
                                    optimization_options=options, opt_level=0, use_gpu=False)
     finally:
         quiet.setLevel(previous)
+    # Operators fused by this module's own steps or exported as they are: not this step's.
     stats = {op: n for op, n in optimized.get_fused_operator_statistics().items()
-             if n and op not in ("LayerNormalization", "MultiHeadAttention", "Attention")}
+             if n and op not in ("LayerNormalization", "MultiHeadAttention", "Attention", "RotaryEmbedding")}
     return optimized.model, stats
 
 
