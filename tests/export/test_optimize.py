@@ -137,7 +137,8 @@ def test_build_stores_the_optimized_graph_and_records_the_optimizations(tmp_path
     optimization = manifest["export"]["encoder"]["optimization"]
     assert optimization["fallback"] is None
     assert optimization["precision"] == "fp32" and manifest["precision"] == "fp32"
-    assert optimization["applied"][:2] == ["rotary_fusion(RotaryEmbedding x4)", "attention_fusion(MultiHeadAttention x2)"]
+    assert optimization["applied"][:2] == ["rotary_fusion(RotaryEmbedding x4)",
+                                           "attention_fusion(MultiHeadAttention x2)"]
     assert "onnxruntime_extended" in optimization["applied"]
     assert optimization["serving_graph_optimization_level"] == "ORT_ENABLE_BASIC"
     stored = onnx.load(str(next((tmp_path / "repo").rglob("model.onnx"))))
