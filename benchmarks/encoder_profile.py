@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from bionemo_export.bench.in_process import served_session
 from bionemo_export.bench.inputs import random_proteins
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.model_repository.manifest import package_versions
@@ -50,17 +51,6 @@ class Timed:
         finally:
             self.seconds += time.perf_counter() - began
             self.calls += 1
-
-
-def served_session(folder: Path) -> ort.InferenceSession:
-    """The session as the served model opens it (serving/onnx_session.py: every core, no spinning)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = available_cores()
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.enable_cpu_mem_arena = False
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(folder / "1" / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
 
 def profile(encoder: GraphEncoder, session: Timed, tokenizer, sequences: list[str], repeats: int) -> dict:
@@ -107,7 +97,7 @@ def main() -> int:
         repo = Path(work) / "repo"
         build_repository(BuildRequest(family="bert", checkpoint=antiberty_checkpoint(), name="antiberty", out=repo,
                                       backend="python"))
-        session = Timed(served_session(repo / "antiberty_encoder"))
+        session = Timed(served_session(repo / "antiberty_encoder")[0])
         encoder = GraphEncoder(session, lambda request: request, outputs=("embeddings",), pad_id=tokenizer.pad_id,
                                length_bucket=16, token_budget=8192, responder=Responder("antiberty_encoder"),
                                input_prefix="antiberty")

@@ -59,6 +59,7 @@ import onnxruntime as ort
 import torch
 
 from bionemo_export.bench import InputSpec, Target, run_benchmarks, write_report
+from bionemo_export.bench.in_process import served_session
 from bionemo_export.bench.inputs import TensorSpec, generate_inputs
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.model_repository.manifest import Manifest, package_versions
@@ -232,23 +233,13 @@ DEV_LABEL = "BioNeMo way (PyTriton, PyTorch, max batch 10)"
 
 def in_process_limit(repository: Path, name: str, tokenizer, sequences: list[str], repeats: int) -> dict:
     """The best any server can do with this repository on this CPU: ONNX Runtime in this process
-    running the repository's own stored encoder graph, with the served model's session options
-    (serving/onnx_session.py: every core, no spinning, its memory arena and optimization level),
+    running the repository's own stored encoder graph in the session the served model opens
+    (bench/in_process.served_session: its threads, memory arena and optimization level),
     over all `sequences` sorted by length and split by the served planner with the repository's own
     length bucket and token budget. Sequences/s over the whole set, tokenization included (a server
     tokenizes too), best of `repeats` (the fastest run is the one least disturbed by the machine)."""
-    folder = repository / f"{name}_encoder"
-    parameters = {key: value.string_value for key, value in read_config(folder).parameters.items()}
+    session, parameters = served_session(repository / f"{name}_encoder")
     bucket, budget = int(parameters.get("length_bucket", "0")), int(parameters.get("token_budget", "0"))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = available_cores()  # what "auto" gives one instance (serving/host.py)
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.enable_cpu_mem_arena = parameters.get("memory_arena", "false").lower() == "true"
-    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
-                                               parameters.get("graph_optimization_level", "ORT_ENABLE_ALL"))
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(folder / "1" / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
     def once() -> tuple[int, int]:
         """Every sequence's embedding, as the served encoder computes it; (real, padding) tokens."""
@@ -268,7 +259,7 @@ def in_process_limit(repository: Path, name: str, tokenizer, sequences: list[str
         once()
         runs.append(len(sequences) / (time.perf_counter() - began))
     return {"runs": runs, "best": max(runs), "length_bucket": bucket, "token_budget": budget,
-            "threads": options.intra_op_num_threads, "padding_fraction": padding / (real + padding)}
+            "threads": available_cores(), "padding_fraction": padding / (real + padding)}
 
 
 def part_mixed(work: Path, args) -> dict:
