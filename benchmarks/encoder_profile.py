@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
-from bionemo_export.bench.in_process import served_session
+from bionemo_export.bench.in_process import TimedSession, served_session
 from bionemo_export.bench.inputs import random_proteins
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.model_repository.manifest import package_versions
@@ -38,22 +37,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SUB_BATCHES = (1, 2, 3, 4, 6, 0)
 
 
-class Timed:
-    """An ONNX Runtime session whose run() time is added up."""
-
-    def __init__(self, session: ort.InferenceSession) -> None:
-        self.session, self.seconds, self.calls = session, 0.0, 0
-
-    def run(self, names, feed):
-        began = time.perf_counter()
-        try:
-            return self.session.run(names, feed)
-        finally:
-            self.seconds += time.perf_counter() - began
-            self.calls += 1
-
-
-def profile(encoder: GraphEncoder, session: Timed, tokenizer, sequences: list[str], repeats: int) -> dict:
+def profile(encoder: GraphEncoder, session: TimedSession, tokenizer, sequences: list[str], repeats: int) -> dict:
     """Milliseconds per handed-over batch of `sequences` (one request per sequence, as perf_analyzer
     sends them): tokenizing, ONNX Runtime, and the rest of GraphEncoder.run (joining, planning,
     copying outputs); medians over `repeats`."""
@@ -97,7 +81,7 @@ def main() -> int:
         repo = Path(work) / "repo"
         build_repository(BuildRequest(family="bert", checkpoint=antiberty_checkpoint(), name="antiberty", out=repo,
                                       backend="python"))
-        session = Timed(served_session(repo / "antiberty_encoder")[0])
+        session = TimedSession(served_session(repo / "antiberty_encoder")[0])
         encoder = GraphEncoder(session, lambda request: request, outputs=("embeddings",), pad_id=tokenizer.pad_id,
                                length_bucket=16, token_budget=8192, responder=Responder("antiberty_encoder"),
                                input_prefix="antiberty")

@@ -46,7 +46,7 @@ class Timing:
     graph: float
 
 
-class _TimedSession:
+class TimedSession:
     """A session whose run() seconds are added up (what the graph itself cost)."""
 
     def __init__(self, session: Any) -> None:
@@ -67,7 +67,7 @@ class InProcessEncoder:
     def __init__(self, repository: Path, name: str, tokenizer: Any) -> None:
         folder = Path(repository) / f"{name}_encoder"
         session, parameters = served_session(folder)
-        self.session = _TimedSession(session)
+        self.session = TimedSession(session)
         self.tokenizer = tokenizer
         self.parameters = parameters
         self.encoder = GraphEncoder(

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph import GraphView, attribute_value, remove_unused
+from .graph import GraphView, attribute_value, match_each, remove_unused, replace_matches
 
 MS_DOMAIN = "com.microsoft"
 MASK_FILL_LIMIT = -1e4
@@ -55,32 +55,15 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int) -> int:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 15:  # the fused subgraph uses Shape(start, end), opset 15
         return 0
-    matches: list[_Match] = []
     view = GraphView(graph)
-    claimed: set[int] = set()
-    for node in graph.node:
-        if node.op_type != "Softmax":
-            continue
-        match = _match_attention(view, node)
-        if match is None or any(id(n) in claimed for n in match.nodes):
-            continue
-        claimed.update(id(n) for n in match.nodes)
-        matches.append(match)
+    matches = match_each(graph, "Softmax", lambda node: _match_attention(view, node))
     if not matches:
         return 0
     if not any(opset.domain == MS_DOMAIN for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     constants = _Constants(graph)
-    replaced = {id(n) for m in matches for n in m.nodes}
-    by_output_node = {id(m.nodes[-1]): m for m in matches}  # the final MatMul
-    new_nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if id(node) in by_output_node:
-            new_nodes.extend(_fused_nodes(by_output_node[id(node)], num_heads, constants, view))
-        elif id(node) not in replaced:
-            new_nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(new_nodes)
+    # each fused node goes where the subgraph's final MatMul was
+    replace_matches(graph, matches, lambda match: _fused_nodes(match, num_heads, constants, view))
     _cancel_transposes(graph)
     remove_unused(graph)
     return len(matches)

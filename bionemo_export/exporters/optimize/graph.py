@@ -12,7 +12,8 @@ is the clean-up after a rewrite.
 from __future__ import annotations
 
 import collections
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import onnx
@@ -85,3 +86,43 @@ def remove_unused(graph: onnx.GraphProto) -> None:
     for init in unused:
         graph.initializer.remove(init)
 
+
+
+class Matched(Protocol):
+    """A subgraph a fusion found: `nodes` are those it replaces, the last where the fused ones go."""
+
+    nodes: list[onnx.NodeProto]
+
+
+M = TypeVar("M", bound=Matched)
+
+
+def match_each(graph: onnx.GraphProto, anchor: str, match: Callable[[onnx.NodeProto], M | None]) -> list[M]:
+    """`match(node)` for every node of type `anchor`, in graph order, keeping those that matched and
+    share no node with an earlier match."""
+    matches: list[M] = []
+    claimed: set[int] = set()
+    for node in graph.node:
+        if node.op_type != anchor:
+            continue
+        found = match(node)
+        if found is None or any(id(n) in claimed for n in found.nodes):
+            continue
+        claimed.update(id(n) for n in found.nodes)
+        matches.append(found)
+    return matches
+
+
+def replace_matches(graph: onnx.GraphProto, matches: Sequence[M],
+                    fused: Callable[[M], list[onnx.NodeProto]]) -> None:
+    """Put `fused(match)` where each match's last node was, and drop the matches' nodes."""
+    replaced = {id(n) for m in matches for n in m.nodes}
+    by_last = {id(m.nodes[-1]): m for m in matches}
+    new_nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if id(node) in by_last:
+            new_nodes.extend(fused(by_last[id(node)]))
+        elif id(node) not in replaced:
+            new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)

@@ -42,7 +42,7 @@ from onnx import helper
 from bionemo_export.exporters.external_data import unloaded
 
 from .attention import MS_DOMAIN, _Constants
-from .graph import GraphView, attribute_value, remove_unused
+from .graph import GraphView, attribute_value, match_each, remove_unused, replace_matches
 
 SLICE_TO_END = 2**31 - 1
 """A Slice end at or past this reads to the end of the axis (torch.onnx writes INT64_MAX)."""
@@ -71,32 +71,14 @@ def fuse_rotary(model: onnx.ModelProto) -> int:
     any way, or whose intermediate values are read elsewhere, is left alone."""
     graph = model.graph
     view = GraphView(graph)
-    matches: list[_Match] = []
-    claimed: set[int] = set()
-    for node in graph.node:
-        if node.op_type != "Neg":
-            continue
-        match = _match_rotary(view, node)
-        if match is None or any(id(n) in claimed for n in match.nodes):
-            continue
-        claimed.update(id(n) for n in match.nodes)
-        matches.append(match)
+    matches = match_each(graph, "Neg", lambda node: _match_rotary(view, node))
     if not matches:
         return 0
     if not any(opset.domain == MS_DOMAIN for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     constants = _Constants(graph)
     caches: dict[str, tuple[str, str]] = {}
-    replaced = {id(n) for m in matches for n in m.nodes}
-    by_last = {id(m.nodes[-1]): m for m in matches}
-    new_nodes: list[onnx.NodeProto] = []
-    for node in graph.node:
-        if id(node) in by_last:
-            new_nodes.extend(_fused_nodes(by_last[id(node)], constants, caches))
-        elif id(node) not in replaced:
-            new_nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(new_nodes)
+    replace_matches(graph, matches, lambda match: _fused_nodes(match, constants, caches))
     remove_unused(graph)
     return len(matches)
 
