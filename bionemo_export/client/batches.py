@@ -47,11 +47,23 @@ class RowResults:
     """(row, the server's message) for each row the server refused alone (isolate=True)."""
 
 
-def plan_requests(count: int, batch_size: int) -> list[np.ndarray]:
-    """Row indices of each request: consecutive runs of at most `batch_size` rows."""
+def plan_requests(count: int, batch_size: int, order: np.ndarray | None = None) -> list[np.ndarray]:
+    """Row indices of each request: consecutive runs of at most `batch_size` rows of `order` (a
+    permutation of the `count` rows; None: as given)."""
     if batch_size < 1:
         raise InvalidInputError(f"batch size must be at least 1, got {batch_size}")
-    return [np.arange(start, min(start + batch_size, count)) for start in range(0, count, batch_size)]
+    rows = np.arange(count) if order is None else np.asarray(order, dtype=np.int64)
+    if len(rows) != count or not np.array_equal(np.sort(rows), np.arange(count)):
+        raise ValueError(f"order must be a permutation of the {count} rows")
+    return [rows[start:start + batch_size] for start in range(0, count, batch_size)]
+
+
+def row_ranges(rows: np.ndarray) -> str:
+    """Row indices as ascending runs: [7, 3, 4, 5, 9] -> "3-5, 7, 9"."""
+    ordered = np.sort(np.asarray(rows))
+    breaks = np.flatnonzero(np.diff(ordered) != 1) + 1
+    runs = np.split(ordered, breaks)
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 
 def batch_size_for(client: Inferrer, model: str, requested: int | None = None) -> int:
@@ -93,10 +105,14 @@ def _answer(future) -> dict[str, np.ndarray] | InferenceError:
 def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs, *,
                outputs: list[str] | None = None, batch_size: int | None = None,
                in_flight: int = DEFAULT_IN_FLIGHT, isolate: bool = False, stop_on_failure: bool = False,
-               progress: Callable[[int], None] | None = None) -> RowResults:
+               progress: Callable[[int], None] | None = None, order: np.ndarray | None = None) -> RowResults:
     """Run `count` rows through `model` in requests of `batch_size` rows (default: the model's
     max_batch_size), `in_flight` at a time. `make_inputs(rows, index)` builds request `index`'s
-    inputs for its `rows`; `progress(n)` is told each time n more rows are done.
+    inputs for its `rows`; `progress(n)` is told each time n more rows are done. `order`: the rows
+    in the order they are sent (a permutation; None: as given); the results are in the caller's
+    order whatever it is. The Python client sends sequences sorted by length, so that a request's
+    rows share the server's length buckets (serving/batching.py) instead of each request spanning
+    all of them.
 
     A request refused for what it holds raises InferenceError naming its rows (when there were
     several requests), unless `isolate`: then its rows are sent one by one and those refused alone
@@ -105,7 +121,9 @@ def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs
     (ServerFailedError, ServerUnreachableError), of a request or of a row sent alone, raises: it is
     never listed as a row's."""
     size = batch_size_for(client, model, batch_size)
-    plan = plan_requests(count, size)
+    if order is not None and stop_on_failure:
+        raise ValueError("stop_on_failure keeps the rows before the first refused one: send them in their order")
+    plan = plan_requests(count, size, order)
     pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []
     failures: list[tuple[int, str]] = []
     # A generator: each request is packed just before it is sent, not all of them up front.
@@ -114,7 +132,7 @@ def infer_rows(client: Inferrer, model: str, count: int, make_inputs: MakeInputs
     for index, (rows, answer) in enumerate(zip(plan, answers)):
         if isinstance(answer, InferenceError):
             if not isolate:
-                where = f" (rows {rows[0]}-{rows[-1]} of {count}, sent as one request)" if len(plan) > 1 else ""
+                where = f" (rows {row_ranges(rows)} of {count}, sent as one request)" if len(plan) > 1 else ""
                 raise type(answer)(f"{answer}{where}") from answer
             good, bad = _one_by_one(client, model, rows, make_inputs, index, outputs, in_flight)
             if bad and stop_on_failure:
@@ -175,7 +193,10 @@ def _join(pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]], failures: list
     # Requests' hidden states are padded to their own longest row: joined, they are padded to the
     # longest of all, which is what one request for every row would have answered.
     joined = {name: _stack([answer[name] for _, answer in pieces]) for name in names}
-    return RowResults(rows, joined, failures)
+    if np.any(np.diff(rows) < 0):  # sent in another order than the caller's
+        ascending = np.argsort(rows, kind="stable")
+        rows, joined = rows[ascending], {name: value[ascending] for name, value in joined.items()}
+    return RowResults(rows, joined, sorted(failures))
 
 
 def _stack(arrays: list[np.ndarray]) -> np.ndarray:

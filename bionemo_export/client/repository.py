@@ -324,12 +324,17 @@ class RepositoryClient:
         items = strings_column(sequences)
         if not len(items):
             return self._empty(task, outputs)
+        # Sent shortest first, so that a request's rows share the server's length buckets; but a
+        # seeded sampling's answer depends on which rows share a request, and in what order.
+        order = None if task == "samplings" else np.argsort([len(item) for item in items[:, 0]], kind="stable")
         return self._run(task, len(items), lambda rows, index: {"sequences": items[rows],
-                                                                **(extra(rows, index) if extra else {})}, outputs)
+                                                                **(extra(rows, index) if extra else {})}, outputs,
+                         order=order)
 
-    def _run(self, task: str, count: int, make_inputs, outputs: list[str]) -> dict[str, np.ndarray]:
+    def _run(self, task: str, count: int, make_inputs, outputs: list[str],
+             order: np.ndarray | None = None) -> dict[str, np.ndarray]:
         return infer_rows(self.client, self.model(task), count, make_inputs, outputs=outputs,
-                          batch_size=self.batch_size, in_flight=self.in_flight).outputs
+                          batch_size=self.batch_size, in_flight=self.in_flight, order=order).outputs
 
     def _empty(self, task: str, outputs: list[str]) -> dict[str, np.ndarray]:
         """Answers for zero inputs, shaped from the model's configuration (no request sent)."""

@@ -29,6 +29,7 @@ from bionemo_export.client import (
     TritonClient,
     infer_rows,
 )
+from bionemo_export.client.batches import row_ranges
 from bionemo_export.client.files import read_hiddens, write_outputs
 from bionemo_export.client.records import read_records
 from bionemo_export.client.repository import sampling_inputs
@@ -163,7 +164,11 @@ def test_python_client_errors_carry_the_servers_message(server):
     with RepositoryClient(NAME, _urls(server)["grpc"]) as client:
         with pytest.raises(InferenceError) as refused:
             client.seqs_to_embedding(sequences)
-        assert "invalid character 'J'" in str(refused.value) and "rows 32-63 of 70" in str(refused.value)
+        # Sent shortest first: the 8-residue row 40 goes with the 31 other shortest rows.
+        shortest = sorted(range(70), key=lambda row: len(sequences[row]))[:32]
+        assert 40 in shortest
+        assert "invalid character 'J'" in str(refused.value)
+        assert f"rows {row_ranges(np.array(shortest))} of 70, sent as one request" in str(refused.value)
         with pytest.raises(InferenceError, match="invalid character 'J'"):
             client.seqs_to_embedding(["MKTAYJAK"])
         with pytest.raises(TypeError, match="list of sequences"):
