@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from .graph import GraphView, attribute_value, match_each, remove_unused, replace_matches
+from .graph import Constants, GraphView, attribute_value, match_each, remove_unused, replace_matches
 
 MS_DOMAIN = "com.microsoft"
 MASK_FILL_LIMIT = -1e4
@@ -61,7 +61,7 @@ def fuse_attention(model: onnx.ModelProto, num_heads: int) -> int:
         return 0
     if not any(opset.domain == MS_DOMAIN for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    constants = _Constants(graph)
+    constants = Constants(graph)
     # each fused node goes where the subgraph's final MatMul was
     replace_matches(graph, matches, lambda match: _fused_nodes(match, num_heads, constants, view))
     _cancel_transposes(graph)
@@ -252,33 +252,7 @@ def _shape_sources(view: GraphView, name: str, depth: int = 4) -> set[str] | Non
     return sources
 
 
-class _Constants:
-    """New initializers added to the graph, shared by value."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.graph = graph
-        self.names = {init.name for init in graph.initializer} | {o for n in graph.node for o in n.output} | {
-            i.name for i in graph.input}
-        self.cache: dict[tuple, str] = {}
-
-    def get(self, value: np.ndarray, stem: str) -> str:
-        key = (value.dtype.str, value.shape, value.tobytes())
-        if key not in self.cache:
-            name = self.unique(stem)
-            self.graph.initializer.append(numpy_helper.from_array(value, name))
-            self.cache[key] = name
-        return self.cache[key]
-
-    def unique(self, stem: str) -> str:
-        index = 0
-        while f"{stem}_{index}" in self.names:
-            index += 1
-        name = f"{stem}_{index}"
-        self.names.add(name)
-        return name
-
-
-def _fused_nodes(match: _Match, num_heads: int, constants: _Constants, view: GraphView) -> list[onnx.NodeProto]:
+def _fused_nodes(match: _Match, num_heads: int, constants: Constants, view: GraphView) -> list[onnx.NodeProto]:
     """MultiHeadAttention over [batch, length, heads * head] views of q, k, v, its output turned
     back into [batch, heads, length, head] under the original output name."""
     nodes: list[onnx.NodeProto] = []
@@ -319,7 +293,7 @@ def _fused_nodes(match: _Match, num_heads: int, constants: _Constants, view: Gra
     return nodes
 
 
-def _expanded_bias(bias: str, match: _Match, nodes: list[onnx.NodeProto], constants: _Constants) -> str:
+def _expanded_bias(bias: str, match: _Match, nodes: list[onnx.NodeProto], constants: Constants) -> str:
     """Expand(bias, [shape(bias)[0], shape(bias)[1], queries, keys]) with queries and keys read
     from the query and key tensors ([batch, heads, length, head])."""
     def shape_slice(source: str, start: int, end: int) -> str:

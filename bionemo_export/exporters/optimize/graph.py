@@ -88,6 +88,33 @@ def remove_unused(graph: onnx.GraphProto) -> None:
 
 
 
+class Constants:
+    """Names and initializers a rewrite adds: `unique(stem)` a name no tensor of the graph has yet,
+    `get(value, stem)` an initializer holding `value`, added once per value."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.graph = graph
+        self.names = {init.name for init in graph.initializer} | {o for n in graph.node for o in n.output} | {
+            i.name for i in graph.input}
+        self.cache: dict[tuple, str] = {}
+
+    def get(self, value: np.ndarray, stem: str) -> str:
+        key = (value.dtype.str, value.shape, value.tobytes())
+        if key not in self.cache:
+            name = self.unique(stem)
+            self.graph.initializer.append(numpy_helper.from_array(value, name))
+            self.cache[key] = name
+        return self.cache[key]
+
+    def unique(self, stem: str) -> str:
+        index = 0
+        while f"{stem}_{index}" in self.names:
+            index += 1
+        name = f"{stem}_{index}"
+        self.names.add(name)
+        return name
+
+
 class Matched(Protocol):
     """A subgraph a fusion found: `nodes` are those it replaces, the last where the fused ones go."""
 

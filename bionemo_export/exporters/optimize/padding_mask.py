@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from .attention import MASK_FILL_LIMIT, MS_DOMAIN
-from .graph import GraphView, attribute_value, remove_unused
+from .graph import Constants, GraphView, attribute_value, remove_unused
 
 PADDING_INPUT = "attention_mask"
 """The encoder graphs' padding mask input: INT64 [batch, length], 1 for a token, 0 for padding
@@ -66,17 +66,16 @@ def fold_padding_mask(model: onnx.ModelProto, padding_input: str = PADDING_INPUT
     chosen = [node for node in candidates if verdicts[node.input[_BIAS]]]
     if not chosen:
         return 0
-    added = _Added(graph)
-    key_column = _key_column(added, padding_input)
-    before = {id(node): _folded_heads(added, node, key_column) for node in chosen}
+    constants = Constants(graph)
     # The key column's nodes read only the graph input: they go first.
-    new_nodes = list(added.shared)
+    new_nodes: list[onnx.NodeProto] = []
+    key_column = _key_column(constants, new_nodes, padding_input)
+    before = {id(node): _folded_heads(constants, node, key_column) for node in chosen}
     for node in graph.node:
         new_nodes.extend(before.get(id(node), []))
         new_nodes.append(node)
     del graph.node[:]
     graph.node.extend(new_nodes)
-    graph.initializer.extend(added.initializers)
     remove_unused(graph)
     return len(chosen)
 
@@ -189,73 +188,49 @@ def _ancestors(view: GraphView, name: str, mask_input: str
     return nodes, list(constants.values()), shaped
 
 
-class _Added:
-    """The nodes and constants the folding adds, with names the graph does not use yet."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.taken = ({value.name for value in graph.input} | {init.name for init in graph.initializer}
-                      | {name for node in graph.node for name in (*node.input, *node.output)})
-        self.shared: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-        self.constant_names: dict[tuple, str] = {}
-
-    def name(self, hint: str) -> str:
-        name, index = hint, 0
-        while name in self.taken:
-            index += 1
-            name = f"{hint}_{index}"
-        self.taken.add(name)
-        return name
-
-    def constant(self, value: np.ndarray, hint: str) -> str:
-        key = (value.dtype.str, value.shape, value.tobytes())
-        if key not in self.constant_names:
-            self.constant_names[key] = self.name(hint)
-            self.initializers.append(numpy_helper.from_array(value, self.constant_names[key]))
-        return self.constant_names[key]
-
-    def node(self, into: list[onnx.NodeProto], op: str, inputs: list[str], hint: str, **attributes) -> str:
-        output = self.name(hint)
-        into.append(helper.make_node(op, inputs, [output], name=output, **attributes))
-        return output
+def _node(constants: Constants, into: list[onnx.NodeProto], op: str, inputs: list[str], stem: str,
+          **attributes) -> str:
+    """Append one `op` node with a new output to `into`; its output's name."""
+    output = constants.unique(stem)
+    into.append(helper.make_node(op, inputs, [output], name=output, **attributes))
+    return output
 
 
-def _key_column(added: _Added, padding_input: str) -> str:
+def _key_column(constants: Constants, into: list[onnx.NodeProto], padding_input: str) -> str:
     """[batch, keys, 1]: 0 for a token, FOLDED_MASK_VALUE for padding (read once for every layer;
     each node divides it by its own scale)."""
-    into = added.shared
-    keep = added.node(into, "Cast", [padding_input], "padding_keep", to=TensorProto.BOOL)
-    zero = added.constant(np.array(0.0, dtype=np.float32), "padding_zero")
-    fill = added.constant(np.array(FOLDED_MASK_VALUE, dtype=np.float32), "padding_fill")
-    column = added.node(into, "Where", [keep, zero, fill], "padding_bias")
-    axes = added.constant(np.array([2], dtype=np.int64), "padding_axes")
-    return added.node(into, "Unsqueeze", [column, axes], "padding_bias_column")
+    keep = _node(constants, into, "Cast", [padding_input], "padding_keep", to=TensorProto.BOOL)
+    zero = constants.get(np.array(0.0, dtype=np.float32), "padding_zero")
+    fill = constants.get(np.array(FOLDED_MASK_VALUE, dtype=np.float32), "padding_fill")
+    column = _node(constants, into, "Where", [keep, zero, fill], "padding_bias")
+    axes = constants.get(np.array([2], dtype=np.int64), "padding_axes")
+    return _node(constants, into, "Unsqueeze", [column, axes], "padding_bias_column")
 
 
-def _folded_heads(added: _Added, node: onnx.NodeProto, key_column: str) -> list[onnx.NodeProto]:
+def _folded_heads(constants: Constants, node: onnx.NodeProto, key_column: str) -> list[onnx.NodeProto]:
     """The nodes that give `node` (rewritten in place: no bias, widened query and key heads) its
     query heads with a last element 1 and its key heads with the key's bias / scale."""
     nodes: list[onnx.NodeProto] = []
     heads = int(attribute_value(node, "num_heads"))
     scale = float(attribute_value(node, "scale", 0.0))
     query, key = node.input[0], node.input[1]
-    inverse_scale = added.constant(np.array(1.0 / scale, np.float32), "folded_inverse_scale")
-    key_bias = added.node(nodes, "Mul", [key_column, inverse_scale], "folded_key_bias")
-    split = added.constant(np.array([0, 0, heads, -1], dtype=np.int64), "folded_split")
-    flat = added.constant(np.array([0, 0, -1], dtype=np.int64), "folded_flat")
-    tail = added.constant(np.array([heads, 1], dtype=np.int64), "folded_tail")
+    inverse_scale = constants.get(np.array(1.0 / scale, np.float32), "folded_inverse_scale")
+    key_bias = _node(constants, nodes, "Mul", [key_column, inverse_scale], "folded_key_bias")
+    split = constants.get(np.array([0, 0, heads, -1], dtype=np.int64), "folded_split")
+    flat = constants.get(np.array([0, 0, -1], dtype=np.int64), "folded_flat")
+    tail = constants.get(np.array([heads, 1], dtype=np.int64), "folded_tail")
 
     def widened(tensor: str, column: str, hint: str) -> str:
-        rows = added.node(nodes, "Shape", [tensor], f"{hint}_rows", start=0, end=2)
-        shape = added.node(nodes, "Concat", [rows, tail], f"{hint}_column_shape", axis=0)
-        expanded = added.node(nodes, "Expand", [column, shape], f"{hint}_column")
-        heads_4d = added.node(nodes, "Reshape", [tensor, split], f"{hint}_heads")
-        joined = added.node(nodes, "Concat", [heads_4d, expanded], f"{hint}_widened_heads", axis=3)
-        return added.node(nodes, "Reshape", [joined, flat], f"{hint}_widened")
+        rows = _node(constants, nodes, "Shape", [tensor], f"{hint}_rows", start=0, end=2)
+        shape = _node(constants, nodes, "Concat", [rows, tail], f"{hint}_column_shape", axis=0)
+        expanded = _node(constants, nodes, "Expand", [column, shape], f"{hint}_column")
+        heads_4d = _node(constants, nodes, "Reshape", [tensor, split], f"{hint}_heads")
+        joined = _node(constants, nodes, "Concat", [heads_4d, expanded], f"{hint}_widened_heads", axis=3)
+        return _node(constants, nodes, "Reshape", [joined, flat], f"{hint}_widened")
 
-    one = added.constant(np.ones((1, 1, 1, 1), dtype=np.float32), "folded_one")
-    key_bias_4d = added.node(nodes, "Unsqueeze", [key_bias, added.constant(np.array([3], np.int64), "folded_axis")],
-                             "folded_key_bias_4d")
+    one = constants.get(np.ones((1, 1, 1, 1), dtype=np.float32), "folded_one")
+    axis = constants.get(np.array([3], np.int64), "folded_axis")
+    key_bias_4d = _node(constants, nodes, "Unsqueeze", [key_bias, axis], "folded_key_bias_4d")
     node.input[0] = widened(query, one, f"{node.name or 'mha'}_query")
     node.input[1] = widened(key, key_bias_4d, f"{node.name or 'mha'}_key")
     del node.input[3:]

@@ -41,8 +41,8 @@ from onnx import helper
 
 from bionemo_export.exporters.external_data import unloaded
 
-from .attention import MS_DOMAIN, _Constants
-from .graph import GraphView, attribute_value, match_each, remove_unused, replace_matches
+from .attention import MS_DOMAIN
+from .graph import Constants, GraphView, attribute_value, match_each, remove_unused, replace_matches
 
 SLICE_TO_END = 2**31 - 1
 """A Slice end at or past this reads to the end of the axis (torch.onnx writes INT64_MAX)."""
@@ -76,7 +76,7 @@ def fuse_rotary(model: onnx.ModelProto) -> int:
         return 0
     if not any(opset.domain == MS_DOMAIN for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    constants = _Constants(graph)
+    constants = Constants(graph)
     caches: dict[str, tuple[str, str]] = {}
     replace_matches(graph, matches, lambda match: _fused_nodes(match, constants, caches))
     remove_unused(graph)
@@ -234,7 +234,7 @@ def _frequencies(view: GraphView, cos: str, sin: str, half: int) -> str | None:
     return frequencies
 
 
-def _fused_nodes(match: _Match, constants: _Constants, caches: dict[str, tuple[str, str]]) -> list[onnx.NodeProto]:
+def _fused_nodes(match: _Match, constants: Constants, caches: dict[str, tuple[str, str]]) -> list[onnx.NodeProto]:
     """RotaryEmbedding over the [batch, length, heads * head] view of the source, then the
     exporter's Transpose (and scale) again, under the original output name. The first subgraph of
     each frequencies tensor also computes its caches (it comes after the frequencies' producer)."""
@@ -262,7 +262,7 @@ def _fused_nodes(match: _Match, constants: _Constants, caches: dict[str, tuple[s
     return nodes
 
 
-def _caches(match: _Match, constants: _Constants, nodes: list[onnx.NodeProto]) -> tuple[str, str]:
+def _caches(match: _Match, constants: Constants, nodes: list[onnx.NodeProto]) -> tuple[str, str]:
     """The [length, h] cos and sin caches of `match.frequencies` (their nodes added to `nodes`):
     the first half of the subgraph's cos and sin, whose two halves are equal."""
     rows = constants.get(np.array([-1, match.half], dtype=np.int64), "rotary_cache_shape")
