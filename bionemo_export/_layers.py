@@ -55,8 +55,9 @@ LAYERS: tuple[Layer, ...] = (
     Layer("exporters", ("exporters",), "PyTorch to ONNX, graph optimization, verification (torch, onnx)"),
     Layer("runtime", ("runtime",),
           "the serving host: tritonserver, supervisor, object storage, TensorRT engines, doctor"),
-    Layer("build steps", ("build_records", "build_staging"),
-          "the build's typed manifest records and its staging folder (atomic replace, signals)"),
+    Layer("build steps", ("build_records", "build_staging", "build_precision"),
+          "the build's typed manifest records, its staging folder (atomic replace, signals), the precisions "
+          "`precision auto` tries"),
     Layer("applications", ("build", "verify", "bench", "deploy", "dev_server", "testing"),
           "what the commands do: build a repository, verify it, benchmark, deploy, the dev server"),
     Layer("tuning", ("tune",), "tune: search a repository's serving settings with bench's perf_analyzer runs"),

@@ -21,15 +21,17 @@ from typing import Any
 import numpy as np
 
 from bionemo_export import __version__
+from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP, PrecisionChoice, candidate_precisions
 from bionemo_export.build_records import AccuracyRecord, GraphRecord, GraphVerification
 from bionemo_export.build_staging import (
     BuildInterrupted,
     StagingError,
     remove_stale_builds,
+    scratch_folder,
     signals_interrupt_the_build,
     staged_directory,
 )
-from bionemo_export.choices import Exporter, Precision
+from bionemo_export.choices import AUTO_PRECISION, Exporter, Precision
 from bionemo_export.errors import UserError, reason
 from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.lm_head import lm_head_check_batches
@@ -47,7 +49,7 @@ from bionemo_export.memory_plan import (
     build_memory,
 )
 from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
-from bionemo_export.model_repository.backends import AUTO, BACKENDS, resolve_auto
+from bionemo_export.model_repository.backends import AUTO, BACKENDS, get_backend, resolve_auto
 from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
@@ -85,6 +87,11 @@ class BuildError(UserError, RuntimeError):
     """The build cannot go on; the message says why and what to do."""
 
 
+class PrecisionRefused(BuildError):
+    """The encoder's graph in the precision asked for missed its accuracy gate (or, for `precision
+    auto`, int8's speed floor); the message has the figures. `auto` tries its next precision."""
+
+
 # BuildInterrupted and remove_stale_builds are build_staging's, named here too for a build's callers.
 __all__ = ["BuildError", "BuildInterrupted", "BuildRequest", "BuildResult", "build_repository", "remove_stale_builds",
            "resolve_backend", "servable_tasks", "unserved_tasks"]
@@ -111,7 +118,8 @@ class BuildRequest:
     """Decoding families: most tokens a decode produces (default: the model's limit)."""
     precision: str = Precision.FP32
     """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); int8w, int4 (weight-only,
-    CPU: exporters/optimize/weight_only.py); fp16 (GPU hosts)."""
+    CPU: exporters/optimize/weight_only.py); fp16 (GPU hosts); auto: the fastest that meets its
+    accuracy gate on this host (build_precision.py)."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """int8w, int4: weights per quantization block along the reduction axis (weight_only.BLOCK_SIZES)."""
     min_cosine: float | None = None
@@ -119,6 +127,10 @@ class BuildRequest:
     must keep (with the margin above it), in place of the precision's own tolerance
     (verification.PRECISION_MIN_COSINE). Recorded in manifest.json and golden.npz: `verify` and
     the served model's load-time check hold the graph to it."""
+    min_int8_speedup: float | None = None
+    """int8: refuse the build (PrecisionRefused) when the int8 graph this host would serve runs at
+    less than this many times the fp32 graph's speed on the build's check batch; None: kept at any
+    speed (the log says when it is slower). `precision auto` sets it (build_precision.py)."""
     optimize: bool = True
     """Store the graphs optimized (exporters/optimize/); False: the plain export."""
     check_memory: bool = True
@@ -179,8 +191,11 @@ def _check_request(request: BuildRequest) -> None:
             raise BuildError(f"`checkpoint` {checkpoint} is given twice (members {seen[checkpoint.resolve()]} and "
                              f"{number}): an ensemble of one checkpoint twice weighs it twice; give each once")
         seen[checkpoint.resolve()] = number
-    if request.precision not in tuple(Precision):
-        raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}")
+    if request.precision not in (*Precision, AUTO_PRECISION):
+        raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}, {AUTO_PRECISION}")
+    if request.min_int8_speedup is not None and not request.min_int8_speedup > 0:
+        raise BuildError(f"`min_int8_speedup` {request.min_int8_speedup}: a positive number of times the fp32 "
+                         "graph's speed")
     if request.block_size not in BLOCK_SIZES:
         raise BuildError(f"`block_size` {request.block_size}: choose one of {', '.join(map(str, BLOCK_SIZES))} "
                          "(weights per quantization block of int8w and int4)")
@@ -193,6 +208,10 @@ def _check_request(request: BuildRequest) -> None:
                          if request.precision != Precision.FP32 else
                          "`min-cosine` sets a reduced precision's tolerance (int8, int8w, int4, fp16); fp32 graphs "
                          "are held to the family's own")
+    if request.streamed and request.precision == AUTO_PRECISION:
+        raise BuildError("`stream-weights` writes int4 or int8w graphs; `precision` auto streams int8w by itself "
+                         "where nothing else fits this host's memory: pass `precision` int4 or int8w, or leave "
+                         "`stream-weights` unset")
     if request.streamed and request.precision not in WEIGHT_ONLY_PRECISIONS:
         raise BuildError(f"`stream-weights` writes {' or '.join(WEIGHT_ONLY_PRECISIONS)} graphs (weight-only "
                          "quantization as the weights stream); pass `precision` int4 or int8w, not "
@@ -268,14 +287,16 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
                   optimize: bool = True, num_heads: int | None = None,
                   hidden_size: int | None = None, picks_cpu_graph: bool = True,
                   cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                  streamed: bool = False, min_cosine: float | None = None) -> ExportedGraph:
+                  streamed: bool = False, min_cosine: float | None = None,
+                  min_int8_speedup: float | None = None) -> ExportedGraph:
     """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
     store it optimized (and in `precision`) when that graph verifies too; raises
     ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
     graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
     exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden answers.
     `streamed` (int8w, int4): written weight by weight and checked once (`_export_streamed`).
-    `min_cosine`: a reduced precision's tolerance asked for (BuildRequest.min_cosine)."""
+    `min_cosine`: a reduced precision's tolerance asked for (BuildRequest.min_cosine);
+    `min_int8_speedup`: BuildRequest.min_int8_speedup."""
     from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
     from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
     from bionemo_export.exporters.verification import write_golden_answers
@@ -321,7 +342,7 @@ def _export_graph(name: str, module, inputs, outputs, batches: list[dict], expor
     no_vnni, speed = None, None
     if precision == "int8":
         int8 = verified_int8_graphs(module, exported.path, report, work, batches, one_graph=not picks_cpu_graph,
-                                    log=log, **settings)
+                                    log=log, min_speedup=min_int8_speedup, **settings)
         chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
     else:  # fp32, fp16, and the weight-only int8w / int4 (block_size: theirs)
         chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
@@ -480,10 +501,10 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
 
     def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
                precision: str = "fp32", optimize: bool = False, streamed: bool = False,
-               min_cosine: float | None = None) -> ExportedGraph:
+               min_cosine: float | None = None, min_int8_speedup: float | None = None) -> ExportedGraph:
         return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
                              loaded.family, progress, mask_input, precision=precision, optimize=optimize,
-                             streamed=streamed, min_cosine=min_cosine,
+                             streamed=streamed, min_cosine=min_cosine, min_int8_speedup=min_int8_speedup,
                              num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                              picks_cpu_graph=picks_cpu_graph,
                              cache=GraphCache(request.graph_cache) if request.graph_cache else None,
@@ -507,6 +528,7 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                 settings["precision"] = request.precision
                 settings["streamed"] = streamed
                 settings["min_cosine"] = request.min_cosine
+                settings["min_int8_speedup"] = request.min_int8_speedup
             exported = export(prefix + graph.value, module, inputs, outputs, graph_batches,
                               mask_input=how.mask_input, **settings)
             if writer is not None and (graph == Graph.ENCODER or graph in HOSTED_GRAPHS):
@@ -682,10 +704,64 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     verification error, or BuildInterrupted on SIGTERM, SIGINT or SIGHUP) and leaves nothing on
     disk when anything fails."""
     with signals_interrupt_the_build():
+        if request.precision == AUTO_PRECISION:
+            return _build_choosing_precision(request, progress)
         return _build(request, progress)
 
 
-def _build(request: BuildRequest, progress: Progress) -> BuildResult:
+def _build_choosing_precision(request: BuildRequest, progress: Progress) -> BuildResult:
+    """`precision auto` (build_precision.py): a whole build in each precision `candidate_precisions`
+    gives, in order, until one meets its gate (int8: and its speed floor); the plain exports are
+    made once, through the request's graph cache or a temporary one beside `out`. Only the build
+    kept is published; manifest.json's `precision_choice` records the tries."""
+    from bionemo_export.serving.host import cpu_description
+
+    _check_request(request)
+    try:
+        backend = get_backend(resolve_backend(request.backend, request.tritonserver), request.serving.device)
+    except ValueError as err:  # a device the backend cannot serve
+        raise BuildError(str(err)) from err
+    available = available_memory_bytes() if request.check_memory else None
+
+    def fits(precision: str) -> bool:
+        try:
+            for path in request.checkpoints:
+                check_build_memory(path, available, precision)
+        except BuildError:
+            return False
+        return True
+
+    choice = PrecisionChoice(candidate_precisions(cpu_kernels=backend.stores_cpu_optimized_graphs,
+                                                  tensorrt=backend.name == "tensorrt", fits=fits),
+                             host=cpu_description())
+    progress(f"precision auto: trying {', '.join(choice.candidates.precisions)} ({choice.candidates.why})")
+    with contextlib.ExitStack() as stack:
+        cache = request.graph_cache
+        if cache is None and len(choice.candidates.precisions) > 1:
+            try:
+                cache = stack.enter_context(scratch_folder(request.out, "graph-cache"))
+            except StagingError as err:
+                raise BuildError(str(err)) from err
+        for number, precision in enumerate(choice.candidates.precisions, 1):
+            last = number == len(choice.candidates.precisions)
+            attempt = dataclasses.replace(
+                request, precision=precision, graph_cache=cache,
+                min_cosine=request.min_cosine if precision != Precision.FP32 else None,
+                min_int8_speedup=(request.min_int8_speedup or AUTO_INT8_MIN_SPEEDUP) if precision == Precision.INT8
+                else None)
+            try:
+                return _build(attempt, progress, choice)
+            except PrecisionRefused as err:
+                if last:
+                    raise
+                choice.refuse(precision, str(err))
+                progress(f"precision auto: {precision} refused ({err}); trying "
+                         f"{choice.candidates.precisions[number]}")
+    raise AssertionError("unreachable: the last candidate returns or raises")
+
+
+def _build(request: BuildRequest, progress: Progress, choice: PrecisionChoice | None = None) -> BuildResult:
+    """One build in the precision `request` names; `choice`: `precision auto`'s record so far."""
     _check_request(request)
     if request.family is not None:
         _check_tasks(get_family(request.family), request.tasks)
@@ -699,7 +775,7 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                          "fp16 (`backend` tensorrt builds fp16 engines by default)")
 
     if request.members:
-        return _build_ensemble(request, backend, serving, progress)
+        return _build_ensemble(request, backend, serving, progress, choice)
     memory = None
     if request.check_memory:
         memory = check_build_memory(request.checkpoint, available_memory_bytes(), request.precision,
@@ -732,14 +808,14 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
                                          picks_cpu_graph=serving.serving_backend.runs_python,
                                          share_weights=serving.serving_backend.runs_python, streamed=streamed)
                 except PrecisionError as err:
-                    raise BuildError(str(err)) from err
+                    raise PrecisionRefused(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")
                 plan = _plan(request, loaded, tasks, serving, graphs)
                 checkpoint = _checkpoint_record(request.checkpoint, loaded)
                 _stamp_source(plan, [checkpoint], request.precision)
                 plan.write(stage.repository, link_from=temporary)
             manifest = _manifest(request, loaded, tasks, backend, serving, graphs, plan, stage.repository,
-                                 checkpoint)
+                                 checkpoint, choice=choice)
             findings = check_repository(stage.repository)
             if findings:  # a planner bug: what a server would refuse at load time, or fail on later
                 raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))
@@ -751,10 +827,12 @@ def _build(request: BuildRequest, progress: Progress) -> BuildResult:
 
 def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], backend: str,
               serving: ServingOptions, graphs: dict[str, ExportedGraph], plan: RepositoryPlan,
-              staging: Path, checkpoint: dict[str, Any], members: list[dict[str, Any]] | None = None) -> Manifest:
+              staging: Path, checkpoint: dict[str, Any], members: list[dict[str, Any]] | None = None,
+              choice: PrecisionChoice | None = None) -> Manifest:
     """Write manifest.json into `staging`, where the rest of the repository is written already.
     `checkpoint`: `_checkpoint_record`'s, the one the configs were stamped from (`_stamp_source`);
-    `members`: an ensemble's checkpoint records, in order (`checkpoint` is then the first's)."""
+    `members`: an ensemble's checkpoint records, in order (`checkpoint` is then the first's);
+    `choice`: `precision auto`'s record (its `precision_choice`)."""
     encoder = graphs["encoder"] if members is None else graphs[f"{member_label(1)}_encoder"]
     return Manifest(
         tool={"name": "bionemo-export", "version": __version__},
@@ -766,6 +844,7 @@ def _manifest(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...]
         checkpoint=checkpoint,
         members=members,
         precision=request.precision,
+        precision_choice=choice.to_dict(request.precision) if choice is not None else None,
         backend=backend,
         device=serving.serving_backend.device,
         exporter=request.exporter,
@@ -825,7 +904,8 @@ def _ensemble_tasks(request: BuildRequest, first: LoadedModel) -> tuple[str, ...
     return servable_tasks(first, tasks, asked=request.tasks is not None)
 
 
-def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions, progress: Progress) -> BuildResult:
+def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions, progress: Progress,
+                    choice: PrecisionChoice | None = None) -> BuildResult:
     """A checkpoint ensemble (models/members.py, model_repository/member_ensemble.py). First every
     member is loaded in turn and checked against the first (a member that differs is refused in
     seconds, before any export); then each is loaded again, its graphs exported and checked
@@ -871,7 +951,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                                                picks_cpu_graph=serving.serving_backend.runs_python,
                                                prefix=f"{label}_")
                     except PrecisionError as err:
-                        raise BuildError(str(err)) from err
+                        raise PrecisionRefused(str(err)) from err
                     graphs.update(exported)
                     encoder = exported[f"{label}_encoder"]
                     members.append(MemberGraphs(
@@ -891,7 +971,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                 _stamp_source(plan, records, request.precision)
                 plan.write(stage.repository, link_from=temporary)
             manifest = _manifest(request, first, tasks, backend, serving, graphs, plan, stage.repository,
-                                 records[0], members=records)
+                                 records[0], members=records, choice=choice)
             findings = check_repository(stage.repository)
             if findings:  # a planner bug: what a server would refuse at load time, or fail on later
                 raise BuildError("the written repository is inconsistent:\n  " + "\n  ".join(findings))

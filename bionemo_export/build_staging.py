@@ -106,6 +106,24 @@ def staged_directory(out: Path, *, force: bool, log: Progress = lambda message: 
         _discard_build_folder(folder, out, log)
 
 
+@contextlib.contextmanager
+def scratch_folder(out: Path, purpose: str) -> Iterator[Path]:
+    """A folder beside `out` for files that outlive one staged build but not the command (`purpose`
+    ends its name: `precision auto`'s graph cache, shared by its tries), named as a build's folder
+    is, so that `remove_stale_builds` removes it when its process was killed; removed when the
+    block ends, however it ends."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-{os.getpid()}-", suffix=f"-{purpose}",
+                                       dir=out.parent))
+    except OSError as err:
+        raise StagingError(f"cannot write beside {out}: {reason(err)}") from err
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _move_into_place(staging: Path, out: Path, force: bool, retired: Path) -> None:
     """Rename `staging` to `out`; with `force` an existing `out` is first renamed to `retired`
     (inside the build's folder, so the build's cleanup removes it)."""

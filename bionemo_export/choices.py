@@ -13,6 +13,7 @@ line all import this module.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from bionemo_export.errors import UserError
 
@@ -43,7 +44,8 @@ class Precision(Choice):
     INT8W = "int8w"
     """Weight-only 8-bit, for CPU hosts: weights quantized in blocks along the reduction axis
     (ONNX Runtime's MatMulNBits), activations quantized per block at run time
-    (exporters/optimize/weight_only.py). Closer to fp32 than int8, as fast or faster."""
+    (exporters/optimize/weight_only.py). Closer to fp32 than int8, and 4x smaller than fp32; not a
+    speed precision: 0.47x int8 on an AVX-512 VNNI host (docs/building.md)."""
     INT4 = "int4"
     """Weight-only 4-bit, for CPU hosts: int8w's scheme with 4-bit weights (about 1/6 of the fp32
     weight bytes at block size 32); the most sensitive matrix products may stay 8-bit."""
@@ -56,6 +58,19 @@ class Precision(Choice):
         whose answers differ a little between CPUs and sessions, so a build accepts such a graph only
         with a margin over its tolerance (exporters/optimize/pipeline.py)."""
         return self in (Precision.INT8, Precision.INT8W, Precision.INT4)
+
+
+AUTO_PRECISION = "auto"
+"""A build's precision when it is the build's to choose: the fastest that meets its accuracy gate
+on the build host (build_precision.py); manifest.json then names the precision chosen."""
+
+if TYPE_CHECKING:  # the members are made at run time, from Precision's: checkers see the type only
+    class BuildPrecision(Choice):
+        """The command line's --precision: a Precision, or auto."""
+else:
+    BuildPrecision = Choice("BuildPrecision", [(p.name, p.value) for p in Precision]
+                            + [(AUTO_PRECISION.upper(), AUTO_PRECISION)])
+    """The command line's --precision: a Precision, or auto (AUTO_PRECISION)."""
 
 
 WEIGHT_BLOCK_SIZES = (16, 32, 64, 128, 256)

@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, Device, Exporter, Layout, Precision
+from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP
+from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, BuildPrecision, Device, Exporter, Layout
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import AUTO, BackendChoice, backend_help, device_help
 from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
@@ -42,11 +43,13 @@ def repo(
     device: Device | None = typer.Option(ServingOptions.device, help=device_help()),
     exporter: Exporter = typer.Option(Exporter.TORCH, help="ONNX exporter: torch (torch.onnx) or navigator (Triton "
                                       "Model Navigator)."),
-    precision: Precision = typer.Option(Precision.FP32, help="Encoder graph precision: fp32; int8 (dynamic "
-                                        "quantization, for CPU hosts); int8w, int4 (weight-only 8- or 4-bit blocks, "
-                                        "for CPU hosts: int8w is the closest to fp32, int4 the smallest); fp16 (for "
-                                        "GPU hosts). A quantized graph is kept only with a margin over its tolerance; "
-                                        "its accuracy cost against fp32 is written in manifest.json."),
+    precision: BuildPrecision = typer.Option(
+        "fp32", help="Encoder graph precision: fp32; int8 (dynamic quantization, for CPU hosts: the fastest there); "
+        "int8w, int4 (weight-only 8- or 4-bit blocks, for CPU hosts: int8w is the closest to fp32, int4 the "
+        "smallest); fp16 (for GPU hosts); auto (the build chooses for this host: on a CPU int8 where it meets its "
+        f"gate and runs at least {AUTO_INT8_MIN_SPEEDUP:g}x fp32 here, else fp32; on a GPU fp16, else fp32; tried "
+        "in turn, recorded in manifest.json). A quantized graph is kept only with a margin over its tolerance; its "
+        "accuracy cost against fp32 is written in manifest.json."),
     block_size: int = typer.Option(DEFAULT_WEIGHT_BLOCK_SIZE, help="int8w, int4: weights per quantization block "
                                    "(16, 32, 64, 128 or 256; smaller is closer to fp32, larger a little smaller)."),
     optimize: bool = typer.Option(True, help="Store the graphs optimized for ONNX Runtime (attention and transformer "
@@ -183,6 +186,10 @@ def repo(
             table.add_row(graph, figures["name"], f"{figures['max_abs_error']:.2e}", f"{figures['min_cosine']:.6f}",
                           tolerance, "yes" if figures["passed"] else "NO")
     console.print(table)
+    if manifest.precision_choice:
+        refused = "; ".join(f"{r['precision']} refused: {r['why']}" for r in manifest.precision_choice["refused"])
+        console.print(f"precision auto chose {manifest.precision} ({manifest.precision_choice['rule']})"
+                      + (f"; {refused}" if refused else ""), highlight=False)
     if manifest.members:
         console.print(f"An ensemble of {len(manifest.members)} members: "
                       + ", ".join(f"{m['member']} {m['path']}" for m in manifest.members), highlight=False)

@@ -46,16 +46,18 @@ def _log(line: str) -> None:
 
 def warn_if_tuned_elsewhere(repository: Path, console: Console) -> None:
     """Say so when `bionemo-export tune` chose the repository's settings on a host with another
-    core count (manifest.json's `tuning` record): they may not suit this one."""
+    core count (manifest.json's `tuning` record), or `build --precision auto` its precision on a
+    CPU of other features (`precision_choice`): they may not suit this one."""
     from bionemo_export.model_repository.manifest import Manifest
-    from bionemo_export.tune.record import host_mismatch
+    from bionemo_export.tune.record import host_mismatch, precision_mismatch
 
     try:
-        warning = host_mismatch(Manifest.read(repository))
+        manifest = Manifest.read(repository)
     except (OSError, ValueError):  # no manifest, or not ours: nothing recorded
         return
-    if warning:
-        console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False)
+    for warning in (host_mismatch(manifest), precision_mismatch(manifest)):
+        if warning:
+            console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False)
 
 
 def serve(

@@ -95,6 +95,12 @@ def tune(
                           budget_minutes=budget_minutes, window_s=window, report_dir=report, write=not dry_run,
                           tritonserver=tritonserver, command=shlex.join(["bionemo-export", *sys.argv[1:]]))
     console.print(f"Tuning {repository} for {objective} within {budget_minutes:g} min; report: {request.out_dir}")
+    from bionemo_export.model_repository.manifest import Manifest
+    from bionemo_export.tune import precision_mismatch
+
+    warning = precision_mismatch(Manifest.read(repository))  # tune changes the serving settings, not the graph
+    if warning:
+        console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         outcome = tune_repository(request, progress=_RichProgress(progress, console, budget_minutes * 60))

@@ -104,6 +104,9 @@ class Manifest:
     (`m1`, ...: its models are N_m1_encoder, N_m1_lm_head), and in an int8 or fp16 build its own
     `accuracy` (the top-level `accuracy` is member 1's); None: one checkpoint."""
     precision: str = "fp32"
+    precision_choice: dict[str, Any] | None = None
+    """How `build --precision auto` chose `precision` (build_precision.PrecisionChoice): the
+    precisions tried, why each refused one was, the rule, the build host's CPU; None: asked by name."""
     backend: str | None = None
     device: str = "cpu"
     exporter: str = "torch"
@@ -150,7 +153,7 @@ class Manifest:
         """The JSON object of manifest.json (`created` first; no `engines` key when none were built,
         no `tuning` key when never tuned, no `files` key when no digests were recorded)."""
         known = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
-        optional = ("created", "members", "build_host", "engines", "tuning")
+        optional = ("created", "members", "precision_choice", "build_host", "engines", "tuning")
         return {**{key: value for key, value in known.items()
                    if not (value is None and key in optional) and not (key == "files" and not value)},
                 **self.extra}

@@ -23,14 +23,14 @@ from bionemo_export.model_repository.pbtxt import to_pbtxt
 from bionemo_export.serving.host import available_cores
 
 from .apply import RestoreError, previous_configs, publish, restore
-from .record import TUNING_KEY, host_mismatch, stamp, this_host
+from .record import TUNING_KEY, host_mismatch, precision_mismatch, stamp, this_host
 from .search import Objective, Point, Progress, QuickSearch, SearchResult, SearchSettings, Trial
 from .session import TuneSession, tunable_models, tuned_units
 from .space import Settings
 
 __all__ = ["TUNING_KEY", "Objective", "Point", "Progress", "RestoreError", "SearchResult", "Settings", "Trial",
-           "TuneOutcome", "TuneRequest", "default_model", "host_mismatch", "restore", "tunable_models",
-           "tune_repository", "tuned_units"]
+           "TuneOutcome", "TuneRequest", "default_model", "host_mismatch", "precision_mismatch", "restore",
+           "tunable_models", "tune_repository", "tuned_units"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,8 @@ def tune_repository(request: TuneRequest, progress: Progress | None = None) -> T
         "figures": {"untuned": [p.to_dict() for p in base.points], "tuned": [p.to_dict() for p in won.points]},
         "report": str(out / "report.md"), "repository": str(repository), "command": request.command,
         "written": bool(configs) and request.write,
+        "precision": manifest.precision, "precision_auto": manifest.precision_choice is not None,
+        "precision_warning": precision_mismatch(manifest),
     }
     report = write_report(result, record, out)
     if configs and request.write:

@@ -2,8 +2,10 @@
 
 Settings that won on one host are a guess on another: the record names the host the figures were
 measured on (its cores as the server would count them: affinity and cgroup quota), so that `serve`
-can warn when it starts the repository on a host with a different count. Kept free of torch,
-onnx and perf_analyzer: `serve` reads it.
+can warn when it starts the repository on a host with a different count. So is a precision that
+`build --precision auto` chose (manifest.json's `precision_choice`): int8 pays on CPUs with VNNI
+or AMX, and `precision_mismatch` says when the repository runs on a CPU of other features. Kept
+free of torch, onnx and perf_analyzer: `serve` reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from bionemo_export import procfs
 from bionemo_export.model_repository.manifest import Manifest
-from bionemo_export.serving.host import available_cores
+from bionemo_export.serving.host import available_cores, cpu_description, describe_cpu
 
 TUNING_KEY = "tuning"
 
@@ -43,3 +45,24 @@ def host_mismatch(manifest: Manifest, cores: int | None = None) -> str | None:
     return (f"this repository was tuned on a host with {tuned_cores} cores ({when}); "
             f"this one has {here}: its instances and threads may not suit it. Run `bionemo-export tune` here, or "
             "`bionemo-export tune --restore` for the settings it had before")
+
+
+def precision_mismatch(manifest: Manifest, cpu: dict[str, Any] | None = None) -> str | None:
+    """A warning when `build --precision auto` chose the repository's precision on a CPU whose
+    instruction-set features (those that decide ONNX Runtime's kernels: serving.host.CPU_FEATURES)
+    or int8 dot products differ from this one's (`cpu`: serving.host.cpu_description's), else None."""
+    choice = manifest.precision_choice or {}
+    chosen_on = choice.get("host")
+    if not isinstance(chosen_on, dict):
+        return None
+    here = cpu_description() if cpu is None else cpu
+
+    def kind(description: dict[str, Any]) -> tuple[set[str], bool]:
+        features = description.get("features")
+        return set(features) if isinstance(features, list) else set(), bool(description.get("vnni"))
+
+    if kind(chosen_on) == kind(here):
+        return None
+    return (f"`build --precision auto` chose {manifest.precision} for this repository on {describe_cpu(chosen_on)}; "
+            f"this host is {describe_cpu(here)}, where another precision may serve faster. Build it again here "
+            "with --precision auto to choose for this host")

@@ -52,6 +52,10 @@ def markdown(result: SearchResult, record: dict[str, Any]) -> str:
              f"Repository: `{record['repository']}`  ",
              f"Command: `{record['command']}`  ",
              f"Host: {host.get('cpu_model') or '?'}, {host['cores']} usable cores; {host.get('platform')}  ",
+             f"Precision: {record.get('precision', '?')}"
+             + (" (chosen by `build --precision auto`)" if record.get("precision_auto") else
+                " (asked for by name: `build --precision auto` chooses for a host)") + "  ",
+             *([f"**Warning**: {record['precision_warning']}  "] if record.get("precision_warning") else []),
              f"Objective: {objective}" + (f", p99 <= {record['max_p99_ms']:g} ms" if record.get("max_p99_ms") else "")
              + f"; concurrencies {', '.join(map(str, concurrencies))}; inputs: {record['inputs']}  ",
              f"Search: {len(result.trials)} candidates in {record['seconds']:.0f} s "

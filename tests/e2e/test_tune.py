@@ -17,9 +17,10 @@ from bionemo_export.cli.serve import warn_if_tuned_elsewhere
 from bionemo_export.model_repository.integrity import check_files
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.pbtxt import read_config
+from bionemo_export.serving.host import cpu_description
 from bionemo_export.tune import RestoreError, restore, tunable_models
 from bionemo_export.tune.apply import publish
-from bionemo_export.tune.record import host_mismatch
+from bionemo_export.tune.record import host_mismatch, precision_mismatch
 from bionemo_export.tune.space import Settings, read_settings, write_settings
 
 
@@ -75,6 +76,30 @@ def test_serve_warns_when_the_repository_was_tuned_on_another_core_count(esm2_re
     console = Console(record=True, width=200)
     warn_if_tuned_elsewhere(repo, console)
     assert "tuned on a host with 64 cores" in console.export_text()
+
+
+
+def test_serve_and_tune_warn_when_auto_chose_the_precision_on_another_kind_of_cpu(esm2_repository, tmp_path):
+    """manifest.json's `precision_choice` (build --precision auto) names the CPU that chose; a host
+    with other instruction-set features or int8 dot products is told to choose again."""
+    repo = copy_of(esm2_repository, tmp_path)
+    manifest = Manifest.read(repo)
+    assert precision_mismatch(manifest) is None  # precision asked for by name
+    zen = {"model": "AMD EPYC", "features": ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"], "vnni": True}
+    chosen = Manifest.from_dict({**manifest.to_dict(), "precision": "int8",
+                                 "precision_choice": {"asked": "auto", "chosen": "int8", "host": zen}})
+    assert precision_mismatch(chosen, cpu={**zen, "model": "another EPYC"}) is None  # same features
+    haswell = {"model": "Intel Haswell", "features": ["avx2", "fma"], "vnni": False}
+    warning = precision_mismatch(chosen, cpu=haswell) or ""
+    assert "chose int8 for this repository on AMD EPYC [avx2 fma avx512f avx512bw avx512_vnni" in warning
+    assert "this host is Intel Haswell [avx2 fma; int8 dot products: no VNNI" in warning
+    assert warning.endswith("with --precision auto to choose for this host")
+    here = cpu_description()
+    elsewhere = haswell if here["vnni"] else zen
+    Manifest.from_dict({**chosen.to_dict(), "precision_choice": {"host": elsewhere}}).write(repo)
+    console = Console(record=True, width=400)
+    warn_if_tuned_elsewhere(repo, console)
+    assert "`build --precision auto` chose int8" in console.export_text()
 
 
 # ------------------------------------------------------------------------------------ end to end

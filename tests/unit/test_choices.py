@@ -103,7 +103,7 @@ def test_a_value_none_of_the_choices_is_one_line_naming_the_option(tmp_path):
     result = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(tmp_path), "--name", "m",
                                  "--out", str(tmp_path / "repo"), "--precision", "int2"], env=WIDE)
     assert result.exit_code == 1
-    assert result.output == "error: --precision int2: choose one of fp32, int8, int8w, int4, fp16\n"
+    assert result.output == "error: --precision int2: choose one of fp32, int8, int8w, int4, fp16, auto\n"
     backend = runner.invoke(app, ["build", "repo", "--model", "esm2", "--checkpoint", str(tmp_path), "--name", "m",
                                   "--out", str(tmp_path / "repo"), "--backend", "onnx"], env=WIDE)
     assert backend.output == "error: --backend onnx: choose one of auto, python, native, tensorrt\n"

@@ -399,7 +399,7 @@ class Int8Graphs:
 
 def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationReport, work: Path,
                          batches: Sequence[Any], *, one_graph: bool, log: Callable[[str], None] | None = None,
-                         **options: Any) -> Int8Graphs:
+                         min_speedup: float | None = None, **options: Any) -> Int8Graphs:
     """The int8 graphs a build stores (model.onnx's, no-vnni/model.onnx's or None) and their speed here.
 
     int8 weights (u8s8) are exact and fast on VNNI/AMX CPUs only; uint8 weights (u8u8) are exact on
@@ -411,7 +411,9 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
     at load, Triton's own ONNX Runtime backend): the u8u8 graph alone when it passes. Only the u8s8
     ladder passing: it alone, said in the log (the golden check refuses it on CPUs without VNNI).
     Neither: PrecisionError with both ladders' figures. The graph this host would serve is timed
-    against the fp32 graph; slower than fp32 here, the log says so."""
+    against the fp32 graph; slower than fp32 here, the log says so. `min_speedup` (`precision auto`:
+    build_precision.py): PrecisionError, naming the times, when that graph runs at less than this
+    many times the fp32 graph's speed here: int8 costs accuracy, kept only where it pays."""
     from .quantization import PORTABLE_WEIGHTS
 
     log = log or LOG.warning
@@ -437,6 +439,13 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
     else:
         raise PrecisionError(" ".join(errors))
     speed = _speed_on_this_host(plain, Path(f"{work}-fp32"), main, no_vnni, batches[0], options, log, fused_graphs)
+    if min_speedup is not None and speed["int8_vs_fp32"] < min_speedup:
+        ms = speed["median_ms"]
+        raise PrecisionError(
+            f"{plain.parent.name}: the int8 graph this host opens ({speed['served_here']}) runs at "
+            f"{speed['int8_vs_fp32']:.2f}x the fp32 graph's speed here ({ms[speed['served_here']]:.1f} vs "
+            f"{ms['fp32']:.1f} ms on the check batch of shape {speed['batch_shape']}), under the {min_speedup:g}x "
+            "that pays for int8's accuracy cost")
     return Int8Graphs(main, no_vnni, speed)
 
 
