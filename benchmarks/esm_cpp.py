@@ -25,7 +25,11 @@ on the same proteins, these targets:
   Python client (`RepositoryClient.seqs_to_embedding`) with its defaults (requests of the model's
   max_batch_size, 4 in flight), over gRPC: tokenizing, Triton and the Python backend included.
   The repositories are built as `build repo --precision P` builds them, without the queue timeout
-  (`build()`).
+  (`build()`); `--precisions auto` builds what `build repo --precision auto` chooses here.
+- `served <precision>, rows as given` (`--as-given`, default int8): the same client and server,
+  the rows sent in the workload's order instead of shortest first (`infer_rows` without `order`:
+  what the client did before it sorted), so that each request's rows span the server's length
+  buckets: the client-order lever, side by side.
 
 Workloads: `uniform` (8 proteins of 254 residues: 256 tokens), `antibody` (256 proteins of
 106-146 residues, mean 126: the mean of esm.cpp's OAS sample), `uniprot` (96 proteins with
@@ -61,7 +65,7 @@ import torch
 from bionemo_export.bench.in_process import InProcessEncoder
 from bionemo_export.bench.inputs import LengthDistribution, random_proteins
 from bionemo_export.build import BuildRequest, build_repository
-from bionemo_export.model_repository.manifest import package_versions
+from bionemo_export.model_repository.manifest import Manifest, package_versions
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.serving.host import available_cores, cpu_description
@@ -182,6 +186,19 @@ def build(checkpoint: Path, out: Path, precision: str) -> Path:
     return out
 
 
+def as_given(client) -> Embed:
+    """`client.seqs_to_embedding` with the rows sent in the caller's order, not shortest first."""
+    from bionemo_export.client import infer_rows
+
+    def embed(sequences: list[str]) -> np.ndarray:
+        column = np.array([[s.encode()] for s in sequences], dtype=object)
+        return infer_rows(client.client, client.model("embeddings"), len(sequences),
+                          lambda rows, _: {"sequences": column[rows]}, outputs=["embeddings"],
+                          batch_size=client.batch_size, in_flight=client.in_flight).outputs["embeddings"]
+
+    return embed
+
+
 # ------------------------------------------------------------------------------ measuring
 def cosines(embeddings: np.ndarray, reference: np.ndarray) -> dict[str, float]:
     dots = (embeddings * reference).sum(1)
@@ -203,7 +220,10 @@ def measure_shape(shape: str, args, work: Path) -> dict:
     inputs = {name: proteins(distribution, min(count, args.max_proteins or count), args.seed)
               for name, (distribution, count) in workloads.items() if name in args.workloads}
     calibration = proteins(*CALIBRATION[:2], seed=CALIBRATION[2])
-    repos = {precision: build(checkpoint, work / f"{shape}_{precision}", precision) for precision in args.precisions}
+    built = {precision: build(checkpoint, work / f"{shape}_{precision}", precision) for precision in args.precisions}
+    # `auto` is labelled with what it chose here ("auto: int8"), so its ratios are against the right peer.
+    repos = {(f"auto: {Manifest.read(repo).precision}" if precision == "auto" else precision): repo
+             for precision, repo in built.items()}
     tokenizer = get_family("esm2").load(checkpoint).tokenizer
 
     hf = HuggingFace(checkpoint)
@@ -229,6 +249,8 @@ def measure_shape(shape: str, args, work: Path) -> dict:
             client = RepositoryClient("esm2", f"grpc://{server.endpoints.grpc_url}")
             clients.append(client)
             targets[f"served {precision}"] = client.seqs_to_embedding
+            if precision.removeprefix("auto: ") in args.as_given:
+                targets[f"served {precision}, rows as given"] = as_given(client)
         # Warm-up and accuracy of ours (HF's and esm.cpp's passes above were theirs).
         for label, target in targets.items():
             if label.startswith(("in process", "served")):
@@ -302,7 +324,7 @@ def summary(results: dict) -> str:
             for name in names:
                 figures = per[name]
                 cell = f"{figures['best']:.2f} ({figures['median']:.2f})"
-                kind = "fp32" if label.endswith("fp32") and not label.startswith("esm.cpp") else "int8"
+                kind = "fp32" if "fp32" in label and not label.startswith("esm.cpp") else "int8"
                 if not label.startswith(("esm.cpp", "HF")) and base[kind]:
                     cell += f" {figures['best'] / base[kind][name]['best']:.2f}x {kind}"
                 cells.append(cell)
@@ -320,7 +342,9 @@ def main() -> int:
                         choices=sorted(ESM2_SHAPES))
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--precisions", nargs="+", default=["fp32", "int8"],
-                        help="our repositories' precisions (fp32, int8, int8w, int4)")
+                        help="our repositories' precisions (fp32, int8, int8w, int4, auto)")
+    parser.add_argument("--as-given", nargs="*", default=["int8"],
+                        help="served precisions also measured with the client's rows in the workload's order")
     parser.add_argument("--in-process", nargs="*", default=["esm2_t12_35M", "esm2_t30_150M"],
                         help="shapes whose repositories also run in this process (each holds its own copy of the "
                              "weights: leave out the large ones on a 24 GB host)")

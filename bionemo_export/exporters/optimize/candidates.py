@@ -274,6 +274,7 @@ def optimize_onnx(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     keep_int8: float = 0.0,
+    fold_padding: bool = True,
 ) -> OptimizationResult:
     """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
 
@@ -286,7 +287,9 @@ def optimize_onnx(
     weights' size. `fused`: `fuse_graph(src, ...)` made once for several candidates (it must have been
     made from `src` with the same `fuse` and heads); None fuses here. `block_size`, `accuracy_level`
     (int8w, int4): MatMulNBits' (weight_only.py); `keep_int8` (int4): the fraction of the feed-forward
-    output MatMuls kept at 8 bits (int8w keeps `keep_fp32` of them in fp32). Raises
+    output MatMuls kept at 8 bits (int8w keeps `keep_fp32` of them in fp32). `fold_padding` False:
+    each attention's key-padding bias left as it is (padding_mask.py; benchmarks/cpu_levers.py
+    measures what folding is worth). Raises
     OptimizationError when a step fails (dst is then not written).
     """
     # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
@@ -345,7 +348,7 @@ def optimize_onnx(
     elif precision == "fp16":
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
         applied.append("float16(keep_io_types)")
-    if fused.fuse and fused.num_heads and precision != "fp16":  # CPU graphs (padding_mask.py)
+    if fold_padding and fused.fuse and fused.num_heads and precision != "fp16":  # CPU graphs (padding_mask.py)
         folded = _step("padding mask folding", lambda: fold_padding_mask(model))
         if folded:
             applied.append(f"padding_mask_folding(MultiHeadAttention x{folded})")
