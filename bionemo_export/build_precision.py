@@ -3,7 +3,7 @@ record of what it chose.
 
 A user who wants the fastest repository a host can serve should not need to know that int8 runs
 2-4x fp32 on CPUs with VNNI or AMX (docs/benchmarks.md) but may gain nothing where int8 dot
-products saturate, nor that int8w is a memory lever and no speed lever (0.47x int8 on AVX-512 VNNI:
+products saturate, nor that int8w is a memory lever and no speed lever (0.44-0.51x int8 on AVX-512 VNNI:
 docs/building.md). `auto` tries the precisions in the order they usually pay on the build's
 device, each one a whole build held to that precision's own accuracy gate, and keeps the first
 that passes (build.py `_build_choosing_precision`):

@@ -45,7 +45,7 @@ class Precision(Choice):
     """Weight-only 8-bit, for CPU hosts: weights quantized in blocks along the reduction axis
     (ONNX Runtime's MatMulNBits), activations quantized per block at run time
     (exporters/optimize/weight_only.py). Closer to fp32 than int8, and 4x smaller than fp32; not a
-    speed precision: 0.47x int8 on an AVX-512 VNNI host (docs/building.md)."""
+    speed precision: 0.44-0.51x int8 on an AVX-512 VNNI host (benchmarks/cpu_levers.py)."""
     INT4 = "int4"
     """Weight-only 4-bit, for CPU hosts: int8w's scheme with 4-bit weights (about 1/6 of the fp32
     weight bytes at block size 32); the most sensitive matrix products may stay 8-bit."""
