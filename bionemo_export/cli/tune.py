@@ -15,7 +15,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from bionemo_export.bench.inputs import DEFAULT_LENGTHS, LENGTH_DISTRIBUTIONS, InputSpec
-from bionemo_export.choices import TuneObjective
+from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP
+from bionemo_export.choices import BuildPrecision, TuneObjective
 from bionemo_export.tune.search import Progress as SearchProgress
 
 
@@ -75,12 +76,22 @@ def tune(
                                  "exit."),
     tritonserver: str | None = typer.Option(None, help="tritonserver binary (default: search, then the one "
                                                "inside nvidia-pytriton)."),
+    precision: BuildPrecision | None = typer.Option(
+        None, help="First build the repository again in this precision, from the checkpoint its manifest.json names "
+        "(auto: the fastest that meets its accuracy gate on this host, int8 where it runs at least "
+        f"{AUTO_INT8_MIN_SPEEDUP:g}x fp32 here, else fp32); then tune its serving settings. Needs torch and the "
+        "checkpoint, unchanged since the build."),
 ) -> None:
     from bionemo_export.tune import TuneRequest, tune_repository
     from bionemo_export.tune import restore as restore_settings
     from bionemo_export.tune.report import COMPARISON_HEADER, comparison_rows, describe_candidate
 
     console = Console()
+    if precision is not None and (restore or dry_run):
+        raise typer.BadParameter("--precision builds the repository again; it does not go with "
+                                 f"{'--restore' if restore else '--dry-run'}", param_hint="--precision")
+    if precision is not None:
+        _rebuild(repository.resolve(), precision, console)
     if restore:
         models = restore_settings(repository.resolve(), log=console.print)
         console.print(f"Restored the settings of {', '.join(models)} from before the last tune.")
@@ -119,3 +130,15 @@ def tune(
                       highlight=False)
     console.print(f"Report: {outcome.report['markdown']} ({len(result.trials)} candidates, plot "
                   f"{outcome.report['png'].name})", highlight=False)
+
+
+def _rebuild(repository: Path, precision: str, console: Console) -> None:
+    """`--precision`: the repository built again (tune/rebuild.py), the choice said."""
+    from bionemo_export.tune.rebuild import rebuild
+
+    console.print(f"Building {repository} again in precision {precision} from its checkpoint")
+    manifest = rebuild(repository, precision, progress=console.log)  # a UserError ends the command (cli/main.py)
+    chosen = manifest.precision_choice
+    console.print(f"Rebuilt in {manifest.precision}" + (f" ({chosen['rule']}; refused: "
+                  + (", ".join(f"{r['precision']}: {r['why']}" for r in chosen["refused"]) or "none") + ")"
+                  if chosen else ""), highlight=False)
