@@ -77,10 +77,14 @@ class PrecisionChoice:
         self.refused.append({"precision": str(precision), "why": why})
 
     def to_dict(self, chosen: str) -> dict[str, Any]:
-        return {"asked": AUTO_PRECISION, "chosen": str(chosen), "tried": [str(p) for p in self.candidates.precisions
-                                                                            if p == chosen or self._was_refused(p)],
+        # The candidates are tried in order: the refused ones, then the one kept.
+        return {"asked": AUTO_PRECISION, "chosen": str(chosen),
+                "tried": [record["precision"] for record in self.refused] + [str(chosen)],
                 "refused": self.refused, "rule": self.candidates.why, "min_int8_speedup": AUTO_INT8_MIN_SPEEDUP,
                 "host": self.host}
 
-    def _was_refused(self, precision: str) -> bool:
-        return any(record["precision"] == precision for record in self.refused)
+
+def describe_choice(record: dict[str, Any]) -> str:
+    """manifest.json's `precision_choice` in one clause for the command line: the rule, then each
+    refused precision and why."""
+    return record["rule"] + "".join(f"; {r['precision']} refused: {r['why']}" for r in record["refused"])

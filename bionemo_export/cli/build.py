@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP
+from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP, describe_choice
 from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, BuildPrecision, Device, Exporter, Layout
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import AUTO, BackendChoice, backend_help, device_help
@@ -187,9 +187,8 @@ def repo(
                           tolerance, "yes" if figures["passed"] else "NO")
     console.print(table)
     if manifest.precision_choice:
-        refused = "; ".join(f"{r['precision']} refused: {r['why']}" for r in manifest.precision_choice["refused"])
-        console.print(f"precision auto chose {manifest.precision} ({manifest.precision_choice['rule']})"
-                      + (f"; {refused}" if refused else ""), highlight=False)
+        console.print(f"precision auto chose {manifest.precision} ({describe_choice(manifest.precision_choice)})",
+                      highlight=False)
     if manifest.members:
         console.print(f"An ensemble of {len(manifest.members)} members: "
                       + ", ".join(f"{m['member']} {m['path']}" for m in manifest.members), highlight=False)

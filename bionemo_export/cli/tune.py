@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from bionemo_export.bench.inputs import DEFAULT_LENGTHS, LENGTH_DISTRIBUTIONS, InputSpec
-from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP
+from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP, describe_choice
 from bionemo_export.choices import BuildPrecision, TuneObjective
 from bionemo_export.tune.search import Progress as SearchProgress
 
@@ -82,7 +82,8 @@ def tune(
         f"{AUTO_INT8_MIN_SPEEDUP:g}x fp32 here, else fp32); then tune its serving settings. Needs torch and the "
         "checkpoint, unchanged since the build."),
 ) -> None:
-    from bionemo_export.tune import TuneRequest, tune_repository
+    from bionemo_export.model_repository.manifest import Manifest
+    from bionemo_export.tune import TuneRequest, precision_mismatch, tune_repository
     from bionemo_export.tune import restore as restore_settings
     from bionemo_export.tune.report import COMPARISON_HEADER, comparison_rows, describe_candidate
 
@@ -106,9 +107,6 @@ def tune(
                           budget_minutes=budget_minutes, window_s=window, report_dir=report, write=not dry_run,
                           tritonserver=tritonserver, command=shlex.join(["bionemo-export", *sys.argv[1:]]))
     console.print(f"Tuning {repository} for {objective} within {budget_minutes:g} min; report: {request.out_dir}")
-    from bionemo_export.model_repository.manifest import Manifest
-    from bionemo_export.tune import precision_mismatch
-
     warning = precision_mismatch(Manifest.read(repository))  # tune changes the serving settings, not the graph
     if warning:
         console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False)
@@ -139,6 +137,5 @@ def _rebuild(repository: Path, precision: str, console: Console) -> None:
     console.print(f"Building {repository} again in precision {precision} from its checkpoint")
     manifest = rebuild(repository, precision, progress=console.log)  # a UserError ends the command (cli/main.py)
     chosen = manifest.precision_choice
-    console.print(f"Rebuilt in {manifest.precision}" + (f" ({chosen['rule']}; refused: "
-                  + (", ".join(f"{r['precision']}: {r['why']}" for r in chosen["refused"]) or "none") + ")"
-                  if chosen else ""), highlight=False)
+    console.print(f"Rebuilt in {manifest.precision}" + (f" ({describe_choice(chosen)})" if chosen else ""),
+                  highlight=False)

@@ -19,11 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest
 from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
+
+if TYPE_CHECKING:
+    from bionemo_export.build import BuildRequest
 
 
 class RebuildError(UserError, RuntimeError):
@@ -41,9 +44,9 @@ def serving_options(recorded: dict[str, Any], source: Path) -> ServingOptions:
     return ServingOptions(**flat, limits=limits)
 
 
-def rebuild_request(repository: Path, precision: str, check_digests: bool = True):
-    """The BuildRequest that builds `repository` again in `precision`, from its manifest.json.
-    `check_digests`: read every checkpoint and refuse one whose digest differs from the build's."""
+def rebuild_request(repository: Path, precision: str) -> BuildRequest:
+    """The BuildRequest that builds `repository` again in `precision`, from its manifest.json; every
+    checkpoint is read, and one whose digest differs from the build's refused."""
     from bionemo_export.build import BuildRequest  # torch: only when a rebuild is asked for
 
     manifest = Manifest.read(repository)
@@ -55,7 +58,7 @@ def rebuild_request(repository: Path, precision: str, check_digests: bool = True
         if not record.get("path") or not path.exists():
             raise RebuildError(f"{source}: its checkpoint {record.get('path')!r} is not on this host; build the "
                                "repository again with `build repo --checkpoint ...`")
-        if check_digests and record.get("digest") and checkpoint_digest(path) != record["digest"]:
+        if record.get("digest") and checkpoint_digest(path) != record["digest"]:
             raise RebuildError(f"{path}: changed since {repository} was built from it (its digest differs from "
                                f"{source}'s); build the repository again with `build repo` if that is intended")
         paths.append(path)
