@@ -67,7 +67,6 @@ from bionemo_export.model_repository.manifest import (
 from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
 from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
@@ -77,6 +76,7 @@ from bionemo_export.models.readers.base import fp32_weight_bytes, widened_weight
 from bionemo_export.models.readers.mapped import WIDEN_ON_DISK_BYTES, widening_deferred
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
+from bionemo_export.serving.parameters import SOURCE_SHA256
 from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task, planned_by
 
 Progress = Callable[[str], None]

@@ -13,16 +13,30 @@ from pathlib import Path
 
 import typer
 
+_ASSEMBLED: list[typer.Typer] = []
+"""The whole command line, once cli/main.py has assembled it (`assembled`): recorded here rather
+than imported, since main imports every command module and they import this package."""
 
-@cache
+
+def assembled(app: typer.Typer) -> typer.Typer:
+    """Record `app` as the whole command line whose options `option_flags` reads; returns it."""
+    _ASSEMBLED[:] = [app]
+    _flags_of.cache_clear()
+    return app
+
+
 def option_flags() -> dict[str, str]:
     """Each option's parameter name -> its long flag, over every command (`max_batch_size` ->
     `--max-batch-size`, `family` -> `--model`). A command's parameter is named as the library field
     it sets, so that a library error naming the field names the flag here (tests check that no name
-    means two flags)."""
-    from typer.main import get_command
+    means two flags). Empty until cli/main.py has assembled the commands: the fields then keep
+    their names."""
+    return _flags_of(_ASSEMBLED[0]) if _ASSEMBLED else {}
 
-    from .main import app
+
+@cache
+def _flags_of(app: typer.Typer) -> dict[str, str]:
+    from typer.main import get_command
 
     flags: dict[str, str] = {}
 

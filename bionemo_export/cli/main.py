@@ -21,7 +21,22 @@ from typer.core import TyperGroup
 from bionemo_export import __version__
 from bionemo_export.errors import user_facing
 
-from . import bench, build, client, deploy, dev_server, doctor, engines, health, inspect, repo, serve, tune, verify
+from . import (
+    assembled,
+    bench,
+    build,
+    client,
+    deploy,
+    dev_server,
+    doctor,
+    engines,
+    health,
+    inspect,
+    repo,
+    serve,
+    tune,
+    verify,
+)
 from . import reason as _reason
 
 # torch imports pynvml, which warns on every run that it is deprecated: noise before every
@@ -120,6 +135,7 @@ app.command("bench", help=bench.__doc__)(bench.bench)
 app.command("tune", help=tune.__doc__)(tune.tune)
 app.add_typer(deploy.app, name="deploy")
 app.add_typer(repo.app, name="repo")
+assembled(app)  # every command is in: errors may now word library fields as their flags
 
 
 if __name__ == "__main__":  # pragma: no cover

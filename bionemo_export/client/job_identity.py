@@ -7,7 +7,7 @@ manifest stays on the serving host. So a job identifies what answers it by what 
   it asks and of every model they call (an ensemble's steps, a Python model's `bls_models`): a
   repository rebuilt with another layout, backend, batch size or tokenizer is another job. Every
   configuration a build writes carries `source_sha256` (the digest of the checkpoints manifest.json
-  records, and the precision: model_repository/parameters.py), so a repository rebuilt from another
+  records, and the precision: serving/parameters.py), so a repository rebuilt from another
   checkpoint under the same names is another job too; the asked model's stamp is also a key of its
   own in the fingerprint, so that the refusal names it. The parameter serve's supervisor adds when it
   reloads a model (`supervisor_generation`) is left out: a reload is the same repository.
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.parameters import BLS_MODELS, SOURCE_SHA256
 
 from .records import Record
 from .repository import strings_column
@@ -42,10 +43,6 @@ PROBE_VALUES = 64
 PROBE_COSINE = 0.999
 """How alike two probe answers of the same weights are at least (float differences between hosts
 are ~1e-6 relative; two random or trained checkpoints' answers differ at the first digit)."""
-CALLS = "bls_models"
-"""The config parameter naming the models a Python model calls (model_repository/parameters.BLS_MODELS)."""
-SOURCE = "source_sha256"
-"""The config parameter naming what a repository was built from (model_repository/parameters.SOURCE_SHA256)."""
 RELOADED = "supervisor_generation"
 """The config parameter serve's supervisor sets on a model it reloads (runtime/supervisor.GENERATION):
 not part of what the repository is."""
@@ -79,7 +76,7 @@ def repository_sha256(client: Inferrer, models: Sequence[str]) -> str:
         config = configs[model] = _as_built(client.model_config(model))
         steps = (config.get("ensemble_scheduling") or {}).get("step", [])
         waiting += [step["model_name"] for step in steps if "model_name" in step]
-        called = ((config.get("parameters") or {}).get(CALLS) or {}).get("string_value", "")
+        called = ((config.get("parameters") or {}).get(BLS_MODELS) or {}).get("string_value", "")
         waiting += [name.strip() for name in called.split(",") if name.strip()]
     return hashlib.sha256(json.dumps(configs, sort_keys=True).encode()).hexdigest()
 
@@ -99,7 +96,7 @@ def config_sha256(client: Inferrer, model: str) -> str:
 
 def source_sha256(client: Inferrer, model: str) -> str | None:
     """The `source_sha256` stamp `model` is served with; None for a repository built before it."""
-    return ((client.model_config(model).get("parameters") or {}).get(SOURCE) or {}).get("string_value")
+    return ((client.model_config(model).get("parameters") or {}).get(SOURCE_SHA256) or {}).get("string_value")
 
 
 def probe_answers(client: Inferrer, asked: Sequence[Asked], probe: Record) -> dict[str, Any]:

@@ -59,8 +59,8 @@ from bionemo_export.exporters.optimize.weight_only import (
     quantize_linear,
 )
 from bionemo_export.exporters.signature import sample_arguments
-from bionemo_export.model_repository.graph_files import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.models.readers.mapped import deferred_widening_paused, widened_while_used
+from bionemo_export.serving.parameters import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.tensors import TensorSpec
 
 STREAMED_STEP = "streamed weight-only quantization"

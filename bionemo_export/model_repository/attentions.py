@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.serving.attentions import attention_output_name
+from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET
 from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
@@ -41,7 +42,6 @@ from .encoder import (
     tokenizer_sources,
 )
 from .options import ServingOptions
-from .parameters import BLS_MODELS
 from .plan import ModelPlan
 
 ATTENTION_TASKS = planned_by("attentions")

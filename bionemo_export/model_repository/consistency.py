@@ -42,13 +42,13 @@ from pathlib import Path, PurePosixPath
 from google.protobuf import text_format
 
 from bionemo_export.digests import file_digest
+from bionemo_export.serving.parameters import SOURCE_SHA256
 from bionemo_export.tensors import TensorSpec
 
 from .backends import ServingBackend, graph_backend
 from .graph_io import GraphIO, external_references, graph_io
 from .hosted_graphs import HOSTED_GRAPHS, SHARED_WEIGHTS
 from .manifest import MANIFEST_NAME, Manifest
-from .parameters import SOURCE_SHA256
 from .pbtxt import read_config
 from .plan import ModelPlan, PlanError, RepositoryPlan
 

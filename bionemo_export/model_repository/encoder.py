@@ -33,13 +33,13 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.parameters import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.serving.tokenizer_file import TOKENIZER_CLASSES, TOKENIZER_FILE
 from bionemo_export.tasks import TASKS, Requirement, planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import BACKENDS, GraphModel, ShapeRange
-from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import RoleOptions, ServingOptions
 from .plan import EnsembleStep, ModelPlan, RepositoryPlan
 
@@ -296,7 +296,7 @@ def plan_encoder_repository(
     """Plan the repository for an encoder family; `onnx_files` maps version-folder names
     (model.onnx, and its external data file if any) to the exported files.
     `graph_optimization_level`: the ONNX Runtime level the stored graph is opened at (a graph
-    stored optimized needs only the basic rewrites at load; see graph_files.py)."""
+    stored optimized needs only the basic rewrites at load; see serving/parameters.py)."""
     # The masked-LM and fine-tuned heads' models (masked_lm.py, classifier.py) are added to this plan by the build.
     # Tasks of other planners that need no decoder add their models to this plan in the build.
     unknown = {t for t in tasks if t not in TASKS or Requirement.DECODER in TASKS[t].requires}

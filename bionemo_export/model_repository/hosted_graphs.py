@@ -29,10 +29,9 @@ import json
 from pathlib import Path
 
 from bionemo_export.digests import file_digest
+from bionemo_export.serving.parameters import BLS_MODELS, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.tensors import DType, TensorSpec
 
-from .graph_files import UNOPTIMIZED_SERVING_LEVEL
-from .parameters import BLS_MODELS
 from .plan import ModelPlan, RepositoryPlan
 
 HOSTED_GRAPHS = "hosted_graphs"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.serving.layers import DEFAULT_TOKEN_BUDGET, layer_output_name
+from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
@@ -39,7 +40,6 @@ from .encoder import (
     tokenizer_sources,
 )
 from .options import ServingOptions
-from .parameters import BLS_MODELS
 from .plan import ModelPlan
 
 LAYER_TASKS = planned_by("layers")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bionemo_export import __version__
+from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.scoring import ScoringLimits
 from bionemo_export.tasks import TASKS, planned_by
 from bionemo_export.templates import render
@@ -32,7 +33,6 @@ from bionemo_export.tensors import DType, TensorSpec
 from .backends import GraphModel, ShapeRange
 from .encoder import RESPONDING, RUNS_GRAPH, TOKENIZERS_DIR, ensemble_model, serving_files
 from .options import ServingOptions
-from .parameters import BLS_MODELS
 from .plan import EnsembleStep, ModelPlan
 
 MASKED_LM_TASKS = planned_by("masked_lm")

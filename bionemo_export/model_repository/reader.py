@@ -17,10 +17,10 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from bionemo_export.errors import UserError
+from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.tasks import public_suffixes, task_of
 
 from .manifest import MANIFEST_NAME, Manifest
-from .parameters import BLS_MODELS
 from .pbtxt import ModelConfig, read_config
 
 PUBLIC_SUFFIXES = public_suffixes()

@@ -40,6 +40,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.parameters import BLS_MODELS, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
@@ -55,9 +56,7 @@ from .encoder import (
     tokenizer_files,
     tokenizer_sources,
 )
-from .graph_files import UNOPTIMIZED_SERVING_LEVEL
 from .options import ServingOptions
-from .parameters import BLS_MODELS
 from .plan import ModelPlan, RepositoryPlan
 
 SEQ2SEQ_TASKS = (*ENCODER_TASKS, "decodes", "samplings")

@@ -302,6 +302,17 @@ class ModelFamily(ABC):
     scoring_default: ClassVar[str] = "wt-marginal"
     """N_scores' method for variants when a request names none (serving/scoring.py METHODS)."""
 
+    claimed_forms: ClassVar[tuple[str, ...]] = ()
+    """Checkpoint forms that are this family's by being that form (NVIDIA's nv_esm directory, the
+    esm package's ESM C weight files): how `--model` is inferred for them."""
+
+    @classmethod
+    def claims(cls, checkpoint: Checkpoint) -> bool:
+        """Whether the checkpoint says, by its form or its contents, that this family reads it
+        (`load_checkpoint` then needs no family named, and refuses another): by default, its form
+        is one of `claimed_forms`. A family whose checkpoints say it otherwise overrides this."""
+        return checkpoint.form in cls.claimed_forms
+
     @classmethod
     def forms(cls) -> tuple[str, ...]:
         """The checkpoint forms this family reads (those it has a from_<form> method for)."""
@@ -361,24 +372,16 @@ def register(cls: FamilyClass) -> FamilyClass:
     return cls
 
 
-FORM_FAMILIES = {"nv_esm": "esm2", "esm_weights": "esmc"}
-"""Checkpoint forms that say which family reads them by being that form (NVIDIA's nv_esm
-directory: config.json's model_type; the esm package's ESM C weight files)."""
-
-
 def form_family(checkpoint: Checkpoint) -> str | None:
-    """The family a checkpoint's form says reads it: FORM_FAMILIES, a fair-esm file's
-    architecture (models/fair_esm.py), or a Hugging Face directory whose vocab.txt pairs residues
-    with 3Di letters (SaProt's, models/saprot.py); None where the form does not say."""
-    if checkpoint.form == "fair_esm":
-        from bionemo_export.models.fair_esm import family_of
-
-        return family_of(checkpoint)
-    if checkpoint.form == "huggingface":
-        from bionemo_export.models.saprot import looks_paired
-
-        return "saprot" if checkpoint.model_class in ("esm", None) and looks_paired(checkpoint.path) else None
-    return FORM_FAMILIES.get(checkpoint.form)
+    """The family whose `claims` says the checkpoint is its own (an nv_esm directory, ESM C's
+    weight files, a fair-esm file's architecture, SaProt's paired vocabulary); None where no
+    family's does. Every family is registered by now: importing this module runs the package's
+    `__init__` first, which imports them all."""
+    claimants = [name for name, cls in sorted(REGISTRY.items()) if cls.claims(checkpoint)]
+    if len(claimants) > 1:
+        raise RuntimeError(f"{checkpoint.path}: the families {', '.join(claimants)} each claim it; "
+                           "a checkpoint's form or contents may name one family only")
+    return claimants[0] if claimants else None
 
 
 def _what_it_is(checkpoint: Checkpoint) -> str:
@@ -395,8 +398,8 @@ targets, NeMo 2 config classes), and that config's file."""
 
 def load_checkpoint(path: Path, family: str | None = None, max_length: int | None = None) -> LoadedModel:
     """Read the checkpoint at `path` (any form) and load it as `family`; without a family, a
-    .nemo archive's `target` names it (a FORM_FAMILIES form, its form). A checkpoint that says it
-    belongs to another family is refused."""
+    .nemo archive's `target` names it, or the family that `claims` it (`form_family`). A checkpoint
+    that says it belongs to another family is refused."""
     from bionemo_export.models.readers import CheckpointError, read_checkpoint
 
     checkpoint = read_checkpoint(Path(path))
@@ -418,7 +421,6 @@ def load_checkpoint(path: Path, family: str | None = None, max_length: int | Non
 def infer_family(checkpoint: Checkpoint, required: bool = True) -> str | None:
     """The family that reads a .nemo checkpoint, from its `target` class (a NeMo 2 directory:
     its context/model.yaml's config class)."""
-    from bionemo_export import models  # noqa: F401 - importing the package registers every family
     from bionemo_export.models.readers import CheckpointError
 
     target = (checkpoint.model_class or "").rsplit(".", 1)[-1]
@@ -435,9 +437,7 @@ def infer_family(checkpoint: Checkpoint, required: bool = True) -> str | None:
 
 
 def get_family(name: str) -> ModelFamily:
-    """The family registered as `name`; the error lists the known ones."""
-    from bionemo_export import models  # noqa: F401 - importing the package registers every family
-
+    """The family registered as `name` (every family is: see `form_family`); the error lists the known ones."""
     try:
         return REGISTRY[name]()
     except KeyError:

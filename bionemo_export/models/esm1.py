@@ -47,6 +47,7 @@ ESM1B_MAX_POSITIONS = 1026
 @register
 class Esm1Family(Esm2Family):
     name = "esm1"
+    claimed_forms = ()  # nv_esm directories are ESM-2's
     tasks = ("embeddings", "hiddens", "logits", "scores", "contacts", "layers", "attentions")
     """contacts: Hugging Face ESM-1b-style directories with the contact head (ESM-1nv archives have none)."""
     classifier_renames = {}

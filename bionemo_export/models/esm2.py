@@ -19,7 +19,7 @@ from bionemo_export.models.encoder import (
     read_vocab,
     token_limit,
 )
-from bionemo_export.models.fair_esm import as_huggingface
+from bionemo_export.models.fair_esm import as_huggingface, family_of
 from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.megatron import check_gelu, cut_vocab, fused_bias_gelu, megatron_lm_head, rename, split_fused
 from bionemo_export.models.megatron_core import esm2_settings, esm2_weights
@@ -56,6 +56,7 @@ def esm_classifier_kind(keys: Any) -> str | None:
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
+    claimed_forms = ("nv_esm",)  # NVIDIA's nv_esm directories: config.json's model_type
     tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "contacts", "layers", "attentions")
     """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
     fine-tuned head, contacts where it has the contact head (Hugging Face directories:
@@ -70,6 +71,12 @@ class Esm2Family(HuggingFaceEncoderFamily):
     unused_prefixes = ("lm_head.", "contact_head.", "classifier.")
     head_prefix = "lm_head."
     contact_prefix = "contact_head."
+
+    @classmethod
+    def claims(cls, checkpoint: Checkpoint) -> bool:
+        """Also a fair-esm file of this family's architecture (ESM-2; ESM-1b/1v for esm1)."""
+        return super().claims(checkpoint) or (checkpoint.form == "fair_esm" and family_of(checkpoint) == cls.name)
+
     classifier_renames = ESM_CLASSIFIER_RENAMES
 
     def guess_classifier(self, keys: Any) -> str | None:

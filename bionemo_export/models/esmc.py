@@ -66,6 +66,7 @@ hard limit, --max-length lowers it."""
 @register
 class EsmcFamily(HuggingFaceEncoderFamily):
     name = "esmc"
+    claimed_forms = ("esm_weights",)  # the esm package's ESM C weight files
     tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
     """logits and scores where the checkpoint has its masked-LM head, predictions where it has a
     fine-tuned head."""

@@ -93,6 +93,13 @@ class StructureMarginalHead(torch.nn.Module):
 @register
 class SaprotFamily(HuggingFaceEncoderFamily):
     name = "saprot"
+
+    @classmethod
+    def claims(cls, checkpoint: Checkpoint) -> bool:
+        """A Hugging Face ESM directory whose vocab.txt pairs residues with 3Di letters."""
+        return (checkpoint.form == "huggingface" and checkpoint.model_class in ("esm", None)
+                and looks_paired(checkpoint.path))
+
     tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
     """logits and scores where the checkpoint has its masked-LM head, predictions where it has a
     fine-tuned head (EsmForSequenceClassification / EsmForTokenClassification)."""

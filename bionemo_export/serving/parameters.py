@@ -16,6 +16,19 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+# The parameters a build writes that no served model reads: the supervisor, tune and the clients
+# read them back from the server (the planners write them; this module names them for all).
+BLS_MODELS = "bls_models"
+"""Config parameter of a model that calls others through BLS: their names, comma-separated. Triton
+knows an ensemble's steps but not these calls; the supervisor reloads the callees with their caller."""
+
+SOURCE_SHA256 = "source_sha256"
+"""Config parameter of every model a build writes: what the repository was built from, as one
+digest (manifest.source_sha256: the checkpoint digests manifest.json records, in member order, and
+the precision). A client reads configs, never the repository's files, so this is how it tells apart
+two repositories built under one name from different checkpoints, whose configs are otherwise the
+same (a bulk job's fingerprint hashes the served configs). No served model reads it."""
+
 
 def config_file(args: Mapping[str, str]) -> str:
     """This model's config.pbtxt (Triton passes the model's folder as `model_repository`), for errors."""
@@ -66,3 +79,13 @@ def json_parameter(args: Mapping[str, str], parameters: Mapping[str, str], name:
 def tensor_names(args: Mapping[str, str], kind: str) -> list[str]:
     """The names of this model's config `kind` tensors ("input" or "output"), in config order."""
     return [tensor["name"] for tensor in model_config(args).get(kind, [])]
+
+
+# config.pbtxt's graph_optimization_level: the level each kind of stored graph is opened at
+# (onnx_session.py). The exporters decide which kind a build stores (exporters/optimize), the
+# planners write the matching level.
+SERVING_GRAPH_OPTIMIZATION_LEVEL = "ORT_ENABLE_BASIC"
+"""The ONNX Runtime session level for a graph stored optimized offline (fp32, int8): the expensive
+rewrites are already in the file, and "all" measured no faster."""
+UNOPTIMIZED_SERVING_LEVEL = "ORT_ENABLE_ALL"
+"""The session level for a graph stored without offline optimization (the plain export, fp16)."""

@@ -20,10 +20,10 @@ from bionemo_export.bench.inputs import InputSpec, generate_inputs
 from bionemo_export.bench.run import BenchError, LiveTarget, Target, measure, open_target
 from bionemo_export.model_repository.backends import runs_python
 from bionemo_export.model_repository.manifest import Manifest
-from bionemo_export.model_repository.parameters import BLS_MODELS
 from bionemo_export.model_repository.pbtxt import ModelConfig, read_config, write_config
 from bionemo_export.model_repository.reader import RepositoryModels
 from bionemo_export.runtime import PerfAnalyzer, find_perf_analyzer
+from bionemo_export.serving.parameters import BLS_MODELS
 
 from .search import Candidate, Point
 from .space import Settings, is_tunable, read_settings, write_settings

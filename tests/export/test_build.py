@@ -15,8 +15,8 @@ from bionemo_export.cli.main import app
 from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.model_repository.hosted_graphs import SHARED_WEIGHTS
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest, source_sha256
-from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.pbtxt import read_config
+from bionemo_export.serving.parameters import SOURCE_SHA256
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 runner = CliRunner()

@@ -12,8 +12,8 @@ import pytest
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.manifest import checkpoint_digest, source_sha256
-from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.pbtxt import read_config
+from bionemo_export.serving.parameters import SOURCE_SHA256
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 PLATFORMS = {"native": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}

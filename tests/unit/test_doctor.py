@@ -11,7 +11,7 @@ import sys
 from typer.testing import CliRunner
 
 from bionemo_export.cli.main import app
-from bionemo_export.runtime.doctor import Job, run_checks
+from bionemo_export.doctor import Job, run_checks
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "250"}
@@ -70,7 +70,7 @@ def test_a_job_none_of_the_choices_is_refused():
 BLOCKED_CLIENT = """
 import json, sys
 sys.modules["tritonclient.grpc"] = None  # unimportable, as on a host without tritonclient
-from bionemo_export.runtime.doctor import Job, missing_for, run_checks
+from bionemo_export.doctor import Job, missing_for, run_checks
 checks = run_checks(probe=False)
 print(json.dumps({job.value: missing_for(checks, job) for job in Job}))
 """
@@ -87,7 +87,7 @@ def test_without_tritonclient_serving_and_benchmarking_lack_it():
 
 
 def test_doctor_shows_the_cpu_features_that_decide_int8_kernels(monkeypatch):
-    from bionemo_export.runtime.doctor import check_cpu
+    from bionemo_export.doctor import check_cpu
     from bionemo_export.serving import host
 
     check = check_cpu()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.manifest import Manifest, source_sha256
-from bionemo_export.model_repository.parameters import SOURCE_SHA256
 from bionemo_export.model_repository.pbtxt import read_config, write_config
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, RepositoryPlan
+from bionemo_export.serving.parameters import SOURCE_SHA256
 from bionemo_export.tensors import DType, TensorSpec
 
 FIRST, SECOND = "sha256:" + "1" * 64, "sha256:" + "2" * 64

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from bionemo_export.model_repository.parameters import BLS_MODELS
 from bionemo_export.model_repository.pbtxt import write_config
 from bionemo_export.model_repository.reader import (
     RepositoryModels,
@@ -19,6 +18,7 @@ from bionemo_export.model_repository.reader import (
     dependencies,
     is_public,
 )
+from bionemo_export.serving.parameters import BLS_MODELS
 
 
 def _ensemble(name: str, steps: list[str]) -> mc.ModelConfig:

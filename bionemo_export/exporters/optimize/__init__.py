@@ -17,10 +17,10 @@ One module per job:
   MatMulNBits, for CPUs).
 - `graph.py`: the graph view the rewrites share.
 
-The session level a server opens a stored graph at is in model_repository/graph_files.py.
+The session level a server opens a stored graph at is named in serving/parameters.py.
 """
 
-from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.serving.parameters import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 
 from .attention import MASK_FILL_LIMIT, MS_DOMAIN, fuse_attention
 from .candidates import (

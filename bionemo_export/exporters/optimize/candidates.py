@@ -75,9 +75,9 @@ from bionemo_export.exporters.external_data import (
     unloaded,
 )
 from bionemo_export.memory_plan import QUANTIZE_MEMORY_FACTOR, WEIGHT_ONLY_MEMORY_FACTOR
-from bionemo_export.model_repository.graph_files import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.models.readers.mapped import return_freed_memory
 from bionemo_export.procfs import available_memory_bytes
+from bionemo_export.serving.parameters import SERVING_GRAPH_OPTIMIZATION_LEVEL, UNOPTIMIZED_SERVING_LEVEL
 
 from .attention import fuse_attention
 from .graph import remove_unused

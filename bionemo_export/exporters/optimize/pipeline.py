@@ -36,7 +36,7 @@ import numpy as np
 
 from bionemo_export.choices import Precision
 from bionemo_export.errors import UserError
-from bionemo_export.model_repository.graph_files import UNOPTIMIZED_SERVING_LEVEL
+from bionemo_export.serving.parameters import UNOPTIMIZED_SERVING_LEVEL
 
 from .candidates import DEFAULT_LEVEL, FusedGraph, OptimizationError, OptimizationResult, fuse_graph, optimize_onnx
 from .weight_only import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from .discovery import TritonNotFoundError, find_tritonserver
-from .perf_analyzer import PerfAnalyzerNotFoundError, find_perf_analyzer
-from .server import TritonStartError, probe_server
+from bionemo_export.runtime.discovery import TritonNotFoundError, find_tritonserver
+from bionemo_export.runtime.perf_analyzer import PerfAnalyzerNotFoundError, find_perf_analyzer
+from bionemo_export.runtime.server import TritonStartError, probe_server
 
 SETUP_FIX = "bash scripts/setup.sh"
 
