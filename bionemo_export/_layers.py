@@ -59,6 +59,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("build steps", ("build_records", "build_staging", "build_precision"),
           "the build's typed manifest records, its staging folder (atomic replace, signals), the precisions "
           "`precision auto` tries"),
+    Layer("task kits", ("kits",),
+          "each task's graphs, planner, verify check and dev-server answer (a kit per task), registered by task"),
     Layer("applications", ("build", "verify", "bench", "deploy", "dev_server", "testing", "doctor"),
           "what the commands do: build a repository, verify it, benchmark, deploy, the dev server, what this "
           "host can do (doctor: the builds' exporters and the serving host's runtime)"),

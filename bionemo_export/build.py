@@ -34,11 +34,11 @@ from bionemo_export.build_staging import (
 from bionemo_export.choices import AUTO_PRECISION, Exporter, Precision
 from bionemo_export.errors import UserError, reason
 from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
-from bionemo_export.exporters.lm_head import lm_head_check_batches
 from bionemo_export.exporters.optimize import PrecisionError
 from bionemo_export.exporters.optimize.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from bionemo_export.exporters.shared_weights import WEIGHTS_FILE, SharedWeightsWriter, describe
-from bionemo_export.generation.reference import decoder_check_batches
+from bionemo_export.kits import ExportedGraph, PlanContext, graph_exports, kit_of, kits_of, needed_graphs
+from bionemo_export.kits.masked_lm import masked_lm_head
 from bionemo_export.memory_plan import (
     STREAMED,
     WEIGHT_ONLY_PRECISIONS,
@@ -48,15 +48,10 @@ from bionemo_export.memory_plan import (
     build_disk,
     build_memory,
 )
-from bionemo_export.model_repository.attentions import AttentionGraph, plan_attention_models
 from bionemo_export.model_repository.backends import AUTO, BACKENDS, get_backend, resolve_auto
-from bionemo_export.model_repository.classifier import ClassifierGraph, plan_classifier_models
 from bionemo_export.model_repository.consistency import check_repository
-from bionemo_export.model_repository.contacts import ContactGraph, plan_contact_models
-from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.hosted_graphs import host_graphs
 from bionemo_export.model_repository.integrity import record_files
-from bionemo_export.model_repository.layers import LayerGraph, plan_layer_models
 from bionemo_export.model_repository.manifest import (
     Manifest,
     checkpoint_digest,
@@ -64,20 +59,17 @@ from bionemo_export.model_repository.manifest import (
     package_versions,
     source_sha256,
 )
-from bionemo_export.model_repository.masked_lm import MaskedLMHead, plan_masked_lm_models
 from bionemo_export.model_repository.member_ensemble import MemberGraphs, plan_member_ensemble
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.model_repository.plan import ModelPlan, RepositoryPlan
-from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
+from bionemo_export.model_repository.plan import RepositoryPlan
 from bionemo_export.models import LoadedModel, get_family, load_checkpoint
-from bionemo_export.models.base import CONTACT_INPUTS, CONTACT_OUTPUTS, LAYER_INPUTS, seq2seq_graph_specs
 from bionemo_export.models.members import ENSEMBLE_TASKS, MemberFacts, MemberMismatch, check_member, member_label
 from bionemo_export.models.readers.base import fp32_weight_bytes, widened_weight_bytes
 from bionemo_export.models.readers.mapped import WIDEN_ON_DISK_BYTES, widening_deferred
 from bionemo_export.procfs import available_memory_bytes
 from bionemo_export.serving.host import NO_VNNI_FOLDER
 from bionemo_export.serving.parameters import SOURCE_SHA256
-from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task, planned_by
+from bionemo_export.tasks import HOSTED_FILES, HOSTED_GRAPHS, TASKS, Graph, Requirement, get_task
 
 Progress = Callable[[str], None]
 LOG = logging.getLogger(__name__)
@@ -239,21 +231,23 @@ def _check_out(out: Path) -> None:
 
 
 def _check_tasks(family, tasks: tuple[str, ...] | None, hosts_graphs: bool = True) -> tuple[str, ...]:
-    """The tasks to serve: those asked for, which the family must serve, or all it serves by
-    default (a task entry's `by_default`), less those whose graphs are the encoder again
+    """The tasks to serve: those asked for, which the family must be able to serve
+    (`ModelFamily.possible_tasks`), or all it can serve by default (a task entry's `by_default`;
+    the checkpoint then serves those it carries: `servable_tasks`), less those whose graphs are the encoder again
     (tasks.HOSTED_GRAPHS) unless the encoder's model hosts them over its own weights
     (`hosts_graphs`: the Python backend, an fp32 encoder); elsewhere each would hold another copy
     of the weights (a quantized encoder's weights are other bytes than their fp32 ones)."""
-    tasks = tasks or tuple(t for t in family.tasks if get_task(t).by_default
-                           and (hosts_graphs or not set(get_task(t).graphs) & set(HOSTED_GRAPHS)))
+    possible = family.possible_tasks()
+    tasks = tasks or tuple(t for t in possible if get_task(t).by_default
+                           and (hosts_graphs or not set(kit_of(t).graphs) & set(HOSTED_GRAPHS)))
     for task in tasks:
         try:
             get_task(task)
         except ValueError as err:  # a name the task table does not know: the message lists the known ones
             raise BuildError(str(err)) from None
-    unsupported = [t for t in tasks if t not in family.tasks]
+    unsupported = [t for t in tasks if t not in possible]
     if unsupported:
-        raise BuildError(f"family {family.name!r} serves {', '.join(family.tasks)}; not {', '.join(unsupported)}")
+        raise BuildError(f"family {family.name!r} serves {', '.join(possible)}; not {', '.join(unsupported)}")
     return tasks
 
 
@@ -270,16 +264,6 @@ def _encode_batch(loaded: LoadedModel, sequences: list[str]) -> dict:
     encoded = loaded.tokenizer.encode(sequences, truncate=True)
     return {"input_ids": encoded.input_ids, "attention_mask": encoded.attention_mask,
             "residue_mask": encoded.residue_mask}
-
-
-@dataclass(frozen=True)
-class ExportedGraph:
-    """One graph exported and checked; `files` are what goes into its model's version folder."""
-
-    name: str
-    files: dict[str, Path]
-    record: GraphRecord
-    verification: GraphVerification
 
 
 def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
@@ -397,7 +381,7 @@ def _export_streamed(name: str, module, inputs, outputs, batches: list[dict], ex
 def _check_streamed_tasks(tasks: tuple[str, ...]) -> None:
     """A streamed build writes the encoder's graph once: tasks whose graphs are the encoder again
     (layers, contacts, attentions: each another copy of the weights, in fp32) are refused."""
-    again = [task for task in tasks if set(get_task(task).graphs) & set(HOSTED_GRAPHS)]
+    again = [task for task in tasks if set(kit_of(task).graphs) & set(HOSTED_GRAPHS)]
     if again:
         raise BuildError(f"a streamed build (`stream-weights`) serves the encoder's graph and its heads; "
                          f"{', '.join(again)} need the encoder again in another graph, in fp32: leave them out of "
@@ -419,7 +403,7 @@ def _log_tail(workspace: Path | None, lines: int = 20) -> str:
 
 
 def _other_tasks(loaded: LoadedModel) -> str:
-    return ", ".join(loaded.family.tasks[:2])
+    return ", ".join(loaded.servable()[:2])
 
 
 MISSING: dict[Requirement, Callable[[LoadedModel, list[str]], str]] = {
@@ -481,12 +465,6 @@ def servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> 
     return tasks
 
 
-def _head(loaded: LoadedModel, onnx_file: Path = Path("lm_head.onnx")) -> MaskedLMHead:
-    return MaskedLMHead(onnx_file, tuple(loaded.alphabet), getattr(loaded.tokenizer, "mask_char", None),
-                        default_method=loaded.family.scoring_default,
-                        structure_aware=bool(getattr(loaded.tokenizer, "structure_aware", False)))
-
-
 def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
                 progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = "",
                 share_weights: bool = False, streamed: bool = False) -> dict[str, ExportedGraph]:
@@ -511,13 +489,13 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                              block_size=request.block_size)
 
     # Reduced precision applies to the encoder's graph, graph optimization to it and the layers
-    # graph; the others are stored as exported in fp32 (see GRAPH_EXPORTS).
-    needed = {Graph.ENCODER} | {graph for task in tasks for graph in get_task(task).graphs}
+    # graph; the others are stored as exported in fp32 (see the kits' `graphs`).
+    needed = needed_graphs(tasks)
     sharing = share_weights and not prefix and bool(needed & set(HOSTED_GRAPHS))
     graphs = {}
     with contextlib.ExitStack() as stack:
         writer = stack.enter_context(SharedWeightsWriter(export_dir / "shared")) if sharing else None
-        for graph, how in GRAPH_EXPORTS.items():  # in a fixed order: the manifest records them so
+        for graph, how in graph_exports().items():  # in a fixed order: the manifest records them so
             if graph not in needed:
                 continue
             module, inputs, outputs, graph_batches = how.source(loaded, batches)
@@ -577,67 +555,6 @@ def _answers(graph: Path, inputs: dict) -> list:
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     names = [value.name for value in session.get_inputs()]
     return [np.asarray(value) for value in session.run(None, {name: inputs[name] for name in names})]
-
-
-@dataclass(frozen=True)
-class GraphExport:
-    """Where a graph of tasks.Graph comes from: `source(loaded, encoder check batches)` gives the
-    module, its input and output specs and the batches that check the export against it."""
-
-    source: Callable[[LoadedModel, list[dict]], tuple[Any, Any, Any, list[dict]]]
-    mask_input: str = "attention_mask"
-    """The input whose zeros mark padding in the check (""): outputs compared whole)."""
-    encoder: bool = False
-    """Exported in the request's precision and graph-optimized (the encoder's graph only)."""
-    optimized: bool = False
-    """Graph-optimized as the encoder's is, but kept in fp32 (a second copy of the encoder that serves
-    its states: the same fusions apply, measured 1.22x faster for the real AntiBERTy's layers graph)."""
-
-
-def _seq2seq_graph(name: str) -> GraphExport:
-    """cross_kv or decoder_step. Key/value outputs are [layers, batch, ...]: compared whole, not per
-    position. Decoder graphs are stored as exported: the fused attention of decoder_step passed the
-    export check but failed when served at batch > 1 (its attention_bias broadcast over the batch
-    instead of the heads), so they are not optimized until that is fixed and tested."""
-
-    def source(loaded: LoadedModel, batches: list[dict]) -> tuple[Any, Any, Any, list[dict]]:
-        seq2seq = loaded.seq2seq
-        assert seq2seq is not None  # Requirement.DECODER: servable_tasks left the task out otherwise
-        inputs, outputs = seq2seq_graph_specs(seq2seq, loaded.hidden_size)[name]
-        cross_batches, step_batches = decoder_check_batches(loaded, batches)
-        return (getattr(seq2seq, name), inputs, outputs, cross_batches if name == "cross_kv" else step_batches)
-
-    return GraphExport(source, mask_input="")
-
-
-GRAPH_EXPORTS: dict[Graph, GraphExport] = {
-    Graph.ENCODER: GraphExport(lambda loaded, batches: (loaded.encoder, loaded.inputs, loaded.outputs, batches),
-                               encoder=True),
-    Graph.CROSS_KV: _seq2seq_graph("cross_kv"),
-    Graph.DECODER_STEP: _seq2seq_graph("decoder_step"),
-    # Small and position-wise. A sequence head reads position 0 only: the check batches' padding
-    # mask applies to token heads' [B, L, C] logits.
-    Graph.LM_HEAD: GraphExport(lambda loaded, batches: (loaded.lm_head, loaded.lm_head_inputs,
-                                                        loaded.lm_head_outputs, lm_head_check_batches(loaded))),
-    Graph.CLASSIFIER: GraphExport(lambda loaded, batches: (loaded.classifier, loaded.lm_head_inputs,
-                                                           loaded.classifier_outputs, lm_head_check_batches(loaded))),
-    # The encoder again with every layer's attention probabilities (eager attention): a graph of its
-    # own, so the encoder's graph keeps its fused attention. Its output is [B, T-2, T-2] residue
-    # pairs, compared whole (padding rows hold the head's answer to zeroed features, in both).
-    Graph.CONTACTS: GraphExport(lambda loaded, batches: (loaded.contacts, CONTACT_INPUTS, CONTACT_OUTPUTS, batches),
-                                mask_input=""),
-    # The encoder again with every layer's states as separate outputs (hiddens_0 .. hiddens_N), so
-    # that a caller fetches only the layers it names; the encoder's graph is not changed. Compared
-    # on the real tokens (attention_mask), like the encoder's hiddens.
-    Graph.LAYERS: GraphExport(lambda loaded, batches: (loaded.layer_states, LAYER_INPUTS, loaded.layer_outputs,
-                                                       batches), optimized=True),
-    # The encoder again with eager attention, every block's probabilities as separate outputs
-    # (attentions_1 .. attentions_N). [B, heads, T, T] compared whole: padded query rows hold the
-    # softmax over the real keys, in both.
-    Graph.ATTENTIONS: GraphExport(lambda loaded, batches: (loaded.attention_maps, LAYER_INPUTS,
-                                                           loaded.attention_outputs, batches), mask_input=""),
-}
-"""How each graph a task entry names is exported, in the order a build exports them."""
 
 
 def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32, available: int | None = None,
@@ -899,7 +816,8 @@ def _ensemble_tasks(request: BuildRequest, first: LoadedModel) -> tuple[str, ...
                              "log-probabilities; the other tasks read one model's hidden states, which "
                              "independently trained members do not share (each has its own coordinates), so "
                              "their mean means nothing. Build those tasks from one checkpoint")
-    tasks = _check_tasks(first.family, request.tasks or tuple(t for t in ENSEMBLE_TASKS if t in first.family.tasks))
+    possible = first.family.possible_tasks()
+    tasks = _check_tasks(first.family, request.tasks or tuple(t for t in ENSEMBLE_TASKS if t in possible))
     servable_tasks(first, ("logits",), asked=True)  # the masked-LM head: what every member must have
     return servable_tasks(first, tasks, asked=request.tasks is not None)
 
@@ -966,7 +884,7 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                 progress(f"writing the repository ({backend} backend): {count} members")
                 plan = RepositoryPlan(plan_member_ensemble(
                     request.name, family=first.family.name, tokenizer=first.tokenizer, members=members,
-                    head=_head(first), tasks=tasks, options=serving))
+                    head=masked_lm_head(first), tasks=tasks, options=serving))
                 plan.validate()
                 _stamp_source(plan, records, request.precision)
                 plan.write(stage.repository, link_from=temporary)
@@ -983,20 +901,20 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
 
 def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
           graphs: dict[str, ExportedGraph]) -> RepositoryPlan:
-    """The repository's plan: the encoder's (or, for an encoder-decoder family, the seq2seq
-    planner's, which also plans the encoder tasks), then the models each other planner named by
-    the tasks' entries adds to it, in the table's order."""
-    base = "encoder" if loaded.seq2seq is None else "seq2seq"
-    plan = RepositoryPlan(PLANNERS[base](request, loaded, tasks, serving, graphs))
+    """The repository's plan: the base kit's (the encoder's, or for an encoder-decoder family the
+    decoding kit's, which also plans the encoder's tasks), then the models each other kit of the
+    tasks adds to it, in the table's order."""
+    context = PlanContext(request.name, loaded, tasks, serving, graphs, request.max_decode_length)
+    bases = [kit for kit in kits_of(TASKS) if kit.plans_base and kit.is_base(loaded)]
+    if len(bases) != 1:
+        raise BuildError(f"{loaded.checkpoint}: {len(bases)} kits plan the repository's base for it "
+                         f"({', '.join(type(kit).__name__ for kit in bases) or 'none'}); exactly one must")
+    plan = RepositoryPlan(bases[0].plan(context))
     plan.validate()
-    for planner in dict.fromkeys(get_task(task).planner for task in TASKS if task in tasks):
-        if planner in ("encoder", "seq2seq"):
-            continue
-        if planner not in PLANNERS:
-            raise BuildError(f"task {', '.join(planned_by(planner))} names the planner {planner!r}, which "
-                             f"build.PLANNERS does not have (it has {', '.join(PLANNERS)}): add its function there")
-        plan.models += PLANNERS[planner](request, loaded, tasks, serving, graphs)
-        plan.validate()
+    for kit in kits_of(tasks):
+        if not kit.plans_base:
+            plan.models += kit.plan(context)
+            plan.validate()
     weights = graphs["encoder"].files.get(WEIGHTS_FILE)
     if weights is not None:  # the graphs written over the encoder's weights file move into its model
         host_graphs(plan, f"{request.name}_encoder",
@@ -1005,76 +923,3 @@ def _plan(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], se
     return plan
 
 
-def _plan_encoder(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                  graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    return plan_encoder_repository(
-        request.name, family=loaded.family.name, hidden_size=loaded.hidden_size, tokenizer=loaded.tokenizer,
-        onnx_files=graphs["encoder"].files, tasks=tasks, options=serving,
-        graph_optimization_level=graphs["encoder"].record.optimization.serving_graph_optimization_level).models
-
-
-def _plan_seq2seq(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                  graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    assert loaded.seq2seq is not None  # planned for encoder-decoder families only (_plan)
-    return plan_seq2seq_repository(
-        request.name, seq2seq=loaded.seq2seq, graph_specs=seq2seq_graph_specs(loaded.seq2seq, loaded.hidden_size),
-        onnx_files={name: graph.files for name, graph in graphs.items()},
-        max_decode_length=request.max_decode_length, family=loaded.family.name, hidden_size=loaded.hidden_size,
-        tokenizer=loaded.tokenizer, options=serving,
-        # the tasks this planner plans; the others (layers) are added by their own planners
-        tasks=tuple(t for t in tasks if get_task(t).planner in ("encoder", "seq2seq")),
-        graph_optimization_level=graphs["encoder"].record.optimization.serving_graph_optimization_level).models
-
-
-def _plan_masked_lm(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                    graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    return plan_masked_lm_models(request.name, hidden_size=loaded.hidden_size,
-                                 head=_head(loaded, graphs["lm_head"].files["model.onnx"]),
-                                 tasks=tasks, options=serving, max_length=loaded.tokenizer.max_length)
-
-
-def _plan_classifier(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                     graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    head = loaded.classifier
-    assert head is not None  # Requirement.CLASSIFIER: servable_tasks left the task out otherwise
-    return plan_classifier_models(
-        request.name, hidden_size=loaded.hidden_size, tasks=tasks, options=serving,
-        head=ClassifierGraph(graphs["classifier"].files["model.onnx"], head.labels, head.problem_type,
-                             head.per_token),
-        max_length=loaded.tokenizer.max_length, family=loaded.family.name)
-
-
-def _plan_contacts(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                   graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    tokenizer = loaded.tokenizer
-    return plan_contact_models(request.name, family=loaded.family.name, tokenizer=tokenizer, tasks=tasks,
-                               options=serving, graph=ContactGraph(graphs["contacts"].files,
-                                                                   layers=loaded.description.get("layers", 0),
-                                                                   heads=loaded.description.get("heads", 0)))
-
-
-def _plan_layers(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                 graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    from bionemo_export.serving.layers import has_bos_token
-
-    tokenizer = loaded.tokenizer
-    graph = LayerGraph(graphs["layers"].files, num_layers=loaded.num_layers, hidden_size=loaded.hidden_size,
-                       has_bos=has_bos_token(tokenizer, loaded.family.sample_sequences()[0]))
-    return plan_layer_models(request.name, family=loaded.family.name, tokenizer=tokenizer, tasks=tasks,
-                             options=serving, graph=graph)
-
-
-def _plan_attentions(request: BuildRequest, loaded: LoadedModel, tasks: tuple[str, ...], serving: ServingOptions,
-                     graphs: dict[str, ExportedGraph]) -> list[ModelPlan]:
-    graph = AttentionGraph(graphs["attentions"].files, num_layers=loaded.num_layers, num_heads=loaded.num_heads)
-    return plan_attention_models(request.name, family=loaded.family.name, tokenizer=loaded.tokenizer, tasks=tasks,
-                                 options=serving, graph=graph)
-
-
-Planner = Callable[[BuildRequest, LoadedModel, tuple[str, ...], ServingOptions, dict[str, ExportedGraph]],
-                   list[ModelPlan]]
-PLANNERS: dict[str, Planner] = {"encoder": _plan_encoder, "seq2seq": _plan_seq2seq, "masked_lm": _plan_masked_lm,
-                                "classifier": _plan_classifier, "contacts": _plan_contacts,
-                                "layers": _plan_layers, "attentions": _plan_attentions}
-"""Each task entry's `planner` by name: the function that plans its models from the exported
-graphs (model_repository/). encoder or seq2seq plans the repository; the others add to it."""

@@ -267,10 +267,10 @@ def _inspect(path: Path, family: str | None, max_length: int | None) -> tuple[Ch
         report.problems.append(str(err))
         return report, None
     _describe_model(report, loaded)
-    servable = servable_tasks(loaded, reader.tasks, asked=False)
+    servable = servable_tasks(loaded, reader.possible_tasks(), asked=False)
     report.tasks = [task for task in servable if get_task(task).by_default]
     report.on_request = [task for task in servable if not get_task(task).by_default]
-    report.not_served = unserved_tasks(loaded, reader.tasks)
+    report.not_served = unserved_tasks(loaded, reader.possible_tasks())
     command = ["bionemo-export", "build", "repo", "--checkpoint", str(path), "--model", name,
                "--name", name, "--out", f"{name}_repository"]
     builds = report.memory["builds"]

@@ -1,6 +1,7 @@
 """The served tasks, in one table: each public model's tensors, defaults and documentation.
 
-In the manner of optimum's task -> outputs table: a task is one `Task` entry in `TASKS`. For a
+In the manner of optimum's task -> outputs table: a task is one `Task` entry in `TASKS`, and one
+kit (bionemo_export/kits/: its graphs, planner, verify check and dev-server answer). For a
 repository built with `--name N`, task `t` is served as the public model `N_t`. Everything that
 needs to know a task's tensors reads them here: the planners (config.pbtxt), the dev server,
 `RepositoryClient`, `verify`, the supervisor's probes, `bench`'s input generation, the README's
@@ -26,8 +27,8 @@ from bionemo_export.tensors import SIZES_DOC, DType, TensorSpec
 
 
 class Requirement(str, Enum):
-    """What a checkpoint must carry to serve a task; build.py's `REQUIREMENT_CHECKS` says how each
-    is checked and what to do without it."""
+    """What a checkpoint must carry to serve a task (models/base.py `LoadedModel.carries`); build.py's
+    `MISSING` says what to do without it."""
 
     ENCODER = "encoder"
     """Every family has one."""
@@ -47,7 +48,7 @@ class Requirement(str, Enum):
 
 
 class Graph(str, Enum):
-    """An ONNX graph a build exports (build.py's `GRAPH_EXPORTS` says how)."""
+    """An ONNX graph a build exports (the kit that needs it says how: kits/ `TaskKit.graphs`)."""
 
     ENCODER = "encoder"
     CROSS_KV = "cross_kv"
@@ -103,11 +104,9 @@ CACHED = RoleDefaults(response_cache=True)
 @dataclass(frozen=True)
 class Task:
     """A served task: the public model `<name>_<task>`, what it takes and answers, and what it
-    needs, as declarations that the build, the serving options, the dev server, `verify` and the
-    client look up in their own registries (a task is one entry here; no layer lists the tasks
-    again). Planners and checks are named by strings, so that a registry in the layer that owns
-    them (build.py, verify.py) maps each name to its code, which this numpy-only module cannot
-    import."""
+    needs, as declarations that the serving options, the client, the supervisor's probes and bench
+    read here (numpy only). Its kit (bionemo_export/kits/) owns the rest: the graphs the build
+    exports for it, its planner, its `verify` check and its dev-server answer."""
 
     name: str
     doc: str
@@ -116,14 +115,6 @@ class Task:
     outputs: tuple[TensorSpec, ...]
     role: str
     """The repository role whose model serves it (model_repository/options.py `roles()`)."""
-    planner: str
-    """The planner that adds its models: a key of build.py's `PLANNERS` (encoder, seq2seq, masked_lm,
-    classifier)."""
-    check: str
-    """How `verify` compares its served answers with PyTorch: a key of verify.py's `CHECKS`
-    (encoder, masked_lm, predictions, decoding); tasks sharing a check are compared together."""
-    graphs: tuple[Graph, ...] = (Graph.ENCODER,)
-    """The graphs the build exports for it."""
     requires: tuple[Requirement, ...] = (Requirement.ENCODER,)
     """What the checkpoint must carry; the first is what the served-API table says."""
     calls: tuple[str, ...] = ()
@@ -145,8 +136,8 @@ class Task:
     planner, the dev server and the client read them here."""
 
     def __post_init__(self) -> None:
-        if not self.requires or not self.graphs:
-            raise ValueError(f"task {self.name!r}: `requires` and `graphs` name at least one each")
+        if not self.requires:
+            raise ValueError(f"task {self.name!r}: `requires` names at least one requirement")
         # public tensors: sizes by letter, not axis names
         for tensor in (*self.inputs, *self.outputs, *self.member_outputs):
             for dim in tensor.dims:
@@ -189,7 +180,6 @@ MASK = TensorSpec("mask", DType.BOOL, (-1,), doc="True exactly on the sequence's
 SAMPLING_METHODS = ("greedy-perturbate", "topkp-perturbate", "beam-search-perturbate", "beam-search-single-sample",
                     "beam-search-perturbate-sample")
 SCORING_METHODS = ("wt-marginal", "masked-marginal", "variant-masked", "pll")
-SEQ2SEQ_GRAPHS = (Graph.ENCODER, Graph.CROSS_KV, Graph.DECODER_STEP)
 LAYER_INCLUDE = ("mean", "bos", "max", "per_tok")
 """N_layers' `include` choices (serving/layers.py INCLUDE_CHOICES)."""
 DEFAULT_MAX_ATTENTION_VALUES = 1 << 24
@@ -201,16 +191,16 @@ LAYER_OUTPUTS = {"mean": "embeddings", "bos": "embeddings_bos", "max": "embeddin
 TASKS: dict[str, Task] = {task.name: task for task in (
     Task("embeddings", "one vector per sequence: the mean of its hidden states over the residues",
          (SEQUENCES,), (TensorSpec("embeddings", DType.FP32, ("H",), doc="mean of `hiddens` over `mask`"),),
-         role="embeddings", planner="encoder", check="encoder", client_method="seqs_to_embedding"),
+         role="embeddings", client_method="seqs_to_embedding"),
     Task("hiddens", "the encoder's last hidden states, one row per token",
          (SEQUENCES,),
          (TensorSpec("hiddens", DType.FP32, (-1, "H"), doc="every token's hidden state, 0 on padding"), MASK),
-         role="hiddens", planner="encoder", check="encoder", client_method="seqs_to_hidden"),
+         role="hiddens", client_method="seqs_to_hidden"),
     Task("decodes", "greedy decoding of hidden states back into sequences",
          (TensorSpec("hiddens", DType.FP32, (-1, "H"), doc="hidden states, as N_hiddens answers them"),
           TensorSpec("mask", DType.BOOL, (-1,), doc="True on real tokens")),
          (TensorSpec("sequences", DType.BYTES, (1,), doc="the decoded sequence"),),
-         role="decodes", planner="seq2seq", check="decoding", graphs=SEQ2SEQ_GRAPHS,
+         role="decodes",
          requires=(Requirement.DECODER,), role_defaults=RoleDefaults(Instances.DECODE, batched=True),
          client_method="hidden_to_seqs"),
     Task("samplings", "new sequences sampled around each input, in its neighbourhood of the latent space",
@@ -231,7 +221,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
           TensorSpec("beam_size", DType.INT32, (1,), doc="beam-search-perturbate(-sample): beams per search", default=5,
                      optional=True)),
          (TensorSpec("generated", DType.BYTES, (-1,), doc="num_samples sequences"),),
-         role="samplings", planner="seq2seq", check="decoding", graphs=SEQ2SEQ_GRAPHS,
+         role="samplings",
          requires=(Requirement.DECODER,), role_defaults=RoleDefaults(Instances.SAMPLING, batched=True),
          client_method="sample_seqs"),
     Task("logits", "log-probabilities over the residue alphabet at every token, from the masked-LM head",
@@ -240,7 +230,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
          (TensorSpec("log_probs", DType.FP32, (-1, "A"), doc="log_softmax over the alphabet (special tokens excluded), "
                      "rows laid out like hiddens (SaProt: over the 20 amino acids, each the log of its 21 structure "
                      "tokens' summed probability)"), MASK),
-         role="logits", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
+         role="logits",
          requires=(Requirement.LM_HEAD,), client_method="seqs_to_log_probs",
          member_outputs=(TensorSpec("member_log_probs", DType.FP32, ("K", -1, "A"), doc="a checkpoint ensemble's "
                                     "only: each member's log_probs, in the build's order"),),
@@ -257,7 +247,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      optional=True)),
          (TensorSpec("scores", DType.FP32, (-1,), doc="one per variant: the sum over its mutations of log p(mutant) - "
                      "log p(wild type); or [1], the PLL (mean log-probability, each residue masked in turn)"),),
-         role="scores", planner="masked_lm", check="masked_lm", graphs=(Graph.ENCODER, Graph.LM_HEAD),
+         role="scores",
          requires=(Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES), calls=("logits",),
          # like samplings: a long request (a deep mutational scan) holds one instance
          role_defaults=RoleDefaults(Instances.SAMPLING, batched=True), client_method="score_variants",
@@ -273,8 +263,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
           TensorSpec("label", DType.BYTES, (1,), doc="the argmax's name from id2label (LABEL_i where unnamed); "
                      "multi-label: the names whose sigmoid > 0.5 joined by ','; regression: the values as text; "
                      "token heads [-1]")),
-         role="predictions", planner="classifier", check="predictions",
-         graphs=(Graph.ENCODER, Graph.CLASSIFIER), requires=(Requirement.CLASSIFIER,), client_method="predict",
+         role="predictions", requires=(Requirement.CLASSIFIER,), client_method="predict",
          notes=("Token heads (*ForTokenClassification) answer `logits` [-1, C], `mask` BOOL [-1] and `label` "
                 "[-1]; the label names are the config's `labels` parameter (a JSON list), its problem type "
                 "`problem_type`.",)),
@@ -284,7 +273,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "sequence's residue i; a request of several sequences is padded to its longest with 0"),
           TensorSpec("mask", DType.BOOL, (-1,), doc="True on the sequence's L residues (the rows and columns of "
                      "contacts that are its own)")),
-         role="contacts", planner="contacts", check="contacts", graphs=(Graph.CONTACTS,),
+         role="contacts",
          requires=(Requirement.CONTACT_HEAD,), role_defaults=RoleDefaults(Instances.ONE, batched=True),
          client_method="predict_contacts",
          notes=("Built by default for a checkpoint with the contact head (`--backend python`: its graph is written "
@@ -314,7 +303,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "state, laid out as N_hiddens answers them (0 on padding)"),
           TensorSpec("mask", DType.BOOL, (-1,), doc="include per_tok: True exactly on the sequence's "
                      "residues/tokens")),
-         role="layers", planner="layers", check="layers", graphs=(Graph.LAYERS,),
+         role="layers",
          role_defaults=RoleDefaults(Instances.ONE, batched=True), client_method="layer_embeddings",
          notes=("Built by default (`--backend python`: its graph, every layer's states as separate outputs, is "
                 "written over the encoder's weights file and served by N_encoder; with `--backend native` only "
@@ -339,7 +328,7 @@ TASKS: dict[str, Task] = {task.name: task for task in (
                      "query rows and key columns laid out as N_hiddens' tokens (BOS and EOS included), 0 past the "
                      "sequence's own tokens"),
           MASK),
-         role="attentions", planner="attentions", check="attentions", graphs=(Graph.ATTENTIONS,),
+         role="attentions",
          requires=(Requirement.ATTENTION_PROBABILITIES,), role_defaults=RoleDefaults(Instances.ONE, batched=True),
          client_method="attention_maps",
          notes=("Built by default for a transformers checkpoint (`--backend python`: its graph, every block's "
@@ -406,8 +395,3 @@ def served_api_table(prefix: str = "N") -> str:
         outputs = ", ".join(t.written() for t in task.outputs)
         lines.append(f"| `{task.model(prefix)}` | {inputs} | {outputs} | {REQUIREMENTS[task.requires[0]]} |")
     return "\n".join(lines) + "\n"
-
-
-def planned_by(planner: str) -> tuple[str, ...]:
-    """The tasks whose models `planner` adds, in the table's order."""
-    return tuple(name for name, task in TASKS.items() if task.planner == planner)

@@ -18,10 +18,10 @@ from rich.table import Table
 
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import EncoderClient
+from bionemo_export.kits.encoder import verify_served
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.runtime import TritonServer
-from bionemo_export.verify import verify_served
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "demo_out"

@@ -218,6 +218,6 @@ def families() -> None:
         table.add_column(column)
     for family_name in sorted(REGISTRY):
         family = REGISTRY[family_name]
-        tasks = [described(t) for t in family.tasks]
+        tasks = [described(t) for t in family.possible_tasks()]
         table.add_row(family_name, ", ".join(family.forms()), ", ".join(tasks), family.description)
     Console().print(table)

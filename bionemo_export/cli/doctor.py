@@ -6,9 +6,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from bionemo_export.doctor import Job, missing_for, run_checks
 from bionemo_export.memory_plan import HostCapacity, host_capacity
 from bionemo_export.procfs import available_memory_bytes
-from bionemo_export.doctor import Job, missing_for, run_checks
 
 
 def doctor(

@@ -29,7 +29,7 @@ from bionemo_export import __version__
 from bionemo_export.serving.attentions import attention_output_name
 from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET
-from bionemo_export.tasks import TASKS, planned_by
+from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
@@ -44,7 +44,8 @@ from .encoder import (
 from .options import ServingOptions
 from .plan import ModelPlan
 
-ATTENTION_TASKS = planned_by("attentions")
+ATTENTION_TASKS = ("attentions",)
+"""The tasks whose models this module plans."""
 
 
 @dataclass(frozen=True)

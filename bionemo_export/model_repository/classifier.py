@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bionemo_export import __version__
-from bionemo_export.tasks import planned_by
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
@@ -33,7 +32,8 @@ from .encoder import RESPONDING, RUNS_GRAPH, _io_lines, ensemble_model, graph_in
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan
 
-CLASSIFIER_TASKS = planned_by("classifier")
+CLASSIFIER_TASKS = ("predictions",)
+"""The tasks whose models this module plans."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.parameters import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.serving.tokenizer_file import TOKENIZER_CLASSES, TOKENIZER_FILE
-from bionemo_export.tasks import TASKS, Requirement, planned_by
+from bionemo_export.tasks import TASKS, Requirement
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
@@ -45,7 +45,8 @@ from .plan import EnsembleStep, ModelPlan, RepositoryPlan
 
 __all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_repository"]
 
-ENCODER_TASKS = planned_by("encoder")
+ENCODER_TASKS = ("embeddings", "hiddens")
+"""The tasks whose models this module plans."""
 # Numpy-only sources copied verbatim from here into the repository (one source of truth).
 TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 SERVING_DIR = Path(__file__).resolve().parent.parent / "serving"

@@ -27,7 +27,7 @@ from pathlib import Path
 from bionemo_export import __version__
 from bionemo_export.serving.layers import DEFAULT_TOKEN_BUDGET, layer_output_name
 from bionemo_export.serving.parameters import BLS_MODELS
-from bionemo_export.tasks import TASKS, planned_by
+from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
@@ -42,7 +42,8 @@ from .encoder import (
 from .options import ServingOptions
 from .plan import ModelPlan
 
-LAYER_TASKS = planned_by("layers")
+LAYER_TASKS = ("layers",)
+"""The tasks whose models this module plans."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from bionemo_export import __version__
 from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.scoring import ScoringLimits
-from bionemo_export.tasks import TASKS, planned_by
+from bionemo_export.tasks import TASKS
 from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
@@ -35,7 +35,8 @@ from .encoder import RESPONDING, RUNS_GRAPH, TOKENIZERS_DIR, ensemble_model, ser
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan
 
-MASKED_LM_TASKS = planned_by("masked_lm")
+MASKED_LM_TASKS = ("logits", "scores")
+"""The tasks whose models this module plans."""
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,9 @@ from .encoder import (
 from .options import ServingOptions
 from .plan import ModelPlan, RepositoryPlan
 
-SEQ2SEQ_TASKS = (*ENCODER_TASKS, "decodes", "samplings")
+DECODING_TASKS = ("decodes", "samplings")
+"""The tasks only an encoder-decoder family serves."""
+SEQ2SEQ_TASKS = (*ENCODER_TASKS, *DECODING_TASKS)
 GENERATION_DIR = Path(__file__).resolve().parent.parent / "generation"
 GENERATION_FILES = ("search.py", "kv_decoder.py")
 

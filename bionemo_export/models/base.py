@@ -293,7 +293,9 @@ class ModelFamily(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
-    tasks: ClassVar[tuple[str, ...]] = ("embeddings", "hiddens", "layers")
+    may_carry: ClassVar[frozenset[Requirement]] = frozenset({Requirement.ENCODER})
+    """What this family's checkpoints can carry (each checkpoint says what it does: LoadedModel.carries):
+    the tasks it can serve are those whose requirements are among these (`possible_tasks`)."""
     atol: ClassVar[float] = 1e-4
     """Max abs error allowed between the exported graph and PyTorch (fp32)."""
     min_cosine: ClassVar[float] = 0.9999
@@ -312,6 +314,12 @@ class ModelFamily(ABC):
         (`load_checkpoint` then needs no family named, and refuses another): by default, its form
         is one of `claimed_forms`. A family whose checkpoints say it otherwise overrides this."""
         return checkpoint.form in cls.claimed_forms
+
+    @classmethod
+    def possible_tasks(cls) -> tuple[str, ...]:
+        """The tasks some checkpoint of this family can serve (their `requires` within `may_carry`),
+        in the table's order; which ones a given checkpoint serves is `LoadedModel.servable`."""
+        return tuple(name for name, task in TASKS.items() if set(task.requires) <= cls.may_carry)
 
     @classmethod
     def forms(cls) -> tuple[str, ...]:

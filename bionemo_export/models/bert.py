@@ -30,6 +30,7 @@ from bionemo_export.models.encoder import (
 )
 from bionemo_export.models.lm_head import HeadWeights, huggingface_activation
 from bionemo_export.models.readers import Checkpoint
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
 from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 
@@ -70,9 +71,9 @@ def is_smiles_vocab(vocab: Sequence[str]) -> bool:
 @register
 class BertFamily(HuggingFaceEncoderFamily):
     name = "bert"
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
-    """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
-    fine-tuned head (build leaves them out otherwise)."""
+    may_carry = frozenset({Requirement.ENCODER, Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES,
+                           Requirement.CLASSIFIER, Requirement.ATTENTION_PROBABILITIES})
+    """a masked-LM head and a fine-tuned head where the checkpoint has them; transformers' attention."""
     description = "BERT language models: protein (AntiBERTy, ProtBert), reaction SMILES (rxnfp); Hugging Face BertModel"
     model_type = "bert"
     config_class = transformers.BertConfig

@@ -31,6 +31,7 @@ from bionemo_export.models.megatron import (
 )
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
 from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
@@ -47,9 +48,11 @@ ESM1B_MAX_POSITIONS = 1026
 @register
 class Esm1Family(Esm2Family):
     name = "esm1"
+    may_carry = frozenset({Requirement.ENCODER, Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES,
+                           Requirement.CONTACT_HEAD, Requirement.ATTENTION_PROBABILITIES})
+    """no fine-tuned heads for ESM-1; the contact head in Hugging Face ESM-1b-style directories (ESM-1nv archives
+    have none)."""
     claimed_forms = ()  # nv_esm directories are ESM-2's
-    tasks = ("embeddings", "hiddens", "logits", "scores", "contacts", "layers", "attentions")
-    """contacts: Hugging Face ESM-1b-style directories with the contact head (ESM-1nv archives have none)."""
     classifier_renames = {}
     """No fine-tuned heads read for ESM-1 (docs/models.md's family table); classifier keys are dropped."""
     description = ("ESM-1 protein language model (learned absolute positions, pre-LN): ESM-1nv .nemo, "

@@ -26,6 +26,7 @@ from bionemo_export.models.megatron_core import esm2_settings, esm2_weights
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
 from bionemo_export.models.transformer_engine_esm import check_tokenizer_json, nv_esm_config, nv_esm_weights
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
 from bionemo_export.tokenizers.structure_aware import PAIRED_TOKENS, paired_tokens
 
@@ -56,11 +57,11 @@ def esm_classifier_kind(keys: Any) -> str | None:
 @register
 class Esm2Family(HuggingFaceEncoderFamily):
     name = "esm2"
+    may_carry = frozenset({Requirement.ENCODER, Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES,
+                           Requirement.CLASSIFIER, Requirement.CONTACT_HEAD, Requirement.ATTENTION_PROBABILITIES})
+    """heads where the checkpoint has them (contact head: Hugging Face directories' `contact_head.regression`);
+    attention probabilities where it is read into transformers."""
     claimed_forms = ("nv_esm",)  # NVIDIA's nv_esm directories: config.json's model_type
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "contacts", "layers", "attentions")
-    """logits and scores where the checkpoint has a masked-LM head, predictions where it has a
-    fine-tuned head, contacts where it has the contact head (Hugging Face directories:
-    `contact_head.regression`); build leaves them out otherwise."""
     description = ("ESM-2 protein language model (rotary positions, pre-LN): Hugging Face EsmModel, BioNeMo ESM-2nv "
                    ".nemo (model-parallel too), BioNeMo 2 / NeMo 2 directory, NVIDIA's nv_esm directory, "
                    "fair-esm .pt file")

@@ -50,6 +50,7 @@ from bionemo_export.models.encoder import HuggingFaceEncoderFamily, token_limit
 from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
@@ -66,10 +67,10 @@ hard limit, --max-length lowers it."""
 @register
 class EsmcFamily(HuggingFaceEncoderFamily):
     name = "esmc"
+    may_carry = frozenset({Requirement.ENCODER, Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES,
+                           Requirement.CLASSIFIER, Requirement.ATTENTION_PROBABILITIES})
+    """its masked-LM head and a fine-tuned head where the checkpoint has them."""
     claimed_forms = ("esm_weights",)  # the esm package's ESM C weight files
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
-    """logits and scores where the checkpoint has its masked-LM head, predictions where it has a
-    fine-tuned head."""
     description = ("ESM C / ESM Cambrian protein language model (pre-norm, QK LayerNorm, rotary, SwiGLU): "
                    "Hugging Face EsmcModel directory")
     model_type = "esmc"

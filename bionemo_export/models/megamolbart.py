@@ -45,6 +45,7 @@ from bionemo_export.models.transformer import (
     encode_layers,
     initialize,
 )
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.smiles import SmilesTokenizer
 
 MODEL_TYPE = "megamolbart"
@@ -273,8 +274,9 @@ def _output_head(weights: dict[str, torch.Tensor], embedding: torch.Tensor | Non
 @register
 class MegaMolBartFamily(ModelFamily):
     name = "megamolbart"
+    may_carry = frozenset({Requirement.ENCODER, Requirement.DECODER})
+    """its decoder; its own transformer answers no attention probabilities."""
     description = "MegaMolBART SMILES encoder-decoder (pre-LN, learned positions): .nemo or the project's saved form"
-    tasks = ("embeddings", "hiddens", "decodes", "samplings", "layers")
     atol = 1e-4
     nemo_targets = ("MegaMolBARTModel",)
 

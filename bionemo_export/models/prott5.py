@@ -35,6 +35,7 @@ from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, tran
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
 from bionemo_export.models.transformer import TransformerConfig
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.sentencepiece_vocab import WORD_START, SentencePieceTokenizer, read_pieces
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
@@ -63,11 +64,12 @@ NEMO_SENTINELS = 96
 @register
 class ProtT5Family(HuggingFaceEncoderFamily):
     name = "prott5"
+    may_carry = frozenset({Requirement.ENCODER, Requirement.ATTENTION_PROBABILITIES})
+    """the encoder only (no masked-LM head): transformers' attention."""
     description = ("ProtT5 protein language model: the T5 encoder (Hugging Face T5EncoderModel / "
                    "T5ForConditionalGeneration; BioNeMo ProtT5nv .nemo)")
     model_type = "t5"
     config_class = transformers.T5Config
-    tasks = ("embeddings", "hiddens", "layers", "attentions")
     backbone_class = transformers.T5EncoderModel
     key_prefix = ""
     unused_prefixes = ("decoder.", "lm_head.")

@@ -34,6 +34,7 @@ from bionemo_export.models.encoder import HuggingFaceEncoderFamily, read_vocab, 
 from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.tasks import Requirement
 from bionemo_export.tokenizers.structure_aware import (
     PAIRED_TOKENS,
     StructureAwareTokenizer,
@@ -93,6 +94,10 @@ class StructureMarginalHead(torch.nn.Module):
 @register
 class SaprotFamily(HuggingFaceEncoderFamily):
     name = "saprot"
+    may_carry = frozenset({Requirement.ENCODER, Requirement.LM_HEAD, Requirement.ONE_CHARACTER_RESIDUES,
+                           Requirement.CLASSIFIER, Requirement.ATTENTION_PROBABILITIES})
+    """its masked-LM head and a fine-tuned head (EsmForSequenceClassification / EsmForTokenClassification) where the
+    checkpoint has them."""
 
     @classmethod
     def claims(cls, checkpoint: Checkpoint) -> bool:
@@ -100,9 +105,6 @@ class SaprotFamily(HuggingFaceEncoderFamily):
         return (checkpoint.form == "huggingface" and checkpoint.model_class in ("esm", None)
                 and looks_paired(checkpoint.path))
 
-    tasks = ("embeddings", "hiddens", "logits", "scores", "predictions", "layers", "attentions")
-    """logits and scores where the checkpoint has its masked-LM head, predictions where it has a
-    fine-tuned head (EsmForSequenceClassification / EsmForTokenClassification)."""
     description = ("SaProt structure-aware protein language model (ESM-2 over residue + Foldseek 3Di tokens): "
                    "Hugging Face EsmForMaskedLM directory")
     model_type = "esm"

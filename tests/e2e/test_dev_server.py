@@ -28,12 +28,13 @@ from bionemo_export.cli.main import app
 from bionemo_export.client import InferenceError, RepositoryClient
 from bionemo_export.client.files import read_hiddens
 from bionemo_export.generation.reference import encode_hiddens, reference_decode, reference_sample
+from bionemo_export.kits.decoding import SAMPLING_CHECKS, expected_outputs
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
 from bionemo_export.runtime.server import dying_with_parent, free_ports
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.verify import SAMPLING_CHECKS, _expected_outputs, verify_repository
+from bionemo_export.verify import verify_repository
 from tests.helpers.cli import CLI
 
 NAME = "mmb"
@@ -154,7 +155,7 @@ def test_seeded_samples_are_equal(servers, method, parameters):
     for client in _both(servers):
         with client:
             samples.append(client.sample_seqs(smiles, sampling_method=method, seed=11, **parameters))
-    assert [len(row) for row in samples[1]] == [_expected_outputs(method, parameters)] * 3
+    assert [len(row) for row in samples[1]] == [expected_outputs(method, parameters)] * 3
     assert samples[0] == samples[1] == reference_sample(servers["loaded"], smiles, seed=11, method=method,
                                                         max_length=MAX_DECODE, **parameters)
     with _both(servers)[1] as dev:

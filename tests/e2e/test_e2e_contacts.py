@@ -150,7 +150,8 @@ def test_the_dev_server_answers_what_the_repository_serves(served):
     _, checkpoint, _, client, _, _ = served
     models = DevModels(load_checkpoint(checkpoint, "esm2"))
     assert "contacts" in models.tasks
-    answers = models.contacts([{"sequences": np.array([[s.encode()] for s in SEQUENCES[:2]], dtype=np.object_)}])
+    column = np.array([[s.encode()] for s in SEQUENCES[:2]], dtype=np.object_)
+    answers = models.answer("contacts", [{"sequences": column}])
     served_answer = client.ask("contacts", SEQUENCES[:2])
     np.testing.assert_allclose(answers[0]["contacts"], served_answer["contacts"], atol=1e-4)
     assert answers[0]["mask"].tolist() == served_answer["mask"].tolist()

@@ -21,9 +21,10 @@ from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
+from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.verify import cosine_rows, verify_repository
+from bionemo_export.verify import verify_repository
 
 ATOL = 1e-4
 MAX_BATCH = 8

@@ -239,7 +239,7 @@ def test_the_dev_server_answers_what_the_repository_serves(served):
     request = {"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_),
                "layers": np.array([[0, -1]] * 2, dtype=np.int32),
                "include": np.array([[b"mean", b"bos", b"per_tok"]] * 2, dtype=np.object_)}
-    (answer,) = models.layers([request])
+    (answer,) = models.answer("layers", [request])
     served_answer = client.layer_embeddings(sequences, [0, -1], ["mean", "bos", "per_tok"])
     assert set(answer) == set(served_answer) == {"embeddings", "embeddings_bos", "hiddens", "mask"}
     for name in answer:
@@ -406,7 +406,7 @@ def test_the_attention_graph_answers_only_the_blocks_asked_and_the_dev_server_ag
     sequences = SEQUENCES[which][:2]
     request = {"sequences": np.array([[s.encode()] for s in sequences], dtype=np.object_),
                "layers": np.array([[2, 1]] * 2, dtype=np.int32), "heads": np.array([[1]] * 2, dtype=np.int32)}
-    (answer,) = models.attentions([request])
+    (answer,) = models.answer("attentions", [request])
     served_answer = client.attention_maps(sequences, [2, 1], [1])
     for name in ("attentions", "mask"):
         np.testing.assert_allclose(answer[name], served_answer[name], atol=ATOL)

@@ -14,11 +14,12 @@ import pytest
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import InferenceError, Seq2SeqClient, TritonClient, strings_to_tensor
 from bionemo_export.generation.reference import encode_hiddens, reference_decode, reference_sample
+from bionemo_export.kits.decoding import SAMPLING_CHECKS, expected_outputs
 from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
 from bionemo_export.tokenizers.smiles import tokenize
-from bionemo_export.verify import SAMPLING_CHECKS, _expected_outputs, verify_repository
+from bionemo_export.verify import verify_repository
 
 NAME = "megamolbart"
 MAX_DECODE = None  # the model's own limit
@@ -104,7 +105,7 @@ def test_every_sampling_method_has_the_right_shape_and_is_reproducible(served, t
     with _client(server) as client:
         first = client.sample_seqs(batch, sampling_method=method, seed=7, **parameters)
         again = client.sample_seqs(batch, sampling_method=method, seed=7, **parameters)
-    assert [len(row) for row in first] == [_expected_outputs(method, parameters)] * len(batch)
+    assert [len(row) for row in first] == [expected_outputs(method, parameters)] * len(batch)
     assert first == again
     assert first == reference_sample(loaded, batch, seed=7, method=method, max_length=MAX_DECODE, **parameters)
 

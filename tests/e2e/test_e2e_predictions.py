@@ -107,7 +107,7 @@ def test_asking_for_predictions_without_a_fine_tuned_head_names_the_checkpoint(t
 
 @pytest.mark.parametrize("which, family", [("seq", "bert"), ("tok", "esm2")])
 def test_verify_checks_served_logits_and_labels_against_pytorch(served, which, family):
-    from bionemo_export.verify import verify_predictions
+    from bionemo_export.kits.predictions import verify_predictions
 
     results, clients = served
     loaded = get_family(family).load(results["dirs"][which])

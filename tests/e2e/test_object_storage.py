@@ -24,12 +24,12 @@ from bionemo_export import procfs
 from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.cli.main import app
 from bionemo_export.client import EncoderClient
+from bionemo_export.doctor import object_stores
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.model_repository.options import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer, find_tritonserver, free_ports
 from bionemo_export.runtime.discovery import TritonInstall
-from bionemo_export.doctor import object_stores
 from bionemo_export.runtime.object_storage import S3RepositoryError, check_s3_repository, list_repository, parse_s3_uri
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from tests.helpers import serve_process as sp

@@ -22,6 +22,7 @@ from google.protobuf.json_format import MessageToDict
 
 from bionemo_export.build import BuildRequest, _check_tasks, build_repository
 from bionemo_export.exporters.shared_weights import SMALL_TENSOR_BYTES, SharedWeightsWriter, share_weights
+from bionemo_export.kits import kit_of
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.graph_io import external_references, initializer_bytes, repository_weight_bytes
 from bionemo_export.model_repository.hosted_graphs import HOSTED_GRAPHS, SHARED_WEIGHTS
@@ -29,7 +30,6 @@ from bionemo_export.model_repository.integrity import check_repository_files
 from bionemo_export.model_repository.pbtxt import read_config, write_config
 from bionemo_export.models import get_family, load_checkpoint
 from bionemo_export.tasks import HOSTED_GRAPHS as HOSTED
-from bionemo_export.tasks import get_task
 from bionemo_export.testing.checkpoints import save_random_checkpoint, set_contact_head
 from tests.helpers import fake_pb_utils
 
@@ -78,7 +78,7 @@ def test_a_default_build_serves_every_task_over_one_copy_of_the_weights(built):
 
 def test_default_tasks_leave_the_hosted_graphs_out_where_each_would_copy_the_weights():
     family = get_family("esm2")
-    hosted = {task for task in family.tasks if set(get_task(task).graphs) & set(HOSTED)}
+    hosted = {task for task in family.possible_tasks() if set(kit_of(task).graphs) & set(HOSTED)}
     assert hosted == {"layers", "contacts", "attentions"}
     assert hosted <= set(_check_tasks(family, None, hosts_graphs=True))
     assert not hosted & set(_check_tasks(family, None, hosts_graphs=False))

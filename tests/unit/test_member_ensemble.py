@@ -276,7 +276,7 @@ def test_the_dev_server_serves_an_ensembles_mean_and_each_members_answers(member
     models = DevModels(loaded_members[0], members=tuple(loaded_members))
     assert models.tasks == ("logits", "scores")
     alphabet = loaded_members[0].alphabet
-    (answer,) = models.logits([{"sequences": _strings("MKTAYIAKQR", "GV_E")}])
+    (answer,) = models.answer("logits", [{"sequences": _strings("MKTAYIAKQR", "GV_E")}])
     assert set(answer) == {"log_probs", "mask", "member_log_probs"}
     assert answer["member_log_probs"].shape == (2, 2, 12, len(alphabet))
     for k, reference in enumerate(references):
@@ -287,17 +287,17 @@ def test_the_dev_server_serves_an_ensembles_mean_and_each_members_answers(member
 
     request = {"sequences": _strings(WILD_TYPE), "variants": np.array([[v.encode() for v in VARIANTS]], np.object_),
                "method": _strings("masked-marginal")}
-    (scored,) = models.scores([request])
+    (scored,) = models.answer("scores", [request])
     expected = np.array([brute_force(reference, WILD_TYPE, VARIANTS, "masked-marginal") for reference in references])
     assert scored["member_scores"].shape == (1, 2, len(VARIANTS))
     np.testing.assert_allclose(scored["member_scores"][0], expected, atol=1e-4)
     np.testing.assert_allclose(scored["scores"][0], expected.mean(axis=0), atol=1e-4)
-    (pll,) = models.scores([{"sequences": _strings(WILD_TYPE)}])
+    (pll,) = models.answer("scores", [{"sequences": _strings(WILD_TYPE)}])
     expected = [brute_force_pll(reference, WILD_TYPE, alphabet) for reference in references]
     np.testing.assert_allclose(pll["member_scores"][0, :, 0], expected, atol=1e-4)
 
     one = DevModels(loaded_members[1])  # a member alone: its own answers, no member outputs
-    (alone,) = one.scores([request])
+    (alone,) = one.answer("scores", [request])
     assert set(alone) == {"scores"}
     np.testing.assert_allclose(alone["scores"][0], scored["member_scores"][0, 1], atol=1e-5)
 

@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from bionemo_export.client.repository import SAMPLING_INPUTS
 from bionemo_export.model_repository.reader import PUBLIC_SUFFIXES, is_public
-from bionemo_export.tasks import TASKS, Task, get_task, public_suffixes, served_api_table, task_of
+from bionemo_export.tasks import TASKS, Graph, Task, get_task, public_suffixes, served_api_table, task_of
 from bionemo_export.tensors import DType, TensorSpec
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -44,7 +44,7 @@ def test_unknown_names_are_refused_with_the_known_ones():
     with pytest.raises(ValueError, match=r"unknown task 'fold'; tasks are embeddings, hiddens"):
         get_task("fold")
     with pytest.raises(ValueError, match="unknown size 'Q'"):
-        Task("x", "", (TensorSpec("x", DType.FP32, ("Q",)),), (), role="x", planner="encoder", check="encoder")
+        Task("x", "", (TensorSpec("x", DType.FP32, ("Q",)),), (), role="x")
     with pytest.raises(TypeError, match="the doc is the keyword `doc`"):
         TensorSpec("x", DType.FP32, (1,), MISPLACED_DOC)
     with pytest.raises(KeyError, match="no samplings input 'radius'"):
@@ -96,17 +96,19 @@ def test_a_build_asking_for_a_task_the_table_does_not_know_names_the_known_ones(
         _check_tasks(get_family("esm2"), ("samplings",))
 
 
-def test_every_name_an_entry_declares_has_its_code():
-    """Each registry keyed by the entries' declarations has an entry for every task (a task whose
-    planner, check or client method is missing would fail only when built, verified or asked)."""
-    from bionemo_export.build import GRAPH_EXPORTS, MISSING, PLANNERS
+def test_every_task_has_its_kit_and_every_name_an_entry_declares_its_code():
+    """Every entry has a kit (its graphs, planner, check and dev answer), and each registry keyed
+    by the entries' declarations has an entry for every task (a task whose kit or client method is
+    missing would fail only when built, verified or asked)."""
+    from bionemo_export.build import MISSING
     from bionemo_export.client.repository import RepositoryClient
+    from bionemo_export.kits import KITS, graph_exports, kit_of
     from bionemo_export.model_repository.options import ServingOptions, roles
-    from bionemo_export.verify import CHECKS
 
+    assert set(KITS) == set(TASKS)
+    assert list(graph_exports()) == list(Graph)  # every graph has its export, in the enum's order
     for name, task in TASKS.items():
-        assert task.planner in PLANNERS and task.check in CHECKS, name
-        assert set(task.graphs) <= set(GRAPH_EXPORTS) and set(task.requires) <= set(MISSING), name
+        assert name in kit_of(name).tasks and set(task.requires) <= set(MISSING), name
         assert callable(getattr(RepositoryClient, task.client_method)), name
         assert task.role in roles() and set(task.calls) <= set(TASKS), name
     options = ServingOptions(response_cache=True, sampling_instances=3, decode_instances=2)
