@@ -27,12 +27,12 @@ import onnxruntime as ort
 import torch
 
 from bionemo_export.exporters import export_onnx
-from bionemo_export.generation.kv_decoder import OnnxRuntimeDecoder
 from bionemo_export.generation.reference import decoder_check_batches, encode_hiddens
-from bionemo_export.generation.search import greedy
 from bionemo_export.model_repository.manifest import package_versions
 from bionemo_export.models import get_family
 from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.serving.kv_decoder import OnnxRuntimeDecoder
+from bionemo_export.serving.search import greedy
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -56,7 +56,7 @@ from bionemo_export.exporters.signature import dynamic_axes
 from bionemo_export.model_repository.manifest import package_versions
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
-from bionemo_export.numerics import cosine_rows
+from bionemo_export.serving.numerics import cosine_rows
 from bionemo_export.testing.checkpoints import ESM2_35M_SIZES, save_random_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -305,8 +305,8 @@ def part_mixed(work: Path, args) -> dict:
 
 
 def part_decodes(work: Path, args) -> dict:
-    from bionemo_export.generation.kv_decoder import OnnxRuntimeDecoder
-    from bionemo_export.generation.search import greedy
+    from bionemo_export.serving.kv_decoder import OnnxRuntimeDecoder
+    from bionemo_export.serving.search import greedy
 
     checkpoint = save_random_checkpoint("megamolbart", work / "mmb_ckpt", seed=0, hidden_size=512, num_layers=6,
                                         num_heads=8)

@@ -43,14 +43,15 @@ class Layer:
 
 
 LAYERS: tuple[Layer, ...] = (
-    Layer("foundation", (ROOT, "_layers", "errors", "choices", "tensors", "tasks", "numerics", "procfs",
+    Layer("foundation", (ROOT, "_layers", "errors", "choices", "tensors", "tasks", "procfs",
                          "digests", "templates", "memory_plan"),
-          "the exception base, the choices, the tensor spec, the task table, numerics, /proc, file digests, "
+          "the exception base, the choices, the tensor spec, the task table, /proc, file digests, "
           "template rendering, memory estimates: the standard library, numpy and jinja2 only", independent=False),
-    Layer("tokenizers", ("tokenizers",), "the families' tokenizers (also copied into served repositories)"),
+    Layer("served package", ("serving",),
+          "the code Triton's Python backend runs inside a served repository, copied whole into each Python model "
+          "(relative imports, numpy only): the served models, tokenizers, decoding and search, numerics"),
     Layer("models", ("models",), "checkpoint readers and PyTorch models of each family (torch)"),
-    Layer("generation", ("generation",), "decoding and search; the PyTorch reference decoder"),
-    Layer("serving", ("serving",), "the code Triton's Python backend runs inside a served repository"),
+    Layer("generation", ("generation",), "the PyTorch reference decoder and sampler"),
     Layer("planners and clients", ("model_repository", "client"),
           "plan, write and check a repository (config.pbtxt, manifest, digests); query a server"),
     Layer("exporters", ("exporters",), "PyTorch to ONNX, graph optimization, verification (torch, onnx)"),
@@ -68,6 +69,12 @@ LAYERS: tuple[Layer, ...] = (
     Layer("reports", ("checkpoint_report",), "inspect: a checkpoint read as a build would read it"),
     Layer("cli", ("cli",), "the Typer commands"),
 )
+
+SERVED = "serving"
+"""The served package: copied whole into each Python model's version folder (as bionemo_serving/)."""
+SERVED_THIRD_PARTY = ("numpy", "onnxruntime", "triton_python_backend_utils")
+"""What the served package may import besides itself and the standard library: what Triton's Python
+backend has (onnxruntime only in the models that open a session)."""
 
 HEAVY = ("torch", "onnx", "onnxruntime", "transformers", "model_navigator", "safetensors", "tensorrt")
 """Third-party packages a serving host does without: the modules that `serve`, `health`, `client`,
@@ -285,11 +292,29 @@ def heavy_imports(imports: Sequence[Import], start: str, heavy: Iterable[str] = 
             if imp.top_level and not imp.internal and imp.target in wanted and imp.importer in loaded]
 
 
+def outside_the_served_package(imports: Iterable[Import]) -> list[str]:
+    """Each import of the served package that reaches outside it: to another part of the package
+    (the copy in a repository has none), or to a third-party package a Triton host lacks."""
+    import sys
+
+    found = []
+    for imp in imports:
+        if unit_of(imp.importer) != SERVED:
+            continue
+        if imp.internal and unit_of(imp.target) != SERVED:
+            found.append(f"{imp}: the served package imports only itself (it is copied alone into repositories)")
+        elif not imp.internal and imp.target not in sys.stdlib_module_names and imp.target not in SERVED_THIRD_PARTY:
+            found.append(f"{imp}: the served package imports only the standard library and "
+                         f"{', '.join(SERVED_THIRD_PARTY)}")
+    return found
+
+
 def check(imports: Sequence[Import], modules: Iterable[str], layers: Sequence[Layer] = LAYERS) -> list[str]:
     """Everything wrong with the package's imports, one line each (empty: the layers hold)."""
     problems = [f"{unit}: a part of the package in no layer: add it to LAYERS" for unit in
                 unplaced(imports, modules, layers)]
     problems += climbs(imports, layers)
+    problems += outside_the_served_package(imports)
     graph = import_graph(imports, kinds=("top", "typing", "lazy"))
     problems += ["import circle: " + " <-> ".join(circle) for circle in circles(graph)]
     return problems

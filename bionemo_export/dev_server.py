@@ -15,7 +15,7 @@ only, the mean of the members' log-probabilities (serving/member_mean.py's, as t
 N_member_mean) and the scores of that mean, with each member's as `member_log_probs` and
 `member_scores`. Any client can be pointed at either and gets the same answers (the
 encoder within the family's tolerance, decodes and seeded samples equal), because both use the
-package's tokenizers and its one decoding and sampling implementation (generation/search.py with
+package's tokenizers and its one decoding and sampling implementation (serving/search.py with
 SAMPLING_DEFAULTS and the repository's GenerationLimits); only the graph runner differs (PyTorch
 here, ONNX Runtime in the repository).
 

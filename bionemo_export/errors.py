@@ -16,7 +16,7 @@ on gpu, not cpu: pass `device` gpu". `str(err)` shows them so; a front end words
 with `reason(err, name_of)`: the command line turns them into its flags ("--backend tensorrt runs on
 gpu, not cpu: pass --device gpu", cli/__init__.py), in one place.
 
-Modules copied verbatim into generated repositories (tokenizers/, serving/, generation/search.py)
+The served package copied into generated repositories (serving/, tokenizers and search included)
 import only the standard library and numpy, not this module: their errors for bad input are listed
 in `STANDALONE_USER_ERRORS` instead of deriving from `UserError`.
 """
@@ -30,10 +30,10 @@ FIELD = re.compile(r"`([a-z][a-z0-9_]*)`")
 """A setting named in a message by its field name, in backticks."""
 
 STANDALONE_USER_ERRORS = frozenset({
-    ("bionemo_export.tokenizers.character", "TokenizationError"),
+    ("bionemo_export.serving.tokenizers.character", "TokenizationError"),
     ("bionemo_export.serving.windows", "WindowError"),
     ("bionemo_export.serving.scoring", "ScoringError"),
-    ("bionemo_export.generation.search", "GenerationError"),
+    ("bionemo_export.serving.search", "GenerationError"),
 })
 """(module, class) of the user errors of modules that cannot import this one (see the docstring)."""
 

@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from bionemo_export.models.base import LoadedModel, Seq2SeqModules
-
-from .kv_decoder import KVCacheDecoder
-from .search import SAMPLING_DEFAULTS, generate
+from bionemo_export.serving.kv_decoder import KVCacheDecoder
+from bionemo_export.serving.search import SAMPLING_DEFAULTS, generate
 
 
 class TorchDecoder(KVCacheDecoder):

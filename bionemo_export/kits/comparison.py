@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bionemo_export.numerics import cosine_rows, degenerate_rows
+from bionemo_export.serving.numerics import cosine_rows, degenerate_rows
 
 if TYPE_CHECKING:
     from bionemo_export.client import Seq2SeqClient

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from bionemo_export.generation.reference import decoder_check_batches, encode_hiddens
-from bionemo_export.generation.search import generate, greedy
 from bionemo_export.model_repository.plan import ModelPlan
 from bionemo_export.model_repository.seq2seq import DECODING_TASKS, SEQ2SEQ_TASKS, plan_seq2seq_repository
 from bionemo_export.models import LoadedModel
 from bionemo_export.models.base import seq2seq_graph_specs
+from bionemo_export.serving.search import generate, greedy
 from bionemo_export.tasks import TASKS, Graph
 
 from .base import Answers, GraphExport, PlanContext, Requests, TaskKit, register_kit

@@ -18,7 +18,6 @@ import torch
 
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.generation.reference import TorchDecoder
-from bionemo_export.generation.search import LIMITS
 from bionemo_export.model_repository.options import GenerationLimits
 from bionemo_export.models import LoadedModel
 from bionemo_export.models.members import MemberFacts, check_members
@@ -26,6 +25,7 @@ from bionemo_export.serving.batching import stack_padded
 from bionemo_export.serving.member_mean import mean_log_probs
 from bionemo_export.serving.request_options import OPTIONS, parse_options
 from bionemo_export.serving.row_calls import RowModel
+from bionemo_export.serving.search import LIMITS
 
 
 def answer_rows(model: RowModel, requests: Requests) -> list[dict[str, np.ndarray]]:

@@ -25,18 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bionemo_export import __version__
 from bionemo_export.serving.attentions import attention_output_name
 from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET
 from bionemo_export.tasks import TASKS
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .encoder import (
-    RESPONDING,
     describe_layout,
-    serving_files,
+    python_model,
     token_graph_model,
     tokenizer_files,
     tokenizer_sources,
@@ -74,16 +71,16 @@ def attentions_model(name: str, family: str, tokenizer, graph: AttentionGraph, o
     task = TASKS["attentions"]
     graph_name = f"{name}_attention_graph"
     tokenizer_parameters, files = tokenizer_files(tokenizer)
-    code = render("attentions_model.py.j2", model_name=task.model(name), family=family, tool_version=__version__,
-                  tokenizer_sources=tokenizer_sources(files), layout=describe_layout(tokenizer),
-                  graph_model=graph_name)
+    served, code = python_model("models.AttentionsModel", "attentions", model_name=task.model(name),
+                                family=family, tokenizer_sources=tokenizer_sources(tokenizer),
+                                layout=describe_layout(tokenizer), graph_model=graph_name)
     return ModelPlan.public_python(
         task, name, options.role("attentions"), options.max_batch_size,
         parameters={BLS_MODELS: graph_name, "graph_model": graph_name, "num_layers": str(graph.num_layers),
                     "num_heads": str(graph.num_heads), "max_attention_values": str(options.max_attention_values),
                     "pair_budget": str(DEFAULT_PAIR_BUDGET), "max_rows": str(options.max_batch_size),
-                    **tokenizer_parameters},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, "row_calls", "attentions")},
+                    **tokenizer_parameters, **served},
+        files={**code, **files},
         description="public: attentions (Python: tokenizer, BLS to the attentions graph, head choice)",
     )
 

@@ -135,10 +135,11 @@ class GraphModel:
     onnx_files: dict[str, Path]
     """Version-folder name -> exported file (model.onnx and its external data, if any)."""
     shapes: ShapeRange
-    python_model: Callable[[], str]
-    """The model.py source that runs the graph in the Python backend (rendered on demand)."""
+    python_model: Callable[[], tuple[dict[str, str], dict[str, Path | str | bytes]]]
+    """The Python model that runs the graph in the Python backend: its (config parameters, files),
+    encoder.python_model's, made on demand."""
     python_files: dict[str, Path | str] = field(default_factory=dict)
-    """Further version-folder files that model.py imports."""
+    """Further version-folder files it reads (a tokenizer's tokenizer.json)."""
     python_parameters: dict[str, str] = field(default_factory=dict)
     """Config parameters model.py reads, beyond the ONNX Runtime session's."""
     warmup: bool = False
@@ -244,10 +245,12 @@ class PythonBackend(ServingBackend):
         self._place(plan, graph.role)
         plan.backend = "python"
         plan.files.update(graph.onnx_files)
+        served, files = graph.python_model()
         plan.files.update(graph.python_files)
-        plan.files["model.py"] = graph.python_model()
+        plan.files.update(files)
         plan.parameters.update(graph.role.session_parameters())
         plan.parameters.update(graph.python_parameters)
+        plan.parameters.update(served)
         plan.description = f"{graph.what} (ONNX Runtime in the Python backend" + (
             ", CUDA provider)" if self.device == Device.GPU else ")")
         return plan

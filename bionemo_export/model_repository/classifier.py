@@ -23,12 +23,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bionemo_export import __version__
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import GraphModel, ShapeRange
-from .encoder import RESPONDING, RUNS_GRAPH, _io_lines, ensemble_model, graph_input_parameters, serving_files
+from .encoder import _io_lines, ensemble_model, graph_input_parameters, python_model
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan
 
@@ -71,12 +69,10 @@ def classifier_model(name: str, hidden_size: int, head: ClassifierGraph, options
                         sizes={"batch": (1, options.max_batch_size), "length": (1, max_length)},
                         split_axis="length", bucket=options.length_bucket or 16, opt={"batch": options.max_batch_size})
 
-    def python_model() -> str:
-        return render("onnx_model.py.j2", model_name=plan.name, family=family, what="fine-tuned head",
-                      tool_version=__version__, io_lines=_io_lines(inputs, outputs, batched=True))
-
     backend.plan_graph(GraphModel(plan, role, "fine-tuned head", {"model.onnx": head.onnx_file}, shapes,
-                                  python_model, python_files=serving_files(*RUNS_GRAPH, "graph_model"),
+                                  lambda: python_model("models.GraphModelRunner", "onnx", model_name=plan.name,
+                                                       family=family, what="fine-tuned head",
+                                                       io_lines=_io_lines(inputs, outputs, batched=True)),
                                   python_parameters=graph_input_parameters(shapes.axes, {"length": max_length}, {})))
     return plan
 
@@ -84,16 +80,15 @@ def classifier_model(name: str, hidden_size: int, head: ClassifierGraph, options
 def labels_model(name: str, head: ClassifierGraph, options: ServingOptions) -> ModelPlan:
     """N_labels: logits -> label names (Python, serving/labels.py)."""
     role = options.role("labels")
+    served, code = python_model("models.LabelsModel", "labels", model_name=f"{name}_labels",
+                                input_dims=f"[batch, {', '.join(map(str, head.logits_dims))}]",
+                                output_dims=f"[batch, {', '.join(map(str, head.label_dims))}]")
     inputs = [TensorSpec("logits", DType.FP32, head.logits_dims, ragged=head.per_token)]
     outputs = [TensorSpec("label", DType.BYTES, head.label_dims)]
     return ModelPlan(
         name=f"{name}_labels", inputs=inputs, outputs=outputs, max_batch_size=options.max_batch_size,
         backend="python", instance_count=role.instances, dynamic_batching=role.batching,
-        parameters=head.parameters(),
-        files={"model.py": render("labels_model.py.j2", model_name=f"{name}_labels", tool_version=__version__,
-                                  input_dims=f"[batch, {', '.join(map(str, head.logits_dims))}]",
-                                  output_dims=f"[batch, {', '.join(map(str, head.label_dims))}]"),
-               **serving_files(*RESPONDING, "labels")},
+        parameters={**head.parameters(), **served}, files=code,
         description="fine-tuned head's label names (Python)",
     )
 

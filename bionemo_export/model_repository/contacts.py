@@ -24,17 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bionemo_export import __version__
 from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.row_calls import DEFAULT_PAIR_BUDGET
 from bionemo_export.tasks import TASKS
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .encoder import (
-    RESPONDING,
     describe_layout,
-    serving_files,
+    python_model,
     token_graph_model,
     tokenizer_files,
     tokenizer_sources,
@@ -71,14 +68,15 @@ def contacts_model(name: str, family: str, tokenizer, options: ServingOptions, m
     graph = f"{name}_contact_graph"
     limit = tokenizer.max_residues
     tokenizer_parameters, files = tokenizer_files(tokenizer)
-    code = render("contacts_model.py.j2", model_name=task.model(name), family=family, tool_version=__version__,
-                  tokenizer_sources=tokenizer_sources(files), layout=describe_layout(tokenizer), graph_model=graph,
-                  model_max_residues=limit)
+    served, code = python_model("models.ContactsModel", "contacts", model_name=task.model(name), family=family,
+                                tokenizer_sources=tokenizer_sources(tokenizer),
+                                layout=describe_layout(tokenizer), graph_model=graph, model_max_residues=limit)
     return ModelPlan.public_python(
         task, name, role, options.max_batch_size,
         parameters={BLS_MODELS: graph, "graph_model": graph, "max_residues": str(min(max_residues or limit, limit)),
-                    "pair_budget": str(pair_budget), "max_rows": str(options.max_batch_size), **tokenizer_parameters},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, "row_calls", "contacts")},
+                    "pair_budget": str(pair_budget), "max_rows": str(options.max_batch_size), **tokenizer_parameters,
+                    **served},
+        files={**code, **files},
         description="public: contacts (Python: tokenizer, BLS to the contact graph)",
     )
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
+from bionemo_export.serving.models import SERVED_MODEL
 from bionemo_export.serving.parameters import UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.serving.tokenizer_file import TOKENIZER_CLASSES, TOKENIZER_FILE
 from bionemo_export.tasks import TASKS, Requirement
@@ -47,9 +48,40 @@ __all__ = ["BACKENDS", "ENCODER_TASKS", "ServingOptions", "plan_encoder_reposito
 
 ENCODER_TASKS = ("embeddings", "hiddens")
 """The tasks whose models this module plans."""
-# Numpy-only sources copied verbatim from here into the repository (one source of truth).
-TOKENIZERS_DIR = Path(__file__).resolve().parent.parent / "tokenizers"
 SERVING_DIR = Path(__file__).resolve().parent.parent / "serving"
+SERVED_PACKAGE = "bionemo_serving"
+"""The name the served package (bionemo_export/serving/) has in a version folder."""
+
+
+def served_package() -> dict[str, Path | str | bytes]:
+    """Version-folder files: the whole served package, each module under SERVED_PACKAGE/ (numpy-only
+    code with relative imports, the same in every Python model: one source of truth)."""
+    return {f"{SERVED_PACKAGE}/{path.relative_to(SERVING_DIR).as_posix()}": path
+            for path in sorted(SERVING_DIR.rglob("*.py")) if "__pycache__" not in path.parts}
+
+
+def python_model(served_class: str, template: str | None = None, **docstring: object
+                 ) -> tuple[dict[str, str], dict[str, Path | str | bytes]]:
+    """(config parameters, version-folder files) of a Python model served by the class
+    `served_class` ("module.Class" of the served package, a serving/models.ServedModel): the
+    `served_model` parameter naming it, the static model.py and the served package. model.py's
+    docstring is written for the model from templates/<template>_model.py.j2 with `docstring`, or,
+    without a template, names the model (`model_name`) and its class."""
+    if template is None:
+        text = f'"""{docstring["model_name"]}: served by bionemo_serving/{served_class.replace(".", ".py: ")}."""'
+    else:
+        text = render(f"{template}_model.py.j2", tool_version=__version__, **docstring).rstrip("\n")
+    return {SERVED_MODEL: served_class}, {"model.py": render("model.py.j2", docstring=text), **served_package()}
+
+
+def tokenizer_files(tokenizer) -> tuple[dict[str, str], dict[str, Path | str]]:
+    """(config parameters, version-folder files) with which a generated model loads `tokenizer`
+    (serving/tokenizer_file.py): the `tokenizer_class` parameter and tokenizer.json."""
+    module = type(tokenizer).__module__.rsplit(".", 1)[-1]
+    name = f"{module}.{type(tokenizer).__name__}"
+    if name not in TOKENIZER_CLASSES:  # a new tokenizer class is one entry there
+        raise ValueError(f"tokenizer {name} is not in serving/tokenizer_file.TOKENIZER_CLASSES")
+    return {"tokenizer_class": name}, {TOKENIZER_FILE: json.dumps(tokenizer.to_dict(), indent=2) + "\n"}
 
 
 def _io_lines(inputs: list[TensorSpec], outputs: list[TensorSpec], batched: bool = True) -> list[str]:
@@ -62,42 +94,9 @@ def _io_lines(inputs: list[TensorSpec], outputs: list[TensorSpec], batched: bool
     return lines
 
 
-def tokenizer_files(tokenizer) -> tuple[dict[str, str], dict[str, Path | str]]:
-    """(config parameters, version-folder files) with which a generated model loads `tokenizer`
-    (serving/tokenizer_file.py): the `tokenizer_class` parameter, and tokenizer.json, the
-    tokenizer's module, character.py (the shared Encoded and TokenizationError types) and
-    tokenizer_file.py."""
-    module = type(tokenizer).__module__.rsplit(".", 1)[-1]
-    name = f"{module}.{type(tokenizer).__name__}"
-    if name not in TOKENIZER_CLASSES:  # a new tokenizer class is one entry there
-        raise ValueError(f"tokenizer {name} is not in serving/tokenizer_file.TOKENIZER_CLASSES")
-    files: dict[str, Path | str] = {
-        f"{module}.py": TOKENIZERS_DIR / f"{module}.py", "character.py": TOKENIZERS_DIR / "character.py",
-        **serving_files("tokenizer_file"), TOKENIZER_FILE: json.dumps(tokenizer.to_dict(), indent=2) + "\n"}
-    return {"tokenizer_class": name}, files
-
-
-SHARED_MODULES = {"numerics": SERVING_DIR.parent / "numerics.py"}
-"""numpy-only modules outside serving/ that served code imports (the package's one cosine)."""
-
-
-def serving_files(*modules: str) -> dict[str, Path | str]:
-    """Version-folder files for the serving modules a generated model imports (serving/*.py, and
-    SHARED_MODULES)."""
-    return {f"{module}.py": SHARED_MODULES.get(module, SERVING_DIR / f"{module}.py") for module in modules}
-
-
-RESPONDING = ("parameters", "responses")
-"""The serving modules every generated Python model imports: its settings and error responses."""
-RUNS_GRAPH = (*RESPONDING, "host", "numerics", "golden", "onnx_session")
-"""... and those of a model that opens ONNX Runtime sessions itself."""
-ENCODING = ("batching", "encoding", "windows")
-"""... and those of the tokenizer and encoder models (encoding.py and what it imports)."""
-
-
-def tokenizer_sources(files: dict[str, Path | str]) -> str:
-    """The tokenizer's modules among `files`, for a generated docstring: "smiles.py, character.py"."""
-    return ", ".join(name for name in files if name.endswith(".py") and name != "tokenizer_file.py")
+def tokenizer_sources(tokenizer) -> str:
+    """The tokenizer's module in the served package, for a generated docstring."""
+    return f"{SERVED_PACKAGE}/tokenizers/{type(tokenizer).__module__.rsplit('.', 1)[-1]}.py"
 
 
 def describe_layout(tokenizer) -> str:
@@ -115,11 +114,9 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
     outputs = [TensorSpec("input_ids", DType.INT64, (-1,)), TensorSpec("attention_mask", DType.INT64, (-1,)),
                TensorSpec("mask", DType.BOOL, (-1,))]
     tokenizer_parameters, files = tokenizer_files(tokenizer)
-    code = render(
-        "tokenizer_model.py.j2",
-        model_name=f"{name}_tokenizer", encoder_name=f"{name}_encoder", tool_version=__version__,
-        tokenizer_sources=tokenizer_sources(files), layout=describe_layout(tokenizer),
-    )
+    served, code = python_model("models.TokenizerModel", "tokenizer", model_name=f"{name}_tokenizer",
+                                encoder_name=f"{name}_encoder", tokenizer_sources=tokenizer_sources(tokenizer),
+                                layout=describe_layout(tokenizer))
     return ModelPlan(
         name=f"{name}_tokenizer",
         inputs=[sequences], outputs=outputs,
@@ -130,8 +127,8 @@ def _tokenizer_model(name: str, tokenizer, options: ServingOptions) -> ModelPlan
         parameters={"truncate": "true" if options.truncate else "false",
                     "length_bucket": "0" if options.serving_backend.runs_python
                     else str(options.role("encoder").length_bucket),
-                    **tokenizer_parameters, "public_prefix": name},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, *ENCODING)},
+                    **tokenizer_parameters, "public_prefix": name, **served},
+        files={**code, **files},
         description="tokenizer (Python backend)",
     )
 
@@ -146,14 +143,11 @@ def graph_model(model_name: str, family: str, inputs: list[TensorSpec], outputs:
     (input -> vocabulary size) hold ids in [0, size)."""
     plan = ModelPlan(name=model_name, inputs=inputs, outputs=outputs, max_batch_size=0)
 
-    def python_model() -> str:
-        return render("onnx_model.py.j2", model_name=model_name, family=family, what=what, tool_version=__version__,
-                      io_lines=_io_lines(inputs, outputs, batched=False))
-
-    python_files = serving_files(*RUNS_GRAPH, "graph_model")
     limits = {axis: high for axis, (_, high) in shapes.sizes.items() if axis != "batch"}
     return options.serving_backend.plan_graph(GraphModel(
-        plan, role, what, dict(onnx_files), shapes, python_model, python_files=python_files,
+        plan, role, what, dict(onnx_files), shapes,
+        lambda: python_model("models.GraphModelRunner", "onnx", model_name=model_name, family=family,
+                             what=what, io_lines=_io_lines(inputs, outputs, batched=False)),
         python_parameters=graph_input_parameters(shapes.axes, limits, token_inputs or {})))
 
 
@@ -210,8 +204,7 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
     parameters = {**role.batching_parameters(), "warmup": "true" if options.warmup else "false",
                   "graph_optimization_level": graph_optimization_level,
                   "tokenize": "true" if fused else "false"}
-    # graph_model, hosted_graphs: the graphs a build may fold into it (hosted_graphs.py)
-    python_files: dict[str, Path | str] = serving_files(*RUNS_GRAPH, *ENCODING, "graph_model", "hosted_graphs")
+    python_files: dict[str, Path | str] = {}
     if fused:
         parameters.update(truncate="true" if options.truncate else "false", public_prefix=name,
                           **tokenizer_parameters)
@@ -222,16 +215,13 @@ def _encoder_model(name: str, family: str, hidden_size: int, tokenizer, onnx_fil
         parameters.update(pad_id=str(tokenizer.pad_id), vocab_size=str(tokenizer.vocab_size),
                           max_length=str(tokenizer.max_length))
 
-    def python_model() -> str:
-        return render(
-            "encoder_model.py.j2",
-            model_name=plan.name, family=family, tool_version=__version__, tokenize=fused,
-            io_lines=_io_lines(inputs, outputs), layout=describe_layout(tokenizer),
-            tokenizer_sources=tokenizer_sources(files), max_length=tokenizer.max_length,
-        )
+    def encoder_python_model() -> tuple[dict[str, str], dict[str, Path | str | bytes]]:
+        return python_model("models.EncoderModel", "encoder", model_name=plan.name, family=family, tokenize=fused,
+                            io_lines=_io_lines(inputs, outputs), layout=describe_layout(tokenizer),
+                            tokenizer_sources=tokenizer_sources(tokenizer), max_length=tokenizer.max_length)
 
     backend.plan_graph(GraphModel(plan, role, "encoder", dict(onnx_files), encoder_shapes(tokenizer, options),
-                                  python_model, python_files=python_files, python_parameters=parameters,
+                                  encoder_python_model, python_files=python_files, python_parameters=parameters,
                                   warmup=options.warmup))
     if backend.runs_python:
         plan.description = ("tokenizer + " if fused else "") + plan.description

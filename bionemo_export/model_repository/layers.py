@@ -24,17 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bionemo_export import __version__
 from bionemo_export.serving.layers import DEFAULT_TOKEN_BUDGET, layer_output_name
 from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.tasks import TASKS
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .encoder import (
-    RESPONDING,
     describe_layout,
-    serving_files,
+    python_model,
     token_graph_model,
     tokenizer_files,
     tokenizer_sources,
@@ -73,16 +70,16 @@ def layers_model(name: str, family: str, tokenizer, graph: LayerGraph, options: 
     role = options.role("layers")
     graph_name = f"{name}_layer_graph"
     tokenizer_parameters, files = tokenizer_files(tokenizer)
-    code = render("layers_model.py.j2", model_name=task.model(name), family=family, tool_version=__version__,
-                  tokenizer_sources=tokenizer_sources(files), layout=describe_layout(tokenizer), graph_model=graph_name,
-                  num_layers=graph.num_layers)
+    served, code = python_model("models.LayersModel", "layers", model_name=task.model(name), family=family,
+                                tokenizer_sources=tokenizer_sources(tokenizer), layout=describe_layout(tokenizer),
+                                graph_model=graph_name, num_layers=graph.num_layers)
     plan = ModelPlan.public_python(
         task, name, role, options.max_batch_size,
         parameters={BLS_MODELS: graph_name, "graph_model": graph_name, "num_layers": str(graph.num_layers),
                     "hidden_size": str(graph.hidden_size), "has_bos": "true" if graph.has_bos else "false",
                     "token_budget": str(options.token_budget or DEFAULT_TOKEN_BUDGET),
-                    "max_rows": str(options.max_batch_size), **tokenizer_parameters},
-        files={"model.py": code, **files, **serving_files(*RESPONDING, "row_calls", "layers")},
+                    "max_rows": str(options.max_batch_size), **tokenizer_parameters, **served},
+        files={**code, **files},
         description="public: layers (Python: tokenizer, BLS to the layers graph, pooling)",
     )
     return plan

@@ -23,15 +23,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bionemo_export import __version__
 from bionemo_export.serving.parameters import BLS_MODELS
 from bionemo_export.serving.scoring import ScoringLimits
 from bionemo_export.tasks import TASKS
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import GraphModel, ShapeRange
-from .encoder import RESPONDING, RUNS_GRAPH, TOKENIZERS_DIR, ensemble_model, serving_files
+from .encoder import ensemble_model, python_model
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan
 
@@ -53,7 +51,7 @@ class MaskedLMHead:
     """N_scores' method for variants when a request names none (the family's `scoring_default`)."""
     structure_aware: bool = False
     """Sequences are SaProt's structure-aware ones: N_scores reads wild types with the tokenizer's
-    module (copied beside it) and sends structure-aware copies."""
+    module (in the served package) and sends structure-aware copies."""
 
 
 def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: ServingOptions,
@@ -69,14 +67,11 @@ def lm_head_model(name: str, hidden_size: int, head: MaskedLMHead, options: Serv
                         sizes={"batch": (1, options.max_batch_size), "length": (1, max_length)},
                         split_axis="length", bucket=options.length_bucket or 16, opt={"batch": options.max_batch_size})
 
-    def python_model() -> str:
-        return render("positionwise_model.py.j2", model_name=plan.name, what="masked-LM head",
-                      tool_version=__version__, input_name="hiddens", output_name="log_probs", width=hidden_size,
-                      output_width=len(head.alphabet))
-
     backend.plan_graph(GraphModel(
-        plan, role, "masked-LM head", {"model.onnx": head.onnx_file}, shapes, python_model,
-        python_files=serving_files(*RUNS_GRAPH, "positionwise"),
+        plan, role, "masked-LM head", {"model.onnx": head.onnx_file}, shapes,
+        lambda: python_model("models.PositionwiseModel", "positionwise", model_name=plan.name,
+                             what="masked-LM head", input_name="hiddens", output_name="log_probs",
+                             width=hidden_size, output_width=len(head.alphabet)),
         python_parameters={"token_budget": str(role.token_budget or options.token_budget or 8192)}))
     return plan
 
@@ -98,17 +93,15 @@ def scores_model(name: str, head: MaskedLMHead, options: ServingOptions,
     `member_scores` [K, V]; 0: one checkpoint."""
     task = TASKS["scores"]
     logits = f"{name}_logits"
-    reader = {"structure_aware.py": TOKENIZERS_DIR / "structure_aware.py",
-              "character.py": TOKENIZERS_DIR / "character.py"} if head.structure_aware else {}
+    served, code = python_model("models.ScoresModel", "scores", model_name=task.model(name), logits_model=logits,
+                                members=members)
     plan = ModelPlan.public_python(
         task, name, options.role("scores"), options.max_batch_size,
         parameters={BLS_MODELS: logits, "logits_model": logits, "alphabet": json.dumps(list(head.alphabet)),
                     "mask_char": head.mask_char or "", "max_batch_size": str(options.max_batch_size),
                     "default_method": head.default_method, "structure_aware": str(head.structure_aware).lower(),
-                    **limits.parameters(), **({"members": str(members)} if members else {})},
-        files={"model.py": render("scores_model.py.j2", model_name=task.model(name), tool_version=__version__,
-                                  logits_model=logits, members=members),
-               **serving_files(*RESPONDING, "scores", "scoring"), **reader},
+                    **limits.parameters(), **({"members": str(members)} if members else {}), **served},
+        files=code,
         description="public: scores (Python, BLS to the log-probabilities)",
     )
     if members:

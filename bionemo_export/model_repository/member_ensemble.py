@@ -28,12 +28,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bionemo_export import __version__
 from bionemo_export.tasks import TASKS
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
-from .encoder import ENSEMBLE_VERSION_NOTE, RESPONDING, _encoder_model, _tokenizer_model, serving_files
+from .encoder import ENSEMBLE_VERSION_NOTE, _encoder_model, _tokenizer_model, python_model
 from .masked_lm import MaskedLMHead, lm_head_model, scores_model
 from .options import ServingOptions
 from .plan import EnsembleStep, ModelPlan
@@ -61,13 +59,12 @@ def mean_model(name: str, members: int, alphabet: int, options: ServingOptions) 
     outputs = [TensorSpec("log_probs", DType.FP32, (-1, alphabet)),
                *TASKS["logits"].member_tensors({"K": members, "A": alphabet})]
     model_name = f"{name}_{MEAN_MODEL}"
+    served, code = python_model("models.MemberMeanModel", "member_mean", model_name=model_name, members=members,
+                                logits_model=f"{name}_logits",
+                                member_names=", ".join(f"{name}_m{n}" for n in range(1, members + 1)))
     return ModelPlan(
         name=model_name, inputs=inputs, outputs=outputs, max_batch_size=options.max_batch_size, backend="python",
-        instance_count=options.tokenizer_instances, parameters={"members": str(members)},
-        files={"model.py": render("member_mean_model.py.j2", model_name=model_name, tool_version=__version__,
-                                  members=members, logits_model=f"{name}_logits",
-                                  member_names=", ".join(f"{name}_m{n}" for n in range(1, members + 1))),
-               **serving_files(*RESPONDING, "member_mean")},
+        instance_count=options.tokenizer_instances, parameters={"members": str(members), **served}, files=code,
         description=f"the mean of the {members} members' log-probabilities (Python backend)")
 
 

@@ -27,8 +27,8 @@ The decode loops' limits are config `parameters`: max_decode_length (the build's
 --max-decode-length, at most the model's), max_hidden_magnitude and max_decode_tokens (both), and
 for N_samplings max_num_samples, max_beam_size, max_samples_x_beams (options.GenerationLimits).
 
-The decode loop's code (generation/search.py, generation/kv_decoder.py) and the tokenizer are
-copied verbatim into the two Python models' version folders: the same files the package's
+The decode loop's code (serving/search.py, serving/kv_decoder.py, in the served package) and the
+tokenizer are copied into the two Python models' version folders: the same files the package's
 PyTorch reference runs. Every model's settings come from its role in options.py.
 """
 
@@ -38,21 +38,17 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from bionemo_export import __version__
 from bionemo_export.errors import InvalidInputError
 from bionemo_export.serving.parameters import BLS_MODELS, UNOPTIMIZED_SERVING_LEVEL
 from bionemo_export.tasks import TASKS
-from bionemo_export.templates import render
 from bionemo_export.tensors import DType, TensorSpec
 
 from .backends import ShapeRange
 from .encoder import (
     ENCODER_TASKS,
-    RESPONDING,
-    RUNS_GRAPH,
     graph_model,
     plan_encoder_repository,
-    serving_files,
+    python_model,
     tokenizer_files,
     tokenizer_sources,
 )
@@ -62,8 +58,6 @@ from .plan import ModelPlan, RepositoryPlan
 DECODING_TASKS = ("decodes", "samplings")
 """The tasks only an encoder-decoder family serves."""
 SEQ2SEQ_TASKS = (*ENCODER_TASKS, *DECODING_TASKS)
-GENERATION_DIR = Path(__file__).resolve().parent.parent / "generation"
-GENERATION_FILES = ("search.py", "kv_decoder.py")
 
 # Optional N_samplings inputs: name -> (Triton dtype, what it is), from the task table.
 SAMPLING_PARAMETERS = {t.name: (t.dtype.value, t.doc + ("" if t.default is None else f" (default {t.default})"))
@@ -79,15 +73,6 @@ def tensors_from_specs(specs: tuple[TensorSpec, ...], *, batched: bool) -> list[
     return tensors
 
 
-def _generation_files(tokenizer) -> dict[str, Path | str]:
-    _, files = tokenizer_files(tokenizer)
-    return {
-        **files,
-        **{name: GENERATION_DIR / name for name in GENERATION_FILES},
-        **serving_files(*RESPONDING, "decoding"),
-    }
-
-
 def _decoder_parameters(name: str, tokenizer, options: ServingOptions) -> dict[str, str]:
     """What the decode loops read from their config (serving/decoding.decoder_from_parameters,
     tokenizer_file.load_tokenizer): where the decoder graphs run, and the tokenizer's class."""
@@ -101,8 +86,7 @@ def _decoder_parameters(name: str, tokenizer, options: ServingOptions) -> dict[s
 def _template_context(name: str, tokenizer, seq2seq, options: ServingOptions) -> dict:
     """What the decode loops' docstrings say (their code reads its settings from the config)."""
     return {
-        "tool_version": __version__, "prefix": name,
-        "tokenizer_sources": tokenizer_sources(tokenizer_files(tokenizer)[1]),
+        "prefix": name, "tokenizer_sources": tokenizer_sources(tokenizer),
         "local_graphs": options.fused,
         # The decoder graphs: Triton models called through BLS, or (fused) files beside the decode loop.
         "cross_kv_model": "cross_kv/model.onnx" if options.fused else f"{name}_cross_kv",
@@ -184,7 +168,7 @@ def plan_seq2seq_repository(
     decode_length = {"max_decode_length": str(limit), "model_max_decode_length": str(seq2seq.max_decode_length),
                      "begin_id": str(seq2seq.begin_id), "end_id": str(seq2seq.end_id),
                      "max_source_length": str(tokenizer.max_length)}
-    files = _generation_files(tokenizer)
+    files = tokenizer_files(tokenizer)[1]
     graph_callees: tuple[str, ...] = (context["cross_kv_model"], context["step_model"])
     if options.fused and decoding:
         # The decode loops run the decoder graphs themselves (serving/decoding.py, LocalDecoder):
@@ -192,9 +176,9 @@ def plan_seq2seq_repository(
         # through shared memory; each graph in its own folder, so its external data keeps its name.
         files.update({f"{graph}/{file}": path for graph in ("cross_kv", "decoder_step")
                       for file, path in onnx_files[graph].items()})
-        files.update(serving_files(*RUNS_GRAPH))
         graph_callees = ()
     if "decodes" in tasks:
+        served, code = python_model("models.DecodesModel", "decodes", model_name=f"{name}_decodes", **context)
         models.append(ModelPlan(
             name=f"{name}_decodes",
             # Ragged: the dynamic batcher joins requests of different lengths (the model pads them).
@@ -211,8 +195,8 @@ def plan_seq2seq_repository(
             parameters={**({BLS_MODELS: ",".join(graph_callees)} if graph_callees else {}),
                         **_graph_settings(options, "decodes"),
                         **decode_length, **options.limits.parameters("max_hidden_magnitude", "max_decode_tokens"),
-                        **_decoder_parameters(name, tokenizer, options)},
-            files={"model.py": render("decodes_model.py.j2", model_name=f"{name}_decodes", **context), **files},
+                        **_decoder_parameters(name, tokenizer, options), **served},
+            files={**code, **files},
             description="public: decodes (greedy decode loop" + (", decoder graphs in-process)" if options.fused
                                                                   else ", BLS to the decoder graphs)"),
         ))
@@ -220,6 +204,8 @@ def plan_seq2seq_repository(
         inputs = [TensorSpec("sequences", DType.BYTES, (1,))] + [
             TensorSpec(parameter, DType.of(dtype), (1,), optional=True)
             for parameter, (dtype, _) in SAMPLING_PARAMETERS.items()]
+        served, code = python_model("models.SamplingsModel", "samplings", model_name=f"{name}_samplings",
+                                    parameters=SAMPLING_PARAMETERS, **context)
         models.append(ModelPlan(
             name=f"{name}_samplings",
             inputs=inputs,
@@ -232,10 +218,8 @@ def plan_seq2seq_repository(
             parameters={BLS_MODELS: ",".join((context["encoder_model"], *graph_callees)),
                         **_graph_settings(options, "samplings"), **decode_length, **options.limits.parameters(),
                         **_decoder_parameters(name, tokenizer, options), "encoder_model": context["encoder_model"],
-                        "encoder_tokenizes": "true" if options.fused else "false"},
-            files={"model.py": render("samplings_model.py.j2", model_name=f"{name}_samplings",
-                                      parameters=SAMPLING_PARAMETERS, **context), **files,
-                   **serving_files("request_options", "sampling")},
+                        "encoder_tokenizes": "true" if options.fused else "false", **served},
+            files={**code, **files},
             description="public: samplings (BLS encoder, perturb, decode loop" + (
                 ", decoder graphs in-process)" if options.fused else ", BLS to the decoder graphs)"),
         ))

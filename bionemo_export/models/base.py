@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # torch is heavy; importing the registry must stay cheap
     from bionemo_export.models.contact_head import ContactPredictor, ContactWeights
     from bionemo_export.models.lm_head import HeadWeights
     from bionemo_export.models.readers import Checkpoint
-    from bionemo_export.tokenizers.protocol import DecodingTokenizer, Tokenizer
+    from bionemo_export.serving.tokenizers.protocol import DecodingTokenizer, Tokenizer
 
 
 ENCODER_INPUTS: tuple[TensorSpec, ...] = (
@@ -169,7 +169,7 @@ class LoadedModel:
     def decoding(self) -> tuple[Seq2SeqModules, DecodingTokenizer]:
         """The decoder graphs and the tokenizer that turns their token ids into text, for decoding
         and sampling; ValueError for a model that does not decode."""
-        from bionemo_export.tokenizers.protocol import DecodingTokenizer
+        from bionemo_export.serving.tokenizers.protocol import DecodingTokenizer
 
         if self.seq2seq is None or not isinstance(self.tokenizer, DecodingTokenizer):
             raise ValueError(f"{self.checkpoint} ({self.family.name}) has no decoder, so it serves no decodes or "

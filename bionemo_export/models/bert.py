@@ -30,9 +30,9 @@ from bionemo_export.models.encoder import (
 )
 from bionemo_export.models.lm_head import HeadWeights, huggingface_activation
 from bionemo_export.models.readers import Checkpoint
+from bionemo_export.serving.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
+from bionemo_export.serving.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
-from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "bos": "[CLS]", "eos": "[SEP]"}
 RARE_RESIDUES = "UZOB"

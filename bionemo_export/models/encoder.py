@@ -39,7 +39,7 @@ from bionemo_export.models.readers.base import some as _some
 from bionemo_export.models.readers.mapped import assign_widened
 from bionemo_export.models.transformer import Encoder as TransformerEncoder
 from bionemo_export.models.transformer import TransformerConfig
-from bionemo_export.tokenizers.protocol import Tokenizer
+from bionemo_export.serving.tokenizers.protocol import Tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

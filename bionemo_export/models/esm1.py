@@ -31,9 +31,9 @@ from bionemo_export.models.megatron import (
 )
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
+from bionemo_export.serving.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
+from bionemo_export.serving.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
 ESM1NV_RESIDUES = "LASGVERTDIPKNFQYHMCWXBZUO"
 ESM1NV_PIECES = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *ESM1NV_RESIDUES]

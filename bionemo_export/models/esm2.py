@@ -26,9 +26,9 @@ from bionemo_export.models.megatron_core import esm2_settings, esm2_weights
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import setting
 from bionemo_export.models.transformer_engine_esm import check_tokenizer_json, nv_esm_config, nv_esm_weights
+from bionemo_export.serving.tokenizers.character import MASK_CHAR, CharacterTokenizer
+from bionemo_export.serving.tokenizers.structure_aware import PAIRED_TOKENS, paired_tokens
 from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
-from bionemo_export.tokenizers.structure_aware import PAIRED_TOKENS, paired_tokens
 
 if TYPE_CHECKING:
     from transformers.models.esm.modeling_esm import EsmIntermediate

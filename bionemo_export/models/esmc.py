@@ -50,8 +50,8 @@ from bionemo_export.models.encoder import HuggingFaceEncoderFamily, token_limit
 from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights
 from bionemo_export.models.readers import Checkpoint, CheckpointError
+from bionemo_export.serving.tokenizers.character import MASK_CHAR, CharacterTokenizer
 from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
 ALPHABET = ["<cls>", "<pad>", "<eos>", "<unk>", *RESIDUES, ".", "-", "|", "<mask>"]

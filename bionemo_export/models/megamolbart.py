@@ -45,8 +45,8 @@ from bionemo_export.models.transformer import (
     encode_layers,
     initialize,
 )
+from bionemo_export.serving.tokenizers.smiles import SmilesTokenizer
 from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.smiles import SmilesTokenizer
 
 MODEL_TYPE = "megamolbart"
 

@@ -26,7 +26,7 @@ from bionemo_export.models.megamolbart import (
     MegaMolBartConfig,
     save,
 )
-from bionemo_export.tokenizers.smiles import SmilesTokenizer, build_vocab
+from bionemo_export.serving.tokenizers.smiles import SmilesTokenizer, build_vocab
 
 DRUGS = [
     "CC(=O)Oc1ccccc1C(=O)O",  # aspirin

@@ -35,8 +35,8 @@ from bionemo_export.models.megatron import cut_vocab, encoder_decoder_keys, tran
 from bionemo_export.models.readers import Checkpoint, CheckpointError
 from bionemo_export.models.readers.nemo import sentencepiece_pieces, setting
 from bionemo_export.models.transformer import TransformerConfig
+from bionemo_export.serving.tokenizers.sentencepiece_vocab import WORD_START, SentencePieceTokenizer, read_pieces
 from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.sentencepiece_vocab import WORD_START, SentencePieceTokenizer, read_pieces
 
 RESIDUES = "LAGVSERTIDPKQNFYMHWCXBUZO"
 """Every residue letter accepted (the 20 standard amino acids, X, and the rare B U Z O)."""

@@ -34,13 +34,13 @@ from bionemo_export.models.encoder import HuggingFaceEncoderFamily, read_vocab, 
 from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
-from bionemo_export.tasks import Requirement
-from bionemo_export.tokenizers.structure_aware import (
+from bionemo_export.serving.tokenizers.structure_aware import (
     PAIRED_TOKENS,
     StructureAwareTokenizer,
     paired_tokens,
     saprot_vocabulary,
 )
+from bionemo_export.tasks import Requirement
 
 MAX_TOKENS = 1024
 """SaProt's length limit, ESM-2's: <cls> + 1022 residues + <eos> (1026 position slots)."""

@@ -1,11 +1,15 @@
-"""The served models' logic, as plain modules that generated model.py files import.
+"""The served package: all the code Triton's Python backend runs for a repository's Python models.
 
-Like the tokenizers, these files are copied verbatim into the repository's version folders
-(model_repository/encoder.py's `serving_files`), so they import only the standard library, numpy
-and each other (onnx_session.py alone imports onnxruntime; `triton_python_backend_utils` is
-imported by responses.py when a response is built, never at import time). The package imports
-them from here: one source of truth, unit-tested without a server (tests/unit/test_serving_modules.py).
+Copied whole, as `bionemo_serving/`, into every Python model's version folder
+(model_repository/encoder.py's `served_package`), beside the same static model.py, whose class
+hands the model to the ServedModel its config parameter `served_model` names (models.py). So its
+modules import only each other (relative imports), the standard library and numpy
+(onnx_session.py alone imports onnxruntime; `triton_python_backend_utils` is imported by
+responses.py when a response is built, never at import time): `_layers.outside_the_served_package`
+keeps it so. The package imports them from here too: one source of truth, unit-tested without a
+server (tests/unit/test_serving_modules.py).
 
+- models.py          the served models (EncoderModel, ScoresModel, ...) and model.py's TritonPythonModel
 - responses.py       error responses and codes, the execute() boundary, BLS calls and their codes
 - parameters.py      config.pbtxt `parameters` read at initialize
 - onnx_session.py    the ONNX Runtime session (threads, arena, providers, optimization level)
@@ -20,4 +24,8 @@ them from here: one source of truth, unit-tested without a server (tests/unit/te
 - scoring.py         N_scores' logic: variants, methods, masked copies, scores, limits
 - scores.py          N_scores: requests -> masked copies -> BLS calls to N_logits -> scores
 - windows.py         proteins longer than the model: overlapping windows and their merge rule
+- search.py          decoding and sampling (greedy, beam search, top-k/p), shared with the PyTorch reference
+- kv_decoder.py      the decoder's key/value cache over the cross_kv and decoder_step graphs
+- tokenizers/        the families' tokenizers (character, SMILES, SentencePiece, structure-aware)
+- numerics.py        the one cosine every check uses
 """

@@ -23,7 +23,7 @@ BLS in calls of at most `max_rows` rows and `pair_budget` token pairs (rows x T^
 probabilities the graph holds), each call asking only for its rows' blocks: the others never leave
 the graph model.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -35,20 +35,16 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, call_model
-    from bionemo_export.serving.row_calls import (
-        Outputs,
-        Row,
-        RowModel,
-        batch_of,
-        integer_option,
-        padded_tokens,
-        read_sequences,
-    )
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, call_model
-    from row_calls import Outputs, Row, RowModel, batch_of, integer_option, padded_tokens, read_sequences
+from .responses import RequestError, Responder, call_model
+from .row_calls import (
+    Outputs,
+    Row,
+    RowModel,
+    batch_of,
+    integer_option,
+    padded_tokens,
+    read_sequences,
+)
 
 RunGraph = Callable[[np.ndarray, np.ndarray, Sequence[int]], Sequence[np.ndarray]]
 """(input_ids, attention_mask INT64 [rows, T], blocks) -> each block's probabilities FP32

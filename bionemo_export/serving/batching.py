@@ -1,6 +1,6 @@
 """Batching requests of different lengths: sort, pad to length buckets, split by a token budget.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library and numpy (never onnxruntime, torch or bionemo_export).
 
 The dynamic batcher hands a model several requests at once, each a [rows, length] batch of its own

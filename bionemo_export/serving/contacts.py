@@ -14,7 +14,7 @@ sequence's own [L, L] block does not depend on what it was padded with.
 Answers `contacts` FP32 [batch, L, L] (L: the request's longest sequence; shorter ones padded with
 0) and `mask` BOOL [batch, L] (True on each sequence's residues).
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -25,12 +25,8 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, call_model
-    from bionemo_export.serving.row_calls import Outputs, Row, RowModel, padded_tokens, read_sequences
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, call_model
-    from row_calls import Outputs, Row, RowModel, padded_tokens, read_sequences
+from .responses import RequestError, Responder, call_model
+from .row_calls import Outputs, Row, RowModel, padded_tokens, read_sequences
 
 RunGraph = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """(input_ids, attention_mask INT64 [rows, T]) -> contacts FP32 [rows, T-2, T-2], as N_contact_graph answers."""

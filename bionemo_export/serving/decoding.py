@@ -8,7 +8,7 @@ own models (`BlsDecoder`). Either checks between steps whether every request bei
 cancelled (the client's deadline passed, or it hung up), and then stops with a CANCELLED
 RequestError instead of decoding for nobody.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules (never onnxruntime: sessions are opened
 by the model and handed in).
 """
@@ -17,29 +17,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-# The type checker reads the package's imports: in the package, kv_decoder and search live in
-# generation/, so the top-level names of a generated model folder do not resolve here.
-if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
-    from bionemo_export.generation.kv_decoder import KVCacheDecoder
-    from bionemo_export.generation.search import (
-        LIMITS,
-        TooLargeError,
-        check_decode_tokens,
-        greedy,
-        split_by_tokens,
-        validate_hiddens,
-    )
-    from bionemo_export.serving.parameters import config_file, model_parameters, number_parameter
-    from bionemo_export.serving.responses import RequestError, Responder, call_model, cancelled, input_array, triton
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from kv_decoder import KVCacheDecoder
-    from parameters import config_file, model_parameters, number_parameter
-    from responses import RequestError, Responder, call_model, cancelled, input_array, triton
-    from search import LIMITS, TooLargeError, check_decode_tokens, greedy, split_by_tokens, validate_hiddens
+from .kv_decoder import KVCacheDecoder
+from .parameters import config_file, model_parameters, number_parameter
+from .responses import RequestError, Responder, call_model, cancelled, input_array, triton
+from .search import (
+    LIMITS,
+    TooLargeError,
+    check_decode_tokens,
+    greedy,
+    split_by_tokens,
+    validate_hiddens,
+)
 
 DECODER_GRAPHS = ("cross_kv", "decoder_step")
 DECODER_CONSTANTS = ("begin_id", "end_id", "model_max_decode_length", "max_source_length")
@@ -94,10 +86,7 @@ def decoder_from_parameters(args: Mapping[str, str], parameters: Mapping[str, st
     (the models `cross_kv_model` and `decoder_step_model` of the repository)."""
     kind = parameters.get("decoder_graphs", "")
     if kind == "in_process":
-        if __package__:
-            from bionemo_export.serving.onnx_session import create_session
-        else:
-            from onnx_session import create_session
+        from .onnx_session import create_session
         return LocalDecoder({graph: create_session(args, os.path.join(folder, graph))[0] for graph in DECODER_GRAPHS})
     if kind == "bls":
         return BlsDecoder({graph: parameters[f"{graph}_model"] for graph in DECODER_GRAPHS})

@@ -7,7 +7,7 @@ length, padded to a multiple of `length_bucket` tokens and split into sub-batche
 gets back its own rows at its own length: the attention mask covers the padding, so a row's
 outputs do not depend on the rows it ran with. Only the outputs some request asked for are fetched.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules (the ONNX Runtime session is opened by
 the model and handed in).
 """
@@ -19,16 +19,10 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving import windows
-    from bionemo_export.serving.batching import padding_counts, plan_sub_batches, stack_padded
-    from bionemo_export.serving.parameters import flag_parameter, number_parameter
-    from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    import windows
-    from batching import padding_counts, plan_sub_batches, stack_padded
-    from parameters import flag_parameter, number_parameter
-    from responses import RequestError, Responder, input_array, triton, wanted_outputs
+from . import windows
+from .batching import padding_counts, plan_sub_batches, stack_padded
+from .parameters import flag_parameter, number_parameter
+from .responses import RequestError, Responder, input_array, triton, wanted_outputs
 
 GRAPH_INPUTS = ("input_ids", "attention_mask", "residue_mask")
 GRAPH_OUTPUTS = ("hiddens", "embeddings")
@@ -129,12 +123,8 @@ def sequence_inputs(args: Any, parameters: dict[str, str], folder: str) -> tuple
     `truncate`, and `max_residues` / `window_overlap` (built with --max-residues: longer sequences
     run as overlapping windows). The tokenizer modules are imported here: only a model that
     tokenizes has them beside it."""
-    if __package__:
-        from bionemo_export.serving.tokenizer_file import load_tokenizer
-        from bionemo_export.tokenizers.character import TokenizationError
-    else:
-        from character import TokenizationError  # pyright: ignore[reportMissingImports] - copied beside it
-        from tokenizer_file import load_tokenizer
+    from .tokenizer_file import load_tokenizer
+    from .tokenizers.character import TokenizationError
     tokenizer = load_tokenizer(folder, parameters)
     truncate = flag_parameter(parameters, "truncate")
     max_residues = number_parameter(args, parameters, "max_residues", "0")

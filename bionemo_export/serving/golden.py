@@ -34,12 +34,8 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.numerics import RowSums
-    from bionemo_export.serving.host import cpu_description, describe_cpu
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from host import cpu_description, describe_cpu
-    from numerics import RowSums
+from .host import cpu_description, describe_cpu
+from .numerics import RowSums
 
 GOLDEN_FILE = "golden.npz"
 CHECK_ENV = "BIONEMO_EXPORT_GOLDEN_CHECK"

@@ -6,7 +6,7 @@ An internal model, but a client can call it: inputs that disagree on a named axi
 their limits and token ids outside the vocabulary fail with INVALID_ARGUMENT naming the input
 (ONNX Runtime would fail with its own message, or read out of range).
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules (the session is handed in).
 """
 
@@ -17,13 +17,8 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.parameters import json_parameter
-    from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from parameters import json_parameter
-    from responses import RequestError, Responder, input_array, triton, wanted_outputs
-
+from .parameters import json_parameter
+from .responses import RequestError, Responder, input_array, triton, wanted_outputs
 
 GRAPH_INPUT_PARAMETERS = ("axes", "axis_limits", "token_inputs")
 

@@ -5,7 +5,7 @@ rarely the one that built it).
 Also which int8 kernels this CPU runs (cpu_description), which decides the int8 graph a served
 model opens and what its golden check reports.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library (and numpy, for its CPUID probe).
 """
 

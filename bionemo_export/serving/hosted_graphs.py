@@ -7,7 +7,7 @@ graph that answers those outputs, fetching only them; every other request is the
 sessions do not prepack their weights (onnx_session.py), so they compute from the memory-mapped
 weights file: every session and every instance process on the host shares its pages.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules (the sessions are opened by onnx_session).
 """
 
@@ -17,14 +17,9 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.graph_model import GraphInputs, GraphModel
-    from bionemo_export.serving.parameters import tensor_names
-    from bionemo_export.serving.responses import RequestError, Responder
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from graph_model import GraphInputs, GraphModel
-    from parameters import tensor_names
-    from responses import RequestError, Responder
+from .graph_model import GraphInputs, GraphModel
+from .parameters import tensor_names
+from .responses import RequestError, Responder
 
 HOSTED_GRAPHS = "hosted_graphs"
 """The config parameter naming them (model_repository/hosted_graphs.py writes it)."""

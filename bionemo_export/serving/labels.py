@@ -9,7 +9,7 @@ gets a label, padding included; the ensemble's `mask` says which are real). The 
 problem type come from config.pbtxt `parameters` (`labels`, a JSON list; `problem_type`), never
 from this code.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -20,10 +20,7 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, input_array, triton
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, input_array, triton
+from .responses import RequestError, Responder, input_array, triton
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
 

@@ -23,7 +23,7 @@ N_layer_graph through BLS in calls of at most `max_rows` rows and `token_budget`
 padded length; a row alone may exceed it), each call asking only for its rows' layers: the other
 layers' states never leave the graph model.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -35,30 +35,17 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, call_model
-    from bionemo_export.serving.row_calls import (
-        Outputs,
-        Row,
-        RowModel,
-        batch_of,
-        integer_option,
-        one_value_per_request,
-        padded_tokens,
-        read_sequences,
-    )
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, call_model
-    from row_calls import (
-        Outputs,
-        Row,
-        RowModel,
-        batch_of,
-        integer_option,
-        one_value_per_request,
-        padded_tokens,
-        read_sequences,
-    )
+from .responses import RequestError, Responder, call_model
+from .row_calls import (
+    Outputs,
+    Row,
+    RowModel,
+    batch_of,
+    integer_option,
+    one_value_per_request,
+    padded_tokens,
+    read_sequences,
+)
 
 POOLINGS = ("mean", "bos", "max")
 """The poolings, in the order they are answered."""

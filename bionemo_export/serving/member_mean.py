@@ -15,7 +15,7 @@ log-probabilities is the log of the geometric mean of the members' probabilities
 (its exponentials sum to at most 1 over the alphabet), which scores, being differences and sums of
 log-probabilities, do not need.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -26,10 +26,7 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, input_array, triton, wanted_outputs
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, input_array, triton, wanted_outputs
+from .responses import RequestError, Responder, input_array, triton, wanted_outputs
 
 OUTPUTS = ("log_probs", "member_log_probs")
 

@@ -14,22 +14,16 @@ from typing import Any
 
 import onnxruntime as ort
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.golden import check_at_load
-    from bionemo_export.serving.host import NO_VNNI_FOLDER, cpu_description, threads_per_instance
-    from bionemo_export.serving.parameters import (
-        config_file,
-        flag_parameter,
-        model_config,
-        model_parameters,
-        number_parameter,
-    )
-    from bionemo_export.serving.responses import triton
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from golden import check_at_load
-    from host import NO_VNNI_FOLDER, cpu_description, threads_per_instance
-    from parameters import config_file, flag_parameter, model_config, model_parameters, number_parameter
-    from responses import triton
+from .golden import check_at_load
+from .host import NO_VNNI_FOLDER, cpu_description, threads_per_instance
+from .parameters import (
+    config_file,
+    flag_parameter,
+    model_config,
+    model_parameters,
+    number_parameter,
+)
+from .responses import triton
 
 OPTIMIZATION_LEVELS = "ORT_DISABLE_ALL, ORT_ENABLE_BASIC, ORT_ENABLE_EXTENDED, ORT_ENABLE_ALL"
 MEMORY_ARENAS = ("run", "false", "true")

@@ -5,7 +5,7 @@ each parameter is {"string_value": ...}. Constants the model needs (limits, toke
 counts) arrive this way rather than being rendered into model.py, so that one copied module
 serves every model and a setting can be changed by editing config.pbtxt.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library.
 """
 

@@ -7,7 +7,7 @@ axis): a position's output does not depend on the positions it runs with, so req
 lengths are joined without padding (the model's input allows ragged batches). A request's padding
 positions are computed too (their rows are garbage the mask marks False, as in `hiddens`).
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules (the ONNX Runtime session is handed in).
 """
 
@@ -18,10 +18,7 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, input_array, triton
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, input_array, triton
+from .responses import RequestError, Responder, input_array, triton
 
 
 class PositionwiseGraph:

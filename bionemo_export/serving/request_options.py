@@ -5,25 +5,22 @@ The one parser of these options: the generated N_samplings model (arrays read fr
 request) and the dev server (arrays PyTriton hands over) both call `parse_options`, so an option
 gets the same message from either (a NaN radius included).
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .responses import RequestError
+
 # The type checker reads the package's imports: in the package, search lives in generation/, so
 # the top-level name of a generated model folder does not resolve here.
-if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
-    from bionemo_export.generation.search import SAMPLING_DEFAULTS, check_sampling_arguments
-    from bionemo_export.serving.responses import RequestError
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError
-    from search import SAMPLING_DEFAULTS, check_sampling_arguments
+from .search import SAMPLING_DEFAULTS, check_sampling_arguments
 
 OPTIONS: dict[str, Any] = {**SAMPLING_DEFAULTS, "seed": None}
 """The optional inputs and what a request gets without them."""

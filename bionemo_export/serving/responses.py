@@ -2,7 +2,7 @@
 execute() boundary no exception may cross, the codes of errors its BLS callees answered, and
 giving memory back after a large request.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library. `triton_python_backend_utils` exists only inside a Python-backend stub,
 so it is imported when a response is built, never at import time: the logic here imports (and is
 unit-tested, tests/helpers/fake_pb_utils.py) without Triton.

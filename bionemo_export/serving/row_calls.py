@@ -15,7 +15,7 @@ rows. What is shared lives here, once:
 A model subclasses RowModel and says how it reads a request, what a call costs, how it runs one
 and how it assembles a request's outputs.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -27,10 +27,7 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import RequestError, Responder, input_array, triton
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, input_array, triton
+from .responses import RequestError, Responder, input_array, triton
 
 Outputs = dict[str, np.ndarray]
 """A request's answer: its outputs by name."""

@@ -9,53 +9,33 @@ its perturbed rows decode together (greedy and beam-search decoding treat rows i
 topkp-perturbate draws random numbers while decoding, so such a job decodes alone. A job whose
 rows overflow fails alone; the others of its group decode again without it.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
-# The type checker reads the package's imports: in the package, search lives in generation/, so
-# the top-level name of a generated model folder does not resolve here.
-if TYPE_CHECKING or __package__:  # imported from the bionemo_export package
-    from bionemo_export.generation.search import (
-        LIMITS,
-        GenerationError,
-        TooLargeError,
-        beam_search,
-        check_decode_tokens,
-        generate,
-        greedy,
-        hypotheses_per_sequence,
-        perturb,
-        split_by_tokens,
-        validate_hiddens,
-    )
-    from bionemo_export.serving.decoding import CancellableDecoder, pad_and_join, token_ids
-    from bionemo_export.serving.request_options import OPTIONS, parse_options
-    from bionemo_export.serving.responses import RequestError, Responder, call_model, cancelled, input_array, triton
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from decoding import CancellableDecoder, pad_and_join, token_ids
-    from request_options import OPTIONS, parse_options
-    from responses import RequestError, Responder, call_model, cancelled, input_array, triton
-    from search import (
-        LIMITS,
-        GenerationError,
-        TooLargeError,
-        beam_search,
-        check_decode_tokens,
-        generate,
-        greedy,
-        hypotheses_per_sequence,
-        perturb,
-        split_by_tokens,
-        validate_hiddens,
-    )
+from .decoding import CancellableDecoder, pad_and_join, token_ids
+from .request_options import OPTIONS, parse_options
+from .responses import RequestError, Responder, call_model, cancelled, input_array, triton
+from .search import (
+    LIMITS,
+    GenerationError,
+    TooLargeError,
+    beam_search,
+    check_decode_tokens,
+    generate,
+    greedy,
+    hypotheses_per_sequence,
+    perturb,
+    split_by_tokens,
+    validate_hiddens,
+)
 
 BatchKey = tuple[Literal["greedy", "beam"], int, int]
 """Jobs with equal keys decode as one batch: (greedy or beam, beams, hypotheses kept per beam search)."""

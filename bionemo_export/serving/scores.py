@@ -19,7 +19,7 @@ K) scores N_logits' mean of the members' log-probabilities, which equals the mea
 scores, and answers `member_scores` FP32 [batch, K, V] too, each member's own scores, when the
 request asks for that output (or names none): N_logits then sends its `member_log_probs` as well.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library, numpy and its sibling modules.
 """
 
@@ -30,27 +30,23 @@ from typing import Any
 
 import numpy as np
 
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.responses import (
-        RequestError,
-        Responder,
-        call_model,
-        input_array,
-        triton,
-        wanted_outputs,
-    )
-    from bionemo_export.serving.scoring import (
-        METHODS,
-        ScoringError,
-        ScoringLimits,
-        ScoringPlan,
-        SplitStructure,
-        pack_passes,
-        plan_request,
-    )
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from responses import RequestError, Responder, call_model, input_array, triton, wanted_outputs
-    from scoring import METHODS, ScoringError, ScoringLimits, ScoringPlan, SplitStructure, pack_passes, plan_request
+from .responses import (
+    RequestError,
+    Responder,
+    call_model,
+    input_array,
+    triton,
+    wanted_outputs,
+)
+from .scoring import (
+    METHODS,
+    ScoringError,
+    ScoringLimits,
+    ScoringPlan,
+    SplitStructure,
+    pack_passes,
+    plan_request,
+)
 
 INPUTS = ("sequences", "variants", "method")
 """N_scores' inputs (the task table's; this module cannot import it)."""
@@ -70,12 +66,9 @@ def logits_caller(model_name: str) -> RunLogits:
 
 
 def structure_reader() -> SplitStructure:
-    """SaProt's reader of structure-aware sequences (tokenizers/structure_aware.py: copied beside
-    this module in a structure-aware repository's N_scores folder, imported only there)."""
-    if __package__:
-        from bionemo_export.tokenizers.structure_aware import split_pairs
-    else:
-        from structure_aware import split_pairs  # pyright: ignore[reportMissingImports]
+    """SaProt's reader of structure-aware sequences (tokenizers/structure_aware.py), imported only
+    by a structure-aware repository's N_scores."""
+    from .tokenizers.structure_aware import split_pairs
     return split_pairs
 
 

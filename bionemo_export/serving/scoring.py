@@ -1,6 +1,6 @@
 """Variant-effect and pseudo-log-likelihood scores from a masked language model (the `N_scores` task).
 
-This file is copied verbatim into generated Triton Python-backend model folders and imported there
+Part of the served package, copied whole into generated Triton Python-backend model folders and imported there
 as `import scoring`, so it imports only the standard library and numpy (never torch, transformers,
 onnxruntime or bionemo_export). Everything the served model does besides calling the masked-LM
 head is here, unit-tested without a server; the served model stays wiring:

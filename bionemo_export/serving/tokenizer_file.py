@@ -5,7 +5,7 @@ The build copies the tokenizer's module (and character.py, which holds the share
 TokenizationError types) beside model.py, so one static model.py serves every family: which
 tokenizer it runs is a setting, not code rendered into it.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 TOKENIZER_CLASSES = ("character.CharacterTokenizer", "sentencepiece_vocab.SentencePieceTokenizer",
                      "structure_aware.StructureAwareTokenizer",
                      "smiles.SmilesTokenizer")
-"""The tokenizer classes a repository may name (bionemo_export/tokenizers/, copied as modules)."""
+"""The tokenizer classes a repository may name (bionemo_export/serving/tokenizers/, copied as modules)."""
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -29,9 +29,7 @@ def tokenizer_type(name: str) -> Any:
         raise ValueError(f"parameter tokenizer_class is {name!r}, not one of {', '.join(TOKENIZER_CLASSES)}; "
                          "rebuild the repository")
     module, _, class_name = name.partition(".")
-    # Served, the module lies beside this one; in the package, under bionemo_export.tokenizers.
-    package = "bionemo_export.tokenizers." if __package__ else ""
-    return getattr(importlib.import_module(package + module), class_name)
+    return getattr(importlib.import_module(f".tokenizers.{module}", __package__), class_name)
 
 
 def load_tokenizer(folder: str, parameters: Mapping[str, str]) -> Any:

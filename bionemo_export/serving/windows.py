@@ -1,6 +1,6 @@
 """Proteins longer than the model's window: overlapping windows, run separately, merged into one answer.
 
-This file is copied verbatim into generated Triton Python-backend model folders and imported there
+Part of the served package, copied whole into generated Triton Python-backend model folders and imported there
 as `import windows`, so it imports only the standard library, numpy and its sibling module
 batching.py (never torch, transformers, onnxruntime or bionemo_export). The served model stays
 wiring:
@@ -78,13 +78,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from .batching import SubBatch, plan_sub_batches
+
 _Row = TypeVar("_Row")
 """What a batch holds per window (an output array, in the served models)."""
-
-if __package__:  # imported from the bionemo_export package
-    from bionemo_export.serving.batching import SubBatch, plan_sub_batches
-else:  # copied beside a generated model.py, where its siblings are top-level modules
-    from batching import SubBatch, plan_sub_batches
 
 Span = tuple[int, int]
 """A window's residues as a half-open range (start, end) of 0-based residue positions."""

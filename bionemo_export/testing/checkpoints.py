@@ -26,7 +26,7 @@ from bionemo_export.models.esm2 import ALPHABET, MAX_TOKENS
 from bionemo_export.models.esmc import MAX_TOKENS as ESMC_MAX_TOKENS
 from bionemo_export.models.megamolbart import DEFAULT_VOCAB_SMILES, MegaMolBart, MegaMolBartConfig, save
 from bionemo_export.models.prott5 import DEFAULT_MAX_TOKENS, PROTT5_PIECES, T5_EXTRA_IDS, sentencepiece_model
-from bionemo_export.tokenizers.smiles import build_vocab
+from bionemo_export.serving.tokenizers.smiles import build_vocab
 
 ESM2_35M_SIZES = {"hidden_size": 480, "num_layers": 12, "num_heads": 20, "intermediate_size": 1920}
 """The sizes of the released esm2_t12_35M_UR50D (ESM-2nv 35M): a random model that runs as fast

@@ -2,8 +2,9 @@
 (L2 norm) of each sequence's embedding, checkable by brute force from the PyTorch reference.
 
 The recipe is followed on a copy of the package, as a developer would: the task's entry appended
-to `TASKS` in tasks.py, its kit (kits/norms.py) and its served module (serving/norms.py), and
-nothing else of the package changed (README.md's served-API table and the task's tests are the
+to `TASKS` in tasks.py, its kit (kits/norms.py) and its served module (serving/norms.py: the
+`NormsModel` that the static model.py's class hands N_norm to, named by its config parameter
+`served_model`), and nothing else of the package changed (README.md's served-API table and the task's tests are the
 recipe's other two files). No registry is patched: a subprocess importing the copy builds a
 repository with the task, serves it with the real tritonserver, verifies it against PyTorch (and
 fails it against another checkpoint), and asks the dev server's answer, so a layer that still
@@ -36,11 +37,9 @@ KIT = '''"""norms: the L2 norm of each sequence's embedding, by a Python model a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from bionemo_export.model_repository.encoder import ensemble_model
+from bionemo_export.model_repository.encoder import ensemble_model, python_model
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan
 from bionemo_export.tasks import TASKS
 from bionemo_export.tensors import DType, TensorSpec
@@ -49,8 +48,6 @@ from .base import Answers, PlanContext, Requests, TaskKit, register_kit
 from .comparison import TaskCheck, VerifyContext, compare_outputs, reference_encoding, task_check
 from .dev import DevAnswers
 
-SERVED = Path(__file__).resolve().parent.parent / "serving" / "norms.py"
-
 
 @register_kit
 class NormsKit(TaskKit):
@@ -58,10 +55,11 @@ class NormsKit(TaskKit):
 
     def plan(self, context: PlanContext) -> list[ModelPlan]:
         outputs = [TensorSpec(t.name, t.dtype, t.shape()) for t in TASKS["norms"].outputs]
+        served, files = python_model("norms.NormsModel", model_name=f"{context.name}_norm")
         norm = ModelPlan(f"{context.name}_norm",
                          [TensorSpec("embeddings", DType.FP32, (context.loaded.hidden_size,))], outputs,
-                         max_batch_size=context.serving.max_batch_size, backend="python",
-                         files={"model.py": SERVED}, description="norm of the embeddings (Python)")
+                         max_batch_size=context.serving.max_batch_size, backend="python", parameters=served,
+                         files=files, description="norm of the embeddings (Python)")
         public = ensemble_model(context.name, "norms", outputs, context.serving, {"embeddings": "embeddings"},
                                 after=[EnsembleStep(norm.name, {"embeddings": "embeddings"}, {"norms": "norms"})])
         return [norm, public]
@@ -81,21 +79,28 @@ class NormsKit(TaskKit):
                 for _, embeddings, _ in dev.encode(requests)]
 '''
 
-SERVED = '''"""N_norm: the L2 norm of each row of `embeddings` (served by Triton's Python backend; numpy only)."""
+SERVED = '''"""N_norm: the L2 norm of each row of `embeddings` (numpy; the served package's `norms.NormsModel`)."""
 
 import numpy as np
 
+from .models import Args, ServedModel
+from .responses import Responder, input_array, triton
 
-class TritonPythonModel:
-    def execute(self, requests):
-        import triton_python_backend_utils as pb_utils
 
-        responses = []
-        for request in requests:
-            embeddings = pb_utils.get_input_tensor_by_name(request, "embeddings").as_numpy()
-            norms = np.linalg.norm(embeddings, axis=1, keepdims=True).astype(np.float32)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("norms", norms)]))
-        return responses
+class NormsModel(ServedModel):
+    def initialize(self, args: Args, folder: str) -> None:
+        self.responder = Responder(args["model_name"])
+        self.model = self
+
+    def execute(self, requests: list) -> list:
+        return self.responder.answer_all(requests, self.answer)
+
+    def answer(self, requests: list) -> tuple[list, int]:
+        """(responses, bytes of work), as Responder.answer_all takes them."""
+        pb_utils = triton()
+        norms = [np.linalg.norm(input_array(request, "embeddings"), axis=1, keepdims=True).astype(np.float32)
+                 for request in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("norms", row)]) for row in norms], 0
 '''
 
 # Run on the copy: build, serve and verify, verify against another checkpoint, the dev server's answer.

@@ -1,6 +1,7 @@
 """Behaviour unchanged across the task-kit refactor: repositories built by the code before it
 (BASELINE, read from this clone's git history) and by the code now, from the same checkpoints, have
-equal config.pbtxt files field by field, and a real tritonserver serving each gives exactly the
+equal config.pbtxt files field by field (but for the one parameter added since, `served_model`,
+which the served package's static model.py reads), and a real tritonserver serving each gives exactly the
 same answers to every public model (bit for bit: the same host, the same ONNX Runtime).
 
 Two repositories: a tiny ESM-2 with its masked-LM and contact heads (embeddings, hiddens, logits,
@@ -25,6 +26,7 @@ from google.protobuf import json_format
 from bionemo_export.client import Seq2SeqClient
 from bionemo_export.model_repository.pbtxt import read_config
 from bionemo_export.runtime import TritonServer
+from bionemo_export.serving.models import SERVED_MODEL
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 BASELINE = "841b0ac4456a1066e64382dfadc84685ac026c4a"
@@ -92,6 +94,10 @@ def _configs(repository: Path) -> dict[str, dict]:
 def test_the_configs_are_equal_field_by_field(built, family):
     before, after = (_configs(repository) for repository in built[family])
     assert sorted(before) == sorted(after)
+    # Added since: each Python model's static model.py hands it to the class this parameter names.
+    for model, config in after.items():
+        served = config.get("parameters", {}).pop(SERVED_MODEL, None)
+        assert (served is not None) == (config.get("backend") == "python"), model
     for model in before:
         fields = set(before[model]) | set(after[model])
         differing = {field: (before[model].get(field), after[model].get(field)) for field in sorted(fields)

@@ -21,8 +21,8 @@ from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.model_repository.manifest import Manifest
 from bionemo_export.models import get_family
 from bionemo_export.models.bert import antiberty_checkpoint
-from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
+from bionemo_export.serving.numerics import cosine_rows
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 from bionemo_export.verify import verify_repository
 

@@ -18,7 +18,7 @@ from bionemo_export.kits.decoding import SAMPLING_CHECKS, expected_outputs
 from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.models import get_family
 from bionemo_export.runtime import TritonServer
-from bionemo_export.tokenizers.smiles import tokenize
+from bionemo_export.serving.tokenizers.smiles import tokenize
 from bionemo_export.verify import verify_repository
 
 NAME = "megamolbart"

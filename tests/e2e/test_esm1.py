@@ -28,10 +28,10 @@ from bionemo_export.models import get_family
 from bionemo_export.models.base import infer_family
 from bionemo_export.models.esm1 import ESM1NV_PIECES, esm1nv_tokenizer
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
-from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
+from bionemo_export.serving.numerics import cosine_rows
+from bionemo_export.serving.tokenizers.character import TokenizationError
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.character import TokenizationError
 
 # The HF ESM alphabet (ids by index) and the ESM-1nv ids, written out as the reference documents them.
 HF_ALPHABET = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]

@@ -30,7 +30,7 @@ from bionemo_export.model_repository.integrity import (
 )
 from bionemo_export.model_repository.manifest import MANIFEST_NAME, Manifest
 from bionemo_export.model_repository.options import ServingOptions
-from bionemo_export.tokenizers import CharacterTokenizer
+from bionemo_export.serving.tokenizers import CharacterTokenizer
 from tests.helpers import serve_process as sp
 from tests.unit.test_integrity_records import _without_digests
 

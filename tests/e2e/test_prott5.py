@@ -27,11 +27,11 @@ from bionemo_export.models import LoadedModel, get_family, load_checkpoint
 from bionemo_export.models.megamolbart import MegaMolBart, MegaMolBartConfig
 from bionemo_export.models.prott5 import PROTT5_PIECES, nemo_vocabulary, sentencepiece_model
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
-from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
+from bionemo_export.serving.numerics import cosine_rows
+from bionemo_export.serving.tokenizers import Encoded
+from bionemo_export.serving.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers import Encoded
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
 FAMILY = get_family("prott5")
 ESM1NV_PIECES = ["<unk>", "<s>", "</s>", "<pad>", "<mask>", *"LASGVERTDIPKNFQYHMCWXBZUO"]

@@ -15,9 +15,9 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import EncoderClient, InferenceError, TritonClient, strings_to_tensor
 from bionemo_export.model_repository.encoder import ServingOptions
 from bionemo_export.models.bert import rxnfp_checkpoint
-from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
-from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN
+from bionemo_export.serving.numerics import cosine_rows
+from bionemo_export.serving.tokenizers.smiles import REACTION_SMILES_PATTERN
 from bionemo_export.verify import verify_repository
 from tests.unit.test_rxnfp_tokenizer import RXNFP_REGEX, run
 

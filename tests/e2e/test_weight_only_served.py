@@ -12,8 +12,8 @@ from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import RepositoryClient
 from bionemo_export.exporters.verification import PRECISION_MIN_COSINE
 from bionemo_export.models import get_family
-from bionemo_export.numerics import cosine_rows
 from bionemo_export.runtime import TritonServer
+from bionemo_export.serving.numerics import cosine_rows
 from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 SEQUENCES = ["EVQLVESGGGLVQPGGSLRLSCAASGFTFSSYAMS", "DIQMTQSPSSLSASVGDRVTITC", "QVQLQESGPGLVKPSETLSLTCTVSGGSISSYYWS"]

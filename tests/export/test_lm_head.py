@@ -28,10 +28,10 @@ from bionemo_export.models import LoadedModel, get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB, antiberty_checkpoint, rxnfp_checkpoint
 from bionemo_export.models.esm1 import ESM1NV_PIECES, esm1nv_tokenizer
 from bionemo_export.models.readers import CheckpointError
+from bionemo_export.serving.tokenizers.character import MASK_CHAR, CharacterTokenizer, TokenizationError
+from bionemo_export.serving.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
+from bionemo_export.serving.tokenizers.smiles import SmilesTokenizer
 from bionemo_export.testing.checkpoints import save_huggingface, save_random_checkpoint
-from bionemo_export.tokenizers.character import MASK_CHAR, CharacterTokenizer, TokenizationError
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
-from bionemo_export.tokenizers.smiles import SmilesTokenizer
 from tests.helpers.nemo_archives import esm2_to_megatron, esm2nv_config, pad_rows, write_nemo
 from tests.helpers.random_models import perturb
 

@@ -24,8 +24,8 @@ from bionemo_export.models.megamolbart_training import (
     train_copy_model,
     training_smiles,
 )
+from bionemo_export.serving.tokenizers.smiles import SmilesTokenizer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.smiles import SmilesTokenizer
 
 
 @pytest.fixture(scope="module")

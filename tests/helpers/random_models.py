@@ -64,8 +64,8 @@ def saprot_checkpoint(folder: Path, seed: int = 13) -> tuple[Path, transformers.
     as a Hugging Face folder with its vocab.txt, and the model. Seed 13: tests/e2e/test_saprot.py
     serves it and tests/export/test_layer_states.py builds its layers (one encoder export for both).
     The caller's RNG is left as it was."""
+    from bionemo_export.serving.tokenizers.structure_aware import saprot_vocabulary
     from bionemo_export.testing.checkpoints import save_huggingface, tiny_config
-    from bionemo_export.tokenizers.structure_aware import saprot_vocabulary
 
     model = _seeded(lambda: transformers.EsmForMaskedLM(tiny_config(
         "saprot", hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)), seed=seed, spread=0.3)

@@ -18,8 +18,8 @@ from bionemo_export.build import unserved_tasks
 from bionemo_export.models import get_family
 from bionemo_export.serving.attentions import AttentionWeights, normalize_blocks, normalize_heads
 from bionemo_export.serving.responses import RequestError, Responder
+from bionemo_export.serving.tokenizers.character import TokenizationError
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.character import TokenizationError
 from tests.helpers import fake_pb_utils
 
 ATOL = 1e-4

@@ -70,7 +70,7 @@ def _repository(root: Path, backend: str, axes: tuple[str | None, str | None] = 
                         split_axis="length")
     planned = get_backend(backend).plan_graph(GraphModel(plan=plan, role=RoleOptions(), what="encoder",
                                                          onnx_files={"model.onnx": graph}, shapes=shapes,
-                                                         python_model=lambda: "# model.py\n"))
+                                                         python_model=lambda: ({}, {"model.py": "# model.py\n"})))
     root.mkdir()
     RepositoryPlan([planned]).write(root)
     Manifest(name="m", family="esm2", tasks=["hiddens"], max_length=MAX_LENGTH).write(root)

@@ -20,8 +20,8 @@ from bionemo_export.models import LoadedModel, get_family
 from bionemo_export.models.bert import ANTIBERTY_VOCAB, rxnfp_checkpoint
 from bionemo_export.models.classifier import ClassifierHead
 from bionemo_export.models.readers import CheckpointError
+from bionemo_export.serving.tokenizers import Encoded
 from bionemo_export.testing.checkpoints import save_huggingface, save_random_checkpoint
-from bionemo_export.tokenizers import Encoded
 from tests.helpers.random_models import perturb
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO", ".", "-", "<null_1>", "<mask>"]

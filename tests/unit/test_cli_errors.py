@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from bionemo_export.build import BuildError, BuildRequest, build_repository, remove_stale_builds
 from bionemo_export.cli.main import app, error_line
 from bionemo_export.models import get_family
-from bionemo_export.numerics import cosine_rows, degenerate_rows
 from bionemo_export.runtime import free_ports
+from bionemo_export.serving.numerics import cosine_rows, degenerate_rows
 from bionemo_export.verify import compare_outputs
 
 runner = CliRunner()

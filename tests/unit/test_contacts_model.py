@@ -14,8 +14,8 @@ import transformers
 from bionemo_export.models import get_family
 from bionemo_export.serving.contacts import ContactMaps
 from bionemo_export.serving.responses import Responder
+from bionemo_export.serving.tokenizers.character import TokenizationError
 from bionemo_export.testing.checkpoints import save_random_checkpoint, set_contact_head
-from bionemo_export.tokenizers.character import TokenizationError
 from tests.helpers import fake_pb_utils
 
 

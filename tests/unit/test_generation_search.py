@@ -1,4 +1,4 @@
-"""Decoding and sampling (bionemo_export.generation.search) against toy numpy decoders.
+"""Decoding and sampling (bionemo_export.serving.search) against toy numpy decoders.
 
 The toy model's next-token logits depend on the last two tokens and on the masked mean of the
 hidden states (so perturbation matters). Its cache carries each entry's original row and token
@@ -14,18 +14,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bionemo_export.generation import (
+from bionemo_export.serving.search import (
     GenerationError,
     TooLargeError,
     beam_search,
+    check_decode_tokens,
     check_sampling_arguments,
     generate,
     greedy,
     perturb,
     sample_top_k_top_p,
+    split_by_tokens,
     validate_hiddens,
 )
-from bionemo_export.generation.search import check_decode_tokens, split_by_tokens
 
 BEGIN, END = 0, 1
 

@@ -214,7 +214,7 @@ def test_int8_slower_than_fp32_on_the_build_host_is_said(tmp_path, monkeypatch):
 
 def _compare_at_once(actual: np.ndarray, expected: np.ndarray, valid: np.ndarray | None) -> tuple[float, float]:
     """compare's figures as one float64 computation over every vector (what it did before slicing)."""
-    from bionemo_export.numerics import cosine_rows
+    from bionemo_export.serving.numerics import cosine_rows
 
     def rows(values: np.ndarray) -> np.ndarray:
         values = values.astype(np.float64)

@@ -18,8 +18,8 @@ from bionemo_export.model_repository.integrity import (
     record_files,
 )
 from bionemo_export.model_repository.manifest import Manifest
-from bionemo_export.tokenizers import SmilesTokenizer
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
+from bionemo_export.serving.tokenizers import SmilesTokenizer
+from bionemo_export.serving.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 
 
 def _without_digests(repository: Path) -> None:

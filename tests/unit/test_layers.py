@@ -155,6 +155,20 @@ def test_a_circle_for_type_checkers_or_inside_functions_counts(tmp_path):
         "import circle: bionemo_export.models <-> bionemo_export.models.base"]
 
 
+def test_the_served_package_may_import_only_itself_the_standard_library_and_numpy(tmp_path):
+    package = _package(tmp_path, {
+        "serving/responses.py": "import json\nimport numpy\nfrom .parameters import x\n",
+        "serving/parameters.py": "def read():\n    import torch\n",
+        "serving/scores.py": "from bionemo_export.tasks import TASKS\n",
+        "tasks.py": "",
+    })
+    assert _problems(package) == [
+        "bionemo_export.serving.parameters -> torch (line 2) (inside a function): the served package imports only "
+        "the standard library and numpy, onnxruntime, triton_python_backend_utils",
+        "bionemo_export.serving.scores -> bionemo_export.tasks (line 1): the served package imports only itself "
+        "(it is copied alone into repositories)"]
+
+
 def test_a_part_in_no_layer_is_reported(tmp_path):
     package = _package(tmp_path, {"plugins/extra.py": "from bionemo_export.tasks import TASKS\n", "tasks.py": ""})
     assert _problems(package) == ["plugins: a part of the package in no layer: add it to LAYERS"]

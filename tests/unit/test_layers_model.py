@@ -21,8 +21,8 @@ from bionemo_export.serving.layers import (
     pool,
 )
 from bionemo_export.serving.responses import RequestError, Responder
+from bionemo_export.serving.tokenizers.character import TokenizationError
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.character import TokenizationError
 from tests.helpers import fake_pb_utils
 
 ESM_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", *"LAGVSERTIDPKQNFYMHWCXBUZO"]

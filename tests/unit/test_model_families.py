@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from bionemo_export.models import REGISTRY, LoadedModel, get_family
 from bionemo_export.models.bert import antiberty_checkpoint
 from bionemo_export.models.esm2 import ALPHABET
+from bionemo_export.serving.tokenizers import CharacterTokenizer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers import CharacterTokenizer
 
 FAMILIES = ("esm2", "bert")
 BACKBONES = {"esm2": transformers.EsmModel, "bert": transformers.BertModel}

@@ -196,7 +196,7 @@ def megamolbart_source(tmp_path_factory) -> tuple[MegaMolBart, list[str]]:
 
 def decoder_logits(model_or_loaded, vocab) -> torch.Tensor:
     """Teacher-forced decoder logits of SMILES for the loaded import or the source model."""
-    from bionemo_export.tokenizers.smiles import SmilesTokenizer
+    from bionemo_export.serving.tokenizers.smiles import SmilesTokenizer
 
     encoded = SmilesTokenizer(vocab, max_length=64).encode(SMILES)
     ids, mask = torch.from_numpy(encoded.input_ids), torch.from_numpy(encoded.attention_mask)

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from bionemo_export.models.readers import CheckpointError, read_checkpoint
+from bionemo_export.serving.tokenizers import CharacterTokenizer, SmilesTokenizer
+from bionemo_export.serving.tokenizers.protocol import Tokenizer
+from bionemo_export.serving.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers import CharacterTokenizer, SmilesTokenizer
-from bionemo_export.tokenizers.protocol import Tokenizer
-from bionemo_export.tokenizers.sentencepiece_vocab import SentencePieceTokenizer
 from tests.helpers.nemo_archives import write_nemo
 
 

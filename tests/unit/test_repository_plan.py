@@ -12,9 +12,9 @@ from bionemo_export.model_repository.encoder import plan_encoder_repository
 from bionemo_export.model_repository.options import RoleOptions, ServingOptions
 from bionemo_export.model_repository.pbtxt import parse_pbtxt, read_config, to_pbtxt
 from bionemo_export.model_repository.plan import EnsembleStep, ModelPlan, PlanError, RepositoryPlan
+from bionemo_export.serving.tokenizers.character import CharacterTokenizer
 from bionemo_export.tensors import DType, TensorSpec
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.character import CharacterTokenizer
 
 TOKENIZER = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "A", "C"], residues="AC", pad_token="<pad>",
                                bos_token="<cls>", eos_token="<eos>", unk_token=None, max_length=16)
@@ -85,8 +85,10 @@ def test_python_backend_ships_a_model_py_that_compiles(tmp_path):
     encoder = _plan(tmp_path, backend="python").model("esm2nv_encoder")
     assert encoder.to_config().backend == "python"
     assert "import bionemo_export" not in _code(encoder)
-    # The numpy-only helpers and the tokenizer are copied beside it.
-    assert {"batching.py", "host.py", "character.py", "tokenizer.json", "model.onnx"} <= set(encoder.files)
+    # The served package is copied beside it whole, with the tokenizer's vocabulary; the config names its class.
+    assert {"bionemo_serving/batching.py", "bionemo_serving/host.py", "bionemo_serving/tokenizers/character.py",
+            "tokenizer.json", "model.onnx"} <= set(encoder.files)
+    assert encoder.parameters["served_model"] == "models.EncoderModel"
     tokenizer = _plan(tmp_path, layout="ensemble").model("esm2nv_tokenizer")
     assert "import bionemo_export" not in _code(tokenizer)
 
@@ -134,8 +136,8 @@ def test_write_creates_folders_configs_and_files(tmp_path):
         assert read_config(root / model.name).name == model.name
         assert (root / model.name / "1").is_dir()
     assert (root / "esm2nv_encoder" / "1" / "model.onnx").read_bytes() == b"not really onnx"
-    assert (root / "esm2nv_encoder" / "1" / "character.py").is_file()
-    assert (root / "esm2nv_encoder" / "1" / "batching.py").is_file()
+    assert (root / "esm2nv_encoder" / "1" / "bionemo_serving" / "tokenizers" / "character.py").is_file()
+    assert (root / "esm2nv_encoder" / "1" / "bionemo_serving" / "batching.py").is_file()
 
 
 def test_write_links_the_builds_own_files_and_copies_the_others(tmp_path):
@@ -224,7 +226,7 @@ def test_fused_decode_loops_run_the_decoder_graphs_themselves(tmp_path, megamolb
     assert "mmb_cross_kv" not in models and "mmb_decoder_step" not in models
     for name in ("mmb_decodes", "mmb_samplings"):
         model = models[name]
-        assert {"cross_kv/model.onnx", "decoder_step/model.onnx", "host.py"} <= set(model.files)
+        assert {"cross_kv/model.onnx", "decoder_step/model.onnx", "bionemo_serving/host.py"} <= set(model.files)
         assert model.parameters["intra_op_threads"] == "auto" and model.parameters["memory_arena"] == "run"
         assert model.parameters["decoder_graphs"] == "in_process" and "cross_kv_model" not in model.parameters
     assert "bls_models" not in models["mmb_decodes"].parameters  # it calls no other model

@@ -21,9 +21,9 @@ from bionemo_export.models.bert import (
     is_smiles_vocab,
     rxnfp_checkpoint,
 )
+from bionemo_export.serving.tokenizers.character import CharacterTokenizer, TokenizationError
+from bionemo_export.serving.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.character import CharacterTokenizer, TokenizationError
-from bionemo_export.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 
 # rxnfp's regex as published in rxnfp/tokenization.py, applied with re.findall: the reference split.
 RXNFP_REGEX = re.compile(

@@ -21,9 +21,9 @@ from bionemo_export.models.readers import CheckpointError
 from bionemo_export.serving.responses import Responder
 from bionemo_export.serving.scores import VariantScorer, structure_reader
 from bionemo_export.serving.scoring import ScoringError, ScoringLimits, plan_request
+from bionemo_export.serving.tokenizers.character import TokenizationError
+from bionemo_export.serving.tokenizers.structure_aware import StructureAwareTokenizer, saprot_vocabulary
 from bionemo_export.testing.checkpoints import save_huggingface, save_random_checkpoint, tiny_config
-from bionemo_export.tokenizers.character import TokenizationError
-from bionemo_export.tokenizers.structure_aware import StructureAwareTokenizer, saprot_vocabulary
 from tests.helpers import fake_pb_utils
 from tests.helpers.random_models import saprot_checkpoint
 from tests.helpers.saprot_reference import marginal_scores, pairs, predict_mut, residue_log_probs, token_ids, vocab_ids

@@ -453,7 +453,7 @@ def test_variant_masked_runs_one_copy_per_set_of_positions_and_reads_each_varian
 def test_structure_aware_copies_keep_each_residues_3di_letter():
     """With a structure-aware reader, variants index residues, and every copy is spelled residue +
     3Di letter, the masked residue `#` followed by its own letter (SaProt's `#d`)."""
-    from bionemo_export.tokenizers.structure_aware import split_pairs
+    from bionemo_export.serving.tokenizers.structure_aware import split_pairs
 
     alphabet = tuple(AMINO_ACIDS)
     for method, inputs in (("variant-masked", ["#dEv#p", "Md#vVp"]), ("masked-marginal", ["#dEvVp", "Md#vVp",

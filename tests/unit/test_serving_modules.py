@@ -13,12 +13,12 @@ import re
 import numpy as np
 import pytest
 
-from bionemo_export.generation.kv_decoder import CROSS_KV_OUTPUTS
-from bionemo_export.generation.search import LIMITS, SAMPLING_DEFAULTS, GenerationError
 from bionemo_export.serving import decoding, request_options, responses, sampling
+from bionemo_export.serving.kv_decoder import CROSS_KV_OUTPUTS
 from bionemo_export.serving.parameters import flag_parameter, model_parameters, number_parameter
+from bionemo_export.serving.search import LIMITS, SAMPLING_DEFAULTS, GenerationError
+from bionemo_export.serving.tokenizers.smiles import SPECIAL_TOKENS, SmilesTokenizer
 from bionemo_export.testing.checkpoints import save_random_checkpoint
-from bionemo_export.tokenizers.smiles import SPECIAL_TOKENS, SmilesTokenizer
 from tests.helpers import fake_pb_utils
 
 LIMIT_VALUES = {"max_num_samples": 8, "max_beam_size": 8, "max_samples_x_beams": 40, "max_decode_tokens": 4096}

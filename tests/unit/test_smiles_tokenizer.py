@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bionemo_export.tokenizers import character, smiles
-from bionemo_export.tokenizers.character import TokenizationError
-from bionemo_export.tokenizers.smiles import SPECIAL_TOKENS, SmilesTokenizer, build_vocab, tokenize
+from bionemo_export.model_repository.encoder import served_package
+from bionemo_export.serving.tokenizers import character, smiles
+from bionemo_export.serving.tokenizers.character import TokenizationError
+from bionemo_export.serving.tokenizers.smiles import SPECIAL_TOKENS, SmilesTokenizer, build_vocab, tokenize
 
 MOLECULES = [
     "CCO",
@@ -161,20 +162,26 @@ def test_round_trips_through_dict_and_json(tokenizer, tmp_path):
         SmilesTokenizer.from_dict({**tokenizer.to_dict(), "type": "character"})
 
 
-def test_module_runs_beside_character_with_numpy_alone(tokenizer, tmp_path):
-    """Copied next to character.py and imported as top-level modules, as a generated model.py
+def _copy_served_package(folder: Path) -> None:
+    """The served package as a repository's version folder holds it (bionemo_serving/)."""
+    for relative, source in served_package().items():
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / relative).write_bytes(Path(source).read_bytes())
+
+
+def test_module_runs_in_the_copied_served_package_with_numpy_alone(tokenizer, tmp_path):
+    """Imported from the served package copied into a version folder, as a generated model.py
     does, with torch, transformers and bionemo_export blocked."""
-    for module in (character, smiles):
-        assert module.__file__ is not None  # imported from its file
-        (tmp_path / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
+    assert character.__file__ is not None and smiles.__file__ is not None  # imported from their files
+    _copy_served_package(tmp_path)
     tokenizer.save_json(tmp_path / "tokenizer.json")
     script = f"""
 import sys
 for blocked in ("torch", "transformers", "bionemo_export"):
     sys.modules[blocked] = None
 sys.path.insert(0, {str(tmp_path)!r})
-from character import TokenizationError
-from smiles import SmilesTokenizer
+from bionemo_serving.tokenizers.character import TokenizationError
+from bionemo_serving.tokenizers.smiles import SmilesTokenizer
 tokenizer = SmilesTokenizer.from_json({str(tmp_path / "tokenizer.json")!r})
 print(tokenizer.encode([b"CCO", "C[C@@H](Cl)Br"]).input_ids.tolist())
 try:
@@ -304,17 +311,15 @@ def test_bert_settings_round_trip_and_old_dicts_keep_megamolbarts_defaults(react
         smiles.MEGAMOLBART_PATTERN, "<PAD>", None, None, "^", "&")
 
 
-def test_bert_module_runs_beside_character_with_numpy_alone(reaction_tokenizer, tmp_path):
-    for module in (character, smiles):
-        assert module.__file__ is not None  # imported from its file
-        (tmp_path / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
+def test_bert_module_runs_in_the_copied_served_package_with_numpy_alone(reaction_tokenizer, tmp_path):
+    _copy_served_package(tmp_path)
     reaction_tokenizer.save_json(tmp_path / "tokenizer.json")
     script = f"""
 import sys
 for blocked in ("torch", "transformers", "bionemo_export"):
     sys.modules[blocked] = None
 sys.path.insert(0, {str(tmp_path)!r})
-from smiles import SmilesTokenizer
+from bionemo_serving.tokenizers.smiles import SmilesTokenizer
 tokenizer = SmilesTokenizer.from_json({str(tmp_path / "tokenizer.json")!r})
 encoded = tokenizer.encode([b"CC(=O)O.OCC>>CC(=O)OCC", "CCO"])
 print(encoded.input_ids.tolist(), encoded.residue_mask.tolist())

@@ -32,7 +32,7 @@ def _configs(plan) -> dict[str, dict]:
 def _seq2seq_configs(tmp_path: Path, **options) -> dict[str, dict]:
     from bionemo_export.model_repository.seq2seq import plan_seq2seq_repository
     from bionemo_export.models.base import Seq2SeqModules, seq2seq_graph_specs
-    from bionemo_export.tokenizers.character import CharacterTokenizer
+    from bionemo_export.serving.tokenizers.character import CharacterTokenizer
 
     tokenizer = CharacterTokenizer(["<cls>", "<pad>", "<eos>", "C", "O"], residues="CO", pad_token="<pad>",
                                    bos_token="<cls>", eos_token="<eos>", unk_token=None, max_length=16)

@@ -14,8 +14,8 @@ import transformers
 
 from bionemo_export.models.bert import BertFamily, antiberty_checkpoint
 from bionemo_export.models.esm2 import ALPHABET, Esm2Family
-from bionemo_export.tokenizers import character
-from bionemo_export.tokenizers.character import CharacterTokenizer, TokenizationError
+from bionemo_export.serving.tokenizers import character
+from bionemo_export.serving.tokenizers.character import CharacterTokenizer, TokenizationError
 
 PROTEINS = ["MKTAY", "MSLKRKNIALIPAAGIGVRFG", "A", "LAGVSERTIDPKQNFYMHWCXBUZO"]
 ANTIBODY = ["EVQLV", "SRWGGDGFYAMDY", "C", "QVQLVQSGAEVKKPGASVKVSCKASGYTFT"]

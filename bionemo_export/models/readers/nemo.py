@@ -185,7 +185,7 @@ def sentencepiece_pieces(checkpoint: Checkpoint, model_name: str) -> list[str]:
     """The piece vocabulary (id order) of the archive's SentencePiece tokenizer artifacts: the
     `tokenizer.model` protobuf and/or the `tokenizer.vocab_file` (`piece<TAB>score` lines); when
     both are there they must agree. `model_name` (ESM-1nv, ProtT5nv) is for messages."""
-    from bionemo_export.tokenizers.sentencepiece_vocab import read_pieces
+    from bionemo_export.serving.tokenizers.sentencepiece_vocab import read_pieces
 
     source = f"{checkpoint.path}:{CONFIG_NAME}"
     tokenizer = checkpoint.config.get("tokenizer") or {}

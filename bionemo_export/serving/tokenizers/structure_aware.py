@@ -1,7 +1,7 @@
 """SaProt's structure-aware tokenizer: every token pairs a residue with a Foldseek 3Di structure
 letter, vectorized with numpy.
 
-This file is copied verbatim into generated Triton Python-backend model folders, next to
+Part of the served package, copied whole into generated Triton Python-backend model folders, next to
 character.py, and imported there as a top-level module: it imports only the standard library,
 numpy and its sibling (never torch or bionemo_export).
 
@@ -36,10 +36,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-try:  # inside the bionemo_export package
-    from .character import Encoded, TokenIds, TokenizationError, _utf8, assemble, read_tokenizer_file
-except ImportError:  # copied beside character.py into a Triton model folder
-    from character import Encoded, TokenIds, TokenizationError, _utf8, assemble, read_tokenizer_file
+from .character import Encoded, TokenIds, TokenizationError, _utf8, assemble, read_tokenizer_file
 
 RESIDUES = "ACDEFGHIKLMNPQRSTVWY"
 """SaProt's amino acids, in vocabulary order (utils/constants.py's foldseek_seq_vocab without `#`)."""

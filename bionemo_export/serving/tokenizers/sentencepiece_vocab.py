@@ -1,6 +1,6 @@
 """Character-level SentencePiece vocabularies (ESM-1nv, ProtT5nv, Hugging Face ProtT5), numpy only.
 
-This file is copied verbatim into generated Triton Python-backend model folders, beside
+Part of the served package, copied whole into generated Triton Python-backend model folders, beside
 character.py, and imported there as a top-level module (its name must not shadow the
 `sentencepiece` package). It imports only the standard library and its sibling.
 
@@ -24,10 +24,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-try:  # inside the bionemo_export package
-    from .character import CharacterTokenizer, Encoded
-except ImportError:  # copied beside character.py into a Triton model folder
-    from character import CharacterTokenizer, Encoded
+from .character import CharacterTokenizer, Encoded
 
 WORD_START = "\u2581"  # "▁": SentencePiece's marker of a piece that starts a word
 

@@ -1,6 +1,6 @@
 """Decoding and sampling for encoder-decoder models (MegaMolBART), numpy only.
 
-This file is copied verbatim into generated Triton Python-backend model folders and imported
+Part of the served package, copied whole into generated Triton Python-backend model folders and imported
 there as a top-level module, so it imports only the standard library and numpy. The model is
 reached through `StepDecoder`, so the same algorithms drive the served graphs (ONNX Runtime or
 Triton BLS) and the PyTorch reference.

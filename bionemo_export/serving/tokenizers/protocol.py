@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from bionemo_export.tokenizers.character import Encoded
+from .character import Encoded
 
 
 @runtime_checkable

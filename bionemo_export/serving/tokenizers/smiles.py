@@ -1,7 +1,7 @@
 """Regex SMILES tokenizers (MegaMolBART's, and BERT reaction-SMILES models such as rxnfp's), with
 numpy outputs.
 
-This file is copied verbatim into generated Triton Python-backend model folders, next to
+Part of the served package, copied whole into generated Triton Python-backend model folders, next to
 character.py, and imported there as a top-level module: it imports only the standard library,
 numpy and its sibling (never torch or bionemo_export).
 
@@ -28,26 +28,15 @@ from typing import Any
 
 import numpy as np
 
-try:  # inside the bionemo_export package
-    from .character import (
-        Encoded,
-        TokenIds,
-        TokenizationError,
-        _utf8,
-        assemble,
-        check_mask_setting,
-        read_tokenizer_file,
-    )
-except ImportError:  # copied beside character.py into a Triton model folder
-    from character import (
-        Encoded,
-        TokenIds,
-        TokenizationError,
-        _utf8,
-        assemble,
-        check_mask_setting,
-        read_tokenizer_file,
-    )
+from .character import (
+    Encoded,
+    TokenIds,
+    TokenizationError,
+    _utf8,
+    assemble,
+    check_mask_setting,
+    read_tokenizer_file,
+)
 
 SPECIAL_TOKENS = ("<PAD>", "?", "^", "&", "<MASK>", "<SEP>")
 """MegaMolBART's special tokens, at ids 0..5: pad, unknown, begin, end, mask, separator."""

@@ -1,6 +1,6 @@
 """A character-level tokenizer for protein sequences, vectorized with numpy.
 
-This file is copied verbatim into generated Triton Python-backend model folders, so it imports
+Part of the served package, copied whole into generated Triton Python-backend model folders, so it imports
 only the standard library and numpy (never torch, transformers or bionemo_export).
 
 Every input character is one token: BOS + residues + EOS, padded to the longest sequence in the
