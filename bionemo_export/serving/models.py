@@ -195,59 +195,60 @@ class SamplingsModel(ServedModel):
                                encoder_tokenizes=flag_parameter(parameters, "encoder_tokenizes"))
 
 
-class ContactsModel(ServedModel):
+class RowsThroughGraphModel(ServedModel):
+    """A public model that tokenizes each row and calls its graph through BLS (row_calls.py):
+    `rows` makes the model of its kind from the config parameters, the tokenizer and the graph call."""
+
+    def initialize(self, args: Args, folder: str) -> None:
+        from .tokenizer_file import load_tokenizer
+        from .tokenizers.character import TokenizationError
+
+        parameters = model_parameters(args)
+        self.responder = Responder(args["model_name"], (TokenizationError,))
+        self.model = self.rows(args, parameters, load_tokenizer(folder, parameters))
+
+    def rows(self, args: Args, parameters: Mapping[str, str], tokenizer: Any) -> Any:
+        raise NotImplementedError
+
+
+class ContactsModel(RowsThroughGraphModel):
     """N_contacts: one contact map per sequence over BLS calls to the contacts graph (contacts.py)."""
 
-    def initialize(self, args: Args, folder: str) -> None:
+    def rows(self, args: Args, parameters: Mapping[str, str], tokenizer: Any) -> Any:
         from .contacts import ContactMaps, graph_caller
-        from .tokenizer_file import load_tokenizer
-        from .tokenizers.character import TokenizationError
 
-        parameters = model_parameters(args)
-        self.responder = Responder(args["model_name"], (TokenizationError,))
-        self.model = ContactMaps(
-            load_tokenizer(folder, parameters), graph_caller(parameters["graph_model"]),
-            max_residues=number_parameter(args, parameters, "max_residues"),
-            pair_budget=number_parameter(args, parameters, "pair_budget"),
-            max_rows=number_parameter(args, parameters, "max_rows"), responder=self.responder)
+        return ContactMaps(tokenizer, graph_caller(parameters["graph_model"]),
+                           max_residues=number_parameter(args, parameters, "max_residues"),
+                           pair_budget=number_parameter(args, parameters, "pair_budget"),
+                           max_rows=number_parameter(args, parameters, "max_rows"), responder=self.responder)
 
 
-class LayersModel(ServedModel):
+class LayersModel(RowsThroughGraphModel):
     """N_layers: the layers and poolings a request names, over BLS calls to the layers graph (layers.py)."""
 
-    def initialize(self, args: Args, folder: str) -> None:
+    def rows(self, args: Args, parameters: Mapping[str, str], tokenizer: Any) -> Any:
         from .layers import LayerEmbeddings, graph_caller
-        from .tokenizer_file import load_tokenizer
-        from .tokenizers.character import TokenizationError
 
-        parameters = model_parameters(args)
-        self.responder = Responder(args["model_name"], (TokenizationError,))
-        self.model = LayerEmbeddings(
-            load_tokenizer(folder, parameters), graph_caller(parameters["graph_model"]),
-            num_layers=number_parameter(args, parameters, "num_layers"),
-            has_bos=flag_parameter(parameters, "has_bos"),
-            token_budget=number_parameter(args, parameters, "token_budget"),
-            max_rows=number_parameter(args, parameters, "max_rows"), responder=self.responder)
+        return LayerEmbeddings(tokenizer, graph_caller(parameters["graph_model"]),
+                               num_layers=number_parameter(args, parameters, "num_layers"),
+                               has_bos=flag_parameter(parameters, "has_bos"),
+                               token_budget=number_parameter(args, parameters, "token_budget"),
+                               max_rows=number_parameter(args, parameters, "max_rows"), responder=self.responder)
 
 
-class AttentionsModel(ServedModel):
+class AttentionsModel(RowsThroughGraphModel):
     """N_attentions: the blocks and heads a request names, over BLS calls to the attentions graph
     (attentions.py)."""
 
-    def initialize(self, args: Args, folder: str) -> None:
+    def rows(self, args: Args, parameters: Mapping[str, str], tokenizer: Any) -> Any:
         from .attentions import AttentionWeights, graph_caller
-        from .tokenizer_file import load_tokenizer
-        from .tokenizers.character import TokenizationError
 
-        parameters = model_parameters(args)
-        self.responder = Responder(args["model_name"], (TokenizationError,))
-        self.model = AttentionWeights(
-            load_tokenizer(folder, parameters), graph_caller(parameters["graph_model"]),
-            num_layers=number_parameter(args, parameters, "num_layers"),
-            num_heads=number_parameter(args, parameters, "num_heads"),
-            max_values=number_parameter(args, parameters, "max_attention_values"),
-            pair_budget=number_parameter(args, parameters, "pair_budget"),
-            max_rows=number_parameter(args, parameters, "max_rows"), responder=self.responder)
+        return AttentionWeights(tokenizer, graph_caller(parameters["graph_model"]),
+                                num_layers=number_parameter(args, parameters, "num_layers"),
+                                num_heads=number_parameter(args, parameters, "num_heads"),
+                                max_values=number_parameter(args, parameters, "max_attention_values"),
+                                pair_budget=number_parameter(args, parameters, "pair_budget"),
+                                max_rows=number_parameter(args, parameters, "max_rows"), responder=self.responder)
 
 
 class TritonPythonModel:

@@ -1,4 +1,6 @@
-"""Jinja2 templates for the generated Python-backend `model.py` files."""
+"""Jinja2 templates of the generated Python-backend `model.py`: model.py.j2, the same code for every
+Python model (the served package's TritonPythonModel), and each kind's docstring (<kind>_model.py.j2),
+the one part written for the model."""
 
 from __future__ import annotations
 

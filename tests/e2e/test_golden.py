@@ -45,9 +45,9 @@ here = sys.argv[1]
 sys.path.insert(0, here)
 import numpy as np
 import onnxruntime as ort
-from golden import GOLDEN_FILE, read_golden
-from host import cpu_description
-from onnx_session import graph_for_this_host
+from bionemo_serving.golden import GOLDEN_FILE, read_golden
+from bionemo_serving.host import cpu_description
+from bionemo_serving.onnx_session import graph_for_this_host
 graph = graph_for_this_host(here, ["CPUExecutionProvider"])
 golden = read_golden(here + "/" + GOLDEN_FILE)
 session = ort.InferenceSession(graph, providers=["CPUExecutionProvider"])

@@ -244,8 +244,8 @@ def test_python_backend_on_gpu_places_graph_models_on_the_gpu(checkpoints, tmp_p
     _build(checkpoints, "megamolbart", out, "python", device="gpu")
     for model in ("m_encoder", "m_decodes", "m_samplings"):  # fused: the decode loops run the decoder graphs
         assert read_config(out / model).instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU, model
-    # The session module copied beside model.py picks the CUDA provider for a KIND_GPU instance.
-    assert "CUDAExecutionProvider" in (out / "m_encoder" / "1" / "onnx_session.py").read_text()
+    # The served package's session module picks the CUDA provider for a KIND_GPU instance.
+    assert "CUDAExecutionProvider" in (out / "m_encoder" / "1" / "bionemo_serving" / "onnx_session.py").read_text()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["device"] == "gpu"
     # GPU execution providers optimize for themselves: the stored graph is the plain export.

@@ -165,8 +165,9 @@ def test_round_trips_through_dict_and_json(tokenizer, tmp_path):
 def _copy_served_package(folder: Path) -> None:
     """The served package as a repository's version folder holds it (bionemo_serving/)."""
     for relative, source in served_package().items():
+        assert isinstance(source, Path)
         (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-        (folder / relative).write_bytes(Path(source).read_bytes())
+        (folder / relative).write_bytes(source.read_bytes())
 
 
 def test_module_runs_in_the_copied_served_package_with_numpy_alone(tokenizer, tmp_path):
