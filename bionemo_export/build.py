@@ -266,116 +266,146 @@ def _encode_batch(loaded: LoadedModel, sequences: list[str]) -> dict:
             "residue_mask": encoded.residue_mask}
 
 
-def _export_graph(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, exporter: str,
-                  family, progress: Progress, mask_input: str = "attention_mask", *, precision: str = "fp32",
-                  optimize: bool = True, num_heads: int | None = None,
-                  hidden_size: int | None = None, picks_cpu_graph: bool = True,
-                  cache: GraphCache | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                  streamed: bool = False, min_cosine: float | None = None,
-                  min_int8_speedup: float | None = None) -> ExportedGraph:
-    """Export `module` to ONNX under export_dir/name, check it against PyTorch on `batches`, then
-    store it optimized (and in `precision`) when that graph verifies too; raises
-    ExportVerificationError when the plain export is over the family's tolerance. int8 stores two
-    graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
-    exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden answers.
-    `streamed` (int8w, int4): written weight by weight and checked once (`_export_streamed`).
-    `min_cosine`: a reduced precision's tolerance asked for (BuildRequest.min_cosine);
-    `min_int8_speedup`: BuildRequest.min_int8_speedup."""
-    from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
-    from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
-    from bionemo_export.exporters.verification import write_golden_answers
+@dataclass(frozen=True)
+class GraphSource:
+    """One graph to export: its name, the PyTorch module, its input and output specs, the batches
+    that check the export against the module, and the input whose zeros mark padding there ("":
+    outputs compared whole)."""
 
-    if streamed:
-        return _export_streamed(name, module, inputs, outputs, batches, export_dir, family, progress, mask_input,
-                                precision=precision, block_size=block_size, min_cosine=min_cosine)
-    progress(f"exporting the {name} graph to ONNX ({exporter})")
-    folder = export_dir / name
-    folder.mkdir()
-    workspace = export_dir / f"{name}.navigator" if exporter == "navigator" else None
-    output_names = [t.name for t in outputs]
-
-    def export_and_check(graph_cache: GraphCache | None):
-        try:
-            exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx", exporter=exporter,
-                                   workspace=workspace, cache=graph_cache)
-        except NavigatorExportError as err:
-            # Its logs are in the build's folder, which the build removes: quote their end.
-            raise BuildError(f"{err}\n{_log_tail(workspace)}") from err
-        progress(f"checking the {name} graph against PyTorch")
-        return exported, verify_onnx(module, exported.path, batches, atol=family.atol, min_cosine=family.min_cosine,
-                                     output_names=output_names, mask_input=mask_input)
-
-    exported, report = export_and_check(cache)
-    if not report.passed and exported.from_graph_cache and exported.graph_cache_key and cache is not None:
-        LOG.warning("the %s graph from the graph cache %s failed its check against PyTorch; removed from the "
-                    "cache and exported again", name, cache.root)
-        cache.evict(exported.graph_cache_key)
-        exported, report = export_and_check(cache)
-    report.raise_for_tolerance()
-    if optimize or precision != "fp32":
-        progress(f"optimizing the {name} graph ({precision}) and checking it against PyTorch")
-
-    def log(message: str) -> None:
-        LOG.warning(message)
-        progress(message)
-
-    settings: dict[str, Any] = dict(num_heads=num_heads, hidden_size=hidden_size, atol=family.atol,
-                                    min_cosine=family.min_cosine, output_names=output_names, mask_input=mask_input,
-                                    optimize=optimize, asked_min_cosine=min_cosine)
-    work = export_dir / f"{name}.optimized"
-    no_vnni, speed = None, None
-    if precision == "int8":
-        int8 = verified_int8_graphs(module, exported.path, report, work, batches, one_graph=not picks_cpu_graph,
-                                    log=log, min_speedup=min_int8_speedup, **settings)
-        chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
-    else:  # fp32, fp16, and the weight-only int8w / int4 (block_size: theirs)
-        chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
-                                     block_size=block_size, **settings)
-    verification = GraphVerification(chosen.report, exported.path, chosen.record.precision,
-                                     unoptimized=report if chosen.path != exported.path else None,
-                                     no_vnni=no_vnni.report if no_vnni else None)
-    files = {p.name: p for p in chosen.path.parent.iterdir() if p.is_file()}
-    if no_vnni is not None:
-        files.update({f"{NO_VNNI_FOLDER}/{p.name}": p for p in no_vnni.path.parent.iterdir() if p.is_file()})
-    # What the served model checks on its host when it loads (serving/golden.py).
-    golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
-                                  mask_input=mask_input)
-    files[golden.name] = golden
-    # What is not stored gives its disk back before the next graph is exported (ESM-2 3B: 11 GB a
-    # graph): the plain export when an optimized graph is stored (its file name is recorded), and
-    # Model Navigator's workspace (its logs matter only when the export fails).
-    if folder not in {chosen.path.parent, *([no_vnni.path.parent] if no_vnni else [])}:
-        shutil.rmtree(folder)
-    if workspace is not None:
-        shutil.rmtree(workspace, ignore_errors=True)
-    return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None,
-                                                  speed), verification)
+    name: str
+    module: Any
+    inputs: Any
+    outputs: Any
+    batches: list[dict]
+    mask_input: str = "attention_mask"
 
 
-def _export_streamed(name: str, module, inputs, outputs, batches: list[dict], export_dir: Path, family,
-                     progress: Progress, mask_input: str, *, precision: str, block_size: int,
-                     min_cosine: float | None) -> ExportedGraph:
-    """The graph written weight by weight in `precision` (exporters/streamed.py), checked against
-    PyTorch in its served sessions with the precision's margin (pipeline.verify_streamed)."""
-    from bionemo_export.exporters.optimize.pipeline import verify_streamed
-    from bionemo_export.exporters.streamed import export_streamed
-    from bionemo_export.exporters.verification import write_golden_answers
+@dataclass(frozen=True)
+class GraphExportJob:
+    """What every graph of one build is exported with: the build's folder, the exporter, the
+    family (its tolerance), the model's heads and width (graph optimization), whether the served
+    model picks its CPU's int8 graph, the graph cache, the weight-only block size, and where to say
+    what it does. `export` runs one graph."""
 
-    progress(f"writing the {name} graph weight by weight ({precision}, streamed from the checkpoint)")
-    folder = export_dir / name
-    folder.mkdir()
-    streamed = export_streamed(module, inputs, outputs, batches[0], folder / "model.onnx", precision=precision,
-                               block_size=block_size)
-    progress(f"checking the {name} graph ({precision}) against PyTorch")
-    chosen = verify_streamed(module, streamed.result, batches, atol=family.atol, min_cosine=family.min_cosine,
-                             output_names=[t.name for t in outputs], mask_input=mask_input,
-                             asked_min_cosine=min_cosine)
-    verification = GraphVerification(chosen.report, streamed.export.path, chosen.record.precision)
-    files = {p.name: p for p in folder.iterdir() if p.is_file()}
-    golden = write_golden_answers(module, chosen.report, batches[0], export_dir / f"{name}.golden",
-                                  mask_input=mask_input)
-    files[golden.name] = golden
-    return ExportedGraph(name, files, GraphRecord(streamed.export, chosen.record, None, None), verification)
+    export_dir: Path
+    exporter: Exporter
+    family: Any
+    progress: Progress
+    num_heads: int | None = None
+    hidden_size: int | None = None
+    picks_cpu_graph: bool = True
+    cache: GraphCache | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def export(self, source: GraphSource, *, precision: str = "fp32", optimize: bool = False,
+               streamed: bool = False, min_cosine: float | None = None,
+               min_int8_speedup: float | None = None) -> ExportedGraph:
+        """Export `source` to ONNX under export_dir/name, check it against PyTorch on its batches,
+        then store it optimized (and in `precision`) when that graph verifies too; raises
+        ExportVerificationError when the plain export is over the family's tolerance. int8 stores
+        two graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
+        exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden
+        answers. `streamed` (int8w, int4): written weight by weight and checked once.
+        `min_cosine`: a reduced precision's tolerance asked for (BuildRequest.min_cosine);
+        `min_int8_speedup`: BuildRequest.min_int8_speedup."""
+        from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
+        from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
+        from bionemo_export.exporters.verification import write_golden_answers
+
+        if streamed:
+            return self._export_streamed(source, precision, min_cosine)
+        name, module, batches, mask_input = source.name, source.module, source.batches, source.mask_input
+        inputs, outputs = source.inputs, source.outputs
+        self.progress(f"exporting the {name} graph to ONNX ({self.exporter})")
+        folder = self.export_dir / name
+        folder.mkdir()
+        workspace = self.export_dir / f"{name}.navigator" if self.exporter == Exporter.NAVIGATOR else None
+        output_names = [t.name for t in outputs]
+
+        def export_and_check(graph_cache: GraphCache | None):
+            try:
+                exported = export_onnx(module, inputs, outputs, batches[0], folder / "model.onnx",
+                                       exporter=self.exporter, workspace=workspace, cache=graph_cache)
+            except NavigatorExportError as err:
+                # Its logs are in the build's folder, which the build removes: quote their end.
+                raise BuildError(f"{err}\n{_log_tail(workspace)}") from err
+            self.progress(f"checking the {name} graph against PyTorch")
+            return exported, verify_onnx(module, exported.path, batches, atol=self.family.atol,
+                                         min_cosine=self.family.min_cosine, output_names=output_names,
+                                         mask_input=mask_input)
+
+        exported, report = export_and_check(self.cache)
+        if not report.passed and exported.from_graph_cache and exported.graph_cache_key and self.cache is not None:
+            LOG.warning("the %s graph from the graph cache %s failed its check against PyTorch; removed from the "
+                        "cache and exported again", name, self.cache.root)
+            self.cache.evict(exported.graph_cache_key)
+            exported, report = export_and_check(self.cache)
+        report.raise_for_tolerance()
+        if optimize or precision != "fp32":
+            self.progress(f"optimizing the {name} graph ({precision}) and checking it against PyTorch")
+
+        def log(message: str) -> None:
+            LOG.warning(message)
+            self.progress(message)
+
+        settings: dict[str, Any] = dict(num_heads=self.num_heads, hidden_size=self.hidden_size,
+                                        atol=self.family.atol, min_cosine=self.family.min_cosine,
+                                        output_names=output_names, mask_input=mask_input, optimize=optimize,
+                                        asked_min_cosine=min_cosine)
+        work = self.export_dir / f"{name}.optimized"
+        no_vnni, speed = None, None
+        if precision == "int8":
+            int8 = verified_int8_graphs(module, exported.path, report, work, batches,
+                                        one_graph=not self.picks_cpu_graph, log=log, min_speedup=min_int8_speedup,
+                                        **settings)
+            chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
+        else:  # fp32, fp16, and the weight-only int8w / int4 (block_size: theirs)
+            chosen = optimize_and_verify(module, exported.path, report, work, batches, precision=precision, log=log,
+                                         block_size=self.block_size, **settings)
+        verification = GraphVerification(chosen.report, exported.path, chosen.record.precision,
+                                         unoptimized=report if chosen.path != exported.path else None,
+                                         no_vnni=no_vnni.report if no_vnni else None)
+        files = {p.name: p for p in chosen.path.parent.iterdir() if p.is_file()}
+        if no_vnni is not None:
+            files.update({f"{NO_VNNI_FOLDER}/{p.name}": p for p in no_vnni.path.parent.iterdir() if p.is_file()})
+        # What the served model checks on its host when it loads (serving/golden.py).
+        golden = write_golden_answers(module, chosen.report, batches[0], self.export_dir / f"{name}.golden",
+                                      mask_input=mask_input)
+        files[golden.name] = golden
+        # What is not stored gives its disk back before the next graph is exported (ESM-2 3B: 11 GB a
+        # graph): the plain export when an optimized graph is stored (its file name is recorded), and
+        # Model Navigator's workspace (its logs matter only when the export fails).
+        if folder not in {chosen.path.parent, *([no_vnni.path.parent] if no_vnni else [])}:
+            shutil.rmtree(folder)
+        if workspace is not None:
+            shutil.rmtree(workspace, ignore_errors=True)
+        return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None,
+                                                      speed), verification)
+
+    def _export_streamed(self, source: GraphSource, precision: str, min_cosine: float | None) -> ExportedGraph:
+        """The graph written weight by weight in `precision` (exporters/streamed.py), checked against
+        PyTorch in its served sessions with the precision's margin (pipeline.verify_streamed)."""
+        from bionemo_export.exporters.optimize.pipeline import verify_streamed
+        from bionemo_export.exporters.streamed import export_streamed
+        from bionemo_export.exporters.verification import write_golden_answers
+
+        name, module, batches, mask_input = source.name, source.module, source.batches, source.mask_input
+        inputs, outputs = source.inputs, source.outputs
+        self.progress(f"writing the {name} graph weight by weight ({precision}, streamed from the checkpoint)")
+        folder = self.export_dir / name
+        folder.mkdir()
+        streamed = export_streamed(module, inputs, outputs, batches[0], folder / "model.onnx", precision=precision,
+                                   block_size=self.block_size)
+        self.progress(f"checking the {name} graph ({precision}) against PyTorch")
+        chosen = verify_streamed(module, streamed.result, batches, atol=self.family.atol,
+                                 min_cosine=self.family.min_cosine, output_names=[t.name for t in outputs],
+                                 mask_input=mask_input, asked_min_cosine=min_cosine)
+        verification = GraphVerification(chosen.report, streamed.export.path, chosen.record.precision)
+        files = {p.name: p for p in folder.iterdir() if p.is_file()}
+        golden = write_golden_answers(module, chosen.report, batches[0], self.export_dir / f"{name}.golden",
+                                      mask_input=mask_input)
+        files[golden.name] = golden
+        return ExportedGraph(name, files, GraphRecord(streamed.export, chosen.record, None, None), verification)
 
 
 def _check_streamed_tasks(tasks: tuple[str, ...]) -> None:
@@ -477,16 +507,11 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
     `streamed`: the encoder's graph is written weight by weight (exporters/streamed.py)."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
-    def export(name: str, module, inputs, outputs, graph_batches: list[dict], *, mask_input: str = "attention_mask",
-               precision: str = "fp32", optimize: bool = False, streamed: bool = False,
-               min_cosine: float | None = None, min_int8_speedup: float | None = None) -> ExportedGraph:
-        return _export_graph(name, module, inputs, outputs, graph_batches, export_dir, request.exporter,
-                             loaded.family, progress, mask_input, precision=precision, optimize=optimize,
-                             streamed=streamed, min_cosine=min_cosine, min_int8_speedup=min_int8_speedup,
-                             num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
-                             picks_cpu_graph=picks_cpu_graph,
-                             cache=GraphCache(request.graph_cache) if request.graph_cache else None,
-                             block_size=request.block_size)
+    job = GraphExportJob(export_dir, Exporter(request.exporter), loaded.family, progress,
+                         num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
+                         picks_cpu_graph=picks_cpu_graph,
+                         cache=GraphCache(request.graph_cache) if request.graph_cache else None,
+                         block_size=request.block_size)
 
     # Reduced precision applies to the encoder's graph, graph optimization to it and the layers
     # graph; the others are stored as exported in fp32 (see the kits' `graphs`).
@@ -507,8 +532,8 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
                 settings["streamed"] = streamed
                 settings["min_cosine"] = request.min_cosine
                 settings["min_int8_speedup"] = request.min_int8_speedup
-            exported = export(prefix + graph.value, module, inputs, outputs, graph_batches,
-                              mask_input=how.mask_input, **settings)
+            exported = job.export(GraphSource(prefix + graph.value, module, inputs, outputs, graph_batches,
+                                              how.mask_input), **settings)
             if writer is not None and (graph == Graph.ENCODER or graph in HOSTED_GRAPHS):
                 exported = _share_graph(writer, exported)
             graphs[prefix + graph.value] = exported
