@@ -1,4 +1,4 @@
-"""The `source_sha256` stamp every built model's config carries (model_repository/parameters.py): what
+"""The `source_sha256` stamp every built model's config carries (serving/parameters.py): what
 it is derived from (manifest.source_sha256), and the consistency rule that every model of a
 repository carries the one its manifest.json gives. The builds that write it:
 tests/export/test_build.py and tests/export/test_ensemble_backends.py."""
