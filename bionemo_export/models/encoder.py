@@ -221,22 +221,28 @@ class HuggingFaceEncoderFamily(EncoderFamily):
                 f"{checkpoint.path}: the vocabulary has {tokenizer.vocab_size} tokens but config.json's "
                 f"vocab_size is {config.vocab_size}"
             )
-        weights, head = self.huggingface_head(checkpoint, config)
+        # The stored names normalized once (`normalized_name`); `stored` maps them back for messages.
+        stored = {self.normalized_name(key): key for key in checkpoint.weights}
+        weights = {name: checkpoint.weights[key] for name, key in stored.items()}
+        weights, head = self.huggingface_head(checkpoint, weights, config)
         weights, classifier = self.huggingface_classifier(checkpoint, weights)
         contact_head = None
-        if self.contact_prefix is not None:  # the keys are normalized here: key_prefix stripped
-            stored = {_modern_name(key.removeprefix(self.key_prefix)): key for key in checkpoint.weights}
-            weights, contact_head = split_contact_head(
-                {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()},
-                self.contact_prefix, stored)
+        if self.contact_prefix is not None:
+            weights, contact_head = split_contact_head(weights, self.contact_prefix, stored)
         return ModelDescription(checkpoint, config, tokenizer, self.huggingface_keys(weights), lm_head=head,
                                 classifier=classifier, contact_head=contact_head)
 
+    def normalized_name(self, key: str) -> str:
+        """A stored weight's name as this family's conversion reads it: the *ForMaskedLM prefix
+        (`key_prefix`) stripped, old LayerNorm names modernized."""
+        return _modern_name(key.removeprefix(self.key_prefix))
+
     def huggingface_classifier(self, checkpoint: Checkpoint, weights: Mapping[str, torch.Tensor]
                                ) -> tuple[dict[str, torch.Tensor], ClassifierWeights | None]:
-        """(the other weights, the fine-tuned head or None). config.json's `architectures` say
-        whether the head is a sequence or a token head; without them the keys do (guess_classifier)."""
-        normalized = {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()}
+        """(the other weights, the fine-tuned head or None), `weights` under their normalized names.
+        config.json's `architectures` say whether the head is a sequence or a token head; without
+        them the keys do (guess_classifier)."""
+        normalized = dict(weights)
         if not self.classifier_renames:
             return normalized, None
         kind = classifier_kind(checkpoint.config) or self.guess_classifier(normalized)
@@ -252,20 +258,18 @@ class HuggingFaceEncoderFamily(EncoderFamily):
         architecture: None (no head) unless a family knows better."""
         return None
 
-    def huggingface_head(self, checkpoint: Checkpoint, config: Any
+    def huggingface_head(self, checkpoint: Checkpoint, weights: Mapping[str, torch.Tensor], config: Any
                          ) -> tuple[dict[str, torch.Tensor], HeadWeights | None]:
-        """(the checkpoint's other weights, its masked-LM head or None): the keys under
-        head_prefix taken out before the unused heads are dropped."""
+        """(the other weights, the masked-LM head or None), `weights` under their normalized names:
+        the keys under head_prefix taken out before the unused heads are dropped."""
         if self.head_prefix is None:
-            return dict(checkpoint.weights), None
-        normalized = {key: _modern_name(key.removeprefix(self.key_prefix)) for key in checkpoint.weights}
-        head_keys = {key for key, name in normalized.items() if name.startswith(self.head_prefix)}
-        rest = {key: tensor for key, tensor in checkpoint.weights.items() if key not in head_keys}
-        if not head_keys:
+            return dict(weights), None
+        head = {name: tensor for name, tensor in weights.items() if name.startswith(self.head_prefix)}
+        rest = {name: tensor for name, tensor in weights.items() if name not in head}
+        if not head:
             return rest, None
-        _, weights, names = split_head({normalized[key]: checkpoint.weights[key] for key in head_keys},
-                                       self.head_prefix, self.head_renames, checkpoint.weights_path)
-        return rest, self.head_settings(weights, names, config, checkpoint)
+        _, head_weights, names = split_head(head, self.head_prefix, self.head_renames, checkpoint.weights_path)
+        return rest, self.head_settings(head_weights, names, config, checkpoint)
 
     def head_settings(self, weights: dict[str, torch.Tensor], names: dict[str, str], config: Any,
                       checkpoint: Checkpoint) -> HeadWeights:
@@ -273,13 +277,12 @@ class HuggingFaceEncoderFamily(EncoderFamily):
         raise CheckpointError(f"{checkpoint.weights_path}: the {self.name} family reads no masked-LM head")
 
     def huggingface_keys(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The checkpoint's weights under the backbone's names: the *ForMaskedLM prefix stripped,
-        old LayerNorm names modernized, heads the encoder does not use dropped."""
-        renamed = {_modern_name(key.removeprefix(self.key_prefix)): tensor for key, tensor in weights.items()}
-        for key in renamed:
+        """The checkpoint's weights under the backbone's names (`weights` under their normalized
+        names), heads the encoder does not use dropped."""
+        for key in weights:
             if key.startswith(self.unused_prefixes):
                 leave_out(key, f"{key.split('.')[0]}: a head the {self.name} family does not serve")
-        return {key: tensor for key, tensor in renamed.items() if not key.startswith(self.unused_prefixes)}
+        return {key: tensor for key, tensor in weights.items() if not key.startswith(self.unused_prefixes)}
 
 
 def load_strict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str,
