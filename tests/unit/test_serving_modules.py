@@ -382,3 +382,20 @@ def test_every_generated_model_imports_from_its_own_folder(tmp_path, layout, bac
     assert generated
     for model_py in generated:
         _imports_from_its_folder(model_py)
+
+
+@pytest.mark.parametrize("name", ["", "EncoderModel", "os.system", "..models.EncoderModel", "tokenizers.character.x",
+                                  "models.Nope", "responses.Responder", "models.ServedModel.__init__", "nosuch.Model"])
+def test_served_model_names_only_a_served_model_class_of_the_package(name):
+    """config parameter served_model comes with the repository: anything but "module.Class" of a
+    ServedModel in the served package fails the load naming config.pbtxt, importing nothing else."""
+    from bionemo_export.serving.models import served_class
+
+    with pytest.raises(ValueError, match=r"mmb_decodes/config.pbtxt: parameter served_model is .* not a served model"):
+        served_class(_args(), name)
+
+
+def test_served_model_finds_the_class_it_names():
+    from bionemo_export.serving.models import EncoderModel, served_class
+
+    assert served_class(_args(), "models.EncoderModel") is EncoderModel
