@@ -31,7 +31,7 @@ from bionemo_export.build_staging import (
     signals_interrupt_the_build,
     staged_directory,
 )
-from bionemo_export.choices import AUTO_PRECISION, Exporter, Precision
+from bionemo_export.choices import AUTO_PRECISION, AutoPrecision, ChoiceError, Exporter, Precision, build_precision
 from bionemo_export.errors import UserError, reason
 from bionemo_export.exporters.graph_cache import GraphCache, default_graph_cache
 from bionemo_export.exporters.optimize import PrecisionError
@@ -98,7 +98,7 @@ class BuildRequest:
     out: Path
     tasks: tuple[str, ...] | None = None
     """Public tasks to serve; None: every task the family serves by default (`Task.by_default`)."""
-    exporter: str = Exporter.TORCH
+    exporter: Exporter = Exporter.TORCH
     backend: str = AUTO
     """A serving backend's name (model_repository/backends.py), or auto: `resolve_backend`."""
     max_length: int | None = None
@@ -108,7 +108,7 @@ class BuildRequest:
     """Server whose backends decide `--backend auto`."""
     max_decode_length: int | None = None
     """Decoding families: most tokens a decode produces (default: the model's limit)."""
-    precision: str = Precision.FP32
+    precision: Precision | AutoPrecision = Precision.FP32
     """The encoder graph's precision: fp32; int8 (dynamic quantization, CPU); int8w, int4 (weight-only,
     CPU: exporters/optimize/weight_only.py); fp16 (GPU hosts); auto: the fastest that meets its
     accuracy gate on this host (build_precision.py)."""
@@ -139,10 +139,63 @@ class BuildRequest:
     seeds): N_logits answers the mean of the members' log-probabilities, N_scores the mean of their
     scores. Empty: `checkpoint` alone."""
 
+    def __post_init__(self) -> None:
+        """Check the settings and make each choice its enum, here where the request is made: the
+        build and everything below it take the request's values as they are (a library caller may
+        pass plain strings; `dataclasses.replace` checks again). The checkpoints and `out` are
+        files, checked when a build starts (`_check_files`)."""
+        try:
+            object.__setattr__(self, "exporter", Exporter.parse(self.exporter, "exporter"))
+            object.__setattr__(self, "precision", build_precision(self.precision))
+        except ChoiceError as err:
+            raise BuildError(str(err)) from None
+        if self.backend != AUTO and self.backend not in BACKENDS:
+            raise BuildError(f"`backend` {self.backend!r}: choose one of {AUTO}, {', '.join(BACKENDS)}")
+        if not self.name.replace("_", "").replace("-", "").isalnum():
+            raise BuildError(f"`name` {self.name!r}: use letters, digits, '_' or '-' (it prefixes model names)")
+        if self.min_int8_speedup is not None and not self.min_int8_speedup > 0:
+            raise BuildError(f"`min_int8_speedup` {self.min_int8_speedup}: a positive number of times the fp32 "
+                             "graph's speed")
+        if self.block_size not in BLOCK_SIZES:
+            raise BuildError(f"`block_size` {self.block_size}: choose one of {', '.join(map(str, BLOCK_SIZES))} "
+                             "(weights per quantization block of int8w and int4)")
+        if self.min_cosine is not None and (self.precision == Precision.FP32 or not 0.0 < self.min_cosine < 1.0):
+            raise BuildError(f"`min-cosine` {self.min_cosine}: a reduced precision's tolerance against fp32, between "
+                             "0 and 1 (fp32 graphs are held to the family's own tolerance)"
+                             if self.precision != Precision.FP32 else
+                             "`min-cosine` sets a reduced precision's tolerance (int8, int8w, int4, fp16); fp32 graphs "
+                             "are held to the family's own")
+        if self.streamed:
+            self._check_streamed()
+
+    def _check_streamed(self) -> None:
+        if self.precision == AUTO_PRECISION:
+            raise BuildError("`stream-weights` writes int4 or int8w graphs; `precision` auto streams int8w by itself "
+                             "where nothing else fits this host's memory: pass `precision` int4 or int8w, or leave "
+                             "`stream-weights` unset")
+        if self.precision not in WEIGHT_ONLY_PRECISIONS:
+            raise BuildError(f"`stream-weights` writes {' or '.join(WEIGHT_ONLY_PRECISIONS)} graphs (weight-only "
+                             "quantization as the weights stream); pass `precision` int4 or int8w, not "
+                             f"{self.precision}")
+        if self.members:
+            raise BuildError("`stream-weights` builds one checkpoint; an ensemble's members are built in memory or "
+                             "with their weights on disk")
+        if self.exporter != Exporter.TORCH:
+            raise BuildError("`stream-weights` exports with torch.onnx (`exporter` torch): Model Navigator writes "
+                             "every weight of the graph at once")
+
     @property
     def checkpoints(self) -> tuple[Path, ...]:
         """Every checkpoint the build reads: `checkpoint`, then `members`."""
         return (self.checkpoint, *self.members)
+
+    @property
+    def graph_precision(self) -> Precision:
+        """The precision of the graphs this request builds: `precision`, once `auto` has been
+        resolved (`precision auto` builds one request per candidate precision)."""
+        if self.precision == AUTO_PRECISION:
+            raise AssertionError("`precision` auto is resolved before a build (_build_choosing_precision)")
+        return Precision(self.precision)
 
 
 @dataclass(frozen=True)
@@ -168,52 +221,20 @@ def resolve_backend(backend: str, tritonserver: str | None = None) -> str:
     return resolve_auto(install.can_load)
 
 
-def _check_request(request: BuildRequest) -> None:
-    if not request.name.replace("_", "").replace("-", "").isalnum():
-        raise BuildError(f"`name` {request.name!r}: use letters, digits, '_' or '-' (it prefixes model names)")
+def _check_files(request: BuildRequest) -> None:
+    """The request's files, when its build starts: `out` can be written, each checkpoint exists and
+    is given once."""
     _check_out(request.out)
     if request.out.exists() and not request.force:
         raise BuildError(f"{request.out} already exists; pass `force` to replace it")
-    for checkpoint in request.checkpoints:
-        if not checkpoint.exists():
-            raise BuildError(f"checkpoint not found: {checkpoint}")
     seen: dict[Path, int] = {}
     for number, checkpoint in enumerate(request.checkpoints, 1):
+        if not checkpoint.exists():
+            raise BuildError(f"checkpoint not found: {checkpoint}")
         if checkpoint.resolve() in seen:
             raise BuildError(f"`checkpoint` {checkpoint} is given twice (members {seen[checkpoint.resolve()]} and "
                              f"{number}): an ensemble of one checkpoint twice weighs it twice; give each once")
         seen[checkpoint.resolve()] = number
-    if request.precision not in (*Precision, AUTO_PRECISION):
-        raise BuildError(f"`precision` {request.precision!r}: choose one of {', '.join(Precision)}, {AUTO_PRECISION}")
-    if request.min_int8_speedup is not None and not request.min_int8_speedup > 0:
-        raise BuildError(f"`min_int8_speedup` {request.min_int8_speedup}: a positive number of times the fp32 "
-                         "graph's speed")
-    if request.block_size not in BLOCK_SIZES:
-        raise BuildError(f"`block_size` {request.block_size}: choose one of {', '.join(map(str, BLOCK_SIZES))} "
-                         "(weights per quantization block of int8w and int4)")
-    if request.exporter not in tuple(Exporter):
-        raise BuildError(f"`exporter` {request.exporter!r}: choose one of {', '.join(Exporter)}")
-    if request.min_cosine is not None and (request.precision == Precision.FP32
-                                           or not 0.0 < request.min_cosine < 1.0):
-        raise BuildError(f"`min-cosine` {request.min_cosine}: a reduced precision's tolerance against fp32, between 0 "
-                         "and 1 (fp32 graphs are held to the family's own tolerance)"
-                         if request.precision != Precision.FP32 else
-                         "`min-cosine` sets a reduced precision's tolerance (int8, int8w, int4, fp16); fp32 graphs "
-                         "are held to the family's own")
-    if request.streamed and request.precision == AUTO_PRECISION:
-        raise BuildError("`stream-weights` writes int4 or int8w graphs; `precision` auto streams int8w by itself "
-                         "where nothing else fits this host's memory: pass `precision` int4 or int8w, or leave "
-                         "`stream-weights` unset")
-    if request.streamed and request.precision not in WEIGHT_ONLY_PRECISIONS:
-        raise BuildError(f"`stream-weights` writes {' or '.join(WEIGHT_ONLY_PRECISIONS)} graphs (weight-only "
-                         "quantization as the weights stream); pass `precision` int4 or int8w, not "
-                         f"{request.precision}")
-    if request.streamed and request.members:
-        raise BuildError("`stream-weights` builds one checkpoint; an ensemble's members are built in memory or "
-                         "with their weights on disk")
-    if request.streamed and request.exporter != Exporter.TORCH:
-        raise BuildError("`stream-weights` exports with torch.onnx (`exporter` torch): Model Navigator writes "
-                         "every weight of the graph at once")
 
 
 def _check_out(out: Path) -> None:
@@ -297,7 +318,7 @@ class GraphExportJob:
     cache: GraphCache | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
 
-    def export(self, source: GraphSource, *, precision: str = "fp32", optimize: bool = False,
+    def export(self, source: GraphSource, *, precision: Precision = Precision.FP32, optimize: bool = False,
                streamed: bool = False, min_cosine: float | None = None,
                min_int8_speedup: float | None = None) -> ExportedGraph:
         """Export `source` to ONNX under export_dir/name, check it against PyTorch on its batches,
@@ -382,7 +403,7 @@ class GraphExportJob:
         return ExportedGraph(name, files, GraphRecord(exported, chosen.record, no_vnni.record if no_vnni else None,
                                                       speed), verification)
 
-    def _export_streamed(self, source: GraphSource, precision: str, min_cosine: float | None) -> ExportedGraph:
+    def _export_streamed(self, source: GraphSource, precision: Precision, min_cosine: float | None) -> ExportedGraph:
         """The graph written weight by weight in `precision` (exporters/streamed.py), checked against
         PyTorch in its served sessions with the precision's margin (pipeline.verify_streamed)."""
         from bionemo_export.exporters.optimize.pipeline import verify_streamed
@@ -507,7 +528,7 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
     `streamed`: the encoder's graph is written weight by weight (exporters/streamed.py)."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
 
-    job = GraphExportJob(export_dir, Exporter(request.exporter), loaded.family, progress,
+    job = GraphExportJob(export_dir, request.exporter, loaded.family, progress,
                          num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
                          picks_cpu_graph=picks_cpu_graph,
                          cache=GraphCache(request.graph_cache) if request.graph_cache else None,
@@ -528,7 +549,7 @@ def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, r
             if how.encoder or how.optimized:
                 settings["optimize"] = request.optimize and cpu_optimized
             if how.encoder:
-                settings["precision"] = request.precision
+                settings["precision"] = request.graph_precision
                 settings["streamed"] = streamed
                 settings["min_cosine"] = request.min_cosine
                 settings["min_int8_speedup"] = request.min_int8_speedup
@@ -591,13 +612,11 @@ def estimate_build_memory(checkpoint: Path, precision: str = Precision.FP32, ava
 
 
 def check_build_memory(checkpoint: Path, available: int | None, precision: str = Precision.FP32,
-                       streamed: bool | None = None) -> BuildMemory | None:
+                       streamed: bool | None = None) -> BuildMemory:
     """The build's memory estimate (`estimate_build_memory`); BuildError before anything is loaded
     when it exceeds `available` bytes (None: unknown, not checked): an ESM C 6B in fp32 (25 GB of
     weights) would otherwise be killed by the kernel mid-build on a 24 GB host. An int8w or int4
     build that does not fit with its weights on disk is estimated streamed (memory_plan.STREAMED)."""
-    if not Path(checkpoint).exists():
-        return None
     estimate = estimate_build_memory(Path(checkpoint), precision, available, streamed)
     if available is not None and estimate.needed > available:
         advice = ("build it in fp32 here (its weights stay on disk) and quantize on a host with more memory"
@@ -646,6 +665,7 @@ def build_repository(request: BuildRequest, progress: Progress = lambda message:
     verification error, or BuildInterrupted on SIGTERM, SIGINT or SIGHUP) and leaves nothing on
     disk when anything fails."""
     with signals_interrupt_the_build():
+        _check_files(request)
         if request.precision == AUTO_PRECISION:
             return _build_choosing_precision(request, progress)
         return _build(request, progress)
@@ -658,7 +678,6 @@ def _build_choosing_precision(request: BuildRequest, progress: Progress) -> Buil
     kept is published; manifest.json's `precision_choice` records the tries."""
     from bionemo_export.serving.host import cpu_description
 
-    _check_request(request)
     try:
         backend = get_backend(resolve_backend(request.backend, request.tritonserver), request.serving.device)
     except ValueError as err:  # a device the backend cannot serve
@@ -704,7 +723,6 @@ def _build_choosing_precision(request: BuildRequest, progress: Progress) -> Buil
 
 def _build(request: BuildRequest, progress: Progress, choice: PrecisionChoice | None = None) -> BuildResult:
     """One build in the precision `request` names; `choice`: `precision auto`'s record so far."""
-    _check_request(request)
     if request.family is not None:
         _check_tasks(get_family(request.family), request.tasks)
     backend = resolve_backend(request.backend, request.tritonserver)
@@ -712,7 +730,7 @@ def _build(request: BuildRequest, progress: Progress, choice: PrecisionChoice | 
         serving = dataclasses.replace(request.serving, backend=backend)
     except ValueError as err:  # a device or layout the backend cannot serve
         raise BuildError(str(err)) from err
-    if Precision(request.precision).quantized and not serving.serving_backend.stores_cpu_optimized_graphs:
+    if request.graph_precision.quantized and not serving.serving_backend.stores_cpu_optimized_graphs:
         raise BuildError(f"`precision` {request.precision} is ONNX Runtime's CPU quantization; on `device` gpu use "
                          "fp16 (`backend` tensorrt builds fp16 engines by default)")
 

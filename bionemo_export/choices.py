@@ -13,7 +13,7 @@ line all import this module.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Self
 
 from bionemo_export.errors import UserError
 
@@ -26,7 +26,7 @@ class Choice(StrEnum):
     """A StrEnum that reads a user's value with a message naming the setting and its choices."""
 
     @classmethod
-    def parse(cls, value: str, field: str) -> Choice:
+    def parse(cls, value: str, field: str) -> Self:
         """`value` as a member; a ChoiceError naming `field` (in backticks: errors.py) when it is none."""
         try:
             return cls(value)
@@ -60,7 +60,8 @@ class Precision(Choice):
         return self in (Precision.INT8, Precision.INT8W, Precision.INT4)
 
 
-AUTO_PRECISION = "auto"
+AutoPrecision = Literal["auto"]
+AUTO_PRECISION: AutoPrecision = "auto"
 """A build's precision when it is the build's to choose: the fastest that meets its accuracy gate
 on the build host (build_precision.py); manifest.json then names the precision chosen."""
 
@@ -71,6 +72,12 @@ else:
     BuildPrecision = Choice("BuildPrecision", [(p.name, p.value) for p in Precision]
                             + [(AUTO_PRECISION.upper(), AUTO_PRECISION)])
     """The command line's --precision: a Precision, or auto (AUTO_PRECISION)."""
+
+
+def build_precision(value: str, field: str = "precision") -> Precision | AutoPrecision:
+    """A build's precision from a user's value (the command line's, a manifest's, a library
+    caller's string): a Precision, or auto; a ChoiceError naming `field` and the choices otherwise."""
+    return AUTO_PRECISION if BuildPrecision.parse(value, field) == AUTO_PRECISION else Precision(value)
 
 
 WEIGHT_BLOCK_SIZES = (16, 32, 64, 128, 256)

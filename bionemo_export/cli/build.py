@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP, describe_choice
-from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, BuildPrecision, Device, Exporter, Layout
+from bionemo_export.choices import DEFAULT_WEIGHT_BLOCK_SIZE, BuildPrecision, Device, Exporter, Layout, build_precision
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.backends import AUTO, BackendChoice, backend_help, device_help
 from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
@@ -154,8 +154,8 @@ def repo(
             family=family, checkpoint=checkpoint[0], members=tuple(checkpoint[1:]), name=name, out=out,
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()) if tasks else None,
             exporter=exporter, backend=backend, max_length=max_length, force=force, serving=serving,
-            max_decode_length=max_decode_length, precision=precision, optimize=optimize, check_memory=memory_check,
-            streamed=stream_weights, min_cosine=min_cosine,
+            max_decode_length=max_decode_length, precision=build_precision(precision), optimize=optimize,
+            check_memory=memory_check, streamed=stream_weights, min_cosine=min_cosine,
             block_size=block_size,
         )
         if graph_cache is not None:  # else the request's default: $BIONEMO_EXPORT_GRAPH_CACHE

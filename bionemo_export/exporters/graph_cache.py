@@ -80,7 +80,8 @@ class GraphCache:
         self.root = Path(root)
 
     def key(self, module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-            arguments: Sequence[torch.Tensor], *, file_name: str, exporter: str, opset: int, external: bool) -> str:
+            arguments: Sequence[torch.Tensor], *, file_name: str, exporter: Exporter, opset: int,
+            external: bool) -> str:
         """The hex SHA-256 of everything the exported file depends on (see the module's docstring)."""
         digest = hashlib.sha256()
 
@@ -89,9 +90,9 @@ class GraphCache:
                 digest.update(repr(part).encode())
                 digest.update(b"\0")
 
-        # The exporter by its name: the CLI's build passes the Exporter member, Python callers may pass
-        # "torch" (their reprs differ, and the two once missed each other's entries).
-        add(FORMAT, _environment_digest(), file_name, Exporter(exporter).value, opset, external)
+        # The exporter by its value, not its repr (which names the enum's class: renaming the class
+        # would orphan every entry).
+        add(FORMAT, _environment_digest(), file_name, exporter.value, opset, external)
         add([repr(spec) for spec in inputs], [repr(spec) for spec in outputs])
         for argument in arguments:
             add(_describe(argument, 0))

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bionemo_export.choices import Exporter
 from bionemo_export.errors import UserError
 from bionemo_export.exporters.onnx_export import DEFAULT_OPSET, ExportResult, export_onnx
 from bionemo_export.exporters.verification import VerificationReport, verify_onnx
@@ -72,7 +73,7 @@ def export_lm_head(
     loaded: LoadedModel,
     out_dir: Path,
     *,
-    exporter: str = "torch",
+    exporter: Exporter | str = Exporter.TORCH,
     opset: int = DEFAULT_OPSET,
     batches: Sequence[dict[str, np.ndarray]] | None = None,
     workspace: Path | None = None,

@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 import torch
 
+from bionemo_export.choices import Exporter
 from bionemo_export.errors import InvalidInputError, UserError
 from bionemo_export.exporters import navigator
 from bionemo_export.exporters.graph_cache import GraphCache
@@ -47,9 +48,6 @@ PROTOBUF_LIMIT_BYTES = 2**31
 DEFAULT_OPSET = 18
 """The lowest opset the dynamo exporter implements natively (ONNX Runtime runs it since 1.14); a
 lower one (17 worked for ESM-2 and BERT) goes through onnx's version converter, which may fail."""
-EXPORTERS = ("torch", "navigator")
-
-
 class ExportError(UserError, RuntimeError):
     """An export that did not produce a valid graph; the message says what to try next."""
 
@@ -59,8 +57,7 @@ class ExportResult:
     """What an export wrote and how, for the build log and manifest.json."""
 
     path: Path
-    exporter: str
-    """"torch" or "navigator"."""
+    exporter: Exporter
     torch_exporter: str
     """The torch.onnx path underneath: "dynamo" (torch.export-based)."""
     opset: int
@@ -116,7 +113,7 @@ def export_onnx(
     sample_inputs: Mapping[str, np.ndarray],
     out_path: Path,
     *,
-    exporter: str = "torch",
+    exporter: Exporter | str = Exporter.TORCH,
     opset: int = DEFAULT_OPSET,
     external_data: bool | None = None,
     workspace: Path | None = None,
@@ -133,8 +130,7 @@ def export_onnx(
     from there when it holds this export, and store it there otherwise (graph_cache.py); the
     caller still checks the graph against PyTorch, and evicts it when that fails.
     """
-    if exporter not in EXPORTERS:
-        raise ValueError(f"unknown exporter {exporter!r}; choose one of {', '.join(EXPORTERS)}")
+    exporter = Exporter.parse(exporter, "exporter")  # a library caller's string; an Exporter as it is
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     external = _decide_external_data(external_data, _weights(module)[1])
@@ -152,7 +148,8 @@ def export_onnx(
                 _remove_written(out_path)
             else:
                 return ExportResult(**{
-                    **stored, "path": out_path, "data_path": _data_path(out_path) if external else None,
+                    **stored, "exporter": Exporter(stored["exporter"]),
+                    "path": out_path, "data_path": _data_path(out_path) if external else None,
                     "warnings": tuple(stored["warnings"]), "graph_cache_key": key, "from_graph_cache": True})
         result = _export(module, inputs, outputs, arguments, out_path, exporter, opset, external, workspace)
         entry.store([out_path, *([result.data_path] if result.data_path else [])], result.to_dict())
@@ -160,13 +157,13 @@ def export_onnx(
 
 
 def _export(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-            arguments: tuple[torch.Tensor, ...], out_path: Path, exporter: str, opset: int, external: bool,
+            arguments: tuple[torch.Tensor, ...], out_path: Path, exporter: Exporter, opset: int, external: bool,
             workspace: Path | None) -> ExportResult:
     """Export with `exporter` and check the written file."""
     parameters, weight_bytes = _weights(module)
     start = time.perf_counter()
     with eval_mode(module), collected_warnings() as caught:
-        if exporter == "torch":
+        if exporter == Exporter.TORCH:
             _export_with_torch(module, inputs, outputs, arguments, out_path, opset, external)
         else:
             _export_with_navigator(
@@ -176,7 +173,7 @@ def _export(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequ
     check_written(out_path, inputs, outputs)
     data_path = _data_path(out_path) if external else None
     versions = {"torch": torch.__version__, "onnx": onnx.__version__}
-    if exporter == "navigator":
+    if exporter == Exporter.NAVIGATOR:
         versions["model_navigator"] = navigator.navigator_version()
     return ExportResult(
         path=out_path,

@@ -40,6 +40,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from bionemo_export.choices import Exporter
 from bionemo_export.exporters.external_data import DataFileWriter
 from bionemo_export.exporters.onnx_export import (
     DEFAULT_OPSET,
@@ -110,7 +111,7 @@ def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outpu
     versions = {"torch": torch.__version__, "onnx": onnx.__version__}
     onnx_bytes, data_bytes = out_path.stat().st_size, data_path.stat().st_size
     parameters = sum(p.numel() for p in module.parameters())
-    export = ExportResult(path=out_path, exporter="torch", torch_exporter="dynamo (streamed)", opset=opset,
+    export = ExportResult(path=out_path, exporter=Exporter.TORCH, torch_exporter="dynamo (streamed)", opset=opset,
                           external_data=True, data_path=data_path, onnx_bytes=onnx_bytes,
                           data_bytes=data_bytes, parameters=parameters,
                           weight_bytes=quantization.weight_bytes_fp32, seconds=seconds, versions=versions,

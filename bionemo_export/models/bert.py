@@ -25,11 +25,11 @@ from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import LoadedModel, ModelDescription, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
-    read_vocab,
     token_limit,
 )
 from bionemo_export.models.lm_head import HeadWeights, huggingface_activation
 from bionemo_export.models.readers import Checkpoint
+from bionemo_export.models.readers.base import MAX_SIDE_FILE_BYTES
 from bionemo_export.serving.tokenizers.character import MASK_CHAR, CharacterTokenizer, find_mask_token
 from bionemo_export.serving.tokenizers.smiles import REACTION_SMILES_PATTERN, SmilesTokenizer
 from bionemo_export.tasks import Requirement
@@ -124,10 +124,9 @@ class BertFamily(HuggingFaceEncoderFamily):
                            tied=bool(getattr(config, "tie_word_embeddings", True)))
 
     def build_tokenizer(
-        self, checkpoint: Path, config: Any, max_length: int | None
+        self, checkpoint: Checkpoint, config: Any, max_length: int | None
     ) -> CharacterTokenizer | SmilesTokenizer:
-        vocab_file = _find_vocab(checkpoint)
-        vocab = read_vocab(vocab_file)
+        vocab_file, vocab = _vocabulary(checkpoint)
         missing = [token for token in SPECIAL_TOKENS.values() if token not in vocab]
         if missing:
             raise InvalidInputError(f"{vocab_file} lacks the special tokens {missing}")
@@ -183,12 +182,19 @@ class BertFamily(HuggingFaceEncoderFamily):
         ]
 
 
-def _find_vocab(checkpoint: Path) -> Path:
-    """vocab.txt in the checkpoint folder or its parent (where the antiberty wheel keeps it)."""
-    for folder in (checkpoint, checkpoint.parent):
-        if (folder / "vocab.txt").is_file():
-            return folder / "vocab.txt"
-    raise InvalidInputError(f"no vocab.txt in {checkpoint} or its parent folder")
+def _vocabulary(checkpoint: Checkpoint) -> tuple[Path, list[str]]:
+    """(where, tokens) of the checkpoint's vocab.txt, as its reader read it, else of the one in
+    its parent folder (where the antiberty wheel keeps it)."""
+    vocab = checkpoint.lines("vocab.txt", "vocabulary")
+    if vocab is not None:
+        return checkpoint.path / "vocab.txt", vocab
+    beside = checkpoint.path.parent / "vocab.txt"
+    if beside.is_file() and beside.stat().st_size <= MAX_SIDE_FILE_BYTES:
+        try:
+            return beside, beside.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise InvalidInputError(f"{beside} is not UTF-8 text") from None
+    raise InvalidInputError(f"no vocab.txt in {checkpoint.path} or its parent folder")
 
 
 def antiberty_checkpoint() -> Path:

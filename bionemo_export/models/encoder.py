@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -199,8 +198,9 @@ class HuggingFaceEncoderFamily(EncoderFamily):
     TOKEN_KEYS names; empty: the family reads no fine-tuned head."""
 
     @abstractmethod
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> Tokenizer:
-        """The tokenizer for the checkpoint directory, limited to `max_length` tokens when given."""
+    def build_tokenizer(self, checkpoint: Checkpoint, config: Any, max_length: int | None) -> Tokenizer:
+        """The tokenizer for the checkpoint (from the side files its reader read: `Checkpoint.files`),
+        limited to `max_length` tokens when given."""
 
     def huggingface_config(self, checkpoint: Checkpoint) -> Any:
         """config.json as this family's transformers config, checked to be of `model_type`."""
@@ -215,7 +215,7 @@ class HuggingFaceEncoderFamily(EncoderFamily):
 
     def from_huggingface(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:
         config = self.huggingface_config(checkpoint)
-        tokenizer = self.build_tokenizer(checkpoint.path, config, max_length)
+        tokenizer = self.build_tokenizer(checkpoint, config, max_length)
         if tokenizer.vocab_size > config.vocab_size:
             raise CheckpointError(
                 f"{checkpoint.path}: the vocabulary has {tokenizer.vocab_size} tokens but config.json's "
@@ -331,11 +331,6 @@ def _modern_name(key: str) -> str:
         if key.endswith(old):
             return key[: -len(old)] + new
     return key
-
-
-def read_vocab(path: Path) -> list[str]:
-    """A vocab.txt: one token per line, the id being the line number."""
-    return path.read_text(encoding="utf-8").splitlines()
 
 
 def token_limit(architecture_limit: int, requested: int | None, family: str) -> int:

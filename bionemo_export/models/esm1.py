@@ -21,7 +21,7 @@ from typing import Any
 
 from bionemo_export.models.base import ModelDescription, register
 from bionemo_export.models.encoder import token_limit
-from bionemo_export.models.esm2 import Esm2Family, _check_alphabet, esm_tokenizer
+from bionemo_export.models.esm2 import Esm2Family, check_alphabet, esm_tokenizer
 from bionemo_export.models.megatron import (
     bert_encoder_keys,
     cut_vocab,
@@ -64,11 +64,10 @@ class Esm1Family(Esm2Family):
     """ESM-2-only forms (BioNeMo 2 and NVIDIA's TransformerEngine export): not inherited."""
 
     # ------------------------------------------------------------- Hugging Face directory
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
-        vocab_file = checkpoint / "vocab.txt"
-        if vocab_file.is_file():
-            _check_alphabet(vocab_file)
-        return esm_tokenizer(token_limit(huggingface_token_limit(config, checkpoint), max_length, "this ESM-1b model"))
+    def build_tokenizer(self, checkpoint: Checkpoint, config: Any, max_length: int | None) -> CharacterTokenizer:
+        check_alphabet(checkpoint)
+        return esm_tokenizer(token_limit(huggingface_token_limit(config, checkpoint.path), max_length,
+                                         "this ESM-1b model"))
 
     # ------------------------------------------------------------- ESM-1nv .nemo archive
     def from_nemo(self, checkpoint: Checkpoint, max_length: int | None) -> ModelDescription:

@@ -6,7 +6,6 @@ Hugging Face's names as docs/reference/checkpoint-layouts.md documents). The mas
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -16,7 +15,6 @@ from bionemo_export.errors import InvalidInputError
 from bionemo_export.models.base import ModelDescription, leave_out, register
 from bionemo_export.models.encoder import (
     HuggingFaceEncoderFamily,
-    read_vocab,
     token_limit,
 )
 from bionemo_export.models.fair_esm import as_huggingface, family_of
@@ -98,10 +96,8 @@ class Esm2Family(HuggingFaceEncoderFamily):
                                   f"use `family` {other}")
         return config
 
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
-        vocab_file = checkpoint / "vocab.txt"
-        if vocab_file.is_file():
-            _check_alphabet(vocab_file)
+    def build_tokenizer(self, checkpoint: Checkpoint, config: Any, max_length: int | None) -> CharacterTokenizer:
+        check_alphabet(checkpoint)
         return esm_tokenizer(token_limit(MAX_TOKENS, max_length, "ESM-2"))
 
     def head_settings(self, weights: dict[str, torch.Tensor], names: dict[str, str], config: Any,
@@ -160,7 +156,7 @@ class Esm2Family(HuggingFaceEncoderFamily):
         config = nv_esm_config(checkpoint, ALPHABET)
         found = nv_esm_weights(checkpoint, config)
         check_tokenizer_json(checkpoint, ALPHABET)
-        tokenizer = self.build_tokenizer(checkpoint.path, config, max_length)  # checks vocab.txt
+        tokenizer = self.build_tokenizer(checkpoint, config, max_length)  # checks vocab.txt
         return ModelDescription(checkpoint, config, tokenizer, found.backbone, facts=found.facts,
                                 lm_head=found.head, classifier=found.classifier)
 
@@ -278,11 +274,13 @@ def _check_rotary(inv_freq: torch.Tensor | None, config: transformers.EsmConfig,
                               f"rotary frequency table for head size {head_dim}")
 
 
-def _check_alphabet(vocab_file: Path) -> None:
-    """A checkpoint's vocab.txt must be the ESM-2 alphabet, or its token ids would be wrong."""
-    vocab = read_vocab(vocab_file)
-    if vocab == ALPHABET:
+def check_alphabet(checkpoint: Checkpoint) -> None:
+    """A checkpoint's vocab.txt, where it has one, must be the ESM-2 alphabet, or its token ids
+    would be wrong."""
+    vocab = checkpoint.lines("vocab.txt", "vocabulary")
+    if vocab is None or vocab == ALPHABET:
         return
+    vocab_file = checkpoint.path / "vocab.txt"
     if paired_tokens(vocab) >= PAIRED_TOKENS:
         raise InvalidInputError(f"{vocab_file} pairs residues with Foldseek 3Di letters (SaProt's vocabulary), not "
                                 "the ESM-2 alphabet: use `family` saprot")

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,7 +95,7 @@ class EsmcFamily(HuggingFaceEncoderFamily):
         with no_init_weights():  # strict loading sets every parameter
             return transformers.EsmcModel(config)
 
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> CharacterTokenizer:
+    def build_tokenizer(self, checkpoint: Checkpoint, config: Any, max_length: int | None) -> CharacterTokenizer:
         _check_tokenizer_file(checkpoint)
         limit = min(MAX_TOKENS, int(getattr(config, "max_position_embeddings", MAX_TOKENS) or MAX_TOKENS))
         return CharacterTokenizer(ALPHABET, residues=RESIDUES, pad_token="<pad>", bos_token="<cls>",
@@ -118,14 +117,14 @@ class EsmcFamily(HuggingFaceEncoderFamily):
         ]
 
 
-def _check_tokenizer_file(checkpoint: Path) -> None:
+def _check_tokenizer_file(checkpoint: Checkpoint) -> None:
     """A tokenizer.json beside the weights must hold ESM C's ids (the ids are in the weights)."""
-    path = checkpoint / "tokenizer.json"
-    if not path.is_file():
+    path = checkpoint.path / "tokenizer.json"
+    if "tokenizer.json" not in checkpoint.files:
         return
     try:
-        vocab = json.loads(path.read_text(encoding="utf-8"))["model"]["vocab"]
-    except (OSError, ValueError, KeyError, TypeError):
+        vocab = json.loads(checkpoint.files["tokenizer.json"])["model"]["vocab"]
+    except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path}: not a tokenizer.json with a model vocabulary") from None
     wrong = [f"{token!r} is {vocab.get(token)}" for index, token in enumerate(ALPHABET)
              if isinstance(vocab, dict) and vocab.get(token) != index]

@@ -22,7 +22,6 @@ import copy
 import json
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +77,7 @@ class ProtT5Family(HuggingFaceEncoderFamily):
     nemo_targets = ("ProtT5nvModel",)
 
     # ------------------------------------------------------------------ Hugging Face directory
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> SentencePieceTokenizer:
+    def build_tokenizer(self, checkpoint: Checkpoint, config: Any, max_length: int | None) -> SentencePieceTokenizer:
         pieces = _huggingface_pieces(checkpoint, config)
         default = int(getattr(config, "n_positions", None) or DEFAULT_MAX_TOKENS)
         limit = default if max_length is None else int(max_length)  # see DEFAULT_MAX_TOKENS
@@ -87,7 +86,7 @@ class ProtT5Family(HuggingFaceEncoderFamily):
                 pieces, residues=RESIDUES, word_pieces=True, aliases={c: "X" for c in RARE},
                 pad_token="<pad>", bos_token=None, eos_token="</s>", unk_token="<unk>", max_length=limit)
         except ValueError as err:
-            raise CheckpointError(f"{checkpoint}: {err}") from None
+            raise CheckpointError(f"{checkpoint.path}: {err}") from None
 
     def huggingface_keys(self, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The encoder's weights: `decoder.*` and `lm_head.*` dropped; the token embeddings under
@@ -160,26 +159,25 @@ class ProtT5Family(HuggingFaceEncoderFamily):
 
 
 # ---------------------------------------------------------------------------- vocabularies
-def _huggingface_pieces(directory: Path, config: Any) -> list[str]:
-    """The vocabulary of a Hugging Face ProtT5 folder, ids as transformers' T5Tokenizer gives them:
-    tokenizer.json (what the fast tokenizer reads first) or spiece.model plus the `<extra_id_N>`
-    sentinels that T5Tokenizer appends in reverse order (`<extra_id_0>` last)."""
+def _huggingface_pieces(checkpoint: Checkpoint, config: Any) -> list[str]:
+    """The vocabulary of a Hugging Face ProtT5 folder (from the side files its reader read), ids as
+    transformers' T5Tokenizer gives them: tokenizer.json (what the fast tokenizer reads first) or
+    spiece.model plus the `<extra_id_N>` sentinels that T5Tokenizer appends in reverse order
+    (`<extra_id_0>` last)."""
     for name in ("tokenizer.json", "spiece.model"):
-        path = directory / name
-        if path.is_file():
+        if name in checkpoint.files:
             try:
-                pieces = read_pieces(path.read_bytes(), str(path))
+                pieces = read_pieces(checkpoint.files[name], str(checkpoint.path / name))
             except ValueError as err:
                 raise CheckpointError(str(err)) from None
             break
     else:
-        raise CheckpointError(f"checkpoint {directory} has no tokenizer: expected spiece.model or tokenizer.json")
+        raise CheckpointError(f"checkpoint {checkpoint.path} has no tokenizer: expected spiece.model or tokenizer.json")
     if name == "spiece.model":
         extra = T5_EXTRA_IDS
-        settings = directory / "tokenizer_config.json"
-        if settings.is_file():
+        if "tokenizer_config.json" in checkpoint.files:
             try:
-                extra = int(json.loads(settings.read_text(encoding="utf-8")).get("extra_ids", extra))
+                extra = int(json.loads(checkpoint.files["tokenizer_config.json"]).get("extra_ids", extra))
             except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
                 pass  # a broken tokenizer_config.json: the default, which only adds unused ids
         sentinels = [f"<extra_id_{i}>" for i in reversed(range(extra))]

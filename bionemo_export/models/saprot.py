@@ -23,14 +23,13 @@ it, naming this family.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
 from bionemo_export.models.base import ModelDescription, register
-from bionemo_export.models.encoder import HuggingFaceEncoderFamily, read_vocab, token_limit, word_embeddings
+from bionemo_export.models.encoder import HuggingFaceEncoderFamily, token_limit, word_embeddings
 from bionemo_export.models.esm2 import ESM_CLASSIFIER_RENAMES, esm_classifier_kind
 from bionemo_export.models.lm_head import HeadWeights, MaskedLMHead, build_lm_head
 from bionemo_export.models.readers import Checkpoint, CheckpointError
@@ -47,21 +46,22 @@ MAX_TOKENS = 1024
 VOCAB_SIZE = 446
 
 
-def looks_paired(path: Path) -> bool:
-    """Whether the directory's vocab.txt is a residue/3Di pair vocabulary (SaProt's, or a damaged
+def looks_paired(checkpoint: Checkpoint) -> bool:
+    """Whether the checkpoint's vocab.txt is a residue/3Di pair vocabulary (SaProt's, or a damaged
     copy that the family then refuses with the reason): at least PAIRED_TOKENS such tokens."""
     try:
-        return paired_tokens(read_vocab(path / "vocab.txt")) >= PAIRED_TOKENS
-    except (OSError, UnicodeDecodeError):
+        return paired_tokens(checkpoint.lines("vocab.txt") or []) >= PAIRED_TOKENS
+    except CheckpointError:  # not UTF-8 text
         return False
 
 
-def check_vocab(vocab_file: Path) -> None:
-    """CheckpointError unless `vocab_file` is SaProt's 446 tokens in SaProt's order."""
-    if not vocab_file.is_file():
+def check_vocab(checkpoint: Checkpoint) -> None:
+    """CheckpointError unless the checkpoint's vocab.txt is SaProt's 446 tokens in SaProt's order."""
+    vocab_file, vocab = checkpoint.path / "vocab.txt", checkpoint.lines("vocab.txt", "vocabulary")
+    if vocab is None:
         raise CheckpointError(f"{vocab_file} is missing: a SaProt directory carries its vocab.txt of 446 residue/3Di "
                               "tokens (the token ids depend on it)")
-    vocab, expected = read_vocab(vocab_file), saprot_vocabulary()
+    expected = saprot_vocabulary()
     for line, (got, want) in enumerate(zip(vocab, expected), start=1):
         if got != want:
             raise CheckpointError(f"{vocab_file} is not SaProt's vocabulary: line {line} is {got!r}, expected "
@@ -103,7 +103,7 @@ class SaprotFamily(HuggingFaceEncoderFamily):
     def claims(cls, checkpoint: Checkpoint) -> bool:
         """A Hugging Face ESM directory whose vocab.txt pairs residues with 3Di letters."""
         return (checkpoint.form == "huggingface" and checkpoint.model_class in ("esm", None)
-                and looks_paired(checkpoint.path))
+                and looks_paired(checkpoint))
 
     description = ("SaProt structure-aware protein language model (ESM-2 over residue + Foldseek 3Di tokens): "
                    "Hugging Face EsmForMaskedLM directory")
@@ -131,8 +131,8 @@ class SaprotFamily(HuggingFaceEncoderFamily):
                                   "tokens")
         return config
 
-    def build_tokenizer(self, checkpoint: Path, config: Any, max_length: int | None) -> StructureAwareTokenizer:
-        check_vocab(checkpoint / "vocab.txt")
+    def build_tokenizer(self, checkpoint: Checkpoint, config: Any, max_length: int | None) -> StructureAwareTokenizer:
+        check_vocab(checkpoint)
         positions = int(getattr(config, "max_position_embeddings", MAX_TOKENS + 2) or MAX_TOKENS + 2)
         limit = min(MAX_TOKENS, positions - 2)
         return StructureAwareTokenizer(saprot_vocabulary(), max_length=token_limit(limit, max_length, "SaProt"))

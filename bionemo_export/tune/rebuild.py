@@ -21,6 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bionemo_export.choices import Exporter, build_precision
 from bionemo_export.errors import UserError
 from bionemo_export.model_repository.manifest import Manifest, checkpoint_digest
 from bionemo_export.model_repository.options import GenerationLimits, ServingOptions
@@ -63,10 +64,11 @@ def rebuild_request(repository: Path, precision: str) -> BuildRequest:
                                f"{source}'s); build the repository again with `build repo` if that is intended")
         paths.append(path)
     return BuildRequest(family=manifest.family, checkpoint=paths[0], members=tuple(paths[1:]), name=manifest.name,
-                        out=repository, tasks=tuple(manifest.tasks), exporter=manifest.exporter,
+                        out=repository, tasks=tuple(manifest.tasks),
+                        exporter=Exporter.parse(manifest.exporter, f"{source}: exporter"),
                         backend=manifest.backend or "auto", serving=serving_options(manifest.serving, source),
                         max_length=manifest.max_length, max_decode_length=manifest.max_decode_length,
-                        precision=precision, force=True)
+                        precision=build_precision(precision), force=True)
 
 
 def rebuild(repository: Path, precision: str, progress: Callable[[str], None] = lambda message: None) -> Manifest:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bionemo_export.choices import Precision
 from bionemo_export.serving import host as host_module
 from bionemo_export.serving.golden import CHECK_ENV, read_golden, write_golden
 from tests.unit.test_golden_answers import WEIGHTS, golden_inputs, store
@@ -35,7 +36,7 @@ def int8_repository(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("golden")
     checkpoint = save_random_checkpoint("esm2", folder / "checkpoint", seed=0)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=folder / "repo",
-                                  backend="python", precision="int8", tasks=("embeddings",)))
+                                  backend="python", precision=Precision.INT8, tasks=("embeddings",)))
     return folder / "repo"
 
 

@@ -9,6 +9,7 @@ import onnxruntime as ort
 import torch
 
 from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.choices import Precision
 from bionemo_export.client import RepositoryClient
 from bionemo_export.exporters.verification import PRECISION_MIN_COSINE
 from bionemo_export.models import get_family
@@ -22,7 +23,7 @@ SEQUENCES = ["EVQLVESGGGLVQPGGSLRLSCAASGFTFSSYAMS", "DIQMTQSPSSLSASVGDRVTITC", "
 def test_an_int4_repository_is_served_and_answers_within_its_tolerance(tmp_path, triton_install):
     checkpoint = save_random_checkpoint("bert", tmp_path / "checkpoint", seed=0)
     result = build_repository(BuildRequest(family="bert", checkpoint=checkpoint, name="ab", out=tmp_path / "repo",
-                                           backend="python", precision="int4", tasks=("embeddings",)))
+                                           backend="python", precision=Precision.INT4, tasks=("embeddings",)))
     assert result.manifest.precision == "int4"
     graph = tmp_path / "repo" / "ab_encoder" / "1" / "model.onnx"
     with TritonServer(tmp_path / "repo", install=triton_install, log_file=tmp_path / "tritonserver.log") as server:

@@ -12,6 +12,7 @@ import pytest
 
 from bionemo_export.build import BuildError, BuildRequest, PrecisionRefused, build_repository
 from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP, candidate_precisions
+from bionemo_export.choices import Precision
 from bionemo_export.exporters.verification import PRECISION_MIN_COSINE
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.serving.host import cpu_description
@@ -40,10 +41,10 @@ def test_requests_auto_cannot_take_are_refused_before_loading(esm2_checkpoint, t
                                       precision="auto", streamed=True))
     with pytest.raises(BuildError, match="`min_int8_speedup` 0"):
         build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm", out=tmp_path / "r",
-                                      precision="int8", min_int8_speedup=0))
+                                      precision=Precision.INT8, min_int8_speedup=0))
     with pytest.raises(BuildError, match="`precision` 'int2': choose one of fp32, int8, int8w, int4, fp16, auto"):
         build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm", out=tmp_path / "r",
-                                      precision="int2"))
+                                      precision="int2"))  # pyright: ignore[reportArgumentType]
     assert not list(tmp_path.iterdir())
 
 
@@ -80,7 +81,7 @@ def test_int8_missing_its_accuracy_gate_falls_back_to_fp32(esm2_checkpoint, tmp_
     # Asked by name, the same refusal fails the build (PrecisionRefused is a BuildError).
     with pytest.raises(PrecisionRefused):
         build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm", out=tmp_path / "x",
-                                      backend="python", tasks=TASKS, precision="int8"))
+                                      backend="python", tasks=TASKS, precision=Precision.INT8))
 
 
 def test_cli_auto_keeps_int8_exactly_when_it_pays_here(esm2_checkpoint, tmp_path):

@@ -22,6 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from typer.testing import CliRunner
 
 from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.choices import Precision
 from bionemo_export.cli.main import app
 from bionemo_export.model_repository.backends import BACKENDS, ENGINE_FILE, ShapeRange, get_backend
 from bionemo_export.model_repository.consistency import check_repository
@@ -257,7 +258,7 @@ def test_impossible_backend_device_precision_combinations_are_refused(checkpoint
         _build(checkpoints, "esm2", tmp_path / "a", "tensorrt", device="cpu")
     with pytest.raises(BuildError, match="`precision` int8 is ONNX Runtime's CPU quantization"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoints["esm2"], name="m", out=tmp_path / "b",
-                                      backend="tensorrt", precision="int8"))
+                                      backend="tensorrt", precision=Precision.INT8))
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.choices import Precision
 from bionemo_export.exporters import onnx_export
 from bionemo_export.exporters.optimize import candidates
 from bionemo_export.models.esm2 import esm_tokenizer
@@ -65,7 +66,7 @@ def test_an_int4_build_with_its_weights_on_disk_quantizes_them_one_at_a_time(tmp
     checkpoint = write_random_checkpoint("esm2", tmp_path / "checkpoint", SIZES)
     out = tmp_path / "repo"
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=out, backend="python",
-                                  tasks=("embeddings",), graph_cache=None, precision="int4"))
+                                  tasks=("embeddings",), graph_cache=None, precision=Precision.INT4))
     optimization = json.loads((out / "manifest.json").read_text())["export"]["encoder"]["optimization"]
     assert optimization["fallback"] is None and optimization["quantization"]["bits"] == 4, optimization
     graph = next(out.glob("*_encoder/1/model.onnx"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bionemo_export.build import BuildRequest, build_repository
+from bionemo_export.choices import Precision
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.model_repository.manifest import checkpoint_digest, source_sha256
 from bionemo_export.model_repository.pbtxt import read_config
@@ -47,7 +48,8 @@ def test_an_ensemble_for_tritons_own_platforms_is_consistent(members, tmp_path, 
 
 def test_an_int8_ensemble_records_each_members_accuracy_cost(members, tmp_path):
     result = build_repository(BuildRequest(family="esm2", checkpoint=members[0], members=(members[1],), name="ens",
-                                           out=tmp_path / "repo", backend="python", precision="int8", optimize=False))
+                                           out=tmp_path / "repo", backend="python", precision=Precision.INT8,
+                                           optimize=False))
     records = result.manifest.members or []
     assert [record["member"] for record in records] == ["m1", "m2"]
     assert all(record["accuracy"]["precision"] == "int8" for record in records)

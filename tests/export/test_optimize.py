@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bionemo_export.build import BuildError, BuildRequest, build_repository
-from bionemo_export.choices import ChoiceError
+from bionemo_export.choices import ChoiceError, Precision
 from bionemo_export.cli.main import error_line
 from bionemo_export.exporters import export_onnx, verify_onnx
 from bionemo_export.exporters import optimize as optimize_module
@@ -282,7 +282,8 @@ def test_int8_build_of_antiberty_keeps_embeddings_within_cosine_0_999(tmp_path):
     from bionemo_export.models.bert import antiberty_checkpoint
 
     build_repository(BuildRequest(family="bert", checkpoint=antiberty_checkpoint(), name="antiberty",
-                                  out=tmp_path / "repo", backend="python", precision="int8", tasks=ENCODER_ONLY))
+                                  out=tmp_path / "repo", backend="python", precision=Precision.INT8,
+                                  tasks=ENCODER_ONLY))
     manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
     assert manifest["precision"] == "int8"
     accuracy = manifest["accuracy"]
@@ -313,7 +314,7 @@ def test_fp16_build_keeps_float32_inputs_and_outputs(tmp_path):
     family = get_family("esm2")
     checkpoint = save_random_checkpoint(family.name, tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
-                                  backend="python", precision="fp16", tasks=("embeddings",)))
+                                  backend="python", precision=Precision.FP16, tasks=("embeddings",)))
     manifest = json.loads((tmp_path / "repo" / "manifest.json").read_text())
     assert manifest["precision"] == "fp16"
     assert manifest["accuracy"]["outputs"]["embeddings"]["min_cosine"] >= PRECISION_MIN_COSINE["fp16"]["embeddings"]
@@ -334,13 +335,13 @@ def test_a_precision_nothing_meets_fails_the_build_and_leaves_nothing(tmp_path, 
     refused = r"no int8 graph of encoder meets .* with its margin .* fp32 or fp16\.$"
     with pytest.raises(BuildError, match=refused) as failed:
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
-                                      backend="python", precision="int8", tasks=("embeddings",)))
+                                      backend="python", precision=Precision.INT8, tasks=("embeddings",)))
     assert error_line(failed.value).endswith(". Build with --precision int8w (weight-only: closer to fp32), fp32 or "
                                              "fp16.")  # the command line's words
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
     with pytest.raises(BuildError, match="`precision` 'int2'"):
         build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
-                                      precision="int2"))
+                                      precision="int2"))  # pyright: ignore[reportArgumentType]
 
 
 def test_optimize_onnx_refuses_a_precision_or_level_none_of_the_choices(tmp_path):
@@ -393,7 +394,7 @@ def test_verify_reports_the_served_int8_accuracy_cost(tmp_path):
 
     checkpoint = save_random_checkpoint("esm2", tmp_path / "checkpoint")
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name="esm", out=tmp_path / "repo",
-                                  backend="python", precision="int8", tasks=ENCODER_ONLY))
+                                  backend="python", precision=Precision.INT8, tasks=ENCODER_ONLY))
     checks = verify_repository(tmp_path / "repo", checkpoint)  # on the embedded tritonserver
     assert checks and all(check.passed for check in checks), [c.to_dict() for c in checks]
     assert {check.model for check in checks} == {"esm_embeddings", "esm_hiddens"}

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper
 
 from bionemo_export import build as build_module
 from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.choices import Precision
 from bionemo_export.exporters.streamed import STREAMED_STEP, export_streamed, write_weights
 from bionemo_export.memory_plan import STREAMED
 from bionemo_export.models import get_family
@@ -160,7 +161,7 @@ int4's 0.96: docs/building.md): the build is asked for this tolerance instead.""
 def streamed_repository(checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("streamed-repository") / "repo"
     build_repository(BuildRequest(family="esmc", checkpoint=checkpoints["esmc"], name="esmc", out=out,
-                                  backend="python", precision="int4", streamed=True, graph_cache=None,
+                                  backend="python", precision=Precision.INT4, streamed=True, graph_cache=None,
                                   min_cosine=ASKED_MIN_COSINE))
     return out
 
@@ -214,7 +215,7 @@ def test_a_streamed_build_of_a_large_half_precision_checkpoint_widens_one_layer_
     monkeypatch.setattr(mapped._Deferred, "release", releasing)
     out = tmp_path / "repo"
     build_repository(BuildRequest(family="esmc", checkpoint=checkpoints["esmc"], name="esmc", out=out,
-                                  backend="python", precision="int4", streamed=True, graph_cache=None,
+                                  backend="python", precision=Precision.INT4, streamed=True, graph_cache=None,
                                   min_cosine=ASKED_MIN_COSINE))
     encoder = get_family("esmc").load(checkpoints["esmc"]).encoder
     layer = sum(p.numel() for name, p in encoder.named_parameters() if name.startswith("backbone.layers.0."))
@@ -256,7 +257,7 @@ def test_the_memory_check_streams_an_int4_build_the_other_path_cannot_hold(check
     messages: list[str] = []
     monkeypatch.setattr(build_module, "available_memory_bytes", lambda: on_disk.needed - 1)
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoints["esm2"], name="m", out=tmp_path / "repo",
-                                  backend="python", precision="int4", tasks=("embeddings",), graph_cache=None),
+                                  backend="python", precision=Precision.INT4, tasks=("embeddings",), graph_cache=None),
                      progress=messages.append)
     assert any("weights streamed" in message for message in messages), messages
     assert any("weight by weight" in message for message in messages), messages

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from bionemo_export.build import BuildError, BuildRequest, build_repository
+from bionemo_export.choices import Precision
 from bionemo_export.exporters import export_onnx, verify_onnx
 from bionemo_export.exporters.optimize import pipeline
 from bionemo_export.exporters.optimize.pipeline import MARGIN_SHARE, PrecisionError, margin_min_cosine
@@ -148,11 +149,11 @@ def test_a_graph_within_its_tolerance_but_under_the_margin_is_refused_with_the_f
 def test_a_block_size_matmulnbits_does_not_compute_is_refused_before_anything_is_read(checkpoint, tmp_path):
     with pytest.raises(BuildError, match=r"^`block_size` 48: choose one of 16, 32, 64, 128, 256 "):
         build_repository(BuildRequest(family=FAMILY, checkpoint=checkpoint, name="ab", out=tmp_path / "repo",
-                                      precision="int4", block_size=48))
+                                      precision=Precision.INT4, block_size=48))
     assert not (tmp_path / "repo").exists()
 
 
 def test_weight_only_precisions_are_cpu_graphs(checkpoint, tmp_path):
     with pytest.raises(BuildError, match="`precision` int4 is ONNX Runtime's CPU quantization; on `device` gpu"):
         build_repository(BuildRequest(family=FAMILY, checkpoint=checkpoint, name="ab", out=tmp_path / "repo",
-                                      precision="int4", backend="tensorrt"))
+                                      precision=Precision.INT4, backend="tensorrt"))

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from bionemo_export.build_records import AccuracyRecord, GraphRecord, GraphVerification
+from bionemo_export.choices import Exporter
 from bionemo_export.exporters.onnx_export import ExportResult
 from bionemo_export.exporters.optimize import (
     CandidateFigures,
@@ -26,7 +27,8 @@ def _same_json(actual: dict, expected: dict) -> None:
     assert json.dumps(actual) == json.dumps(expected)
 
 
-EXPORT = ExportResult(path=Path("/tmp/build/tmp/onnx/encoder/model.onnx"), exporter="torch", torch_exporter="dynamo",
+EXPORT = ExportResult(path=Path("/tmp/build/tmp/onnx/encoder/model.onnx"), exporter=Exporter.TORCH,
+                      torch_exporter="dynamo",
                       opset=18, external_data=True, data_path=Path("/tmp/build/tmp/onnx/encoder/model.onnx.data"),
                       onnx_bytes=10, data_bytes=20, parameters=3, weight_bytes=12, seconds=1.5,
                       versions={"torch": "2"}, warnings=("a warning",))

@@ -14,7 +14,7 @@ from typer.main import get_command
 from typer.testing import CliRunner
 
 import bionemo_export
-from bionemo_export.choices import ChoiceError, Device, Layout, Precision
+from bionemo_export.choices import AUTO_PRECISION, ChoiceError, Device, Exporter, Layout, Precision
 from bionemo_export.cli import option_flags
 from bionemo_export.cli.main import app, error_line
 from bionemo_export.errors import STANDALONE_USER_ERRORS, BionemoExportError, UserError, reason
@@ -48,6 +48,30 @@ def test_the_build_options_take_their_defaults_from_the_dataclasses():
     assert len(shared) >= 20, sorted(shared)  # every flat ServingOptions field the command line sets
     for name, default in shared.items():
         assert options[name].default == default, name
+
+
+def test_a_build_request_holds_its_choices_as_enums_checked_where_it_is_made(tmp_path):
+    """BuildRequest reads a library caller's strings once, when it is made: below it, the build
+    compares members (the graph cache once missed entries because "torch" and Exporter.TORCH were
+    keyed apart); a bad value is refused before anything is read, naming the field."""
+    from bionemo_export.build import BuildError, BuildRequest
+
+    def request(**changes) -> BuildRequest:
+        return BuildRequest(family="esm2", checkpoint=tmp_path / "nowhere", name="m", out=tmp_path / "r", **changes)
+
+    made = request(exporter="navigator", precision="int8")  # pyright: ignore[reportArgumentType] - as a caller may
+    assert made.exporter is Exporter.NAVIGATOR and made.precision is Precision.INT8
+    assert made.graph_precision is Precision.INT8
+    assert dataclasses.replace(made, precision="fp16").precision is Precision.FP16  # pyright: ignore[reportArgumentType]
+    assert request(precision="auto").precision == AUTO_PRECISION  # pyright: ignore[reportArgumentType]
+    for changes, message in [({"exporter": "onnxmltools"}, "`exporter` 'onnxmltools': choose one of torch, navigator"),
+                             ({"precision": "int2"}, "`precision` 'int2': choose one of fp32, int8, int8w, int4, fp16, "
+                                                     "auto"),
+                             ({"backend": "vllm"}, "`backend` 'vllm': choose one of auto, "),
+                             ({"block_size": 48}, "`block_size` 48"),
+                             ({"precision": Precision.INT8, "streamed": True}, "`stream-weights` writes")]:
+        with pytest.raises(BuildError, match=message.replace("(", r"\(")):
+            request(**changes)
 
 
 def test_no_parameter_name_means_two_flags():

@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from bionemo_export.models import get_family, load_checkpoint
-from bionemo_export.models.readers import READERS, CheckpointError, read_checkpoint
+from bionemo_export.models.readers import READERS, CheckpointError, CheckpointPath, read_checkpoint
 from tests.helpers.nv_esm_checkpoints import ESM_VOCAB, edit_config, write_nv_esm
 from tests.helpers.random_models import perturb, tiny_esm_config
 
@@ -94,7 +94,7 @@ def test_the_reader_recognizes_nv_esm_and_the_huggingface_reader_does_not(export
         checkpoint = read_checkpoint(directory)
         assert (checkpoint.form, checkpoint.model_class, checkpoint.weights_name) == ("nv_esm", "nv_esm",
                                                                                       "model.safetensors")
-        assert not READERS["huggingface"].recognizes(directory)
+        assert not READERS["huggingface"].recognizes(CheckpointPath(directory))
         assert {"tokenizer.json", "vocab.txt"} <= set(checkpoint.files) and "esm_nv.py" not in checkpoint.files
         assert bool(checkpoint.skipped) == (prefix == "esm.")  # 2025 exports: _extra_state skipped, recorded
         assert all(key.endswith("._extra_state") for key in checkpoint.skipped)

@@ -52,6 +52,35 @@ def test_a_checkpoint_is_described_by_its_reader(made, described):
     assert describe_checkpoint(made) == described == READERS[made.form].describe(made)
 
 
+def test_a_directory_is_recognized_and_read_with_its_config_json_parsed_once(tmp_path, monkeypatch):
+    """Three readers look at a directory's config.json (saved, nv_esm and Hugging Face forms
+    differ by its model_type) and one reads it: `read_checkpoint` parses it once for them all
+    (readers/base.CheckpointPath), and the side files once, into `Checkpoint.files`, which the
+    families read instead of the folder."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from bionemo_export.models.readers import base, read_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "esm", "hidden_size": 8}))
+    (tmp_path / "vocab.txt").write_text("<cls>\nA\n")
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    parsed: list[str] = []
+    original = base.json.loads
+
+    def counting(text, *args, **kwargs):
+        parsed.append(text)
+        return original(text, *args, **kwargs)
+
+    monkeypatch.setattr(base.json, "loads", counting)
+    made = read_checkpoint(tmp_path)
+    assert made.form == "huggingface" and made.config["hidden_size"] == 8
+    assert len([text for text in parsed if "model_type" in str(text)]) == 1
+    assert made.lines("vocab.txt") == ["<cls>", "A"] and made.lines("spiece.model") is None
+
+
 # ---------------------------------------------------------------------------------- bounded tar
 def write_tar(path: Path, members: list[tarfile.TarInfo], contents: dict[str, bytes]) -> Path:
     with tarfile.open(path, "w") as tar:

@@ -14,6 +14,7 @@ import transformers
 
 from bionemo_export.models.bert import BertFamily, antiberty_checkpoint
 from bionemo_export.models.esm2 import ALPHABET, Esm2Family
+from bionemo_export.models.readers import Checkpoint, read_checkpoint
 from bionemo_export.serving.tokenizers import character
 from bionemo_export.serving.tokenizers.character import CharacterTokenizer, TokenizationError
 
@@ -23,14 +24,15 @@ ANTIBODY = ["EVQLV", "SRWGGDGFYAMDY", "C", "QVQLVQSGAEVKKPGASVKVSCKASGYTFT"]
 
 @pytest.fixture(scope="module")
 def esm2(tmp_path_factory) -> CharacterTokenizer:
-    return Esm2Family().build_tokenizer(tmp_path_factory.mktemp("esm2"), None, None)
+    folder = tmp_path_factory.mktemp("esm2")  # no vocab.txt: the fixed alphabet
+    return Esm2Family().build_tokenizer(Checkpoint(folder, "huggingface", {}, {}, "model.safetensors"), None, None)
 
 
 @pytest.fixture(scope="module")
 def antiberty() -> CharacterTokenizer:
-    folder = antiberty_checkpoint()
-    config = transformers.BertConfig.from_json_file(folder / "config.json")
-    tokenizer = BertFamily().build_tokenizer(folder, config, None)
+    checkpoint = read_checkpoint(antiberty_checkpoint())  # its vocab.txt is in the folder above
+    config = transformers.BertConfig.from_dict(checkpoint.config)
+    tokenizer = BertFamily().build_tokenizer(checkpoint, config, None)
     assert isinstance(tokenizer, CharacterTokenizer)  # a protein vocabulary, not a SMILES one
     return tokenizer
 
@@ -70,7 +72,9 @@ def test_antiberty_ids_equal_transformers_bert_tokenizer(antiberty):
 def test_protbert_maps_rare_residues_to_x_like_its_authors(tmp_path):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"LAGVESIKRDTPNQFYMHCWXUBZO"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab))
-    tokenizer = BertFamily().build_tokenizer(tmp_path, transformers.BertConfig(), None)
+    checkpoint = Checkpoint(tmp_path, "huggingface", {}, {}, "model.safetensors",
+                            files={"vocab.txt": (tmp_path / "vocab.txt").read_bytes()})
+    tokenizer = BertFamily().build_tokenizer(checkpoint, transformers.BertConfig(), None)
     sequences = ["MKUZOBX", "ACBD"]
     # ProtBert's model card: space-separate the residues and replace U, Z, O, B by X.
     reference = bert_reference(tmp_path, vocab_size=30)

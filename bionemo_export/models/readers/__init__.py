@@ -8,6 +8,15 @@ that subclasses `CheckpointReader` with `@register_reader`, plus its tests.
 # before the Hugging Face reader, which recognizes any directory.
 from . import nemo, nemo2  # noqa: F401, I001
 from . import esm_weights, fair_esm, huggingface, nv_esm, saved  # noqa: F401
-from .base import READERS, Checkpoint, CheckpointError, CheckpointReader, read_checkpoint, register_reader
+from .base import (
+    READERS,
+    Checkpoint,
+    CheckpointError,
+    CheckpointPath,
+    CheckpointReader,
+    read_checkpoint,
+    register_reader,
+)
 
-__all__ = ["READERS", "Checkpoint", "CheckpointError", "CheckpointReader", "read_checkpoint", "register_reader"]
+__all__ = ["READERS", "Checkpoint", "CheckpointError", "CheckpointPath", "CheckpointReader", "read_checkpoint",
+           "register_reader"]

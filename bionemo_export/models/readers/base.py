@@ -8,6 +8,7 @@ Families turn that into their module (models/base.py: `ModelFamily.describe`).
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from collections.abc import Mapping
@@ -76,6 +77,11 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"{self.path}: no {what} {name!r} in the checkpoint") from None
 
+    def lines(self, name: str, what: str = "file") -> list[str] | None:
+        """The side text file `name` as lines (vocab.txt: one token per line, the id being the
+        line number), as the reader read it; None when the checkpoint has no such file."""
+        return self.text(name, what).splitlines() if name in self.files else None
+
     def text(self, name: str, what: str = "file") -> str:
         data = self.file(name, what)
         try:
@@ -84,18 +90,53 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: {what} {name!r} is not UTF-8 text") from None
 
 
+class CheckpointPath:
+    """A path a checkpoint may be at, as `read_checkpoint` hands it to each reader in turn (does it
+    look like your form?) and then to the one that reads it: what several readers look at, a
+    directory's config.json, is read and parsed once, here."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._config_json: dict[str, Any] | str | None = None  # the parsed object, or why there is none
+
+    def config_json(self) -> dict[str, Any]:
+        """The directory's config.json as a dict (parsed on first use); CheckpointError naming the
+        file when it is missing, not JSON or not an object."""
+        if self._config_json is None:
+            try:
+                self._config_json = _parse_config_json(self.path)
+            except CheckpointError as err:
+                self._config_json = str(err)
+        if isinstance(self._config_json, str):
+            raise CheckpointError(self._config_json)
+        return self._config_json
+
+
+def _parse_config_json(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {directory} has no config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return config
+
+
 class CheckpointReader:
     """One checkpoint form. Subclasses set `form` and implement `recognizes` and `read`."""
 
     form: ClassVar[str]
     description: ClassVar[str]
 
-    def recognizes(self, path: Path) -> bool:
-        """Whether `path` looks like this form (cheap: no weights are read)."""
+    def recognizes(self, found: CheckpointPath) -> bool:
+        """Whether `found.path` looks like this form (cheap: no weights are read)."""
         raise NotImplementedError
 
-    def read(self, path: Path) -> Checkpoint:
-        """The checkpoint at `path`; CheckpointError naming the file and the problem."""
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        """The checkpoint at `found.path`; CheckpointError naming the file and the problem."""
         raise NotImplementedError
 
     def describe(self, checkpoint: Checkpoint) -> str:
@@ -125,9 +166,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
+    found = CheckpointPath(path)
     for reader in READERS.values():
-        if reader.recognizes(path):
-            return reader.read(path)
+        if reader.recognizes(found):
+            return reader.read(found)
     forms = "; ".join(f"{r.form}: {r.description}" for r in READERS.values())
     what = "is not a directory nor a .nemo archive" if path.is_file() else "is not a checkpoint"
     raise CheckpointError(f"{path} {what}; this tool reads {forms}")

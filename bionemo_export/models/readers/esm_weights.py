@@ -9,9 +9,7 @@ no pickled code runs.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .base import Checkpoint, CheckpointError, CheckpointReader, register_reader
+from .base import Checkpoint, CheckpointError, CheckpointPath, CheckpointReader, register_reader
 from .torch_files import load_torch_weights
 
 MARKERS = ("embed.weight", "transformer.blocks.0.attn.layernorm_qkv.1.weight")
@@ -26,11 +24,13 @@ class EsmWeightsReader(CheckpointReader):
     def describe(self, checkpoint: Checkpoint) -> str:
         return f"esm package ESM C weights {checkpoint.path.name}"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
+        path = found.path
         # Any .pth file, zip or not: a legacy pickle or a TorchScript archive is refused as such.
         return path.is_file() and path.suffix == ".pth"
 
-    def read(self, path: Path) -> Checkpoint:
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path = found.path
         weights, skipped = load_torch_weights(path, str(path))
         if missing := [key for key in MARKERS if key not in weights]:
             raise CheckpointError(f"{path} is not an ESM C weight file of the esm package: no {', '.join(missing)}")

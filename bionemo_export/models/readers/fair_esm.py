@@ -19,10 +19,9 @@ settings are the Namespace's plain values (numbers, strings, booleans).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-from .base import Checkpoint, CheckpointError, CheckpointReader, check_state_dict, register_reader
+from .base import Checkpoint, CheckpointError, CheckpointPath, CheckpointReader, check_state_dict, register_reader
 from .torch_files import open_torch_file
 
 REGRESSION_SUFFIX = "-contact-regression"
@@ -48,19 +47,21 @@ class FairEsmReader(CheckpointReader):
             else ""
         return f"fair-esm {checkpoint.model_class} file {checkpoint.path.name}{regression}"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
+        path = found.path
         # Any .pt file, zip or not: a legacy pickle or a TorchScript archive is refused as such.
         return path.is_file() and path.suffix == ".pt"
 
-    def read(self, path: Path) -> Checkpoint:
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path = found.path
         if path.stem.endswith(REGRESSION_SUFFIX):
             raise CheckpointError(f"{path} is a contact regression file: give the model file beside it "
                                   f"({path.name.removesuffix(REGRESSION_SUFFIX + '.pt')}.pt)")
         data = open_torch_file(path, str(path))
         if not isinstance(data, dict) or "model" not in data or not ({"cfg", "args"} & data.keys()):
-            found = ", ".join(map(str, list(data)[:8])) if isinstance(data, dict) else type(data).__name__
+            held = ", ".join(map(str, list(data)[:8])) if isinstance(data, dict) else type(data).__name__
             raise CheckpointError(f"{path} is not a fair-esm checkpoint: expected a dict with 'model' and 'cfg' "
-                                  f"(ESM-2) or 'args' (ESM-1b/1v), found {found}")
+                                  f"(ESM-2) or 'args' (ESM-1b/1v), found {held}")
         weights, skipped = check_state_dict(data["model"], f"{path}:model")
         if "cfg" in data:
             cfg = data["cfg"]

@@ -11,6 +11,7 @@ from .base import (
     MAX_SIDE_FILE_BYTES,
     Checkpoint,
     CheckpointError,
+    CheckpointPath,
     CheckpointReader,
     check_state_dict,
     register_reader,
@@ -25,20 +26,6 @@ SAVED_FORM_TYPES = ("megamolbart",)
 NV_ESM_TYPES = ("nv_esm",)
 """model_type values of NVIDIA's TransformerEngine ESM-2 (readers/nv_esm.py): TransformerEngine
 names, not those of a transformers class."""
-
-
-def read_config_json(directory: Path) -> dict[str, Any]:
-    """config.json of a checkpoint directory, as a dict."""
-    path = directory / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {directory} has no config.json")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
-    return config
 
 
 def read_weights(directory: Path) -> tuple[dict[str, Any], str, dict[str, str]]:
@@ -87,18 +74,18 @@ class HuggingFaceReader(CheckpointReader):
     def describe(self, checkpoint: Checkpoint) -> str:
         return f"huggingface directory ({checkpoint.weights_name})"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
         # Any directory but the saved form's: the most common form, so its errors ("no
         # config.json", "no weights") are the helpful ones for a directory that is neither.
-        if not path.is_dir():
+        if not found.path.is_dir():
             return False
         try:
-            return read_config_json(path).get("model_type") not in SAVED_FORM_TYPES + NV_ESM_TYPES
+            return found.config_json().get("model_type") not in SAVED_FORM_TYPES + NV_ESM_TYPES
         except CheckpointError:
             return True  # ours to report
 
-    def read(self, path: Path) -> Checkpoint:
-        config = read_config_json(path)
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path, config = found.path, found.config_json()
         weights, weights_name, skipped = read_weights(path)
         files = {
             item.name: item.read_bytes()

@@ -30,6 +30,7 @@ from .base import (
     MAX_SIDE_FILE_BYTES,
     Checkpoint,
     CheckpointError,
+    CheckpointPath,
     CheckpointReader,
     register_reader,
 )
@@ -107,10 +108,12 @@ class NemoReader(CheckpointReader):
         merged = f", merged from {ranks} parallel ranks" if ranks else ""
         return f".nemo archive ({checkpoint.model_class or 'no target'}{merged})"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
+        path = found.path
         return path.is_file() and (path.suffix == ".nemo" or looks_like_tar(path))
 
-    def read(self, path: Path) -> Checkpoint:
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path = found.path
         try:
             with open_archive(path) as tar:
                 members = safe_members(tar, path)

@@ -43,6 +43,7 @@ from .base import (
     MAX_SIDE_FILE_BYTES,
     Checkpoint,
     CheckpointError,
+    CheckpointPath,
     CheckpointReader,
     register_reader,
 )
@@ -350,12 +351,14 @@ class Nemo2Reader(CheckpointReader):
     def describe(self, checkpoint: Checkpoint) -> str:
         return f"NeMo 2 directory ({checkpoint.model_class or 'no config class'}, {checkpoint.weights_name})"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
+        path = found.path
         # Either folder is enough, so that a directory missing the other gets this reader's error.
         return path.is_dir() and not (path / "config.json").is_file() and \
             ((path / CONTEXT).is_dir() or (path / WEIGHTS).is_dir())
 
-    def read(self, path: Path) -> Checkpoint:
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path = found.path
         weights_dir = path / WEIGHTS
         if not weights_dir.is_dir():
             raise CheckpointError(f"{path} has no {WEIGHTS}/ folder: a NeMo 2 checkpoint holds {CONTEXT}/ and "

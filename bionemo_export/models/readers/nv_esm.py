@@ -10,10 +10,8 @@ and recorded in `Checkpoint.skipped`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointReader, register_reader
-from .huggingface import NV_ESM_TYPES, read_config_json, read_weights
+from .base import MAX_SIDE_FILE_BYTES, Checkpoint, CheckpointError, CheckpointPath, CheckpointReader, register_reader
+from .huggingface import NV_ESM_TYPES, read_weights
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 """The side files read (what NVIDIA's exports carry besides config, weights, code and README)."""
@@ -28,14 +26,14 @@ class NvEsmReader(CheckpointReader):
     def describe(self, checkpoint: Checkpoint) -> str:
         return f"NVIDIA TransformerEngine ESM-2 directory (nv_esm, {checkpoint.weights_name})"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
         try:
-            return path.is_dir() and read_config_json(path).get("model_type") in NV_ESM_TYPES
+            return found.path.is_dir() and found.config_json().get("model_type") in NV_ESM_TYPES
         except CheckpointError:
             return False  # the Hugging Face reader reports directories without a readable config.json
 
-    def read(self, path: Path) -> Checkpoint:
-        config = read_config_json(path)
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path, config = found.path, found.config_json()
         weights, weights_name, skipped = read_weights(path)
         files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES
                  if (path / name).is_file() and (path / name).stat().st_size <= MAX_SIDE_FILE_BYTES}

@@ -3,10 +3,8 @@ its sizes, model.safetensors, and vocab.txt (one token per line, the id being th
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .base import Checkpoint, CheckpointError, CheckpointReader, register_reader
-from .huggingface import SAVED_FORM_TYPES, read_config_json, read_weights
+from .base import Checkpoint, CheckpointError, CheckpointPath, CheckpointReader, register_reader
+from .huggingface import SAVED_FORM_TYPES, read_weights
 
 
 @register_reader
@@ -17,14 +15,14 @@ class SavedFormReader(CheckpointReader):
     def describe(self, checkpoint: Checkpoint) -> str:
         return f"{checkpoint.model_class} directory ({checkpoint.weights_name})"
 
-    def recognizes(self, path: Path) -> bool:
+    def recognizes(self, found: CheckpointPath) -> bool:
         try:
-            return path.is_dir() and read_config_json(path).get("model_type") in SAVED_FORM_TYPES
+            return found.path.is_dir() and found.config_json().get("model_type") in SAVED_FORM_TYPES
         except CheckpointError:
             return False
 
-    def read(self, path: Path) -> Checkpoint:
-        config = read_config_json(path)
+    def read(self, found: CheckpointPath) -> Checkpoint:
+        path, config = found.path, found.config_json()
         vocab = path / "vocab.txt"
         if not vocab.is_file():
             raise CheckpointError(f"checkpoint {path} has no vocab.txt")
