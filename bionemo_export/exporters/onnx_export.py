@@ -245,7 +245,7 @@ def _export_with_torch(
     _remove_written(out_path)
     program.save(str(out_path), external_data=external)
     del program
-    return_freed_memory()  # the program's copy of the weights, before the graph is checked
+    return_freed_memory(_weights(module)[1])  # the program's copy of the weights, before the graph is checked
 
 
 def _dynamic_shapes(inputs: Sequence[TensorSpec]) -> tuple[dict[int, Any], ...]:

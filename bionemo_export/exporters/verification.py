@@ -222,6 +222,8 @@ def verify_onnx(
                   for batch in batches]
     batch_shapes = [tuple(np.shape(batch[input_names[0]])) for batch in batches]
     release_weights(reference_module)
+    data = Path(onnx_path).with_name(Path(onnx_path).name + ".data")
+    graph_bytes = Path(onnx_path).stat().st_size + (data.stat().st_size if data.is_file() else 0)
     for label, options in runs.items():
         session = _session(Path(onnx_path), options)
         found: dict[str, list[Figures]] = {name: [] for name in names}
@@ -233,7 +235,7 @@ def verify_onnx(
             for name in names:
                 found[name].append(compare(onnx_values[name], references[index][name], valid))
         del session
-        return_freed_memory()  # the session's weights and arena, before the next session or step
+        return_freed_memory(graph_bytes)  # the session's weights and arena, before the next session or step
         per_session[label] = {name: float(np.min([f.min_cosine for f in figures])) for name, figures in found.items()}
         for name, figures in found.items():
             comparisons.setdefault(name, []).extend(figures)

@@ -13,6 +13,7 @@ import pytest
 from bionemo_export.build import BuildError, BuildRequest, PrecisionRefused, build_repository
 from bionemo_export.build_precision import AUTO_INT8_MIN_SPEEDUP, candidate_precisions
 from bionemo_export.choices import Precision
+from bionemo_export.exporters.optimize.pipeline import ATTEMPTS
 from bionemo_export.exporters.verification import PRECISION_MIN_COSINE
 from bionemo_export.model_repository.consistency import check_repository
 from bionemo_export.serving.host import cpu_description
@@ -72,7 +73,11 @@ def test_int8_under_its_speed_floor_falls_back_to_fp32_through_a_temporary_graph
 
 
 def test_int8_missing_its_accuracy_gate_falls_back_to_fp32(esm2_checkpoint, tmp_path, monkeypatch):
+    """An int8 gate no graph meets (cosine 1.01), with one int8 candidate instead of the ladder
+    (test_optimize.py climbs the ladder; here every rung would be refused alike, twice per build:
+    each int8 weights' type)."""
     monkeypatch.setitem(PRECISION_MIN_COSINE, "int8", {"embeddings": 1.01, "hiddens": 1.01})
+    monkeypatch.setitem(ATTEMPTS, "int8", ATTEMPTS["int8"][:1])
     build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", tasks=TASKS, precision="auto", min_cosine=0.9999999))
     choice = _manifest(tmp_path / "repo")["precision_choice"]

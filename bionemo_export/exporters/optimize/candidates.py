@@ -370,9 +370,9 @@ def optimize_onnx(
             _step(f"ONNX Runtime {level} optimization",
                   lambda: _runtime_optimize(staged, dst, level, external, disabled))
             applied.append(f"onnxruntime_{level}")
-    return_freed_memory()  # the graph in memory and ONNX Runtime's session, before the candidate is checked
-    written = onnx.load(str(dst), load_external_data=False)
     size = dst.stat().st_size + (_data_path(dst).stat().st_size if _data_path(dst).exists() else 0)
+    return_freed_memory(size)  # the graph in memory and ONNX Runtime's session, before the candidate is checked
+    written = onnx.load(str(dst), load_external_data=False)
     return OptimizationResult(
         path=dst,
         precision=precision,
