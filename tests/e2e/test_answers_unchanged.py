@@ -62,24 +62,30 @@ def _baseline_package(folder: Path) -> Path:
 
 
 def _build(source: Path, family: str, checkpoint: Path, out: Path) -> Path:
-    """Build with the package under `source` (a subprocess importing it first)."""
+    """Build with the package under `source` (a subprocess importing it first). The baseline
+    exports its own graphs (no graph cache); this code's build uses the run's graph cache, whose
+    entries are this code's exports of the same modules (the cache key digests the package's
+    source: the baseline's exports can never be served from it)."""
+    cache = os.environ.get("BIONEMO_EXPORT_GRAPH_CACHE", "") if source == ROOT else ""
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(BUILD), family, str(checkpoint), str(out),
                           str(source / "bionemo_export")], cwd=out.parent,
-                         # no graph cache: each build exports its own graphs
-                         env={**os.environ, "PYTHONPATH": str(source), "BIONEMO_EXPORT_GRAPH_CACHE": ""},
+                         env={**os.environ, "PYTHONPATH": str(source), "BIONEMO_EXPORT_GRAPH_CACHE": cache},
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    """family -> (the baseline's repository, this code's), built from one checkpoint each."""
+def built(tmp_path_factory, esm2_checkpoint) -> dict[str, tuple[Path, Path]]:
+    """family -> (the baseline's repository, this code's), built from one checkpoint each: the
+    session's ESM-2 (other modules export its graphs into the run's graph cache too) and a tiny
+    MegaMolBART."""
     work = tmp_path_factory.mktemp("unchanged")
     baseline = _baseline_package(work / "baseline")
     repositories = {}
-    for family, seed in (("esm2", 3), ("megamolbart", 0)):
-        checkpoint = save_random_checkpoint(family, work / f"{family}_checkpoint", seed=seed)
+    checkpoints = {"esm2": esm2_checkpoint,
+                   "megamolbart": save_random_checkpoint("megamolbart", work / "megamolbart_checkpoint", seed=0)}
+    for family, checkpoint in checkpoints.items():
         repositories[family] = (_build(baseline, family, checkpoint, work / f"{family}_before"),
                                 _build(ROOT, family, checkpoint, work / f"{family}_after"))
     return repositories

@@ -116,3 +116,18 @@ def test_a_deferred_widening_holds_each_blocks_fp32_weights_only_while_it_is_use
         with mapped.deferred_widening_paused():  # tracing: nothing widened, the placeholders answer
             assert not torch.equal(deferred.encoder(*arguments)[0], whole.encoder(*arguments)[0])
     assert not weight.detach().any()
+
+
+def test_freed_memory_is_collected_only_for_weights_worth_a_full_collection(monkeypatch):
+    """A full garbage collection walks every object torch and transformers made (about 0.4 s): a
+    build pays it after each large graph, never after a tiny one's few MB."""
+    import gc
+
+    from bionemo_export.models.readers import mapped
+
+    collections: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(1) or 0)
+    mapped.return_freed_memory(mapped.WORTH_COLLECTING_BYTES - 1)
+    assert collections == []
+    mapped.return_freed_memory(mapped.WORTH_COLLECTING_BYTES)
+    assert collections == [1]
