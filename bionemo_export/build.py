@@ -193,9 +193,9 @@ class BuildRequest:
     def graph_precision(self) -> Precision:
         """The precision of the graphs this request builds: `precision`, once `auto` has been
         resolved (`precision auto` builds one request per candidate precision)."""
-        if self.precision == AUTO_PRECISION:
+        if not isinstance(self.precision, Precision):
             raise AssertionError("`precision` auto is resolved before a build (_build_choosing_precision)")
-        return Precision(self.precision)
+        return self.precision
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,10 @@ def _build(source: Path, family: str, checkpoint: Path, out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, esm2_checkpoint) -> dict[str, tuple[Path, Path]]:
+def built(tmp_path_factory, esm2_checkpoint, esm2_repository) -> dict[str, tuple[Path, Path]]:
     """family -> (the baseline's repository, this code's), built from one checkpoint each: the
-    session's ESM-2 (other modules export its graphs into the run's graph cache too) and a tiny
-    MegaMolBART."""
+    session's ESM-2 (whose session repository, asked for first, has put its graphs in the run's
+    graph cache) and a tiny MegaMolBART."""
     work = tmp_path_factory.mktemp("unchanged")
     baseline = _baseline_package(work / "baseline")
     repositories = {}
