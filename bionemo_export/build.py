@@ -302,6 +302,32 @@ class GraphSource:
 
 
 @dataclass(frozen=True)
+class GraphStorage:
+    """How one graph is stored once its plain export verified: optimized or as exported, in which
+    precision, written weight by weight or not, and the gates a reduced precision must pass. The
+    encoder's graph takes the build's (`of_request`); the graphs that are the encoder again take
+    its optimization only; the heads are stored as exported, in fp32 (the kits' `graphs`)."""
+
+    optimize: bool = False
+    precision: Precision = Precision.FP32
+    streamed: bool = False
+    """int8w, int4: written weight by weight from the checkpoint (exporters/streamed.py), checked once."""
+    min_cosine: float | None = None
+    """A reduced precision's tolerance asked for (BuildRequest.min_cosine)."""
+    min_int8_speedup: float | None = None
+    """BuildRequest.min_int8_speedup."""
+
+    @classmethod
+    def of_request(cls, request: BuildRequest, *, cpu_optimized: bool, streamed: bool = False) -> GraphStorage:
+        """The encoder graph's storage in the build `request` asks for; optimized only where the
+        backend runs ONNX Runtime on CPUs (`cpu_optimized`): TensorRT and GPU execution providers get
+        the plain export, which they optimize for themselves (ONNX Runtime's CPU rewrites add
+        operators TensorRT cannot parse)."""
+        return cls(optimize=request.optimize and cpu_optimized, precision=request.graph_precision,
+                   streamed=streamed, min_cosine=request.min_cosine, min_int8_speedup=request.min_int8_speedup)
+
+
+@dataclass(frozen=True)
 class GraphExportJob:
     """What every graph of one build is exported with: the build's folder, the exporter, the
     family (its tolerance), the model's heads and width (graph optimization), whether the served
@@ -318,23 +344,29 @@ class GraphExportJob:
     cache: GraphCache | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
 
-    def export(self, source: GraphSource, *, precision: Precision = Precision.FP32, optimize: bool = False,
-               streamed: bool = False, min_cosine: float | None = None,
-               min_int8_speedup: float | None = None) -> ExportedGraph:
+    @classmethod
+    def of_request(cls, request: BuildRequest, loaded: LoadedModel, export_dir: Path, progress: Progress, *,
+                   picks_cpu_graph: bool) -> GraphExportJob:
+        """The job exporting `loaded`'s graphs for the build `request` asks for."""
+        return cls(export_dir, request.exporter, loaded.family, progress, num_heads=loaded.description.get("heads"),
+                   hidden_size=loaded.hidden_size, picks_cpu_graph=picks_cpu_graph,
+                   cache=GraphCache(request.graph_cache) if request.graph_cache else None,
+                   block_size=request.block_size)
+
+    def export(self, source: GraphSource, storage: GraphStorage = GraphStorage()) -> ExportedGraph:
         """Export `source` to ONNX under export_dir/name, check it against PyTorch on its batches,
-        then store it optimized (and in `precision`) when that graph verifies too; raises
-        ExportVerificationError when the plain export is over the family's tolerance. int8 stores
-        two graphs where `picks_cpu_graph` (the served model opens the one its CPU computes exactly:
-        exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its golden
-        answers. `streamed` (int8w, int4): written weight by weight and checked once.
-        `min_cosine`: a reduced precision's tolerance asked for (BuildRequest.min_cosine);
-        `min_int8_speedup`: BuildRequest.min_int8_speedup."""
+        then store it as `storage` says (optimized, in its precision) when that graph verifies too;
+        raises ExportVerificationError when the plain export is over the family's tolerance. int8
+        stores two graphs where `picks_cpu_graph` (the served model opens the one its CPU computes
+        exactly: exporters/optimize/pipeline.verified_int8_graphs); every graph is stored with its
+        golden answers."""
         from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
         from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
         from bionemo_export.exporters.verification import write_golden_answers
 
-        if streamed:
-            return self._export_streamed(source, precision, min_cosine)
+        precision, optimize = storage.precision, storage.optimize
+        if storage.streamed:
+            return self._export_streamed(source, precision, storage.min_cosine)
         name, module, batches, mask_input = source.name, source.module, source.batches, source.mask_input
         inputs, outputs = source.inputs, source.outputs
         self.progress(f"exporting the {name} graph to ONNX ({self.exporter})")
@@ -362,7 +394,7 @@ class GraphExportJob:
             self.cache.evict(exported.graph_cache_key)
             exported, report = export_and_check(self.cache)
         report.raise_for_tolerance()
-        if optimize or precision != "fp32":
+        if optimize or precision != Precision.FP32:
             self.progress(f"optimizing the {name} graph ({precision}) and checking it against PyTorch")
 
         def log(message: str) -> None:
@@ -372,12 +404,13 @@ class GraphExportJob:
         settings: dict[str, Any] = dict(num_heads=self.num_heads, hidden_size=self.hidden_size,
                                         atol=self.family.atol, min_cosine=self.family.min_cosine,
                                         output_names=output_names, mask_input=mask_input, optimize=optimize,
-                                        asked_min_cosine=min_cosine)
+                                        asked_min_cosine=storage.min_cosine)
         work = self.export_dir / f"{name}.optimized"
         no_vnni, speed = None, None
-        if precision == "int8":
+        if precision == Precision.INT8:
             int8 = verified_int8_graphs(module, exported.path, report, work, batches,
-                                        one_graph=not self.picks_cpu_graph, log=log, min_speedup=min_int8_speedup,
+                                        one_graph=not self.picks_cpu_graph, log=log,
+                                        min_speedup=storage.min_int8_speedup,
                                         **settings)
             chosen, no_vnni, speed = int8.main, int8.no_vnni, int8.speed
         else:  # fp32, fp16, and the weight-only int8w / int4 (block_size: theirs)
@@ -516,50 +549,32 @@ def servable_tasks(loaded: LoadedModel, tasks: tuple[str, ...], asked: bool) -> 
     return tasks
 
 
-def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], export_dir: Path, request: BuildRequest,
-                progress: Progress, cpu_optimized: bool = True, picks_cpu_graph: bool = True, prefix: str = "",
-                share_weights: bool = False, streamed: bool = False) -> dict[str, ExportedGraph]:
-    """Export, check and (when `cpu_optimized`: the backend runs ONNX Runtime on CPUs) optimize
-    every graph the tasks need. TensorRT and GPU execution providers get the plain export, which
-    they optimize for themselves (ONNX Runtime's CPU rewrites add operators TensorRT cannot parse).
+def _export_all(loaded: LoadedModel, tasks: tuple[str, ...], job: GraphExportJob, encoder: GraphStorage,
+                prefix: str = "", share_weights: bool = False) -> dict[str, ExportedGraph]:
+    """Export, check and store every graph the tasks need with `job`: the encoder's as `encoder`
+    says, those that are the encoder again with its optimization, the heads as exported.
     `prefix` starts the graphs' names (an ensemble member's: `m2_encoder`). `share_weights`: the
     graphs that are the encoder again (tasks.HOSTED_GRAPHS) are rewritten over one weights file
-    with the encoder's (`_share_encoder_weights`), for a backend whose encoder model hosts them.
-    `streamed`: the encoder's graph is written weight by weight (exporters/streamed.py)."""
+    with the encoder's (`_share_encoder_weights`), for a backend whose encoder model hosts them."""
     batches = [_encode_batch(loaded, batch) for batch in _sample_batches(loaded)]
-
-    job = GraphExportJob(export_dir, request.exporter, loaded.family, progress,
-                         num_heads=loaded.description.get("heads"), hidden_size=loaded.hidden_size,
-                         picks_cpu_graph=picks_cpu_graph,
-                         cache=GraphCache(request.graph_cache) if request.graph_cache else None,
-                         block_size=request.block_size)
-
-    # Reduced precision applies to the encoder's graph, graph optimization to it and the layers
-    # graph; the others are stored as exported in fp32 (see the kits' `graphs`).
+    optimized = GraphStorage(optimize=encoder.optimize)
     needed = needed_graphs(tasks)
     sharing = share_weights and not prefix and bool(needed & set(HOSTED_GRAPHS))
     graphs = {}
     with contextlib.ExitStack() as stack:
-        writer = stack.enter_context(SharedWeightsWriter(export_dir / "shared")) if sharing else None
+        writer = stack.enter_context(SharedWeightsWriter(job.export_dir / "shared")) if sharing else None
         for graph, how in graph_exports().items():  # in a fixed order: the manifest records them so
             if graph not in needed:
                 continue
             module, inputs, outputs, graph_batches = how.source(loaded, batches)
-            settings: dict[str, Any] = {}
-            if how.encoder or how.optimized:
-                settings["optimize"] = request.optimize and cpu_optimized
-            if how.encoder:
-                settings["precision"] = request.graph_precision
-                settings["streamed"] = streamed
-                settings["min_cosine"] = request.min_cosine
-                settings["min_int8_speedup"] = request.min_int8_speedup
+            storage = encoder if how.encoder else optimized if how.optimized else GraphStorage()
             exported = job.export(GraphSource(prefix + graph.value, module, inputs, outputs, graph_batches,
-                                              how.mask_input), **settings)
+                                              how.mask_input), storage)
             if writer is not None and (graph == Graph.ENCODER or graph in HOSTED_GRAPHS):
                 exported = _share_graph(writer, exported)
             graphs[prefix + graph.value] = exported
     if writer is not None:
-        progress(describe(writer.result))
+        job.progress(describe(writer.result))
     return graphs
 
 
@@ -763,10 +778,12 @@ def _build(request: BuildRequest, progress: Progress, choice: PrecisionChoice | 
                 export_dir = temporary / "onnx"
                 export_dir.mkdir()
                 try:
-                    graphs = _export_all(loaded, tasks, export_dir, request, progress,
-                                         cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
-                                         picks_cpu_graph=serving.serving_backend.runs_python,
-                                         share_weights=serving.serving_backend.runs_python, streamed=streamed)
+                    backend_class = serving.serving_backend
+                    job = GraphExportJob.of_request(request, loaded, export_dir, progress,
+                                                    picks_cpu_graph=backend_class.runs_python)
+                    encoder = GraphStorage.of_request(request, cpu_optimized=backend_class.stores_cpu_optimized_graphs,
+                                                      streamed=streamed)
+                    graphs = _export_all(loaded, tasks, job, encoder, share_weights=backend_class.runs_python)
                 except PrecisionError as err:
                     raise PrecisionRefused(str(err)) from err
                 progress(f"writing the repository ({backend} backend)")
@@ -907,10 +924,11 @@ def _build_ensemble(request: BuildRequest, backend: str, serving: ServingOptions
                     records.append({"member": member_label(number), **_checkpoint_record(path, loaded)})
                     label = member_label(number)
                     try:
-                        exported = _export_all(loaded, tasks, export_dir, request, progress,
-                                               cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs,
-                                               picks_cpu_graph=serving.serving_backend.runs_python,
-                                               prefix=f"{label}_")
+                        job = GraphExportJob.of_request(request, loaded, export_dir, progress,
+                                                        picks_cpu_graph=serving.serving_backend.runs_python)
+                        encoder = GraphStorage.of_request(
+                            request, cpu_optimized=serving.serving_backend.stores_cpu_optimized_graphs)
+                        exported = _export_all(loaded, tasks, job, encoder, prefix=f"{label}_")
                     except PrecisionError as err:
                         raise PrecisionRefused(str(err)) from err
                     graphs.update(exported)
