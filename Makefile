@@ -17,6 +17,9 @@ VENV ?= .venv
 # and a samplings model that never finished loading (not understood; a start that times out now says
 # what each stub is doing). Four measured 2026-11-28 under scripts/cpu_quota.sh 0.8 (the slower kind's
 # stand-in): 18.7 min against three's 16.7 min the same afternoon, so three it stays.
+# 2026-11-30, 2-core AVX-512 VNNI host, after builds stopped paying a full garbage collection per
+# tiny graph: three 11.3 min at 155 %, four 10.1 min at 179 %, both passing; three until four is
+# measured on the slower kind.
 # `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
