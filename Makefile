@@ -20,10 +20,14 @@ VENV ?= .venv
 # 2026-11-30, 2-core AVX-512 VNNI host, after builds stopped paying a full garbage collection per
 # tiny graph: three 11.3 min at 155 %, four 10.1 min at 179 %, both passing; three until four is
 # measured on the slower kind.
+# 2026-12-01, same kind: three 10.8 min of pytest at 150 %; a profile of that run (/proc sampled every
+# 0.3 s) put 570 of its ~940 CPU-seconds in the workers' own processes (of which graph exports 341 s),
+# 124 s in 852 Python-backend stubs and 22 s in tritonservers: the cores are idle a third of the time
+# while tests wait on servers, so four workers, which fill that time, are the default now.
 # `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 4
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup demo test pytest unit lint doctor lock
