@@ -22,8 +22,8 @@ VENV ?= .venv
 # measured on the slower kind.
 # 2026-12-01, same kind: three 10.8 min of pytest at 150 %; a profile of that run (/proc sampled every
 # 0.3 s) put 570 of its ~940 CPU-seconds in the workers' own processes (of which graph exports 341 s),
-# 124 s in 852 Python-backend stubs and 22 s in tritonservers: the cores are idle a third of the time
-# while tests wait on servers, so four workers, which fill that time, are the default now.
+# 124 s in 852 Python-backend stubs and 22 s in tritonservers: the cores are idle a quarter of the time
+# while tests wait on servers, so four workers, which fill that time, are the default now (clean-clone CI: pytest 10.2 min at 178 %).
 # `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
