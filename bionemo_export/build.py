@@ -362,7 +362,7 @@ class GraphExportJob:
         golden answers."""
         from bionemo_export.exporters import NavigatorExportError, export_onnx, verify_onnx
         from bionemo_export.exporters.optimize import optimize_and_verify, verified_int8_graphs
-        from bionemo_export.exporters.verification import write_golden_answers
+        from bionemo_export.exporters.verification import ReferenceAnswers, write_golden_answers
 
         precision, optimize = storage.precision, storage.optimize
         if storage.streamed:
@@ -374,6 +374,7 @@ class GraphExportJob:
         folder.mkdir()
         workspace = self.export_dir / f"{name}.navigator" if self.exporter == Exporter.NAVIGATOR else None
         output_names = [t.name for t in outputs]
+        answers = ReferenceAnswers(module, batches)  # PyTorch runs the batches once for every graph checked
 
         def export_and_check(graph_cache: GraphCache | None):
             try:
@@ -385,7 +386,7 @@ class GraphExportJob:
             self.progress(f"checking the {name} graph against PyTorch")
             return exported, verify_onnx(module, exported.path, batches, atol=self.family.atol,
                                          min_cosine=self.family.min_cosine, output_names=output_names,
-                                         mask_input=mask_input)
+                                         mask_input=mask_input, answers=answers)
 
         exported, report = export_and_check(self.cache)
         if not report.passed and exported.from_graph_cache and exported.graph_cache_key and self.cache is not None:
@@ -404,7 +405,7 @@ class GraphExportJob:
         settings: dict[str, Any] = dict(num_heads=self.num_heads, hidden_size=self.hidden_size,
                                         atol=self.family.atol, min_cosine=self.family.min_cosine,
                                         output_names=output_names, mask_input=mask_input, optimize=optimize,
-                                        asked_min_cosine=storage.min_cosine)
+                                        asked_min_cosine=storage.min_cosine, answers=answers)
         work = self.export_dir / f"{name}.optimized"
         no_vnni, speed = None, None
         if precision == Precision.INT8:
@@ -423,7 +424,7 @@ class GraphExportJob:
         if no_vnni is not None:
             files.update({f"{NO_VNNI_FOLDER}/{p.name}": p for p in no_vnni.path.parent.iterdir() if p.is_file()})
         # What the served model checks on its host when it loads (serving/golden.py).
-        golden = write_golden_answers(module, chosen.report, batches[0], self.export_dir / f"{name}.golden",
+        golden = write_golden_answers(answers, chosen.report, self.export_dir / f"{name}.golden",
                                       mask_input=mask_input)
         files[golden.name] = golden
         # What is not stored gives its disk back before the next graph is exported (ESM-2 3B: 11 GB a
@@ -441,7 +442,7 @@ class GraphExportJob:
         PyTorch in its served sessions with the precision's margin (pipeline.verify_streamed)."""
         from bionemo_export.exporters.optimize.pipeline import verify_streamed
         from bionemo_export.exporters.streamed import export_streamed
-        from bionemo_export.exporters.verification import write_golden_answers
+        from bionemo_export.exporters.verification import ReferenceAnswers, write_golden_answers
 
         name, module, batches, mask_input = source.name, source.module, source.batches, source.mask_input
         inputs, outputs = source.inputs, source.outputs
@@ -451,12 +452,13 @@ class GraphExportJob:
         streamed = export_streamed(module, inputs, outputs, batches[0], folder / "model.onnx", precision=precision,
                                    block_size=self.block_size)
         self.progress(f"checking the {name} graph ({precision}) against PyTorch")
+        answers = ReferenceAnswers(module, batches)
         chosen = verify_streamed(module, streamed.result, batches, atol=self.family.atol,
                                  min_cosine=self.family.min_cosine, output_names=[t.name for t in outputs],
-                                 mask_input=mask_input, asked_min_cosine=min_cosine)
+                                 mask_input=mask_input, asked_min_cosine=min_cosine, answers=answers)
         verification = GraphVerification(chosen.report, streamed.export.path, chosen.record.precision)
         files = {p.name: p for p in folder.iterdir() if p.is_file()}
-        golden = write_golden_answers(module, chosen.report, batches[0], self.export_dir / f"{name}.golden",
+        golden = write_golden_answers(answers, chosen.report, self.export_dir / f"{name}.golden",
                                       mask_input=mask_input)
         files[golden.name] = golden
         return ExportedGraph(name, files, GraphRecord(streamed.export, chosen.record, None, None), verification)

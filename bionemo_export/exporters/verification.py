@@ -181,6 +181,34 @@ class ExportVerificationError(UserError, RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class ReferenceAnswers:
+    """PyTorch's answers of one module on one list of check batches, computed the first time a graph
+    is checked against them and read by every later check: a build checks the plain export, each
+    optimization candidate and the golden answers on the same batches (before, an fp32 build ran
+    the model on them 7 times instead of 3, and AntiBERTy's int8 ladder 25 times). After the
+    batches have run, the module's memory-mapped weights are handed back to the kernel
+    (models/readers/mapped.py): the model and a graph's session are never resident together."""
+
+    def __init__(self, module: torch.nn.Module, batches: Sequence[Mapping[str, np.ndarray]]) -> None:
+        if not batches:
+            raise ValueError("a reference needs at least one batch")
+        self.module, self.batches = module, batches
+        self._answers: dict[tuple[tuple[str, ...], tuple[str, ...]], list[dict[str, np.ndarray]]] = {}
+
+    def on(self, input_names: Sequence[str], output_names: Sequence[str]) -> list[dict[str, np.ndarray]]:
+        """The module's outputs on each batch (fed the inputs `input_names` positionally), named
+        `output_names` in order (a graph's input and output names)."""
+        key = (tuple(input_names), tuple(output_names))
+        if key not in self._answers:
+            for index, batch in enumerate(self.batches):
+                if missing := [name for name in input_names if name not in batch]:
+                    raise ValueError(f"batch {index} lacks the graph inputs {missing}")
+            self._answers[key] = [_run_reference(self.module, [batch[n] for n in input_names], list(output_names))
+                                  for batch in self.batches]
+            release_weights(self.module)
+        return self._answers[key]
+
+
 def verify_onnx(
     reference_module: torch.nn.Module,
     onnx_path: Path,
@@ -192,6 +220,7 @@ def verify_onnx(
     mask_input: str = DEFAULT_MASK_INPUT,
     tolerances: Mapping[str, Tolerance] | None = None,
     sessions: Mapping[str, ort.SessionOptions] | None = None,
+    answers: ReferenceAnswers | None = None,
 ) -> VerificationReport:
     """Run the graph and `reference_module` (forward takes the graph's inputs positionally, in
     graph order, and returns its outputs in graph order) on every batch and compare the outputs
@@ -201,9 +230,15 @@ def verify_onnx(
     one session after the other against the same PyTorch outputs (a quantized graph as its served
     sessions open it: exporters/optimize/pipeline.py); each output's figures are the worst over
     them, each session's in `report.sessions`. Default: one build session (`session_options()`).
+    `answers`: the module's outputs on `batches` kept from an earlier check of another graph
+    (ReferenceAnswers of this module and these batches); None runs the module here.
     Does not raise on disagreement: see `raise_for_tolerance()`."""
     if not batches:
         raise ValueError("verify_onnx needs at least one batch")
+    if answers is None:
+        answers = ReferenceAnswers(reference_module, batches)
+    elif answers.module is not reference_module or answers.batches is not batches:
+        raise ValueError("verify_onnx: `answers` were computed for another module or other batches")
     start = time.perf_counter()
     external = has_external_data(Path(onnx_path))
     runs = dict(sessions) if sessions else {"build": session_options(mapped_weights=external)}
@@ -213,15 +248,10 @@ def verify_onnx(
     names = list(output_names) if output_names is not None else graph_outputs
     if unknown := [name for name in names if name not in graph_outputs]:
         raise ValueError(f"{onnx_path} has no outputs {unknown}; its outputs are {graph_outputs}")
-    for index, batch in enumerate(batches):
-        if missing := [name for name in input_names if name not in batch]:
-            raise ValueError(f"batch {index} lacks the graph inputs {missing}")
-    # PyTorch first, on every batch, then its mapped weights handed back to the kernel: the model's
-    # weights and the session's are never resident together (models/readers/mapped.py).
-    references = [_run_reference(reference_module, [batch[n] for n in input_names], graph_outputs)
-                  for batch in batches]
+    # PyTorch first (or its kept answers), then the sessions: the module's weights and a session's
+    # are never resident together (ReferenceAnswers).
+    references = answers.on(input_names, graph_outputs)
     batch_shapes = [tuple(np.shape(batch[input_names[0]])) for batch in batches]
-    release_weights(reference_module)
     data = Path(onnx_path).with_name(Path(onnx_path).name + ".data")
     graph_bytes = Path(onnx_path).stat().st_size + (data.stat().st_size if data.is_file() else 0)
     for label, options in runs.items():
@@ -325,17 +355,15 @@ def _json_float(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-def write_golden_answers(reference_module: torch.nn.Module, report: VerificationReport,
-                         batch: Mapping[str, np.ndarray], destination: Path, *,
+def write_golden_answers(answers: ReferenceAnswers, report: VerificationReport, destination: Path, *,
                          mask_input: str = DEFAULT_MASK_INPUT) -> Path:
-    """Store `batch` (one of the batches `report` checked), the module's outputs on it and the
-    tolerance `report` held the graph to as `destination`/golden.npz (serving/golden.py), which the
-    served model checks on its host when it loads."""
+    """Store the first of the batches `report` checked (`answers`'), the module's outputs on it
+    and the tolerance `report` held the graph to as `destination`/golden.npz (serving/golden.py),
+    which the served model checks on its host when it loads."""
     from bionemo_export.serving.golden import GOLDEN_FILE, write_golden
 
     input_names, graph_outputs = graph_names(report.onnx_path)
-    outputs = _run_reference(reference_module, [batch[name] for name in input_names], graph_outputs)
-    release_weights(reference_module)  # what comes next (another graph's export, the repository) needs none
+    batch, outputs = answers.batches[0], answers.on(input_names, graph_outputs)[0]
     checked = {check.name: check for check in report.outputs}
     tolerances = {name: check.tolerance or Tolerance(report.atol, report.min_cosine)
                   for name, check in checked.items()}

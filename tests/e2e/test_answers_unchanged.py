@@ -5,8 +5,8 @@ which the served package's static model.py reads), and a real tritonserver servi
 same answers to every public model (bit for bit: the same host, the same ONNX Runtime).
 
 Two repositories: a tiny ESM-2 with its masked-LM and contact heads (embeddings, hiddens, logits,
-scores, contacts, layers, attentions) and a tiny MegaMolBART (embeddings, hiddens, decodes,
-samplings, layers), built without graph optimization.
+scores, contacts, layers, attentions) and the small MegaMolBART trained to copy SMILES (embeddings,
+hiddens, decodes, samplings, layers: its decodes are real molecules), built without graph optimization.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from google.protobuf import json_format
 
+from bionemo_export.build import BuildRequest, build_repository
 from bionemo_export.client import Seq2SeqClient
 from bionemo_export.model_repository.pbtxt import read_config
 from bionemo_export.runtime import TritonServer
 from bionemo_export.serving.models import SERVED_MODEL
-from bionemo_export.testing.checkpoints import save_random_checkpoint
 
 BASELINE = "841b0ac4456a1066e64382dfadc84685ac026c4a"
 """The last commit before task kits (issue 48's first commit came after it)."""
@@ -41,10 +41,11 @@ from pathlib import Path
 import bionemo_export
 from bionemo_export.build import BuildRequest, build_repository
 
-family, checkpoint, out, expected = sys.argv[1:5]
+expected, *builds = sys.argv[1:]
 assert Path(bionemo_export.__file__).resolve().is_relative_to(Path(expected).resolve()), bionemo_export.__file__
-build_repository(BuildRequest(family=family, checkpoint=Path(checkpoint), name="same", out=Path(out),
-                              backend="python", optimize=False))
+for family, checkpoint, out in zip(builds[::3], builds[1::3], builds[2::3]):
+    build_repository(BuildRequest(family=family, checkpoint=Path(checkpoint), name="same", out=Path(out),
+                                  backend="python", optimize=False))
 '''
 
 
@@ -61,34 +62,32 @@ def _baseline_package(folder: Path) -> Path:
     return folder
 
 
-def _build(source: Path, family: str, checkpoint: Path, out: Path) -> Path:
-    """Build with the package under `source` (a subprocess importing it first). The baseline
-    exports its own graphs (no graph cache); this code's build uses the run's graph cache, whose
-    entries are this code's exports of the same modules (the cache key digests the package's
-    source: the baseline's exports can never be served from it)."""
-    cache = os.environ.get("BIONEMO_EXPORT_GRAPH_CACHE", "") if source == ROOT else ""
-    run = subprocess.run([sys.executable, "-c", textwrap.dedent(BUILD), family, str(checkpoint), str(out),
-                          str(source / "bionemo_export")], cwd=out.parent,
-                         env={**os.environ, "PYTHONPATH": str(source), "BIONEMO_EXPORT_GRAPH_CACHE": cache},
+def _build_baseline(source: Path, builds: list[tuple[str, Path, Path]]) -> None:
+    """Build each (family, checkpoint, out) with the package under `source`, in one subprocess that
+    imports it first. The baseline exports its own graphs (no graph cache: the cache key digests the
+    package's source, so this code's entries could never be served to it nor its to this code)."""
+    arguments = [str(part) for build in builds for part in build]
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(BUILD), str(source / "bionemo_export"), *arguments],
+                         cwd=source, env={**os.environ, "PYTHONPATH": str(source), "BIONEMO_EXPORT_GRAPH_CACHE": ""},
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    return out
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, esm2_checkpoint, esm2_repository) -> dict[str, tuple[Path, Path]]:
+def built(tmp_path_factory, esm2_checkpoint, esm2_repository, trained_megamolbart) -> dict[str, tuple[Path, Path]]:
     """family -> (the baseline's repository, this code's), built from one checkpoint each: the
-    session's ESM-2 (whose session repository, asked for first, has put its graphs in the run's
-    graph cache) and a tiny MegaMolBART."""
+    session's ESM-2 and the committed MegaMolBART copy model. This code builds here, with the run's
+    graph cache: the session repository (asked for first) and test_e2e_megamolbart.py export the
+    same graphs."""
     work = tmp_path_factory.mktemp("unchanged")
     baseline = _baseline_package(work / "baseline")
-    repositories = {}
-    checkpoints = {"esm2": esm2_checkpoint,
-                   "megamolbart": save_random_checkpoint("megamolbart", work / "megamolbart_checkpoint", seed=0)}
+    checkpoints = {"esm2": esm2_checkpoint, "megamolbart": trained_megamolbart}
+    _build_baseline(baseline, [(family, checkpoint, work / f"{family}_before")
+                               for family, checkpoint in checkpoints.items()])
     for family, checkpoint in checkpoints.items():
-        repositories[family] = (_build(baseline, family, checkpoint, work / f"{family}_before"),
-                                _build(ROOT, family, checkpoint, work / f"{family}_after"))
-    return repositories
+        build_repository(BuildRequest(family=family, checkpoint=checkpoint, name="same", out=work / f"{family}_after",
+                                      backend="python", optimize=False))
+    return {family: (work / f"{family}_before", work / f"{family}_after") for family in checkpoints}
 
 
 def _configs(repository: Path) -> dict[str, dict]:

@@ -50,8 +50,10 @@ def server(tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("clients")
     # hidden 64: 32 sequences of 600 residues answer 4.9 MB of hidden states, over gRPC's 4 MiB default.
     checkpoint = save_random_checkpoint("esm2", work / "checkpoint", seed=2, hidden_size=64)
+    # The two models BioNeMo's clients call: the other tasks' graphs would cost ~12 s of exports here.
     build_repository(BuildRequest(family="esm2", checkpoint=checkpoint, name=NAME, out=work / "repo",
-                                  backend="python", serving=ServingOptions(max_batch_size=MAX_BATCH), optimize=False))
+                                  tasks=("embeddings", "hiddens"), backend="python",
+                                  serving=ServingOptions(max_batch_size=MAX_BATCH), optimize=False))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as running:
         yield running
 

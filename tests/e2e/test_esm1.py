@@ -385,6 +385,7 @@ def served_esm1nv(esm1nv_nemo, tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("esm1nv_served")
     build_repository(BuildRequest(
         family="esm1", checkpoint=esm1nv_nemo, name="esm1nv", out=work / "repo", backend="python",
+        tasks=("embeddings", "hiddens"),  # what the test reads; test_esm1b_... builds every default task
         serving=ServingOptions(max_batch_size=8, max_queue_delay_microseconds=0), optimize=False,
     ))
     loaded = get_family("esm1").load(esm1nv_nemo)

@@ -341,7 +341,7 @@ def test_nemo_named_as_another_family_is_refused(nemo):
 def test_cli_builds_a_nemo_without_model(nemo, tmp_path):
     out = tmp_path / "repo"
     result = CliRunner().invoke(app, ["build", "repo", "--no-optimize", "--checkpoint", str(nemo[1]["gzip"]),
-                                      "--name", "prott5nv",
+                                      "--name", "prott5nv", "--tasks", "embeddings,hiddens",
                                       "--out", str(out), "--backend", "python", "--no-warmup"])
     assert result.exit_code == 0, result.output
     manifest = Manifest.read(out)
@@ -355,6 +355,7 @@ def served(hf, tmp_path_factory, triton_install):
     work = tmp_path_factory.mktemp("prott5_e2e")
     build_repository(BuildRequest(
         family="prott5", checkpoint=hf["spiece"], name="prott5", out=work / "repo", backend="python",
+        tasks=("embeddings", "hiddens"),  # what the test reads (test_layer_states.py checks the layers graph)
         serving=ServingOptions(max_batch_size=8, max_queue_delay_microseconds=0), optimize=False,
     ))
     with TritonServer(work / "repo", install=triton_install, log_file=work / "server.log") as server:

@@ -25,6 +25,7 @@ from bionemo_export.exporters import (
     tensorrt_available,
     verify_onnx,
 )
+from bionemo_export.exporters.verification import ReferenceAnswers, write_golden_answers
 from bionemo_export.models import get_family
 from bionemo_export.models.base import ENCODER_INPUTS, encoder_outputs
 from bionemo_export.testing.checkpoints import save_random_checkpoint
@@ -180,6 +181,30 @@ def test_verification_passes_on_a_faithful_export(tiny, tiny_export):
     hiddens = report.outputs[0]
     assert hiddens.shapes[-1] == (3, 40, HIDDEN) and hiddens.max_abs_error < 1e-5
     assert json.loads(json.dumps(report.to_dict()))["batches"] == len(SHAPES)
+
+
+def test_the_reference_runs_once_for_every_graph_checked_against_it(tiny, tiny_export, tmp_path):
+    """A build checks the plain export, each optimization candidate and the golden answers on the
+    same batches: PyTorch answers them once (ReferenceAnswers), and every check reads those answers."""
+    calls = []
+    handle = tiny.register_forward_hook(lambda module, args, output: calls.append(args[0].shape))
+    batches = verification_batches()
+    answers = ReferenceAnswers(tiny, batches)
+    try:
+        first = verify_onnx(tiny, tiny_export.path, batches, atol=1e-5, min_cosine=0.99999, answers=answers)
+        again = verify_onnx(tiny, tiny_export.path, batches, atol=1e-5, min_cosine=0.99999, answers=answers)
+        golden = write_golden_answers(answers, again, tmp_path / "golden")
+    finally:
+        handle.remove()
+    assert len(calls) == len(SHAPES)  # one forward per batch, for two checks and the golden answers
+    assert first.passed and again.outputs == first.outputs
+    with np.load(golden) as stored:  # the first batch and PyTorch's answers on it
+        np.testing.assert_array_equal(stored["input:input_ids"], batches[0]["input_ids"])
+        with torch.no_grad():
+            _, embeddings = tiny(*(torch.from_numpy(batches[0][spec.name]) for spec in ENCODER_INPUTS))
+        np.testing.assert_array_equal(stored["reference:embeddings"], embeddings.numpy())
+    with pytest.raises(ValueError, match="another module or other batches"):
+        verify_onnx(tiny, tiny_export.path, verification_batches(), atol=1e-5, min_cosine=0.99999, answers=answers)
 
 
 def test_verification_fails_when_the_graph_is_perturbed(tiny, tiny_export, tmp_path):

@@ -44,7 +44,7 @@ from .weight_only import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from bionemo_export.exporters.verification import Tolerance, VerificationReport
+    from bionemo_export.exporters.verification import ReferenceAnswers, Tolerance, VerificationReport
 
 LOG = logging.getLogger(__name__)
 
@@ -220,6 +220,7 @@ def optimize_and_verify(
     block_size: int = DEFAULT_BLOCK_SIZE,
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     asked_min_cosine: float | None = None,
+    answers: ReferenceAnswers | None = None,
 ) -> VerifiedGraph:
     """Optimize the verified plain export `plain` (and convert it to `precision`), check each
     candidate against `module` on `batches` with the precision's tolerance (fp32: the family's
@@ -233,6 +234,8 @@ def optimize_and_verify(
     `plain`; None makes them here. `block_size`, `accuracy_level` (int8w, int4): weight_only.py's.
     `asked_min_cosine`: a reduced precision's tolerance for every output, in place of its own
     (verification.precision_tolerances); the margin applies to it as to the precision's.
+    `answers`: the module's outputs on `batches` from the plain export's check (verification.py's
+    ReferenceAnswers): every candidate is compared with them; None runs the module for each.
     """
     from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
 
@@ -272,7 +275,7 @@ def optimize_and_verify(
                                  output_names=output_names, mask_input=mask_input,
                                  tolerances=tolerances if precision != "fp32" else None,
                                  sessions=served_sessions(result.serving_graph_optimization_level)
-                                 if quantized else None)
+                                 if quantized else None, answers=answers)
             report = dataclasses.replace(report, onnx_path=result.path)
         except Exception as err:  # ONNX Runtime refusing to run the rewritten graph
             failures.append(RejectedCandidate(_options_record(options), error=f"{type(err).__name__}: {err}"))
@@ -302,7 +305,7 @@ def optimize_and_verify(
 
 def verify_streamed(module: Any, result: OptimizationResult, batches: Sequence[Any], *, atol: float,
                     min_cosine: float, output_names: Sequence[str], mask_input: str,
-                    asked_min_cosine: float | None = None) -> VerifiedGraph:
+                    asked_min_cosine: float | None = None, answers: ReferenceAnswers | None = None) -> VerifiedGraph:
     """A streamed graph (exporters/streamed.py: quantized once, no candidates) checked against
     `module` as the ladder checks a quantized candidate: in its served sessions, with the
     precision's tolerance (or `asked_min_cosine`) and its margin; PrecisionError with the figures
@@ -313,7 +316,7 @@ def verify_streamed(module: Any, result: OptimizationResult, batches: Sequence[A
     required = {name: margin_min_cosine(t.min_cosine) for name, t in tolerances.items()}
     report = verify_onnx(module, result.path, batches, atol=atol, min_cosine=min_cosine, output_names=output_names,
                          mask_input=mask_input, tolerances=tolerances,
-                         sessions=served_sessions(result.serving_graph_optimization_level))
+                         sessions=served_sessions(result.serving_graph_optimization_level), answers=answers)
     if _accepted(report, required):
         return VerifiedGraph(result.path, report, OptimizationRecord(result, rejected=()))
     figures = _figures(report, required)
