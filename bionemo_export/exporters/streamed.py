@@ -40,7 +40,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from bionemo_export.choices import Exporter
+from bionemo_export.choices import Exporter, OptimizationLevel, Precision
 from bionemo_export.exporters.external_data import DataFileWriter
 from bionemo_export.exporters.onnx_export import (
     DEFAULT_OPSET,
@@ -81,11 +81,12 @@ class StreamedGraph:
 
 
 def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
-                    sample_inputs: Mapping[str, np.ndarray], out_path: Path, *, precision: str,
+                    sample_inputs: Mapping[str, np.ndarray], out_path: Path, *, precision: Precision | str,
                     block_size: int = DEFAULT_BLOCK_SIZE, accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
                     opset: int = DEFAULT_OPSET) -> StreamedGraph:
     """Export `module` (as onnx_export.export_onnx takes it) to `out_path` in `precision` ("int8w" or
     "int4"), its weights written one at a time into `<out_path>.data` (the module's docstring)."""
+    precision = Precision.parse(precision, "precision")
     bits = check_settings(precision, block_size, accuracy_level)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +117,8 @@ def export_streamed(module: torch.nn.Module, inputs: Sequence[TensorSpec], outpu
                           data_bytes=data_bytes, parameters=parameters,
                           weight_bytes=quantization.weight_bytes_fp32, seconds=seconds, versions=versions,
                           warnings=tuple(caught))
-    result = OptimizationResult(path=out_path, precision=precision, level="none", applied=(STREAMED_STEP,),
+    result = OptimizationResult(path=out_path, precision=precision, level=OptimizationLevel.NONE,
+                                applied=(STREAMED_STEP,),
                                 fused={"MatMulNBits": quantization.matmuls_quantized}, skipped=(NOT_FUSED,),
                                 nodes_before=nodes_before, nodes_after=len(model.graph.node),  # as written
                                 external_data=True, bytes=onnx_bytes + data_bytes, seconds=seconds, versions=versions,

@@ -26,6 +26,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from bionemo_export.choices import Precision
 from bionemo_export.errors import UserError
 from bionemo_export.exporters.runtime_session import session_options
 from bionemo_export.models.readers.mapped import return_freed_memory
@@ -65,13 +66,13 @@ class Tolerance:
         return {"atol": _json_float(self.atol), "min_cosine": self.min_cosine}
 
 
-def precision_tolerances(precision: str, output_names: Sequence[str], atol: float, min_cosine: float,
+def precision_tolerances(precision: Precision | str, output_names: Sequence[str], atol: float, min_cosine: float,
                          asked: float | None = None) -> dict[str, Tolerance]:
     """The tolerance per output for a graph of `precision` compared with PyTorch fp32: the family's
     (`atol`, `min_cosine`) for fp32; min cosine only (atol not checked: inf) for the reduced
     precisions (int8, int8w, int4, fp16): PRECISION_MIN_COSINE's, or `asked` for every output
     (the build's `min_cosine`: a user accepting a graph further from fp32)."""
-    if precision == "fp32":
+    if precision == Precision.FP32:
         return {name: Tolerance(atol, min_cosine) for name in output_names}
     if precision not in PRECISION_MIN_COSINE:
         raise ValueError(f"unknown precision {precision!r}; choose fp32, {', '.join(PRECISION_MIN_COSINE)}")

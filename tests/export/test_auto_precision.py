@@ -77,7 +77,7 @@ def test_int8_missing_its_accuracy_gate_falls_back_to_fp32(esm2_checkpoint, tmp_
     (test_optimize.py climbs the ladder; here every rung would be refused alike, twice per build:
     each int8 weights' type)."""
     monkeypatch.setitem(PRECISION_MIN_COSINE, "int8", {"embeddings": 1.01, "hiddens": 1.01})
-    monkeypatch.setitem(ATTEMPTS, "int8", ATTEMPTS["int8"][:1])
+    monkeypatch.setitem(ATTEMPTS, Precision.INT8, ATTEMPTS[Precision.INT8][:1])
     build_repository(BuildRequest(family="esm2", checkpoint=esm2_checkpoint, name="esm", out=tmp_path / "repo",
                                   backend="python", tasks=TASKS, precision="auto", min_cosine=0.9999999))
     choice = _manifest(tmp_path / "repo")["precision_choice"]

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from bionemo_export.build_records import AccuracyRecord, GraphRecord, GraphVerification
-from bionemo_export.choices import Exporter
+from bionemo_export.choices import Exporter, OptimizationLevel, Precision
 from bionemo_export.exporters.onnx_export import ExportResult
 from bionemo_export.exporters.optimize import (
     CandidateFigures,
@@ -32,8 +32,8 @@ EXPORT = ExportResult(path=Path("/tmp/build/tmp/onnx/encoder/model.onnx"), expor
                       opset=18, external_data=True, data_path=Path("/tmp/build/tmp/onnx/encoder/model.onnx.data"),
                       onnx_bytes=10, data_bytes=20, parameters=3, weight_bytes=12, seconds=1.5,
                       versions={"torch": "2"}, warnings=("a warning",))
-INT8 = OptimizationResult(path=Path("/tmp/build/tmp/onnx/encoder.optimized/int8-1/model.onnx"), precision="int8",
-                          level="extended",
+INT8 = OptimizationResult(path=Path("/tmp/build/tmp/onnx/encoder.optimized/int8-1/model.onnx"),
+                          precision=Precision.INT8, level=OptimizationLevel.EXTENDED,
                           applied=("attention_fusion(MultiHeadAttention x2)", "quantize_dynamic(int8)"),
                           fused={"MultiHeadAttention": 2}, skipped=("transformer_fusions: reason",), nodes_before=100,
                           nodes_after=50, external_data=False, bytes=1234, seconds=0.5,

@@ -123,9 +123,9 @@ class OptimizationResult:
     """What `optimize_onnx` wrote and which rewrites it applied, for manifest.json."""
 
     path: Path
-    precision: str
-    level: str
-    """ONNX Runtime's offline level applied: "none", "basic" or "extended"."""
+    precision: Precision
+    level: OptimizationLevel
+    """ONNX Runtime's offline level applied: none, basic or extended."""
     applied: tuple[str, ...]
     """The steps that changed the graph, in order."""
     fused: dict[str, int]
@@ -263,8 +263,8 @@ def optimize_onnx(
     *,
     num_heads: int | None,
     hidden_size: int | None,
-    precision: str = "fp32",
-    level: str = DEFAULT_LEVEL,
+    precision: Precision | str = Precision.FP32,
+    level: OptimizationLevel | str = DEFAULT_LEVEL,
     fuse: bool = True,
     keep_fp32: float = 0.0,
     int8_weights: str = "int8",
@@ -279,7 +279,7 @@ def optimize_onnx(
     """Optimize the graph at `src` (with its external data, if any) and write it to `dst`.
 
     `num_heads`/`hidden_size` (the model's attention heads and width) enable the attention and
-    transformer fusions; None skips them. `precision`: "fp32", "int8", "int8w", "int4" or "fp16".
+    transformer fusions; None skips them. `precision`: a Precision (or its value: "int8").
     `keep_fp32` (int8, int8w): the fraction of the feed-forward output MatMuls (those fed by a GELU, the most sensitive
     to int8) left in fp32, those whose simulated int8 error on `calibration` (one batch of graph
     inputs) is largest; without `calibration`, the last ones. `int8_weights`: "int8" (u8s8, exact on
@@ -292,9 +292,10 @@ def optimize_onnx(
     measures what folding is worth). Raises
     OptimizationError when a step fails (dst is then not written).
     """
-    # ChoiceErrors (ValueErrors) naming the setting and its choices (bionemo_export/choices.py).
-    OptimizationLevel.parse(level, "level")
-    Precision.parse(precision, "precision")
+    # A library caller's strings as enums, or ChoiceErrors (ValueErrors) naming the setting and its
+    # choices (bionemo_export/choices.py).
+    level = OptimizationLevel.parse(level, "level")
+    precision = Precision.parse(precision, "precision")
     for name, share in (("keep_fp32", keep_fp32), ("keep_int8", keep_int8)):
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"{name} is a fraction between 0 and 1, not {share}")
@@ -316,21 +317,21 @@ def optimize_onnx(
                          f"num_heads={num_heads}, hidden_size={hidden_size}")
     else:  # shared: int8 only reads it; fp16's conversion and an external-data save change a graph in place
         model = fused.model
-        if precision != "int8":
+        if precision != Precision.INT8:
             model = onnx.ModelProto()
             model.CopyFrom(fused.model)
     applied = list(fused.applied)
     skipped = list(fused.skipped)
     # An fp32 graph whose weights stayed on disk is stored with external data whatever its size.
-    external = fused.external or (precision == "fp32" and any(unloaded(tensor) for tensor in tensors(model)))
+    external = fused.external or (precision == Precision.FP32 and any(unloaded(tensor) for tensor in tensors(model)))
     quantization: Int8Quantization | WeightOnlyQuantization | Fp16Conversion | None = None
     on_disk = any(unloaded(tensor) for tensor in tensors(model))
     if precision in WEIGHT_ONLY_BITS and on_disk:  # read one MatMul's weights at a time (weight_only.py)
         _check_memory(src, WEIGHT_ONLY_MEMORY_FACTOR, f"{precision} quantization")
-    elif precision != "fp32" and on_disk:
+    elif precision != Precision.FP32 and on_disk:
         _check_memory(src, QUANTIZE_MEMORY_FACTOR, f"{precision} quantization")
         _step("loading the weights", lambda: load_weights(model, fused.src.parent))  # the quantizers read them all
-    if precision == "int8":
+    if precision == Precision.INT8:
         def quantize() -> tuple[onnx.ModelProto, Int8Quantization]:  # in the step: its failures are the step's
             ranking = fused.int8_ranking(calibration if keep_fp32 and not external else None, int8_weights)
             # Alone too (one pass more than needed): a candidate's file is the same bytes in or out of a ladder.
@@ -340,33 +341,33 @@ def optimize_onnx(
         model, quantization = _step("int8 quantization", quantize)
         applied.append("quantize_dynamic(int8)")
     elif precision in WEIGHT_ONLY_BITS:
-        keep = keep_int8 if precision == "int4" else keep_fp32
+        keep = keep_int8 if precision == Precision.INT4 else keep_fp32
         model, quantization = _step(f"{precision} quantization", lambda: quantize_weight_only(
             model, precision, block_size=block_size, accuracy_level=accuracy_level, keep_share=keep,
             source_dir=fused.src.parent if on_disk else None))
         applied.append(f"matmul_nbits({quantization.bits} bits, block {block_size}, accuracy_level {accuracy_level})")
-    elif precision == "fp16":
+    elif precision == Precision.FP16:
         model, quantization = _step("fp16 conversion", lambda: convert_fp16(model, external))
         applied.append("float16(keep_io_types)")
-    if fold_padding and fused.fuse and fused.num_heads and precision != "fp16":  # CPU graphs (padding_mask.py)
+    if fold_padding and fused.fuse and fused.num_heads and precision != Precision.FP16:  # CPU graphs (padding_mask.py)
         folded = _step("padding mask folding", lambda: fold_padding_mask(model))
         if folded:
             applied.append(f"padding_mask_folding(MultiHeadAttention x{folded})")
-    if precision == "fp16" and level != "none":
+    if precision == Precision.FP16 and level != OptimizationLevel.NONE:
         skipped.append(f"onnxruntime_{level}: fp16 graphs are for GPU hosts, whose runtime optimizes for its own "
                        "execution provider")
-        level = "none"
+        level = OptimizationLevel.NONE
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     _remove_file(dst)
     with tempfile.TemporaryDirectory(prefix=".bionemo-export-opt-", dir=dst.parent) as work:
-        if level == "none":
+        if level == OptimizationLevel.NONE:
             _save(model, dst, external, fused.src.parent)
         else:
             staged = Path(work) / "staged.onnx"
             _save(model, staged, external, fused.src.parent)
             del model
-            disabled = () if Precision(precision).quantized else DISABLED_RUNTIME_FUSIONS
+            disabled = () if precision.quantized else DISABLED_RUNTIME_FUSIONS
             _step(f"ONNX Runtime {level} optimization",
                   lambda: _runtime_optimize(staged, dst, level, external, disabled))
             applied.append(f"onnxruntime_{level}")
@@ -386,7 +387,7 @@ def optimize_onnx(
         bytes=size,
         seconds=round(time.perf_counter() - start, 3),
         versions={"onnxruntime": ort.__version__, "onnx": onnx.__version__},
-        serving_graph_optimization_level=(SERVING_GRAPH_OPTIMIZATION_LEVEL if level != "none"
+        serving_graph_optimization_level=(SERVING_GRAPH_OPTIMIZATION_LEVEL if level != OptimizationLevel.NONE
                                           else UNOPTIMIZED_SERVING_LEVEL),
         quantization=quantization,
     )

@@ -130,8 +130,8 @@ class OptimizationRecord:
     """The candidates tried and not kept, in order; None when none was tried (optimization not asked)."""
 
     @property
-    def precision(self) -> str:
-        return self.result.precision if self.result is not None else "fp32"
+    def precision(self) -> Precision:
+        return self.result.precision if self.result is not None else Precision.FP32
 
     @property
     def serving_graph_optimization_level(self) -> str:
@@ -163,17 +163,18 @@ class VerifiedGraph:
     serving level, and `fallback` (why the plain export was kept) or None."""
 
 
-ATTEMPTS: dict[str, tuple[dict[str, Any], ...]] = {
-    "fp32": ({},),
+ATTEMPTS: dict[Precision, tuple[dict[str, Any], ...]] = {
+    Precision.FP32: ({},),
     # int8: everything, then a growing share of the feed-forward output MatMuls in fp32 (the most
     # sensitive: AntiBERTy's embeddings went from min cosine 0.9987 to 0.9990 / 0.9992 / 0.9995 with
     # 1/4, 1/2, all of them kept), then without the fusions in case they are what disagrees.
-    "int8": ({}, {"keep_fp32": 0.25}, {"keep_fp32": 0.5}, {"keep_fp32": 1.0}, {"fuse": False, "keep_fp32": 1.0}),
+    Precision.INT8: ({}, {"keep_fp32": 0.25}, {"keep_fp32": 0.5}, {"keep_fp32": 1.0},
+                     {"fuse": False, "keep_fp32": 1.0}),
     # Weight-only (weight_only.py): every MatMul, then the feed-forward outputs kept at more bits
     # (int8w: fp32; int4: 8 bits), then without the fusions.
-    "int8w": ({}, {"keep_fp32": 1.0}, {"fuse": False, "keep_fp32": 1.0}),
-    "int4": ({}, {"keep_int8": 0.5}, {"keep_int8": 1.0}, {"fuse": False, "keep_int8": 1.0}),
-    "fp16": ({}, {"fuse": False}),
+    Precision.INT8W: ({}, {"keep_fp32": 1.0}, {"fuse": False, "keep_fp32": 1.0}),
+    Precision.INT4: ({}, {"keep_int8": 0.5}, {"keep_int8": 1.0}, {"fuse": False, "keep_int8": 1.0}),
+    Precision.FP16: ({}, {"fuse": False}),
 }
 """The optimize_onnx options tried in order for each precision; the first that verifies is kept."""
 
@@ -212,7 +213,7 @@ def optimize_and_verify(
     min_cosine: float,
     output_names: Sequence[str],
     mask_input: str,
-    precision: str = "fp32",
+    precision: Precision | str = Precision.FP32,
     optimize: bool = True,
     int8_weights: str = "int8",
     log: Callable[[str], None] | None = None,
@@ -240,10 +241,11 @@ def optimize_and_verify(
     from bionemo_export.exporters.verification import precision_tolerances, verify_onnx
 
     log = log or LOG.warning
+    precision = Precision.parse(precision, "precision")
     tolerances = precision_tolerances(precision, output_names, atol, min_cosine, asked_min_cosine)
-    quantized = Precision(precision).quantized
+    quantized = precision.quantized
     required = {name: margin_min_cosine(t.min_cosine) if quantized else t.min_cosine for name, t in tolerances.items()}
-    if precision == "fp32" and not optimize:
+    if precision == Precision.FP32 and not optimize:
         return VerifiedGraph(plain, plain_report, OptimizationRecord(None, fallback="not asked (--no-optimize)"))
     failures: list[RejectedCandidate] = []
     for index, options in enumerate(ATTEMPTS[precision]):
@@ -251,15 +253,15 @@ def optimize_and_verify(
         if not optimize:  # quantized graphs are CPU graphs: the offline optimization is part of them
             options.update(fuse=False, level=DEFAULT_LEVEL if quantized else "none")
         destination = Path(work) / f"{precision}-{index}" / plain.name
-        if precision == "int8":
+        if precision == Precision.INT8:
             if int8_weights != "int8":
                 options["int8_weights"] = int8_weights
             options.setdefault("calibration", {name: np.asarray(value) for name, value in batches[0].items()})
         try:
-            if precision == "int8":
+            if precision == Precision.INT8:
                 fused_graphs = fused_graphs or FusedGraphs(plain, num_heads, hidden_size)
                 options["fused"] = fused_graphs.get(options.get("fuse", True))
-            if precision in ("int8w", "int4"):
+            if precision in (Precision.INT8W, Precision.INT4):
                 options.update(block_size=block_size, accuracy_level=accuracy_level)
             result = optimize_onnx(plain, destination, num_heads=num_heads, hidden_size=hidden_size,
                                    precision=precision, **options)
@@ -269,11 +271,11 @@ def optimize_and_verify(
             _discard(destination)
             continue
         try:
-            checked = _as_vnni_hosts_compute(result.path) if precision == "int8" and int8_weights == "int8" \
+            checked = _as_vnni_hosts_compute(result.path) if precision == Precision.INT8 and int8_weights == "int8" \
                 else result.path
             report = verify_onnx(module, checked, batches, atol=atol, min_cosine=min_cosine,
                                  output_names=output_names, mask_input=mask_input,
-                                 tolerances=tolerances if precision != "fp32" else None,
+                                 tolerances=tolerances if precision != Precision.FP32 else None,
                                  sessions=served_sessions(result.serving_graph_optimization_level)
                                  if quantized else None, answers=answers)
             report = dataclasses.replace(report, onnx_path=result.path)
@@ -291,7 +293,7 @@ def optimize_and_verify(
         log(f"{plain.parent.name}: the {precision} graph {_options_text(options)} is {below}: "
             + "; ".join(f"{name} min cosine {f.min_cosine:.6f} (required {_required_text(tolerances[name], f)}), "
                         f"max abs error {f.max_abs_error:.3g}" for name, f in figures.items()))
-    if precision == "fp32":
+    if precision == Precision.FP32:
         reason = "the optimized graph " + ("; ".join(failure.text() for failure in failures) or "was not produced")
         log(f"{plain.parent.name}: keeping the unoptimized graph: {reason}")
         return VerifiedGraph(plain, plain_report, OptimizationRecord(None, fallback=reason, rejected=tuple(failures)))
@@ -349,11 +351,11 @@ def _required_text(tolerance: Tolerance, figures: CandidateFigures) -> str:
     return f"{figures.required_min_cosine:.6g}: the tolerance {tolerance.min_cosine:g} and a margin"
 
 
-def _instead(precision: str) -> str:
+def _instead(precision: Precision) -> str:
     """What a build whose `precision` found no graph tells the user to pass instead."""
-    if precision == "int4":  # a smaller block moved AntiBERTy's int4 little (0.973 at 32, 0.977 at 16)
+    if precision == Precision.INT4:  # a smaller block moved AntiBERTy's int4 little (0.973 at 32, 0.977 at 16)
         return "Build with `precision` int8w (8-bit weights: about twice int4's bytes)."
-    if precision == "int8":
+    if precision == Precision.INT8:
         return "Build with `precision` int8w (weight-only: closer to fp32), fp32 or fp16."
     return "Build with `precision` fp32."
 
@@ -426,7 +428,7 @@ def verified_int8_graphs(module: Any, plain: Path, plain_report: VerificationRep
     for weights in ("int8", PORTABLE_WEIGHTS):
         try:
             found[weights] = optimize_and_verify(module, plain, plain_report, Path(f"{work}-{weights}"), batches,
-                                                 precision="int8", int8_weights=weights, log=log,
+                                                 precision=Precision.INT8, int8_weights=weights, log=log,
                                                  fused_graphs=fused_graphs, **options)
         except PrecisionError as err:
             errors.append(f"with {weights} weights: {err}")

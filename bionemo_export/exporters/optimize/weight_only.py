@@ -102,7 +102,7 @@ def check_settings(precision: str, block_size: int, accuracy_level: int) -> int:
     """The bits of `precision`; ValueError naming the setting and its choices when one is not
     a weight-only precision, a block size MatMulNBits computes or an accuracy level."""
     if precision not in WEIGHT_ONLY_BITS:
-        raise ValueError(f"`precision` {precision!r} is not weight-only: choose one of {', '.join(WEIGHT_ONLY_BITS)}")
+        raise ValueError(f"`precision` '{precision}' is not weight-only: choose one of {', '.join(WEIGHT_ONLY_BITS)}")
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"`block_size` {block_size}: choose one of {', '.join(map(str, BLOCK_SIZES))}")
     if accuracy_level not in ACCURACY_LEVELS:
