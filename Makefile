@@ -24,10 +24,12 @@ VENV ?= .venv
 # 0.3 s) put 570 of its ~940 CPU-seconds in the workers' own processes (of which graph exports 341 s),
 # 124 s in 852 Python-backend stubs and 22 s in tritonservers: the cores are idle a quarter of the time
 # while tests wait on servers, so four workers, which fill that time, are the default now (clean-clone CI: pytest 10.2 min at 178 %).
-# `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have.
+# Later that day, after test cuts: four 9.8 min at 164 % (clean-clone CI), five 8.9 min at 188 % (a fresh clone, the
+# workers' last tests ending within 4 s of each other; each worker's collection costs ~10 s of CPU); so five.
+# `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have (five peaked under 2 GB a process).
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 5
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup demo test pytest unit lint doctor lock

@@ -449,10 +449,12 @@ def test_a_repository_rebuilt_from_another_checkpoint_is_refused_on_resume(serve
     the second (its parts hold the first model's answers), naming the stamp, and a job given both
     servers at once is refused at start, naming them."""
     from bionemo_export.build import BuildRequest, build_repository
-    from bionemo_export.testing.checkpoints import save_random_checkpoint
+    from bionemo_export.testing.checkpoints import save_random_checkpoint, set_contact_head
 
+    # test_e2e_contacts.py's checkpoint: the run's graph cache exports its five graphs once for both modules.
+    checkpoint = set_contact_head(save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=41), seed=42)
     other = build_repository(BuildRequest(
-        family="esm2", checkpoint=save_random_checkpoint("esm2", tmp_path / "checkpoint", seed=41), name="esm2nv",
+        family="esm2", checkpoint=checkpoint, name="esm2nv",
         out=tmp_path / "rebuilt", backend="python", optimize=False)).repository
     _dataset(tmp_path / "in.fasta.gz", 40, seed=7)
     job = EncodeJob(model="esm2nv_embeddings", input=tmp_path / "in.fasta.gz", output=tmp_path / "out", chunk_size=8)
