@@ -52,7 +52,11 @@ test: setup
 
 SETUP ?= setup
 
+# These hosts set PYTHONDONTWRITEBYTECODE=1: without the package compiled once here, every process the run
+# starts (workers, CLI commands, scripts: hundreds) compiles the modules it imports again (~0.15 s of CPU
+# for the build's and CLI's modules). Python reads the .pyc files whatever that variable says.
 pytest: $(SETUP)
+	$(PYTHON) -m compileall -q -j 0 bionemo_export tests/helpers scripts > /dev/null
 	$(PYTHON) -m pytest -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 unit: setup

@@ -28,10 +28,6 @@ from bionemo_export.verify import verify_repository
 
 ATOL = 1e-4
 MAX_BATCH = 8
-DEFAULT_TASKS_BUT_HOSTED = ("embeddings", "hiddens", "logits", "scores")
-"""The real AntiBERTy's tasks here: its default ones but the layers and attentions graphs, each as costly
-to export as the encoder (~5 s of CPU); test_rxnfp.py verifies those of the same real BERT architecture
-and the ESM-2 repository here is built with every default task."""
 
 
 @pytest.fixture(scope="module", params=["esm2", "bert"])
@@ -46,7 +42,6 @@ def served(request, tmp_path_factory, triton_install):
     name = f"{request.param}test"
     build_repository(BuildRequest(
         family=request.param, checkpoint=checkpoint, name=name, out=work / "repo", backend="python",
-        tasks=DEFAULT_TASKS_BUT_HOSTED if request.param == "bert" else None,
         serving=ServingOptions(max_batch_size=MAX_BATCH, max_queue_delay_microseconds=0, response_cache=True),
         optimize=False,
     ))
@@ -160,9 +155,10 @@ def test_verify_against_the_running_server_passes(served):
     assert manifest.verification["passed"]
     checks = verify_repository(repository, checkpoint, url=f"grpc://{server.endpoints.grpc_url}")
     assert checks and all(check.passed for check in checks)
-    # Both checkpoints are *ForMaskedLM: their log-probabilities and scores are checked too, and ESM-2's
-    # default layers, attentions and contacts (its checkpoint carries the contact head).
-    tasks = [*DEFAULT_TASKS_BUT_HOSTED, *(["layers", "attentions", "contacts"] if manifest.family == "esm2" else [])]
+    # Random ESM-2 and BERT checkpoints are *ForMaskedLM: their log-probabilities and scores are checked too,
+    # and the default tasks' layers and attentions (and ESM-2's contacts: its checkpoint carries the head).
+    tasks = ["embeddings", "hiddens", "logits", "scores", "layers", "attentions"]
+    tasks += ["contacts"] if manifest.family == "esm2" else []
     assert {check.model for check in checks} == {f"{name}_{task}" for task in tasks}
 
 
