@@ -276,11 +276,7 @@ class TritonServer:
         )
         self._temporary: list[Path] = []
         """Folders this object made (the log's when none was given, a link's); `close()` removes them."""
-        if log_file is None:
-            log_dir = Path(tempfile.mkdtemp(prefix="bionemo-export-triton-"))
-            self._temporary.append(log_dir)
-            log_file = log_dir / "tritonserver.log"
-        self.log_file = Path(log_file)
+        self._log_file = Path(log_file) if log_file is not None else None
         self.log_verbose = log_verbose
         self.response_cache_bytes = response_cache_bytes
         # On SIGTERM Triton waits this long for in-flight requests *and* idle keep-alive client
@@ -301,6 +297,16 @@ class TritonServer:
         folder when its path has whitespace (the Python backend starts its stubs with a command line
         split on spaces, and a model folder with a space in its path crashes the server:
         "std::invalid_argument: stol")."""
+
+    @property
+    def log_file(self) -> Path:
+        """The server's log: the file given, or tritonserver.log in a temporary folder made when first
+        asked for (an object only asked for its command line makes none), which `close()` removes."""
+        if self._log_file is None:
+            folder = Path(tempfile.mkdtemp(prefix="bionemo-export-triton-"))
+            self._temporary.append(folder)
+            self._log_file = folder / "tritonserver.log"
+        return self._log_file
 
     # -- command line -------------------------------------------------------------------------
 

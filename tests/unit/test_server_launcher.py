@@ -91,3 +91,29 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_skip_taken_ones(tmp_
     assert all(port >= real_start for port in server.free_ports(2))
     monkeypatch.setattr(server, "EPHEMERAL_RANGE", tmp_path / "absent")  # not Linux: the kernel's choice
     assert len(set(server.free_ports(2))) == 2
+
+
+def test_a_server_object_makes_its_log_folder_only_when_its_log_is_asked_for(tmp_path, monkeypatch):
+    """Made without a log file, a TritonServer asked only for its command line leaves nothing on
+    disk (a test or a tool that never starts or closes it leaked an empty folder in /tmp each
+    time); its log's folder is made when first needed and removed by close()."""
+    import tempfile
+
+    from bionemo_export.runtime.discovery import TritonInstall
+    from bionemo_export.runtime.server import TritonServer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "repo").mkdir()
+    install = TritonInstall(binary=tmp_path / "tritonserver", backend_directory=tmp_path / "backends",
+                            source="explicit")
+    server = TritonServer(tmp_path / "repo", install=install)
+    assert f"--model-repository={tmp_path / 'repo'}" in server.command()
+    assert list((tmp_path / "tmp").iterdir()) == []
+    log = server.log_file
+    assert log.name == "tritonserver.log" and log.parent.parent == tmp_path / "tmp" and log.parent.is_dir()
+    assert server.log_file == log  # one folder, made once
+    server.close()
+    assert list((tmp_path / "tmp").iterdir()) == []
+    given = TritonServer(tmp_path / "repo", install=install, log_file=tmp_path / "server.log")
+    assert given.log_file == tmp_path / "server.log" and list((tmp_path / "tmp").iterdir()) == []
