@@ -169,14 +169,16 @@ def test_one_run_at_a_time_holds_an_s3_output(s3, tmp_path):
     line; a live holder here is not. A run whose lease was taken from it stops writing."""
     client, located = s3
     output = f"{located}/leased/"
-    first, second = (OutputMirror(output, tmp_path / machine, lease_seconds=1.5) for machine in ("m1", "m2"))
+    # Renewed every third of its life: a 3 s lease outlives 2 s of a renewal's delay. (1.5 s expired once in a
+    # clean-clone CI, five workers on two cores: the renewal thread or the local S3 server starved past 1 s.)
+    first, second = (OutputMirror(output, tmp_path / machine, lease_seconds=3.0) for machine in ("m1", "m2"))
     notices: list[str] = []
     with first.lease(notices.append):
         renewer = _renewer(f"{output}{LEASE}")
         assert renewer is not None and renewer.daemon  # never keeps the process alive
         taken = _lease(client, f"leased/{LEASE}")
         assert (taken["host"], taken["pid"]) == (socket.gethostname(), os.getpid())
-        time.sleep(2.0)  # past the lease's life: renewed meanwhile
+        time.sleep(3.5)  # past the lease's life: renewed meanwhile
         with pytest.raises(JobLockedError) as refused, second.lease(notices.append):
             pass
         renewed = _lease(client, f"leased/{LEASE}")
