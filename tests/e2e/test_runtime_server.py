@@ -191,6 +191,12 @@ def test_probe_reads_the_server_version(triton_install):
 
 
 def test_perf_analyzer_measures_the_served_model(tiny_server, tmp_path):
+    """perf_analyzer sweeps concurrency 1 and 2 against the served model and writes a row for each.
+    A concurrency whose windows never agree within --stability-percentage is left out of the CSV
+    and ends the sweep with exit code 0 (perf_analyzer's inference_profiler.cc): on two cores shared
+    with four other test workers, latencies swing more than 2x between windows, and a CI run wrote
+    one row. This test is about the served model being measured, not about this host's quiet, so
+    any window counts as stable (999 %)."""
     pa = find_perf_analyzer()
     report = tmp_path / "latency.csv"
     result = pa.run(
@@ -202,7 +208,7 @@ def test_perf_analyzer_measures_the_served_model(tiny_server, tmp_path):
             "--concurrency-range", "1:2",
             "--measurement-mode", "count_windows",
             "--measurement-request-count", "50",
-            "--stability-percentage", "100",
+            "--stability-percentage", "999",
             "-f", str(report),
         ],
         timeout=300,
@@ -211,7 +217,7 @@ def test_perf_analyzer_measures_the_served_model(tiny_server, tmp_path):
     assert "Throughput" in result.stdout
     rows = report.read_text().strip().splitlines()
     assert rows[0].startswith("Concurrency,Inferences/Second")
-    assert len(rows) == 3  # header + concurrency 1 and 2
+    assert [row.split(",")[0] for row in rows[1:]] == ["1", "2"], result.stdout + result.stderr
     throughput = [float(r.split(",")[1]) for r in rows[1:]]
     assert all(t > 0 for t in throughput)
 
