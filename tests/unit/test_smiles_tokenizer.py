@@ -335,8 +335,9 @@ def test_encoding_a_large_batch_is_fast(reaction_tokenizer):
 
     batch = REACTIONS * 150  # ~1,000 sequences
     reaction_tokenizer.encode(batch)
-    start = time.perf_counter()
+    # CPU seconds, not wall: five test workers share two cores, and a wall-clock bound measures them.
+    start = time.process_time()
     encoded = reaction_tokenizer.encode(batch)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert encoded.input_ids.shape[0] == len(batch)
-    assert elapsed < 0.5, f"{elapsed:.3f} s for {len(batch)} sequences"
+    assert elapsed < 0.5, f"{elapsed:.3f} CPU-s for {len(batch)} sequences"
