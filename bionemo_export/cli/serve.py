@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -31,12 +32,24 @@ from bionemo_export.serving.golden import CHECK_ENV
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class _Stop(Exception):
-    """Raised from the SIGINT/SIGTERM handler so that the server is stopped on the way out."""
+class StopServing(BaseException):
+    """Raised from the SIGINT/SIGTERM handler so that the server is stopped on the way out. A
+    BaseException, as KeyboardInterrupt is: code that catches Exception (a client translating its
+    errors, gRPC's internals) must not swallow it and serve on."""
 
 
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop()
+class StopSignals:
+    """serve's SIGINT/SIGTERM handler: raises StopServing where the main thread is (a long model
+    load or golden check is cut short), and sets `requested`, which `keep_serving`'s loop also
+    watches: a stop raised inside code that swallows even BaseException (a callback run from C)
+    still ends serving within half a second."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.requested.set()
+        raise StopServing()
 
 
 def _log(line: str) -> None:
@@ -126,7 +139,8 @@ def serve(
     # Our own handlers whatever we inherited: a script's `serve &` starts us with SIGINT ignored,
     # and Python then leaves Ctrl-C ignored too. A blocked signal survives exec as well: a launcher
     # that blocked them would leave serve (and the tritonserver it starts) deaf to both.
-    previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
+    stop = StopSignals()
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     previous_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     health = HealthSettings(interval=health_interval, timeout=health_timeout, load_timeout=timeout,
                             stall_timeout=stall_timeout, leak_limit=max_kept_instances,
@@ -146,11 +160,12 @@ def serve(
         # The manifest of an s3:// repository is not read; the server's index names the public models.
         local = model_repository if isinstance(model_repository, Path) else None
         keep_serving(server, local, health, RestartPolicy(max_crashes=max(1, max_restarts)), start_timeout=timeout,
-                     log=_log)
+                     log=_log, stop=stop.requested)
+        console.print("Stopping tritonserver ...")  # a stop signal whose StopServing was swallowed
     except CrashLoopError as err:
         console.print(f"[red]{err}[/red]\n{err.log_tail}", highlight=False)
         raise typer.Exit(1) from None
-    except _Stop:
+    except StopServing:
         console.print("Stopping tritonserver ...")
     finally:
         # A second signal during shutdown must not interrupt the shutdown itself.

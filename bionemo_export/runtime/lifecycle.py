@@ -9,6 +9,7 @@ end it with `CrashLoopError`. Meanwhile the ports are closed, so health checks s
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -85,20 +86,22 @@ class HealthSettings:
 
 
 def keep_serving(server: TritonServer, repository: Path | None, health: HealthSettings, policy: RestartPolicy,
-                 *, start_timeout: float, log: Log) -> None:
-    """Supervise the started `server` and restart it when it dies or its supervisor asks, for good:
-    returns only by an exception (the caller's stop signal, raised from its handler, or
-    CrashLoopError). `repository`: the local folder whose manifest names the public models (None
-    for an s3:// one: the server's index names them)."""
+                 *, start_timeout: float, log: Log, stop: threading.Event) -> None:
+    """Supervise the started `server` and restart it when it dies or its supervisor asks, until
+    `stop` is set (then it returns, within half a second, leaving the server to the caller) or an
+    exception ends it (the caller's stop signal raised from its handler, or CrashLoopError).
+    `repository`: the local folder whose manifest names the public models (None for an s3:// one:
+    the server's index names them)."""
     supervisor: Supervisor | None = None
     try:
-        while True:
+        while not stop.is_set():
             supervisor = None
             if health.interval > 0 and server.is_running():
                 supervisor = start_supervisor(server, repository, health.supervisor(server, log), grace=health.timeout,
                                               log=log)
             while server.is_running() and not (supervisor and supervisor.recycle_reason):
-                time.sleep(0.5)
+                if stop.wait(0.5):
+                    return
             if supervisor is not None:
                 supervisor.stop()
             if server.is_running():  # the supervisor asked for a fresh server
@@ -113,7 +116,8 @@ def keep_serving(server: TritonServer, repository: Path | None, health: HealthSe
                                          server.log_tail())
                 log(f"serve: tritonserver exited unexpectedly (exit code {exit_code}); restarting it in "
                     f"{pause:g} s on the same ports. Its last log lines:\n{server.log_tail(10)}")
-                time.sleep(pause)
+                if stop.wait(pause):
+                    return
             restart(server, start_timeout, log)
     finally:
         if supervisor is not None:
