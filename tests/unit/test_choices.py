@@ -184,7 +184,8 @@ def test_every_error_the_package_raises_on_purpose_shares_one_base():
     outside = {f"{cls.__module__}.{cls.__qualname__}" for cls in _exception_classes()
                if not issubclass(cls, BionemoExportError) and not cls.__name__.startswith("_")
                and not any((base.__module__, base.__qualname__) in STANDALONE_USER_ERRORS for base in cls.__mro__)}
-    # A signal, the served models' own error responses, and the bounded readers' refusals (which the
-    # .nemo reader words as a CheckpointError naming the archive) are not errors for the command line to word.
-    assert {name.rsplit(".", 1)[1] for name in outside} == {"BuildInterrupted", "RequestError", "RefusedArchive",
-                                                            "RefusedConfig"}, outside
+    # Signals (a build's, serve's), the served models' own error responses, and the bounded readers'
+    # refusals (which the .nemo reader words as a CheckpointError naming the archive) are not errors
+    # for the command line to word.
+    assert {name.rsplit(".", 1)[1] for name in outside} == {"BuildInterrupted", "StopServing", "RequestError",
+                                                            "RefusedArchive", "RefusedConfig"}, outside
