@@ -26,6 +26,8 @@ VENV ?= .venv
 # while tests wait on servers, so four workers, which fill that time, are the default now (clean-clone CI: pytest 10.2 min at 178 %).
 # Later that day, after test cuts: four 9.8 min at 164 % (clean-clone CI), five 8.9 min at 188 % (a fresh clone, the
 # workers' last tests ending within 4 s of each other; each worker's collection costs ~10 s of CPU); so five.
+# 2026-12-01 on the slower kind (Zen 3, AVX2 only), one clone, green both: five 15.9 min of pytest at 191 %
+# (clean-clone CI 16.9 min), three 18.3 min at 177 %. Five there too.
 # `make test PYTEST_WORKERS=2` if a host has less memory than the 24 GiB these have (five peaked under 2 GB a process).
 # --no-loadscope-reorder: the modules go out in collection order, which tests/conftest.py makes
 # longest first (xdist's own order, by number of tests, left slow few-test modules for the end).
