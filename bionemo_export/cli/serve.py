@@ -160,17 +160,18 @@ def serve(
         # The manifest of an s3:// repository is not read; the server's index names the public models.
         local = model_repository if isinstance(model_repository, Path) else None
         keep_serving(server, local, health, RestartPolicy(max_crashes=max(1, max_restarts)), start_timeout=timeout,
-                     log=_log, stop=stop.requested)
-        console.print("Stopping tritonserver ...")  # a stop signal whose StopServing was swallowed
+                     log=_log, stop=stop.requested)  # returns when a stop's StopServing was swallowed
     except CrashLoopError as err:
         console.print(f"[red]{err}[/red]\n{err.log_tail}", highlight=False)
         raise typer.Exit(1) from None
     except StopServing:
-        console.print("Stopping tritonserver ...")
+        pass
     finally:
         # A second signal during shutdown must not interrupt the shutdown itself.
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
+        if stop.requested.is_set():
+            console.print("Stopping tritonserver ...")
         code = server.stop()
         server.close()
         for signum, handler in previous.items():
