@@ -12,6 +12,7 @@ Search order (first hit wins): an explicit path, `$TRITONSERVER`, `tritonserver`
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -152,10 +153,13 @@ def prepare_embedded_tritonserver(cache_root: Path | None = None) -> TritonInsta
     """Lay out the tritonserver shipped in nvidia-pytriton so that it runs stand-alone.
 
     The wheel keeps the Python-backend stub per Python version apart from the backend; Triton
-    wants it next to `libtriton_python.so`. We build `<cache>/tritonserver-<version>-py3.X/` with
-    symlinks to `bin/` and `caches/` and a copy of `backends/` with the right stub, once; later
-    calls reuse it. The folder is prepared under a temporary name and renamed, so concurrent
-    callers never see half of it.
+    wants it next to `libtriton_python.so`. We build `<cache>/tritonserver-<version>-py3.X-<where>/`
+    with symlinks to the wheel's `bin/` and `caches/` and a copy of `backends/` with the right stub,
+    once per installed wheel (`<where>` is a digest of the wheel's folder: the links point into one
+    environment, and the cache outlives environments); later calls reuse it. The folder is prepared
+    under a temporary name and renamed, so concurrent callers never see half of it; one whose links
+    no longer lead to the wheel (its environment was deleted and made again elsewhere, or half of it
+    was removed by hand) is prepared again.
     """
     package = _pytriton_package_dir()
     wheel_root = package / "tritonserver"
@@ -167,25 +171,9 @@ def prepare_embedded_tritonserver(cache_root: Path | None = None) -> TritonInsta
     if not stub.is_file():
         raise TritonNotFoundError(f"nvidia-pytriton has no Python-backend stub for Python {py} ({stub})")
 
-    pytriton_version = importlib.metadata.version("nvidia-pytriton")
-    target = (cache_root or default_cache_root()) / f"tritonserver-pytriton{pytriton_version}-py{py}"
-    if not (target / "backends" / "python" / "triton_python_backend_stub").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-        try:
-            (staging / "bin").symlink_to(wheel_root / "bin")
-            if (wheel_root / "caches").is_dir():
-                (staging / "caches").symlink_to(wheel_root / "caches")
-            shutil.copytree(wheel_root / "backends", staging / "backends", symlinks=True)
-            shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
-            try:
-                staging.rename(target)
-            except OSError:
-                # Another process prepared it first; theirs is as good as ours.
-                shutil.rmtree(staging, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    target = embedded_install_folder(cache_root or default_cache_root(), wheel_root, py)
+    if not _is_prepared(target, wheel_root):
+        _prepare(target, wheel_root, stub)
 
     env = _python_stub_env()
     libs = package.parent / "nvidia_pytriton.libs"
@@ -199,3 +187,44 @@ def prepare_embedded_tritonserver(cache_root: Path | None = None) -> TritonInsta
         source="nvidia-pytriton",
         env=env,
     )
+
+
+
+def embedded_install_folder(cache_root: Path, wheel_root: Path, python: str) -> Path:
+    """Where the tritonserver of the nvidia-pytriton wheel at `wheel_root` is laid out."""
+    version = importlib.metadata.version("nvidia-pytriton")
+    where = hashlib.sha256(str(wheel_root.resolve()).encode()).hexdigest()[:12]
+    return cache_root / f"tritonserver-pytriton{version}-py{python}-{where}"
+
+
+def _is_prepared(target: Path, wheel_root: Path) -> bool:
+    return ((target / "bin").resolve() == (wheel_root / "bin").resolve()
+            and (target / "bin" / "tritonserver").is_file()
+            and (target / "backends" / "python" / "triton_python_backend_stub").is_file())
+
+
+def _prepare(target: Path, wheel_root: Path, stub: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() or target.is_symlink():
+        # Broken: moved aside first, in one rename, so a concurrent caller sees it whole or not at all.
+        aside = Path(tempfile.mkdtemp(prefix=target.name + ".broken.", dir=target.parent))
+        try:
+            target.rename(aside / "old")
+        except OSError:
+            pass  # another caller moved it first
+        shutil.rmtree(aside, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        (staging / "bin").symlink_to(wheel_root / "bin")
+        if (wheel_root / "caches").is_dir():
+            (staging / "caches").symlink_to(wheel_root / "caches")
+        shutil.copytree(wheel_root / "backends", staging / "backends", symlinks=True)
+        shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process prepared it first; theirs is as good as ours.
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -32,6 +32,36 @@ def test_embedded_server_is_prepared_with_the_python_backend_and_its_stub(tmp_pa
     assert len(list(tmp_path.iterdir())) == 1
 
 
+def test_a_prepared_folder_whose_environment_is_gone_is_prepared_again(tmp_path):
+    """The cache outlives virtual environments: a folder whose `bin` link leads into a deleted one (a
+    CI machine's cache prepared by an earlier clone) is replaced, not handed out as the server."""
+    import sys
+
+    from bionemo_export.runtime.discovery import _pytriton_package_dir, embedded_install_folder
+
+    wheel_root = _pytriton_package_dir() / "tritonserver"
+    target = embedded_install_folder(tmp_path, wheel_root, f"{sys.version_info.major}.{sys.version_info.minor}")
+    (target / "backends" / "python").mkdir(parents=True)
+    (target / "backends" / "python" / "triton_python_backend_stub").write_bytes(b"")
+    (target / "bin").symlink_to(tmp_path / "deleted-venv" / "bin")
+    install = prepare_embedded_tritonserver(cache_root=tmp_path)
+    assert install.binary == target / "bin" / "tritonserver"
+    assert install.binary.is_file() and os.access(install.binary, os.X_OK)
+    assert (target / "bin").resolve() == (wheel_root / "bin").resolve()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # nothing left aside
+
+
+def test_each_installed_wheel_has_a_folder_of_its_own(tmp_path):
+    from pathlib import Path
+
+    from bionemo_export.runtime.discovery import embedded_install_folder
+
+    here = embedded_install_folder(tmp_path, Path("/venv-a/site-packages/pytriton/tritonserver"), "3.11")
+    there = embedded_install_folder(tmp_path, Path("/venv-b/site-packages/pytriton/tritonserver"), "3.11")
+    assert here != there and here.parent == there.parent == tmp_path
+    assert here.name.startswith("tritonserver-pytriton") and "-py3.11-" in here.name
+
+
 def test_explicit_path_wins_and_a_bad_one_is_named(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITONSERVER", raising=False)
     with pytest.raises(TritonNotFoundError, match="does not exist"):
