@@ -118,7 +118,11 @@ signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
 ctypes.CDLL(None, use_errno=True).prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     os.kill(os.getpid(), signum)
-os.execvp(sys.argv[3], sys.argv[3:])
+try:
+    os.execvp(sys.argv[3], sys.argv[3:])
+except OSError as err:  # said in the server's log, which a failed start shows: not a bare traceback
+    sys.stderr.write(f"cannot run {sys.argv[3]}: {err.strerror}\\n")
+    sys.exit(127)
 """
 
 

@@ -37,6 +37,22 @@ def test_a_launched_server_hears_the_stop_signals_its_starter_ignored_or_blocked
         assert not sets["SigIgn"] & bit, f"{signum.name} is still ignored in the launched command"
 
 
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher is Linux-only (prctl)")
+def test_a_command_the_launcher_cannot_run_is_named(tmp_path):
+    """A failed start shows the server's log: it names the binary (a CI run's cache linked to an
+    environment deleted since showed only a traceback from os.execvp)."""
+    from bionemo_export.runtime.server import dying_with_parent
+
+    binary = tmp_path / "bin" / "tritonserver"
+    binary.parent.mkdir()
+    binary.symlink_to(tmp_path / "deleted-venv" / "tritonserver")
+    run = subprocess.run(dying_with_parent([str(binary), "--model-repository", "x"]), capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 127
+    assert run.stderr == f"cannot run {binary}: No such file or directory\n"
+
+
 # The end of tritonserver's log when the Python backend aborted under load (CI, 2026-11-28), shortened.
 DYING_LOG = """\
 W1128 13:11:16.843829 13855 pinned_memory_manager.cc:170] "failed to allocate pinned system memory"
