@@ -213,6 +213,7 @@ def _prepare(target: Path, wheel_root: Path, stub: Path) -> None:
         except OSError:
             pass  # another caller moved it first
         shutil.rmtree(aside, ignore_errors=True)
+    wheel_root = wheel_root.resolve()  # the folder the name was made from, not a link to it that may go
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         (staging / "bin").symlink_to(wheel_root / "bin")
