@@ -162,7 +162,9 @@ def prepare_embedded_tritonserver(cache_root: Path | None = None) -> TritonInsta
     was removed by hand) is prepared again.
     """
     package = _pytriton_package_dir()
-    wheel_root = package / "tritonserver"
+    # Resolved: the prepared folder is named after, and links to, the wheel's own folder, not a link
+    # to it (a virtual environment reached through a symlink) that may go.
+    wheel_root = (package / "tritonserver").resolve()
     binary = wheel_root / "bin" / "tritonserver"
     if not binary.is_file():
         raise TritonNotFoundError(f"nvidia-pytriton is installed but has no {binary}")
@@ -189,7 +191,6 @@ def prepare_embedded_tritonserver(cache_root: Path | None = None) -> TritonInsta
     )
 
 
-
 def embedded_install_folder(cache_root: Path, wheel_root: Path, python: str) -> Path:
     """Where the tritonserver of the nvidia-pytriton wheel at `wheel_root` is laid out."""
     version = importlib.metadata.version("nvidia-pytriton")
@@ -198,8 +199,8 @@ def embedded_install_folder(cache_root: Path, wheel_root: Path, python: str) -> 
 
 
 def _is_prepared(target: Path, wheel_root: Path) -> bool:
+    """Whether `target` was prepared from this wheel and is whole (its binary is the wheel's)."""
     return ((target / "bin").resolve() == (wheel_root / "bin").resolve()
-            and (target / "bin" / "tritonserver").is_file()
             and (target / "backends" / "python" / "triton_python_backend_stub").is_file())
 
 
@@ -213,7 +214,6 @@ def _prepare(target: Path, wheel_root: Path, stub: Path) -> None:
         except OSError:
             pass  # another caller moved it first
         shutil.rmtree(aside, ignore_errors=True)
-    wheel_root = wheel_root.resolve()  # the folder the name was made from, not a link to it that may go
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         (staging / "bin").symlink_to(wheel_root / "bin")

@@ -37,7 +37,6 @@ def test_a_launched_server_hears_the_stop_signals_its_starter_ignored_or_blocked
         assert not sets["SigIgn"] & bit, f"{signum.name} is still ignored in the launched command"
 
 
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher is Linux-only (prctl)")
 def test_a_command_the_launcher_cannot_run_is_named(tmp_path):
     """A failed start shows the server's log: it names the binary (a CI run's cache linked to an
